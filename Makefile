@@ -1,0 +1,43 @@
+# All set-up happens here, so a fresh clone needs only `make demo` or `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+PIP_STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+.PHONY: venv controlplane test test-fast crds demo cluster cluster-down bench lint clean
+
+## Python environment: pinned stack from pyproject.toml (pip's cache keeps re-runs fast).
+$(PIP_STAMP): pyproject.toml
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --upgrade pip
+	$(PYTHON) -m pip install --quiet -e '.[train,test]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+venv: $(PIP_STAMP)
+
+## Real kube-apiserver, etcd and kubectl built from Go modules (rebuilt only when the pin changes).
+controlplane:
+	bash tests/controlplane/build.sh
+
+## Regenerate crds/ from the pydantic models.
+crds: venv
+	$(PYTHON) -m tpufinetune.crdgen --out crds/
+
+## Everything: unit, control-plane, Ray and end-to-end tests. Non-zero on any failure
+## (pytest's "no tests collected", exit 5, included).
+test: venv controlplane
+	$(PYTHON) -m pytest
+
+## Pure-core tests only (milliseconds; no control plane, no Ray).
+test-fast: venv
+	$(PYTHON) -m pytest -m "not cluster and not ray and not slow"
+
+## A control plane in the background for manual work; prints the two lines to paste.
+cluster: venv controlplane
+	@$(PYTHON) tests/harness/controlplane.py up
+
+cluster-down: venv
+	@$(PYTHON) tests/harness/controlplane.py down
+
+clean:
+	rm -rf .cache build dist *.egg-info

@@ -1,0 +1,5 @@
+"""Root conftest: shared fixtures come from the harness plugins.
+
+`tests/` is on sys.path (pytest's rootdir-relative import), so `harness` imports directly.
+"""
+pytest_plugins = ["harness.k8s_fixtures", "harness.ray_fixtures"]
