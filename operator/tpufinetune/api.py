@@ -1,0 +1,218 @@
+"""The TPUFineTune API: pydantic models that are the single source of the CRD schema.
+
+Field descriptions here become `kubectl explain` text, defaults become schema defaults,
+and the `x-kubernetes-validations` attached to the models are the admission-time twins of
+`validation.check_spec`. `crdgen` turns these models into `crds/`.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      WithJsonSchema, model_validator)
+from pydantic.alias_generators import to_camel
+
+from . import validation
+from .errors import SpecError
+from .generations import ALL_GENERATION_NAMES, MAX_CPU_WORKERS
+from .quantity import QUANTITY_PATTERN, normalize_quantity
+
+GROUP = "tpufinetune.dev"
+VERSION = "v1alpha1"
+KIND = "TPUFineTune"
+PLURAL = "tpufinetunes"
+SINGULAR = "tpufinetune"
+SHORT_NAMES = ("tft", "tpuft")
+API_VERSION = f"{GROUP}/{VERSION}"
+
+DEFAULT_MODEL_ID = "google/gemma-4-E2B-it"
+DEFAULT_DATASET_ID = "databricks/databricks-dolly-15k"
+DEFAULT_RAY_VERSION = "2.60.0"
+
+# DNS-1123 subdomain (object, Secret and ServiceAccount names).
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(normalize_quantity),
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}],
+                    "pattern": QUANTITY_PATTERN, "x-kubernetes-int-or-string": True}),
+]
+ResourceMap = Annotated[dict[str, Quantity], Field(max_length=16)]
+GenerationName = Literal[ALL_GENERATION_NAMES]  # type: ignore[valid-type]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True,
+                              extra="forbid", protected_namespaces=())
+
+
+class TPUSlice(_Model):
+    model_config = ConfigDict(json_schema_extra={
+        "x-kubernetes-validations": validation.tpu_rules()})
+
+    generation: GenerationName = Field(
+        description="TPU generation. Accepted names: v4; v5e (v5litepod); v5p; v6e "
+                    "(trillium); v7x (tpu7x, ironwood); cpu, a CPU stand-in slice for "
+                    "rehearsing a pipeline on any cluster (topology = worker count).")
+    topology: str = Field(
+        min_length=1, max_length=16, pattern=r"^[0-9]{1,3}(x[0-9]{1,3}){0,2}$",
+        description="Physical chip arrangement of one slice: AxB for v5e/v6e (e.g. 4x4), "
+                    "AxBxC for v4/v5p/v7x (e.g. 2x2x2); for cpu, the number of CPU "
+                    f"workers (1-{MAX_CPU_WORKERS}). Invalid shapes are refused with the "
+                    "list of valid ones.")
+    slices: int = Field(
+        1, ge=1, le=64,
+        description="Number of identical slices (worker group replicas). finetune "
+                    "requires 1: Ray Train runs PyTorch on one TPU slice only.")
+    chips_per_host: int | None = Field(
+        None, ge=1, le=8,
+        description="Chips per TPU VM. Unset picks the default machine (4 chips; 1 for a "
+                    "1x1 slice). Set 8 for a single-host 2x4 v5e/v6e machine (ct5lp-"
+                    "hightpu-8t, ct6e-standard-8t).")
+    spot: bool = Field(False, description="Schedule workers on Spot VMs "
+                                          "(node selector cloud.google.com/gke-spot).")
+    reservation: str | None = Field(
+        None, max_length=63, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$",
+        description="Consume this Compute Engine reservation (specific reservation "
+                    "affinity) for the workers.")
+
+
+class SecretKeyRef(_Model):
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                      description="Secret name, in the TPUFineTune's namespace.")
+    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="Key within the Secret.")
+
+
+class ModelSource(_Model):
+    id: str = Field(DEFAULT_MODEL_ID, min_length=1, max_length=512,
+                    description="Hugging Face model id, or a path inside the image or on "
+                                "a shared filesystem.")
+    token_secret: SecretKeyRef | None = Field(
+        None, description="Secret holding a Hugging Face token. The pods read it as the "
+                          "HF_TOKEN environment variable (secretKeyRef); the operator and "
+                          "the Ray job's runtime environment never see it.")
+
+
+class DatasetSource(_Model):
+    id: str = Field(DEFAULT_DATASET_ID, min_length=1, max_length=512,
+                    description="Hugging Face dataset id, or a path to local files "
+                                "(json/jsonl/csv/parquet) on a shared filesystem.")
+    split: str = Field("train[:1024]", min_length=1, max_length=128,
+                       description="Dataset split expression, e.g. train[:1024].")
+
+
+class Training(_Model):
+    epochs: int = Field(3, ge=1, le=1000, description="Number of epochs.")
+    batch_size_per_device: int = Field(4, ge=1, le=4096,
+                                       description="Micro-batch size on each device.")
+    max_seq_len: int = Field(512, ge=8, le=131072,
+                             description="Tokens per example (truncated and padded).")
+    learning_rate: float = Field(2e-5, gt=0, le=1, description="AdamW learning rate.")
+    weight_decay: float = Field(0.01, ge=0, le=1, description="AdamW weight decay.")
+    seed: int = Field(42, ge=0, le=2**31 - 1, description="Random seed.")
+    eval_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Fraction of the dataset held out for evaluation "
+                                     "each epoch (0 disables evaluation).")
+
+
+class Checkpoint(_Model):
+    storage_path: str | None = Field(
+        None, min_length=1, max_length=1024,
+        description="Where Ray Train writes checkpoints: gs://bucket/prefix or a shared "
+                    "filesystem path. Required for mode finetune.")
+    keep: int = Field(1, ge=1, le=100,
+                      description="Checkpoints to keep (Ray Train num_to_keep).")
+    score_attribute: str = Field("loss", min_length=1, max_length=63,
+                                 pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                 description="Metric that ranks checkpoints.")
+    score_order: Literal["min", "max"] = Field(
+        "min", description="Whether a lower (min) or higher (max) score is better.")
+
+
+class ResourceRequirements(_Model):
+    model_config = ConfigDict(json_schema_extra={
+        "x-kubernetes-validations": validation.resources_rules()})
+
+    requests: ResourceMap | None = Field(
+        None, description="Overrides the default requests key by key (e.g. cpu, memory).")
+    limits: ResourceMap | None = Field(
+        None, description="Overrides the default limits key by key (e.g. cpu, memory).")
+
+
+class PodGroup(_Model):
+    resources: ResourceRequirements | None = Field(
+        None, description="Resource overrides merged over the sized defaults. "
+                          "google.com/tpu is always derived from the topology.")
+
+
+def _object_default(model: type[BaseModel], description: str) -> Any:
+    # default {} in the schema makes the apiserver fill the nested defaults as well.
+    return Field(default_factory=model, description=description,
+                 json_schema_extra={"default": {}})
+
+
+class TPUFineTuneSpec(_Model):
+    model_config = ConfigDict(json_schema_extra={
+        "x-kubernetes-validations": validation.spec_rules()})
+
+    tpu: TPUSlice = Field(description="The TPU slice to provision.")
+    mode: Literal["finetune", "collectives"] = Field(
+        "finetune", description="finetune: FSDP2 fine-tune with Ray Train. collectives: "
+                                "an interconnect check (DTensor tensor parallelism and "
+                                "all_reduce across every device) with Ray Core.")
+    image: str = Field(min_length=1, max_length=512,
+                       description="Trainer image (Ray, the trainer and the TPU runtime).")
+    ray_version: str = Field(DEFAULT_RAY_VERSION, max_length=32,
+                             pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$",
+                             description="Ray version inside the image.")
+    model: ModelSource = _object_default(ModelSource, "Model to fine-tune.")
+    dataset: DatasetSource = _object_default(DatasetSource, "Training data.")
+    training: Training = _object_default(Training, "Training hyperparameters.")
+    checkpoint: Checkpoint = _object_default(Checkpoint, "Checkpointing.")
+    head: PodGroup = _object_default(PodGroup, "Ray head pod settings.")
+    workers: PodGroup = _object_default(PodGroup, "TPU (or CPU stand-in) worker pod settings.")
+    service_account_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="ServiceAccount of the Ray pods (e.g. one bound to a GCS bucket via "
+                    "Workload Identity).")
+    max_retries: int = Field(0, ge=0, le=10,
+                             description="Times a failed job is resubmitted; a retry "
+                                         "resumes from the latest checkpoint.")
+    suspend: bool = Field(False, description="When true, no RayCluster exists: the slice is "
+                                             "released and nothing runs until false.")
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> TPUFineTuneSpec:
+        validation.check_spec(self)
+        return self
+
+
+def parse_spec(spec: dict) -> TPUFineTuneSpec:
+    """Validate a TPUFineTune `spec` exactly as the operator does; SpecError if invalid."""
+    if not isinstance(spec, dict):
+        raise SpecError("spec", "must be a mapping")
+    try:
+        return TPUFineTuneSpec.model_validate(spec)
+    except ValidationError as exc:
+        raise _spec_error(exc) from None
+
+
+def _spec_error(exc: ValidationError) -> SpecError:
+    first = exc.errors()[0]
+    inner = (first.get("ctx") or {}).get("error")
+    if isinstance(inner, SpecError):
+        return inner
+    path = ".".join(["spec", *(str(part) for part in first["loc"])])
+    kind, given = first["type"], first.get("input")
+    if kind == "missing":
+        return SpecError(path, "is required")
+    if kind == "extra_forbidden":
+        return SpecError(path, "unknown field")
+    if kind == "literal_error":
+        return SpecError(path, f'"{given}" is not valid; expected {first["ctx"]["expected"]}')
+    message = first["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+    if given is not None and kind != "value_error" and not isinstance(given, (dict, list)):
+        message += f" (got {given!r})"
+    return SpecError(path, message)

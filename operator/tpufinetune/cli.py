@@ -1,0 +1,70 @@
+"""The `tpufinetune` command. Each subcommand is one entry in SUBCOMMANDS: a name, a help
+line, a function that adds its arguments and a function that runs it and returns the exit
+status. Handlers import what they need, so a light subcommand never loads a heavy one's
+dependencies.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+EXIT_INVALID = 2  # an input the command refuses (same status argparse uses for usage errors)
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _render_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="TPUFineTune YAML (one or more documents); - for stdin")
+
+
+def _render(args: argparse.Namespace) -> int:
+    from .render import RenderError, load_documents, render
+
+    source = "<stdin>" if args.file == "-" else args.file
+    try:
+        try:
+            text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+        except OSError as exc:
+            raise RenderError(f"{source}: {exc.strerror or exc}") from None
+        output = render(load_documents(text, source), source)
+    except RenderError as exc:
+        print(f"tpufinetune render: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    sys.stdout.write(output)
+    return 0
+
+
+SUBCOMMANDS: list[Subcommand] = [
+    Subcommand("render", "print the RayCluster and Ray job a TPUFineTune would produce "
+                         "(validated exactly as the operator does); no cluster needed",
+               _render_arguments, _render),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tpufinetune", description="Fine-tune LLMs on Cloud TPU slices from Kubernetes.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in SUBCOMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(handler=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

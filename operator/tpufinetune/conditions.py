@@ -1,0 +1,74 @@
+"""Standard Kubernetes conditions (metav1.Condition) on a status dict. Pure functions.
+
+Each condition keeps its lastTransitionTime while its status stays the same, so
+`kubectl wait --for=condition=X` and Argo CD see real transitions, not every poll.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+# Condition types the operator maintains.
+CLUSTER_READY = "ClusterReady"
+JOB_SUBMITTED = "JobSubmitted"
+RUNNING = "Running"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+
+ALL_TYPES = (CLUSTER_READY, JOB_SUBMITTED, RUNNING, SUCCEEDED, FAILED)
+MESSAGE_LIMIT = 1024
+
+
+def timestamp(now: datetime) -> str:
+    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def find(status: dict, type_: str) -> dict | None:
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == type_:
+            return condition
+    return None
+
+
+def is_true(status: dict, type_: str) -> bool:
+    condition = find(status, type_)
+    return bool(condition and condition.get("status") == "True")
+
+
+def set_condition(
+    status: dict,
+    type_: str,
+    value: bool,
+    reason: str,
+    message: str,
+    now: datetime,
+    generation: int | None,
+) -> None:
+    """Insert or update one condition in place, in the fixed order of ALL_TYPES."""
+    new_status = "True" if value else "False"
+    existing = find(status, type_)
+    since = timestamp(now)
+    if existing and existing.get("status") == new_status:
+        since = existing.get("lastTransitionTime", since)
+    condition = {
+        "type": type_,
+        "status": new_status,
+        "reason": reason,
+        "message": message[:MESSAGE_LIMIT],
+        "lastTransitionTime": since,
+    }
+    if generation is not None:
+        condition["observedGeneration"] = generation
+    others = [c for c in status.get("conditions") or [] if c.get("type") != type_]
+    order = {name: index for index, name in enumerate(ALL_TYPES)}
+    status["conditions"] = sorted(
+        others + [condition], key=lambda c: order.get(c.get("type"), len(order))
+    )
+
+
+def since(status: dict, type_: str) -> datetime | None:
+    condition = find(status, type_)
+    if not condition or "lastTransitionTime" not in condition:
+        return None
+    parsed = datetime.strptime(condition["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ")
+    return parsed.replace(tzinfo=timezone.utc)

@@ -1,0 +1,163 @@
+"""Drives one TPUFineTune: gather observations, run the pure transition, perform its
+actions, write status in one place. Shared by the kopf operator and `run --local`; the
+difference is only the ClusterBackend (Kubernetes RayCluster, or a local Ray head).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import datetime, timedelta, timezone
+from typing import Protocol
+
+from tpufinetune import phases
+from tpufinetune.api import SpecError, parse_spec
+from tpufinetune.jobspec import job_submission
+from tpufinetune.phases import ClusterView, Decision, Identity, Observations, Plan
+from tpufinetune.rayjobs import LogFollower, RayJobs
+from tpufinetune.settings import Settings
+from tpufinetune.sizing import raycluster_name, render_raycluster
+
+log = logging.getLogger(__name__)
+
+
+class ClusterBackend(Protocol):
+    async def observe(self, ident: Identity, name: str) -> ClusterView: ...
+    async def create(self, ident: Identity, manifest: dict) -> None: ...
+    async def delete(self, ident: Identity, name: str) -> None: ...
+    async def write_status(self, ident: Identity, patch: dict, new: dict) -> None: ...
+    def record(self, ident: Identity, type_: str, reason: str, message: str) -> None: ...
+
+
+def status_patch(old: dict, new: dict) -> dict:
+    """JSON merge patch from old to new status: changed keys, and None for removed ones."""
+    patch = {k: v for k, v in new.items() if old.get(k) != v}
+    patch.update({k: None for k in old if k not in new and k != "kopf"})
+    return patch
+
+
+class Run:
+    """One resource's run. Holds the last status it wrote: the operator is its only writer."""
+
+    def __init__(self, body: dict, backend: ClusterBackend, jobs: RayJobs, settings: Settings):
+        meta = body["metadata"]
+        self.ident = Identity(meta["name"], meta.get("namespace", "default"), meta["uid"], int(meta.get("generation") or 1))
+        self.body = body
+        self.backend = backend
+        self.jobs = jobs
+        self.settings = settings
+        self.status = dict(body.get("status") or {})
+        self.spec, self.spec_error = None, ""
+        try:
+            self.spec = parse_spec(body.get("spec") or {})
+        except SpecError as error:
+            self.spec_error = str(error)
+        self.plan = Plan(
+            cluster_name=raycluster_name(self.ident.name),
+            epochs=int(self.spec.training.epochs) if self.spec else 0,
+            max_retries=int(getattr(self.spec, "max_retries", 0) or 0) if self.spec else 0,
+            provision_timeout=timedelta(seconds=settings.provision_timeout),
+        )
+        self.follower: LogFollower | None = None
+        self.wake = asyncio.Event()
+
+    # ---- observations ----------------------------------------------------------------
+
+    async def observe(self, deleting: bool) -> Observations:
+        now = datetime.now(timezone.utc)
+        phase = self.status.get("phase", "")
+        cluster = job = None
+        if self.status.get("rayClusterName") and (deleting or phase not in (phases.PENDING, "")):
+            cluster = await self.backend.observe(self.ident, self.status["rayClusterName"])
+        address = self.status.get("dashboardURL") or (cluster.dashboard_url if cluster else "")
+        if address and phase in (phases.SUBMITTING, phases.RUNNING, phases.DELETING) and self.status.get("jobId"):
+            job = await asyncio.to_thread(self.jobs.job, address, self.status["jobId"])
+        events = self._new_events(address, job)
+        return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, events=events, deleting=deleting)
+
+    def _new_events(self, address: str, job) -> tuple[dict, ...]:
+        if job is None or self.status.get("phase") != phases.RUNNING:
+            return ()
+        job_id = self.status["jobId"]
+        if self.follower is None or self.follower.submission_id != job_id:
+            skip = int(self.status.get("logCursor") or 0) if self.status.get("logJobId") == job_id else 0
+            self.follower = LogFollower(self.jobs, address, job_id, skip=skip, wake=self.wake)
+            self.follower.start()
+        events = self.follower.drain()
+        if events or self.follower.parsed_bytes > int(self.status.get("logCursor") or 0):
+            self.status["logCursor"] = self.follower.parsed_bytes
+            self.status["logJobId"] = job_id
+        return tuple(events)
+
+    # ---- one step ---------------------------------------------------------------------
+
+    async def step(self, deleting: bool = False) -> Decision:
+        obs = await self.observe(deleting)
+        decision = phases.transition(self.ident, self.plan, self.status, obs)
+        # A failed job without a failure event: read the log tail once, then decide.
+        tail = [a for a in decision.actions if isinstance(a, phases.ReadLogTail)]
+        if tail:
+            text = await asyncio.to_thread(self.jobs.log_tail, self.status["dashboardURL"], tail[0].submission_id)
+            obs = Observations(**{**obs.__dict__, "log_tail": text or "(empty log)", "events": ()})
+            decision = phases.transition(self.ident, self.plan, self.status, obs)
+        # Status first: identities are persisted before the actions that depend on them.
+        await self._write(decision.status)
+        await self._perform(decision)
+        return decision
+
+    async def _write(self, new: dict) -> None:
+        patch = status_patch(self.status, new)
+        if patch:
+            await self.backend.write_status(self.ident, patch, new)
+        self.status = new
+
+    async def _perform(self, decision: Decision) -> None:
+        for action in decision.actions:
+            if isinstance(action, phases.RecordEvent):
+                self.backend.record(self.ident, action.type, action.reason, action.message)
+            elif isinstance(action, phases.CreateCluster):
+                await self.backend.create(self.ident, render_raycluster(self.ident.name, self.ident.namespace, self.ident.uid, self.spec))
+            elif isinstance(action, phases.DeleteCluster):
+                await self.backend.delete(self.ident, action.name)
+            elif isinstance(action, phases.SubmitJob):
+                submission = job_submission(self.ident.name, self.ident.namespace, self.ident.uid, self.spec, action.attempt)
+                await asyncio.to_thread(
+                    self.jobs.submit, self.status["dashboardURL"], action.submission_id,
+                    submission.entrypoint, submission.runtime_env, submission.metadata,
+                )
+            elif isinstance(action, phases.StopJob):
+                await asyncio.to_thread(self.jobs.stop, self.status["dashboardURL"], action.submission_id)
+        if decision.phase in phases.TERMINAL and self.follower is not None:
+            await self.follower.close()
+            self.follower = None
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    async def run(self, stopped) -> None:
+        """Step until terminal and released; wait on new log events or the poll interval.
+
+        `stopped` is anything with `is_set()` (kopf's DaemonStopped, an asyncio.Event)."""
+        while not stopped.is_set():
+            before = self.status.get("phase")
+            try:
+                decision = await self.step()
+            except Exception as error:  # transient: API or Ray briefly unreachable
+                log.warning("%s/%s: step failed, retrying: %s", self.ident.namespace, self.ident.name, error)
+                await self._sleep(stopped, self.settings.poll_interval)
+                continue
+            if decision.phase in phases.TERMINAL and not decision.actions:
+                return
+            if decision.phase != before:
+                continue  # a transition: take the next step at once
+            await self._sleep(stopped, self.settings.poll_interval)
+
+    async def _sleep(self, stopped, seconds: float) -> None:
+        self.wake.clear()
+        try:
+            await asyncio.wait_for(self.wake.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def close(self) -> None:
+        if self.follower is not None:
+            await self.follower.close()

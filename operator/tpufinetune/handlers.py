@@ -1,0 +1,85 @@
+"""kopf handlers: small, and only wiring. The work is in driver.Run and phases.transition.
+
+- one daemon per TPUFineTune drives its run (re-attaches after an operator restart);
+- RayCluster changes wake the owning run at once instead of waiting for the next poll;
+- deletion stops the job and deletes the RayCluster before the finalizer is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import kopf
+from kubernetes import client, config
+
+from tpufinetune import phases
+from tpufinetune.api import GROUP, PLURAL, VERSION
+from tpufinetune.driver import Run
+from tpufinetune.kube import RAY_GROUP, RAY_PLURAL, RAY_VERSION, KubeBackend
+from tpufinetune.rayjobs import RayJobs
+from tpufinetune.settings import Settings
+
+log = logging.getLogger(__name__)
+FINALIZER = f"{GROUP}/release"
+OWNER_LABEL = f"{GROUP}/name"
+RUNS: dict[tuple[str, str], Run] = {}
+
+
+def _load_kube_config() -> client.ApiClient:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+    memo.settings = Settings.from_env()
+    memo.backend = KubeBackend(_load_kube_config(), memo.settings)
+    memo.jobs = RayJobs(headers=memo.settings.ray_headers())
+    settings.persistence.finalizer = FINALIZER
+    # kopf's bookkeeping goes into status, never into metadata.annotations: the object
+    # users and Argo CD compare stays exactly what they applied.
+    settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(field="status.kopf.lastHandledConfiguration")
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    # Each run makes short blocking API calls in threads; hundreds of runs must not
+    # queue behind a handful of workers.
+    settings.execution.executor = ThreadPoolExecutor(max_workers=64)
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=64))
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10)
+async def follow_run(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
+    run = Run(dict(body), memo.backend, memo.jobs, memo.settings)
+    key = (run.ident.namespace, run.ident.name)
+    RUNS[key] = run
+    try:
+        await run.run(stopped)
+    finally:
+        if RUNS.get(key) is run:
+            del RUNS[key]
+        await run.close()
+
+
+@kopf.on.event(RAY_GROUP, RAY_VERSION, RAY_PLURAL, labels={OWNER_LABEL: kopf.PRESENT})
+async def raycluster_changed(body: kopf.Body, **_) -> None:
+    owner = (body.get("metadata", {}).get("labels") or {}).get(OWNER_LABEL)
+    run = RUNS.get((body.get("metadata", {}).get("namespace"), owner))
+    if run is not None:
+        run.wake.set()
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    """Stop the job and delete the RayCluster; retry until both are gone."""
+    key = (body["metadata"].get("namespace"), body["metadata"]["name"])
+    run = RUNS.get(key) or Run(dict(body), memo.backend, memo.jobs, memo.settings)
+    decision = await run.step(deleting=True)
+    if any(isinstance(a, (phases.StopJob, phases.DeleteCluster)) for a in decision.actions):
+        raise kopf.TemporaryError("waiting for the job to stop and the RayCluster to go", delay=2)

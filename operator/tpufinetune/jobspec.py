@@ -1,0 +1,114 @@
+"""The Ray job a spec submits: trainer argv, runtime env, deterministic ids (pure).
+
+The trainer is the `tpufinetune-train` console script inside the image. Its argv is built
+as a list; the Ray Job API only takes a string (run through a shell on the head), so the
+entrypoint is `shlex.join(argv)`: every user-supplied value stays one inert argument.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from .api import TPUFineTuneSpec
+from .sizing import slice_shape, total_devices
+
+TRAINER = "tpufinetune-train"
+LABEL_PREFIX = "tpufinetune.dev/"
+
+
+def submission_id(uid: str, attempt: int) -> str:
+    """Ray submission id of `attempt` (from 1). Deterministic, so the operator can record
+    it in status before submitting and a resubmission after a crash finds the same job."""
+    if attempt < 1:
+        raise ValueError(f"attempt must be >= 1, got {attempt}")
+    return f"tft-{uid}-{attempt}"
+
+
+def run_name(name: str, uid: str) -> str:
+    """Ray Train RunConfig name: the same for every attempt of one resource, so a retry
+    resumes the run's checkpoints; the uid part keeps a re-created namesake from resuming
+    a stale run in the same storage path."""
+    return f"tft-{name}-{uid.split('-')[0]}"
+
+
+def _device(spec: TPUFineTuneSpec) -> str:
+    return "tpu" if slice_shape(spec).generation.is_tpu else "cpu"
+
+
+def _slice_flags(spec: TPUFineTuneSpec) -> list[str]:
+    gen = slice_shape(spec).generation
+    flags = [f"--topology={spec.tpu.topology}"]
+    if gen.ray_accelerator_type:
+        flags.append(f"--accelerator-type={gen.ray_accelerator_type}")
+    flags += [f"--num-workers={total_devices(spec)}", f"--device={_device(spec)}"]
+    return flags
+
+
+def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
+                 resume_from: str | None = None) -> list[str]:
+    """The trainer command for `spec`. `--flag=value` keeps a value that starts with '-'
+    from being read as an option."""
+    if spec.mode == "collectives":
+        return [TRAINER, "collectives", *_slice_flags(spec)]
+    training, checkpoint = spec.training, spec.checkpoint
+    argv = [
+        TRAINER, "finetune",
+        f"--model-id={spec.model.id}",
+        f"--dataset={spec.dataset.id}",
+        f"--dataset-split={spec.dataset.split}",
+        *_slice_flags(spec),
+        f"--num-epochs={training.epochs}",
+        f"--batch-size-per-device={training.batch_size_per_device}",
+        f"--max-seq-len={training.max_seq_len}",
+        f"--learning-rate={training.learning_rate!r}",
+        f"--weight-decay={training.weight_decay!r}",
+        f"--seed={training.seed}",
+        f"--eval-fraction={training.eval_fraction!r}",
+        f"--storage-path={checkpoint.storage_path}",
+        f"--keep-checkpoints={checkpoint.keep}",
+        f"--checkpoint-score-attribute={checkpoint.score_attribute}",
+        f"--checkpoint-score-order={checkpoint.score_order}",
+    ]
+    if run_name:
+        argv.append(f"--run-name={run_name}")
+    if resume_from:
+        argv.append(f"--resume-from={resume_from}")
+    return argv
+
+
+@dataclass(frozen=True)
+class JobSubmission:
+    """Arguments for `JobSubmissionClient.submit_job(...)`."""
+
+    submission_id: str
+    entrypoint_argv: list[str]
+    entrypoint: str
+    runtime_env: dict = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def job_submission(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec,
+                   attempt: int, resume_from: str | None = None) -> JobSubmission:
+    """The job for `attempt` (from 1); pass `resume_from` (a checkpoint URI) on retries."""
+    argv = trainer_argv(spec, run_name=run_name(name, uid), resume_from=resume_from)
+    # Only non-secret settings: the runtime env is visible in the Ray dashboard and job
+    # API. The Hugging Face token reaches the trainer through the pods' environment.
+    env_vars = {
+        "PYTHONUNBUFFERED": "1",  # event lines reach the job log as they are printed
+        "TPUFINETUNE_NAME": name,
+        "TPUFINETUNE_NAMESPACE": namespace,
+        "TPUFINETUNE_ATTEMPT": str(attempt),
+    }
+    metadata = {
+        f"{LABEL_PREFIX}name": name,
+        f"{LABEL_PREFIX}namespace": namespace,
+        f"{LABEL_PREFIX}uid": uid,
+        f"{LABEL_PREFIX}attempt": str(attempt),
+    }
+    return JobSubmission(
+        submission_id=submission_id(uid, attempt),
+        entrypoint_argv=argv,
+        entrypoint=shlex.join(argv),
+        runtime_env={"env_vars": env_vars},
+        metadata=metadata,
+    )

@@ -1,0 +1,109 @@
+"""Thin Kubernetes adapter: the RayCluster a run owns, and the run's status writes.
+
+Blocking client calls run in threads so one slow API call never stalls other runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import kopf
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from tpufinetune.api import GROUP, PLURAL, VERSION
+from tpufinetune.phases import ClusterView, Identity
+from tpufinetune.settings import Settings
+
+log = logging.getLogger(__name__)
+
+RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
+
+
+def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> ClusterView:
+    """What a RayCluster object says about readiness, as KubeRay reports it. Pure."""
+    if not body:
+        return ClusterView(exists=False)
+    meta = body.get("metadata") or {}
+    owned = any(ref.get("uid") == owner_uid for ref in meta.get("ownerReferences") or [])
+    status = body.get("status") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+
+    def true(kind: str) -> bool:
+        return (conditions.get(kind) or {}).get("status") == "True"
+
+    ready = status.get("state") == "ready" or (true("HeadPodReady") and true("RayClusterProvisioned"))
+    problem = ""
+    if true("RayClusterReplicaFailure"):
+        failure = conditions["RayClusterReplicaFailure"]
+        problem = failure.get("message") or failure.get("reason") or "a replica failed"
+    elif status.get("reason"):
+        problem = status["reason"]
+    name = meta.get("name", "")
+    service = (status.get("head") or {}).get("serviceName") or f"{name}-head-svc"
+    url = settings.dashboard_for(cluster=name, namespace=meta.get("namespace", ""), service=service)
+    return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url)
+
+
+class KubeBackend:
+    def __init__(self, api: client.ApiClient, settings: Settings):
+        self.objects = client.CustomObjectsApi(api)
+        self.settings = settings
+
+    async def observe(self, ident: Identity, name: str) -> ClusterView:
+        body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
+        return cluster_view(body, ident.uid, self.settings)
+
+    def _get_cluster(self, namespace: str, name: str) -> dict | None:
+        try:
+            return self.objects.get_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    async def create(self, ident: Identity, manifest: dict) -> None:
+        await asyncio.to_thread(self._create_cluster, ident.namespace, manifest)
+
+    def _create_cluster(self, namespace: str, manifest: dict) -> None:
+        try:
+            self.objects.create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest)
+        except ApiException as error:
+            if error.status != 409:  # exists: ownership is checked on the next observation
+                raise
+
+    async def delete(self, ident: Identity, name: str) -> None:
+        await asyncio.to_thread(self._delete_cluster, ident, name)
+
+    def _delete_cluster(self, ident: Identity, name: str) -> None:
+        # Preconditions: only delete the object we own (uid checked on observe), and
+        # only if it is still the same object.
+        body = self._get_cluster(ident.namespace, name)
+        if body is None or not cluster_view(body, ident.uid, self.settings).owned:
+            return
+        options = client.V1DeleteOptions(
+            propagation_policy="Background",
+            preconditions=client.V1Preconditions(uid=body["metadata"]["uid"]),
+        )
+        try:
+            self.objects.delete_namespaced_custom_object(
+                RAY_GROUP, RAY_VERSION, ident.namespace, RAY_PLURAL, name, body=options
+            )
+        except ApiException as error:
+            if error.status not in (404, 409):
+                raise
+
+    async def write_status(self, ident: Identity, patch: dict, new: dict) -> None:
+        await asyncio.to_thread(
+            self.objects.patch_namespaced_custom_object_status,
+            GROUP, VERSION, ident.namespace, PLURAL, ident.name, {"status": patch},
+        )
+
+    def record(self, ident: Identity, type_: str, reason: str, message: str) -> None:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "TPUFineTune",
+            "metadata": {"name": ident.name, "namespace": ident.namespace, "uid": ident.uid},
+        }
+        kopf.event(body, type=type_, reason=reason, message=message)

@@ -1,0 +1,105 @@
+"""`tpufinetune run --local FILE`: the operator's state machine against a local Ray head,
+without Kubernetes. Same validation, sizing, entrypoint and event parsing; the RayCluster
+is rendered but not created (the local head stands in for it), and status changes are
+printed instead of written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import uuid
+from datetime import datetime
+
+import yaml
+
+from tpufinetune import phases
+from tpufinetune.driver import Run
+from tpufinetune.phases import ClusterView, Identity
+from tpufinetune.rayjobs import RayJobs
+from tpufinetune.settings import Settings
+
+SHOWN = ("phase", "epochProgress", "loss", "evalLoss", "tokensPerSecond", "checkpointURI", "message")
+
+
+class LocalBackend:
+    def __init__(self, address: str, out=sys.stdout):
+        self.address = address
+        self.out = out
+
+    def _say(self, text: str) -> None:
+        print(f"[{datetime.now():%H:%M:%S}] {text}", file=self.out, flush=True)
+
+    async def observe(self, ident: Identity, name: str) -> ClusterView:
+        return ClusterView(exists=True, owned=True, ready=True, dashboard_url=self.address)
+
+    async def create(self, ident: Identity, manifest: dict) -> None:
+        workers = manifest["spec"]["workerGroupSpecs"][0]
+        self._say(
+            f"RayCluster {manifest['metadata']['name']} rendered ({workers.get('numOfHosts', 1)} hosts x "
+            f"{workers['replicas']} replicas); using the local Ray head at {self.address} instead"
+        )
+
+    async def delete(self, ident: Identity, name: str) -> None:
+        return None
+
+    async def write_status(self, ident: Identity, patch: dict, new: dict) -> None:
+        changed = [k for k in SHOWN if k in patch and patch[k] is not None]
+        if changed:
+            self._say("  ".join(f"{k}={new[k]}" for k in changed))
+
+    def record(self, ident: Identity, type_: str, reason: str, message: str) -> None:
+        self._say(f"event {type_} {reason}: {message}")
+
+
+def load_resource(path: str) -> dict:
+    text = sys.stdin.read() if path == "-" else open(path).read()
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    if len(docs) != 1:
+        raise SystemExit(f"{path}: expected one TPUFineTune document, found {len(docs)}")
+    body = docs[0]
+    meta = body.setdefault("metadata", {})
+    meta.setdefault("namespace", "default")
+    meta.setdefault("generation", 1)
+    return body
+
+
+async def run_local(body: dict, address: str, settings: Settings, out=sys.stdout) -> dict:
+    run = Run(body, LocalBackend(address, out), RayJobs(headers=settings.ray_headers()), settings)
+    try:
+        await run.run(asyncio.Event())
+    except asyncio.CancelledError:
+        await run.step(deleting=True)  # Ctrl-C: stop the job, leave nothing running
+        raise
+    finally:
+        await run.close()
+    return run.status
+
+
+def main(args) -> int:
+    body = load_resource(args.file)
+    body["metadata"].setdefault("uid", args.uid or str(uuid.uuid4()))
+    env = dict(os.environ)
+    if not env.get("TPUFT_RAY_TOKEN") and env.get("RAY_AUTH_TOKEN"):
+        env["TPUFT_RAY_TOKEN"] = env["RAY_AUTH_TOKEN"]
+    env.setdefault("TPUFT_POLL_INTERVAL", "1")
+    settings = Settings.from_env(env)
+    address = args.address or env.get("RAY_DASHBOARD_ADDRESS") or "http://127.0.0.1:8265"
+    print(f"uid {body['metadata']['uid']} (pass --uid to re-attach to this run)", flush=True)
+    try:
+        status = asyncio.run(run_local(body, address, settings))
+    except KeyboardInterrupt:
+        print("interrupted: job stopped", file=sys.stderr)
+        return 130
+    print(yaml.safe_dump({"status": status}, sort_keys=False), end="")
+    return 0 if status.get("phase") == phases.SUCCEEDED else 1
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("run", help="run a TPUFineTune spec on a local Ray head, without Kubernetes")
+    parser.add_argument("--local", action="store_true", required=True, help="use a local Ray head (the only mode)")
+    parser.add_argument("file", help="TPUFineTune YAML file, or - for stdin")
+    parser.add_argument("--address", help="Ray dashboard URL (default $RAY_DASHBOARD_ADDRESS or http://127.0.0.1:8265)")
+    parser.add_argument("--uid", help="resource uid; reuse one to re-attach to its job")
+    parser.set_defaults(handler=main)

@@ -1,0 +1,98 @@
+"""`tpufinetune render`: what the operator would create for a TPUFineTune, without a cluster.
+
+Validation is `parse_spec`, the operator's own, so a spec that renders is one the operator
+accepts; documents are rendered only after every input document validated.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict
+
+import yaml
+
+from .api import API_VERSION, DNS_SUBDOMAIN, KIND, parse_spec
+from .errors import SpecError
+from .jobspec import job_submission
+from .sizing import render_raycluster
+
+PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
+FIRST_ATTEMPT = 1
+_DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN)
+
+
+class RenderError(Exception):
+    """An input that cannot be rendered; the message is one line for stderr."""
+
+
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data: object) -> bool:
+        return True
+
+
+def _dump(document: dict) -> str:
+    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=100)
+
+
+def load_documents(text: str, source: str) -> list[dict]:
+    try:
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise RenderError(f"{source}: not valid YAML{where}") from None
+    if not documents:
+        raise RenderError(f"{source}: no YAML documents")
+    return documents
+
+
+def _check_document(document: object, index: int, source: str) -> tuple[str, str, str, object]:
+    where = f"{source}: document {index + 1}"
+    if not isinstance(document, dict):
+        raise RenderError(f"{where}: not a mapping")
+    if (document.get("apiVersion"), document.get("kind")) != (API_VERSION, KIND):
+        raise RenderError(f"{where}: expected apiVersion {API_VERSION}, kind {KIND}; got "
+                          f"{document.get('apiVersion')}, {document.get('kind')}")
+    metadata = document.get("metadata") or {}
+    name = metadata.get("name") if isinstance(metadata, dict) else None
+    if not isinstance(name, str) or not _DNS_SUBDOMAIN.match(name) or len(name) > 253:
+        raise RenderError(f"{where}: metadata.name: must be a DNS subdomain name, got {name!r}")
+    namespace = str(metadata.get("namespace") or "default")
+    uid = str(metadata.get("uid") or "")
+    return name, namespace, uid, document.get("spec")
+
+
+def render(documents: list[dict], source: str) -> str:
+    """The YAML stream for `documents`: per TPUFineTune, its RayCluster and its job."""
+    validated = []
+    for index, document in enumerate(documents):
+        name, namespace, uid, raw_spec = _check_document(document, index, source)
+        try:
+            spec = parse_spec(raw_spec if raw_spec is not None else {})
+        except SpecError as exc:
+            raise RenderError(f'{source}: TPUFineTune "{name}": {exc}') from None
+        validated.append((name, namespace, uid, spec))
+
+    out = []
+    for name, namespace, uid, spec in validated:
+        header = f"# TPUFineTune {namespace}/{name}"
+        uid_note = ""
+        if not uid:
+            uid = PLACEHOLDER_UID
+            uid_note = (f"# metadata.uid is absent: placeholder {PLACEHOLDER_UID} used; the "
+                        "operator uses the resource's real uid.\n")
+        cluster = render_raycluster(name, namespace, uid, spec)
+        job = asdict(job_submission(name, namespace, uid, spec, FIRST_ATTEMPT))
+        job_document = {"rayJobSubmission": {
+            "submissionId": job["submission_id"],
+            "submissionIdScheme": "tft-<metadata.uid>-<attempt>, attempt 1, 2, ... "
+                                  f"(up to 1 + spec.maxRetries = {1 + spec.max_retries})",
+            "entrypointArgv": job["entrypoint_argv"],
+            "entrypoint": job["entrypoint"],
+            "runtimeEnv": job["runtime_env"],
+            "metadata": job["metadata"],
+        }}
+        out.append(f"---\n{header}: the RayCluster the operator creates.\n{uid_note}"
+                   + _dump(cluster))
+        out.append(f"---\n{header}: the Ray job the operator submits (attempt "
+                   f"{FIRST_ATTEMPT}).\n{uid_note}" + _dump(job_document))
+    return "".join(out)

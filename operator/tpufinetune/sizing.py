@@ -1,0 +1,196 @@
+"""Sizing and rendering: a validated spec -> the KubeRay RayCluster manifest (pure).
+
+The output for v6e `4x4` and v7x `2x2x2` is the GKE Ray + TorchTPU tutorial's manifest
+plus what an operator needs on top (name, namespace, labels, owner reference, rayVersion,
+min/max replicas); the golden tests pin both.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+from dataclasses import dataclass
+
+from . import generations as g
+from .api import API_VERSION, KIND, TPUFineTuneSpec
+
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "tpufinetune"
+NAME_LABEL = "tpufinetune.dev/name"
+
+HEAD_CPU, HEAD_MEMORY = "4", "16Gi"
+CPU_HEAD_CPU, CPU_HEAD_MEMORY = "1", "2Gi"
+HEAD_PORTS = ({"containerPort": 6379, "name": "gcs"},
+              {"containerPort": 8265, "name": "dashboard"},
+              {"containerPort": 10001, "name": "client"})
+DASHBOARD_PORT = 8265
+
+# KubeRay derives `<cluster>-headless-worker-svc` (20 more characters) and the TPU webhook
+# builds `<group>-<replica>-<host>.<cluster>-headless-worker-svc` host names; a 40
+# character cluster name keeps every derived DNS label within 63.
+MAX_CLUSTER_NAME = 40
+
+
+@dataclass(frozen=True)
+class SliceShape:
+    """What one slice of the spec's topology is made of."""
+
+    generation: g.Generation
+    machine: g.Machine | None  # None for the cpu stand-in
+    chips: int                 # per slice; CPU workers for cpu
+    hosts: int                 # pods per slice (numOfHosts)
+    chips_per_host: int        # google.com/tpu per pod
+    group_name: str
+
+    @property
+    def devices_per_slice(self) -> int:
+        if not self.generation.is_tpu:
+            return self.chips
+        return self.chips * self.generation.devices_per_chip
+
+
+def slice_shape(spec: TPUFineTuneSpec) -> SliceShape:
+    gen = g.generation(spec.tpu.generation)
+    if not gen.is_tpu:
+        workers = int(spec.tpu.topology)
+        return SliceShape(gen, None, workers, workers, 0, f"cpu-{workers}")
+    machine = g.select_machine(gen, spec.tpu.topology, spec.tpu.chips_per_host)
+    chips = g.chips_in(spec.tpu.topology)
+    # The KubeRay TPU webhook's rule: hosts = max(chips / TPU per pod, 1).
+    hosts = max(chips // machine.chips_per_host, 1)
+    per_host = min(machine.chips_per_host, chips)
+    group = f"{gen.group_prefix}-{chips * gen.tensorcores_per_chip}"
+    return SliceShape(gen, machine, chips, hosts, per_host, group)
+
+
+def total_devices(spec: TPUFineTuneSpec) -> int:
+    """Ray Train / collectives world size: every device of every slice."""
+    return slice_shape(spec).devices_per_slice * spec.tpu.slices
+
+
+def raycluster_name(name: str) -> str:
+    """Deterministic DNS-1035 label for the RayCluster of TPUFineTune `name`.
+
+    Names that had to be shortened or changed (dots) get a hash of the original, so two
+    TPUFineTunes in one namespace never map to the same RayCluster.
+    """
+    safe = re.sub(r"[^a-z0-9-]", "-", name.lower())
+    if safe == name and len("tft-" + name) <= MAX_CLUSTER_NAME:
+        return "tft-" + name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    stem = ("tft-" + safe)[:MAX_CLUSTER_NAME - len(digest) - 1].rstrip("-")
+    return f"{stem}-{digest}"
+
+
+Resources = tuple[dict[str, str], dict[str, str], str | None]
+
+
+def plan_resources(spec: TPUFineTuneSpec) -> dict[str, Resources]:
+    """(requests, limits, /dev/shm size) for `head` and `workers`, overrides merged."""
+    shape = slice_shape(spec)
+    if shape.machine is None:
+        head = {"cpu": CPU_HEAD_CPU, "memory": CPU_HEAD_MEMORY}
+        worker = {"cpu": g.CPU_WORKER_CPU, "memory": g.CPU_WORKER_MEMORY}
+        shm = None
+    else:
+        head = {"cpu": HEAD_CPU, "memory": HEAD_MEMORY}
+        worker = {"cpu": shape.machine.worker_cpu, "memory": shape.machine.worker_memory,
+                  g.TPU_RESOURCE: str(shape.chips_per_host)}
+        shm = shape.machine.shm_size
+    planned = {}
+    for group, defaults, group_shm in (("head", head, None), ("workers", worker, shm)):
+        override = getattr(spec, group).resources
+        requests, limits = dict(defaults), dict(defaults)
+        if override is not None:
+            requests.update(override.requests or {})
+            limits.update(override.limits or {})
+        planned[group] = (requests, limits, group_shm)
+    return planned
+
+
+def render_raycluster(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec) -> dict:
+    """The complete `ray.io/v1` RayCluster for TPUFineTune `namespace/name`."""
+    shape = slice_shape(spec)
+    resources = plan_resources(spec)
+    env = _common_env(spec, shape)
+    head_pod = _pod("ray-head", spec, env, resources["head"])
+    head_pod["containers"][0]["ports"] = [dict(p) for p in HEAD_PORTS]
+    worker_group: dict = {
+        "groupName": shape.group_name,
+        "replicas": spec.tpu.slices,
+        "minReplicas": spec.tpu.slices,
+        "maxReplicas": spec.tpu.slices,
+        "numOfHosts": shape.hosts,
+    }
+    if shape.generation.devices_per_chip > 1:
+        # Ray counts chiplets: advertise every logical TPU device of the host.
+        worker_group["resources"] = {
+            "TPU": str(shape.chips_per_host * shape.generation.devices_per_chip)}
+    worker_group["template"] = {"spec": _worker_pod(spec, shape, env, resources["workers"])}
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {
+            "name": raycluster_name(name),
+            "namespace": namespace,
+            "labels": {MANAGED_BY_LABEL: MANAGED_BY, NAME_LABEL: name},
+            "ownerReferences": [{
+                "apiVersion": API_VERSION, "kind": KIND, "name": name, "uid": uid,
+                "controller": True, "blockOwnerDeletion": True,
+            }],
+        },
+        "spec": {
+            "rayVersion": spec.ray_version,
+            "headGroupSpec": {"rayStartParams": {"num-cpus": "0"},
+                              "template": {"spec": head_pod}},
+            "workerGroupSpecs": [worker_group],
+        },
+    }
+
+
+def _common_env(spec: TPUFineTuneSpec, shape: SliceShape) -> list[dict]:
+    env = []
+    secret = spec.model.token_secret
+    if secret is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {
+            "secretKeyRef": {"name": secret.name, "key": secret.key}}})
+    if shape.generation.devices_per_chip > 1:
+        env.append({"name": "RAY_TPU_RESOURCE_PER_CHIP",
+                    "value": str(shape.generation.devices_per_chip)})
+    return env
+
+
+def _pod(container_name: str, spec: TPUFineTuneSpec, env: list[dict],
+         resources: Resources) -> dict:
+    requests, limits, _ = resources
+    container: dict = {"name": container_name, "image": spec.image}
+    if env:
+        container["env"] = copy.deepcopy(env)
+    container["resources"] = {"limits": dict(limits), "requests": dict(requests)}
+    pod: dict = {"containers": [container]}
+    if spec.service_account_name:
+        pod["serviceAccountName"] = spec.service_account_name
+    return pod
+
+
+def _worker_pod(spec: TPUFineTuneSpec, shape: SliceShape, env: list[dict],
+                resources: Resources) -> dict:
+    pod = _pod("ray-worker", spec, env, resources)
+    shm = resources[2]
+    if shm:
+        # Ray's object store lives in /dev/shm; the container default (64Mi) is too small.
+        pod["containers"][0]["volumeMounts"] = [{"mountPath": "/dev/shm", "name": "dshm"}]
+        pod["volumes"] = [{"name": "dshm",
+                           "emptyDir": {"medium": "Memory", "sizeLimit": shm}}]
+    selector = {}
+    if shape.generation.is_tpu:
+        selector[g.ACCELERATOR_LABEL] = shape.generation.accelerator_label
+        selector[g.TOPOLOGY_LABEL] = spec.tpu.topology
+    if spec.tpu.spot:
+        selector[g.SPOT_LABEL] = "true"
+    if spec.tpu.reservation:
+        selector[g.RESERVATION_NAME_LABEL] = spec.tpu.reservation
+        selector[g.RESERVATION_AFFINITY_LABEL] = "specific"
+    if selector:
+        pod["nodeSelector"] = selector
+    return pod

@@ -1,0 +1,93 @@
+"""The TPUFineTune status: written only by the operator, declared here so nothing is pruned.
+
+Build a patch with `status.model_dump(by_alias=True, exclude_none=True, mode="json")`.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+Phase = Literal["Pending", "Provisioning", "Submitting", "Running", "Succeeded", "Failed",
+                "Deleting"]
+PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
+
+
+class _Status(BaseModel):
+    # Unknown keys are ignored, not refused: status is read back from the apiserver.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True,
+                              extra="ignore")
+
+
+class Condition(_Status):
+    """A standard metav1.Condition, so `kubectl wait --for=condition=<type>` works."""
+
+    type: str = Field(max_length=316, description="Condition type, e.g. Ready, Succeeded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(max_length=1024, description="CamelCase reason for the last change.")
+    message: str = Field("", max_length=32768, description="Human-readable detail.")
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"},
+                                      description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(None, ge=0,
+                                            description="metadata.generation it reflects.")
+
+
+class EpochRecord(_Status):
+    """Metrics of one finished epoch."""
+
+    epoch: int = Field(ge=0, description="Epoch number, from 1.")
+    loss: float | None = Field(None, description="Mean training loss of the epoch.")
+    eval_loss: float | None = Field(None, description="Mean evaluation loss, if evaluated.")
+    tokens_per_second: float | None = Field(None, description="Training throughput.")
+    epoch_time_seconds: float | None = Field(None, description="Wall time of the epoch.")
+    checkpoint_uri: str | None = Field(None, alias="checkpointURI",
+                                       description="Checkpoint written after the epoch.")
+
+
+class CollectivesResult(_Status):
+    """Outcome of the interconnect check (mode collectives)."""
+
+    passed: bool | None = Field(None, description="Every rank verified the all_reduce sum "
+                                                  "and tensor-parallel parity.")
+    ranks: int | None = Field(None, ge=0, description="Number of ranks that took part.")
+    message: str | None = Field(None, description="Summary line from the check.")
+
+
+class TPUFineTuneStatus(_Status):
+    """Observed state of a TPUFineTune."""
+
+    phase: Phase | None = Field(None, description="Pending, Provisioning, Submitting, "
+                                                  "Running, Succeeded, Failed or Deleting.")
+    conditions: list[Condition] | None = Field(
+        None, max_length=16, description="Standard conditions.",
+        json_schema_extra={"x-kubernetes-list-type": "map",
+                           "x-kubernetes-list-map-keys": ["type"]})
+    observed_generation: int | None = Field(None, description="Spec generation last acted on.")
+    ray_cluster_name: str | None = Field(None, description="The owned RayCluster.")
+    job_id: str | None = Field(None, description="Ray job submission id of this attempt.")
+    dashboard_url: str | None = Field(None, alias="dashboardURL",
+                                      description="Ray dashboard address.")
+    attempt: int | None = Field(None, ge=0, description="Submission attempt, from 1.")
+    epoch: int | None = Field(None, ge=0, description="Last completed epoch.")
+    epochs: int | None = Field(None, ge=0, description="Epochs planned.")
+    epoch_progress: str | None = Field(None, description="epoch/epochs, e.g. 2/3.")
+    loss: float | None = Field(None, description="Training loss of the last epoch.")
+    eval_loss: float | None = Field(None, description="Evaluation loss of the last epoch.")
+    tokens_per_second: float | None = Field(None, description="Throughput of the last epoch.")
+    epoch_time_seconds: float | None = Field(None, description="Duration of the last epoch.")
+    history: list[EpochRecord] | None = Field(None, max_length=1000,
+                                              description="Per-epoch metrics.")
+    checkpoint_uri: str | None = Field(None, alias="checkpointURI",
+                                       description="Latest (best-kept) checkpoint.")
+    exported_model_uri: str | None = Field(None, alias="exportedModelURI",
+                                           description="Exported model weights, if any.")
+    start_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
+                                   description="When the job was first submitted.")
+    completion_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
+                                        description="When the run finished.")
+    message: str | None = Field(None, description="What is happening, or why it failed.")
+    log_cursor: int | None = Field(None, ge=0,
+                                   description="Bytes of the job log already parsed.")
+    collectives: CollectivesResult | None = Field(None, description="Result of mode "
+                                                                    "collectives.")

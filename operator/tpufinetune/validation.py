@@ -1,0 +1,178 @@
+"""Cross-field rules, written twice from one table: as CEL for admission, as Python for
+the operator and `tpufinetune render`.
+
+Each CEL rule below has a Python twin in `check_spec` with the same condition and the
+same message text (the CEL `messageExpression` rebuilds the Python f-string), so a spec is
+refused with the same words by `kubectl apply` and by `tpufinetune render`. Checks CEL
+cannot express (quantity arithmetic across merged defaults) exist only in Python and run
+in the operator before anything is created.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import generations as g
+from .errors import SpecError
+from .quantity import parse_quantity
+
+if TYPE_CHECKING:
+    from .api import ResourceRequirements, TPUFineTuneSpec
+
+SLICES_MESSAGE = ("must be 1 when mode is finetune: Ray Train runs PyTorch on one TPU "
+                  "slice only (mode: collectives may span several slices)")
+STORAGE_MESSAGE = ("is required when mode is finetune: a gs:// bucket path or a shared "
+                   "filesystem path where Ray Train writes checkpoints")
+TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host); "
+                        "remove it from the overrides")
+
+
+def _cel_list(values: list[str]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+def _cel_string(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _is_generation(gen: g.Generation) -> str:
+    return f"self.generation in {_cel_list(list(gen.aliases))}"
+
+
+def _topology_rule(gen: g.Generation) -> dict:
+    valid = gen.valid_topologies()
+    reason = f" is not a valid {gen.name} topology; valid: {', '.join(valid)}"
+    return {
+        "rule": f"!({_is_generation(gen)}) || self.topology in {_cel_list(valid)}",
+        "messageExpression": "'\"' + self.topology + '\"' + " + _cel_string(reason),
+        "message": reason.strip(),
+        "fieldPath": ".topology",
+        "reason": "FieldValueInvalid",
+    }
+
+
+def _cpu_topology_rule() -> dict:
+    reason = (f" is not a valid cpu topology; use a worker count from 1 to "
+              f"{g.MAX_CPU_WORKERS}")
+    return {
+        "rule": ("self.generation != 'cpu' || (self.topology.matches('^[0-9]{1,3}$') && "
+                 f"int(self.topology) >= 1 && int(self.topology) <= {g.MAX_CPU_WORKERS})"),
+        "messageExpression": "'\"' + self.topology + '\"' + " + _cel_string(reason),
+        "message": reason.strip(),
+        "fieldPath": ".topology",
+        "reason": "FieldValueInvalid",
+    }
+
+
+def _chips_per_host_rule(gen: g.Generation) -> dict:
+    fits = " || ".join(
+        f"(self.chipsPerHost == {m.chips_per_host} && "
+        f"self.topology in {_cel_list(sorted(m.topologies, key=g.topology_sort_key))})"
+        for m in gen.machines)
+    # The valid options depend on the topology: group topologies by their option list.
+    by_options: dict[str, list[str]] = {}
+    for topology in gen.valid_topologies():
+        options = ", ".join(str(o) for o in g.chips_per_host_options(gen, topology))
+        by_options.setdefault(options, []).append(topology)
+    *branches, (last_options, _) = by_options.items()
+    options_expr = _cel_string(last_options)
+    for options, topologies in reversed(branches):
+        options_expr = (f"(self.topology in {_cel_list(topologies)} ? "
+                        f"{_cel_string(options)} : {options_expr})")
+    return {
+        "rule": f"!({_is_generation(gen)}) || !has(self.chipsPerHost) || {fits}",
+        "messageExpression": (f"string(self.chipsPerHost) + ' does not fit a {gen.name} ' + "
+                              f"self.topology + ' slice; valid: ' + {options_expr}"),
+        "message": f"does not fit the {gen.name} slice shape; by machine: "
+                   f"{g.machines_summary(gen)}",
+        "fieldPath": ".chipsPerHost",
+        "reason": "FieldValueInvalid",
+    }
+
+
+def tpu_rules() -> list[dict]:
+    """CEL rules on `spec.tpu`."""
+    rules = [_topology_rule(gen) for gen in g.GENERATIONS if gen.is_tpu]
+    rules.append(_cpu_topology_rule())
+    rules += [_chips_per_host_rule(gen) for gen in g.GENERATIONS if gen.is_tpu]
+    rules.append({
+        "rule": "self.generation != 'cpu' || !has(self.chipsPerHost)",
+        "message": "applies to TPU generations only; remove it for cpu",
+        "fieldPath": ".chipsPerHost",
+        "reason": "FieldValueForbidden",
+    })
+    return rules
+
+
+def spec_rules() -> list[dict]:
+    """CEL rules on `spec` (cross-object: mode against tpu and checkpoint)."""
+    is_collectives = "(has(self.mode) && self.mode == 'collectives')"
+    return [
+        {
+            "rule": f"{is_collectives} || !has(self.tpu.slices) || self.tpu.slices == 1",
+            "message": SLICES_MESSAGE,
+            "fieldPath": ".tpu.slices",
+            "reason": "FieldValueInvalid",
+        },
+        {
+            "rule": (f"{is_collectives} || (has(self.checkpoint) && "
+                     "has(self.checkpoint.storagePath) && self.checkpoint.storagePath != '')"),
+            "message": STORAGE_MESSAGE,
+            "fieldPath": ".checkpoint.storagePath",
+            "reason": "FieldValueRequired",
+        },
+    ]
+
+
+def resources_rules() -> list[dict]:
+    """CEL rules on a head/workers `resources` override."""
+    return [{
+        "rule": (f"(!has(self.requests) || !('{g.TPU_RESOURCE}' in self.requests)) && "
+                 f"(!has(self.limits) || !('{g.TPU_RESOURCE}' in self.limits))"),
+        "message": TPU_OVERRIDE_MESSAGE,
+        "reason": "FieldValueForbidden",
+    }]
+
+
+def check_spec(spec: TPUFineTuneSpec) -> None:
+    """Raise SpecError for the first rule `spec` breaks (CEL twins first, then the rest)."""
+    tpu = spec.tpu
+    gen = g.generation(tpu.generation)
+    problem = g.topology_error(gen, tpu.topology)
+    if problem:
+        raise SpecError("spec.tpu.topology", problem)
+    if tpu.chips_per_host is not None:
+        problem = g.chips_per_host_error(gen, tpu.topology, tpu.chips_per_host)
+        if problem:
+            raise SpecError("spec.tpu.chipsPerHost", problem)
+    if spec.mode == "finetune":
+        if tpu.slices != 1:
+            raise SpecError("spec.tpu.slices", SLICES_MESSAGE)
+        if not spec.checkpoint.storage_path:
+            raise SpecError("spec.checkpoint.storagePath", STORAGE_MESSAGE)
+    for group in ("head", "workers"):
+        resources = getattr(spec, group).resources
+        if resources is not None:
+            _check_overrides(f"spec.{group}.resources", resources)
+    _check_merged_resources(spec)
+
+
+def _check_overrides(path: str, resources: ResourceRequirements) -> None:
+    for side in ("requests", "limits"):
+        if g.TPU_RESOURCE in (getattr(resources, side) or {}):
+            raise SpecError(f"{path}.{side}", TPU_OVERRIDE_MESSAGE)
+
+
+def _check_merged_resources(spec: TPUFineTuneSpec) -> None:
+    """Python-only: pods whose request exceeds their limit, or whose memory limit cannot
+    hold the /dev/shm volume, would be created and then never run."""
+    from .sizing import plan_resources  # sizing imports api; keep the cycle at call time
+
+    for group, (requests, limits, shm) in plan_resources(spec).items():
+        for key in requests.keys() & limits.keys():
+            if parse_quantity(requests[key]) > parse_quantity(limits[key]):
+                raise SpecError(f"spec.{group}.resources.requests.{key}",
+                                f"{requests[key]} exceeds the limit {limits[key]}")
+        if shm and "memory" in limits and parse_quantity(limits["memory"]) < parse_quantity(shm):
+            raise SpecError(f"spec.{group}.resources.limits.memory",
+                            f"{limits['memory']} cannot hold the {shm} /dev/shm volume "
+                            "(memory-backed, counted against the limit)")
