@@ -1,0 +1,207 @@
+"""The pure state machine: every transition, retry, failure message and deletion rule."""
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from tpufinetune import conditions as cond
+from tpufinetune import phases
+from tpufinetune.phases import ClusterView, Identity, JobView, Observations, Plan
+
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+IDENT = Identity("demo", "ns", "uid-1", generation=3)
+PLAN = Plan(cluster_name="demo-rc", epochs=2, max_retries=0, provision_timeout=timedelta(minutes=30))
+READY = ClusterView(exists=True, owned=True, ready=True, dashboard_url="http://head:8265")
+
+
+def step(status, plan=PLAN, **obs):
+    obs.setdefault("now", T0)
+    return phases.transition(IDENT, plan, status, Observations(**obs))
+
+
+def kinds(decision):
+    return [type(a).__name__ for a in decision.actions]
+
+
+def running_status():
+    d = step({})
+    d = step(d.status)
+    d = step(d.status, cluster=READY)
+    d = step(d.status, cluster=READY, job=JobView("PENDING"))
+    assert d.phase == phases.RUNNING
+    return d.status
+
+
+def test_new_resource_persists_identities_before_any_side_effect():
+    d = step({})
+    assert d.phase == phases.PENDING
+    assert d.status["rayClusterName"] == "demo-rc"
+    assert d.status["jobId"] == "tft-uid-1-1"
+    assert d.status["attempt"] == 1
+    assert d.status["epochProgress"] == "0/2"
+    assert d.status["observedGeneration"] == 3
+    assert kinds(d) == ["RecordEvent"]
+
+
+def test_pending_creates_the_cluster_and_moves_to_provisioning():
+    d = step(step({}).status)
+    assert d.phase == phases.PROVISIONING
+    assert phases.CreateCluster("demo-rc") in d.actions
+    assert cond.find(d.status, cond.CLUSTER_READY)["status"] == "False"
+
+
+def test_provisioning_recreates_a_missing_cluster_and_waits_for_ready():
+    status = step(step({}).status).status
+    d = step(status, cluster=ClusterView(exists=False))
+    assert d.actions == [phases.CreateCluster("demo-rc")]
+    d = step(status, cluster=ClusterView(exists=True, ready=False))
+    assert d.phase == phases.PROVISIONING and d.actions == []
+    d = step(status, cluster=READY)
+    assert d.phase == phases.SUBMITTING
+    assert d.status["dashboardURL"] == "http://head:8265"
+    assert cond.is_true(d.status, cond.CLUSTER_READY)
+
+
+def test_a_cluster_owned_by_someone_else_is_refused_with_a_condition_not_adopted():
+    status = step(step({}).status).status
+    d = step(status, cluster=ClusterView(exists=True, owned=False, ready=True))
+    assert d.phase == phases.PROVISIONING
+    assert "not owned" in d.status["message"]
+    assert cond.find(d.status, cond.CLUSTER_READY)["reason"] == "NotOwned"
+    assert not any(isinstance(a, (phases.CreateCluster, phases.DeleteCluster)) for a in d.actions)
+    # the same observation again does not repeat the Warning event
+    again = step(d.status, cluster=ClusterView(exists=True, owned=False, ready=True))
+    assert kinds(again) == []
+
+
+def test_provisioning_times_out_and_releases_the_slice():
+    status = step(step({}).status).status
+    problem = "0/4 nodes available: insufficient google.com/tpu"
+    late = T0 + timedelta(minutes=31)
+    d = step(status, now=late, cluster=ClusterView(exists=True, ready=False, problem=problem))
+    assert d.phase == phases.FAILED
+    assert problem in d.status["message"]
+    assert phases.DeleteCluster("demo-rc") in d.actions
+    assert cond.find(d.status, cond.FAILED)["reason"] == "ProvisioningTimeout"
+
+
+def test_submitting_submits_once_and_attaches_to_an_existing_job():
+    status = step(step(step({}).status).status, cluster=READY).status
+    d = step(status, cluster=READY, job=None)
+    assert d.actions == [phases.SubmitJob("tft-uid-1-1", 1)]
+    assert d.phase == phases.SUBMITTING
+    # after a restart the job exists already: attach, never submit again
+    d = step(status, cluster=READY, job=JobView("RUNNING"))
+    assert d.phase == phases.RUNNING
+    assert not any(isinstance(a, phases.SubmitJob) for a in d.actions)
+    assert cond.is_true(d.status, cond.JOB_SUBMITTED)
+
+
+def test_epoch_events_fill_metrics_history_and_progress():
+    status = running_status()
+    events = (
+        {"event": "epoch", "epoch": 1, "epochs": 2, "loss": 3.14159, "eval_loss": 3.2, "tokens_per_s": 1234.56, "epoch_time_s": 10.0},
+        {"event": "checkpoint", "epoch": 1, "uri": "gs://b/ckpt_1"},
+    )
+    d = step(status, cluster=READY, job=JobView("RUNNING"), events=events)
+    s = d.status
+    assert (s["epoch"], s["epochs"], s["epochProgress"]) == (1, 2, "1/2")
+    assert s["loss"] == 3.1416 and s["evalLoss"] == 3.2 and s["tokensPerSecond"] == 1234.6
+    assert s["checkpointURI"] == "gs://b/ckpt_1"
+    assert s["history"] == [
+        {"epoch": 1, "loss": 3.1416, "evalLoss": 3.2, "tokensPerSecond": 1234.6, "epochTimeSeconds": 10.0, "checkpointURI": "gs://b/ckpt_1"}
+    ]
+    # the same events again (a log replay after restart) change nothing
+    assert step(s, cluster=READY, job=JobView("RUNNING"), events=events).status["history"] == s["history"]
+
+
+def test_success_records_result_and_releases_the_cluster():
+    status = running_status()
+    events = (
+        {"event": "epoch", "epoch": 2, "epochs": 2, "loss": 2.5},
+        {"event": "result", "best_checkpoint_uri": "gs://b/best", "exported_model_uri": "gs://b/hf"},
+    )
+    d = step(status, cluster=READY, job=JobView("SUCCEEDED"), events=events)
+    assert d.phase == phases.SUCCEEDED
+    assert d.status["checkpointURI"] == "gs://b/best"
+    assert d.status["exportedModelURI"] == "gs://b/hf"
+    assert cond.is_true(d.status, cond.SUCCEEDED)
+    assert not cond.is_true(d.status, cond.RUNNING)
+    assert phases.DeleteCluster("demo-rc") in d.actions
+    assert "completionTime" in d.status
+
+
+def test_trainer_failure_event_becomes_the_message():
+    status = running_status()
+    events = ({"event": "failure", "type": "DatasetError", "message": "column 'response' missing"},)
+    d = step(status, cluster=READY, job=JobView("FAILED", "exit 1"), events=events)
+    assert d.phase == phases.FAILED
+    assert d.status["message"] == "DatasetError: column 'response' missing"
+    assert cond.find(d.status, cond.FAILED)["reason"] == "TrainerFailed"
+
+
+def test_failure_without_event_reads_the_log_tail_once():
+    status = running_status()
+    d = step(status, cluster=READY, job=JobView("FAILED", "Job entrypoint command failed"))
+    assert d.actions == [phases.ReadLogTail("tft-uid-1-1")]
+    assert d.phase == phases.RUNNING
+    d = step(status, cluster=READY, job=JobView("FAILED", "Job entrypoint command failed"), log_tail="Killed")
+    assert d.phase == phases.FAILED
+    assert "Killed" in d.status["message"]
+
+
+def test_retry_resubmits_with_the_next_deterministic_id():
+    plan = Plan(cluster_name="demo-rc", epochs=2, max_retries=1)
+    status = running_status()
+    failure = ({"event": "failure", "type": "RuntimeError", "message": "preempted"},)
+    d = step(status, plan=plan, cluster=READY, job=JobView("FAILED"), events=failure)
+    assert d.phase == phases.SUBMITTING
+    assert d.status["attempt"] == 2 and d.status["jobId"] == "tft-uid-1-2"
+    assert "trainerFailure" not in d.status
+    d = step(d.status, plan=plan, cluster=READY, job=None)
+    assert d.actions == [phases.SubmitJob("tft-uid-1-2", 2)]
+    # the second failure is final
+    d = step(step(d.status, plan=plan, cluster=READY, job=JobView("RUNNING")).status, plan=plan, cluster=READY, job=JobView("FAILED"), events=failure)
+    assert d.phase == phases.FAILED
+
+
+def test_a_job_stopped_outside_the_operator_fails_the_run():
+    d = step(running_status(), cluster=READY, job=JobView("STOPPED"))
+    assert d.phase == phases.FAILED
+    assert cond.find(d.status, cond.FAILED)["reason"] == "JobStopped"
+
+
+def test_invalid_spec_fails_with_the_reason_and_creates_nothing():
+    d = step({}, spec_error="spec.tpu.topology: '3x3' is not a valid v6e topology")
+    assert d.phase == phases.FAILED
+    assert "spec.tpu.topology" in d.status["message"]
+    assert not any(isinstance(a, (phases.CreateCluster, phases.SubmitJob)) for a in d.actions)
+
+
+def test_terminal_phase_keeps_releasing_until_the_cluster_is_gone():
+    done = step(running_status(), cluster=READY, job=JobView("SUCCEEDED")).status
+    assert step(done, cluster=READY).actions == [phases.DeleteCluster("demo-rc")]
+    assert step(done, cluster=ClusterView(exists=False)).actions == []
+
+
+@pytest.mark.parametrize("job,cluster,complete", [
+    (JobView("RUNNING"), READY, False),
+    (JobView("STOPPED"), READY, False),
+    (JobView("STOPPED"), ClusterView(exists=False), True),
+    (None, ClusterView(exists=True, owned=False), True),
+])
+def test_deletion_stops_the_job_and_deletes_the_cluster(job, cluster, complete):
+    d = step(running_status(), cluster=cluster, job=job, deleting=True)
+    assert d.phase == phases.DELETING
+    assert (phases.StopJob("tft-uid-1-1") in d.actions) == (job is not None and job.status == "RUNNING")
+    assert (phases.DeleteCluster("demo-rc") in d.actions) == (cluster.exists and cluster.owned)
+    assert phases.deletion_complete(Observations(now=T0, cluster=cluster, job=job, deleting=True)) == complete
+
+
+def test_condition_transition_time_only_moves_when_the_status_flips():
+    s = {}
+    cond.set_condition(s, cond.RUNNING, True, "A", "a", T0, 1)
+    cond.set_condition(s, cond.RUNNING, True, "B", "b", T0 + timedelta(hours=1), 1)
+    assert cond.find(s, cond.RUNNING)["lastTransitionTime"] == "2026-01-01T12:00:00Z"
+    cond.set_condition(s, cond.RUNNING, False, "C", "c", T0 + timedelta(hours=2), 1)
+    assert cond.find(s, cond.RUNNING)["lastTransitionTime"] == "2026-01-01T14:00:00Z"
