@@ -39,27 +39,38 @@ def status_patch(old: dict, new: dict) -> dict:
 class Run:
     """One resource's run. Holds the last status it wrote: the operator is its only writer."""
 
-    def __init__(self, body: dict, backend: ClusterBackend, jobs: RayJobs, settings: Settings):
-        meta = body["metadata"]
-        self.ident = Identity(meta["name"], meta.get("namespace", "default"), meta["uid"], int(meta.get("generation") or 1))
+    def __init__(self, body, backend: ClusterBackend, jobs: RayJobs, settings: Settings):
+        """`body` may be kopf's live view of the object: spec edits (suspend) are seen
+        on the next step without restarting the run."""
         self.body = body
         self.backend = backend
         self.jobs = jobs
         self.settings = settings
         self.status = dict(body.get("status") or {})
+        self.generation = None
+        self._refresh_spec()
+        self.follower: LogFollower | None = None
+        self.wake = asyncio.Event()
+
+    def _refresh_spec(self) -> None:
+        meta = self.body["metadata"]
+        generation = int(meta.get("generation") or 1)
+        if generation == self.generation:
+            return
+        self.generation = generation
+        self.ident = Identity(meta["name"], meta.get("namespace", "default"), meta["uid"], generation)
         self.spec, self.spec_error = None, ""
         try:
-            self.spec = parse_spec(body.get("spec") or {})
+            self.spec = parse_spec(dict(self.body.get("spec") or {}))
         except SpecError as error:
             self.spec_error = str(error)
         self.plan = Plan(
             cluster_name=raycluster_name(self.ident.name),
             epochs=int(self.spec.training.epochs) if self.spec else 0,
-            max_retries=int(getattr(self.spec, "max_retries", 0) or 0) if self.spec else 0,
-            provision_timeout=timedelta(seconds=settings.provision_timeout),
+            max_retries=self.spec.max_retries if self.spec else 0,
+            provision_timeout=timedelta(seconds=self.settings.provision_timeout),
+            suspended=bool(self.spec and self.spec.suspend),
         )
-        self.follower: LogFollower | None = None
-        self.wake = asyncio.Event()
 
     # ---- observations ----------------------------------------------------------------
 
@@ -67,7 +78,7 @@ class Run:
         now = datetime.now(timezone.utc)
         phase = self.status.get("phase", "")
         cluster = job = None
-        if self.status.get("rayClusterName") and (deleting or phase not in (phases.PENDING, "")):
+        if self.status.get("rayClusterName"):
             cluster = await self.backend.observe(self.ident, self.status["rayClusterName"])
         address = self.status.get("dashboardURL") or (cluster.dashboard_url if cluster else "")
         if address and phase in (phases.SUBMITTING, phases.RUNNING, phases.DELETING) and self.status.get("jobId"):
@@ -92,6 +103,7 @@ class Run:
     # ---- one step ---------------------------------------------------------------------
 
     async def step(self, deleting: bool = False) -> Decision:
+        self._refresh_spec()
         obs = await self.observe(deleting)
         decision = phases.transition(self.ident, self.plan, self.status, obs)
         # A failed job without a failure event: read the log tail once, then decide.
@@ -120,7 +132,11 @@ class Run:
             elif isinstance(action, phases.DeleteCluster):
                 await self.backend.delete(self.ident, action.name)
             elif isinstance(action, phases.SubmitJob):
-                submission = job_submission(self.ident.name, self.ident.namespace, self.ident.uid, self.spec, action.attempt)
+                # A retry resumes from the last checkpoint the previous attempt reported.
+                resume = self.status.get("checkpointURI") if action.attempt > 1 else None
+                submission = job_submission(
+                    self.ident.name, self.ident.namespace, self.ident.uid, self.spec, action.attempt, resume_from=resume
+                )
                 await asyncio.to_thread(
                     self.jobs.submit, self.status["dashboardURL"], action.submission_id,
                     submission.entrypoint, submission.runtime_env, submission.metadata,

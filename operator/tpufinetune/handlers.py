@@ -56,7 +56,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10)
 async def follow_run(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
-    run = Run(dict(body), memo.backend, memo.jobs, memo.settings)
+    run = Run(body, memo.backend, memo.jobs, memo.settings)  # the live view: sees edits
     key = (run.ident.namespace, run.ident.name)
     RUNS[key] = run
     try:
@@ -71,6 +71,14 @@ async def follow_run(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopp
 async def raycluster_changed(body: kopf.Body, **_) -> None:
     owner = (body.get("metadata", {}).get("labels") or {}).get(OWNER_LABEL)
     run = RUNS.get((body.get("metadata", {}).get("namespace"), owner))
+    if run is not None:
+        run.wake.set()
+
+
+@kopf.on.field(GROUP, VERSION, PLURAL, field="spec")
+async def spec_changed(body: kopf.Body, **_) -> None:
+    """An edit (e.g. spec.suspend) is acted on now, not at the next poll."""
+    run = RUNS.get((body["metadata"].get("namespace"), body["metadata"]["name"]))
     if run is not None:
         run.wake.set()
 

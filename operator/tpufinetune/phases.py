@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from tpufinetune import conditions as cond
+from tpufinetune.jobspec import submission_id
 from tpufinetune.runevents import apply_event
 
 PENDING = "Pending"
@@ -53,6 +54,7 @@ class Plan:
     epochs: int
     max_retries: int = 0
     provision_timeout: timedelta = timedelta(minutes=30)
+    suspended: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,12 +131,6 @@ class Decision:
         return self.status.get("phase", "")
 
 
-def submission_id(uid: str, attempt: int) -> str:
-    """Deterministic Ray submission id: the same resource and attempt always map to the
-    same id, so a restarted operator re-attaches instead of submitting twice."""
-    return f"tft-{uid}-{attempt}"
-
-
 # ---- the transition --------------------------------------------------------------------
 
 
@@ -148,6 +144,11 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
         _deleting(ident, new, obs, decision)
     elif phase in TERMINAL:
         _terminal(new, obs, decision)
+    elif obs.spec_error and phase in (PENDING, PROVISIONING, SUBMITTING):
+        # An edit made the spec invalid before the job started: nothing to run.
+        _fail(new, obs, decision, ident, "InvalidSpec", obs.spec_error)
+    elif plan.suspended and phase:
+        _suspended(ident, new, obs, decision)
     else:
         STEPS.get(phase, _start)(ident, plan, new, obs, decision)
     new["observedGeneration"] = ident.generation
@@ -248,6 +249,26 @@ def _retry(ident: Identity, s: dict, obs: Observations, d: Decision, message: st
     s["jobId"] = submission_id(ident.uid, attempt)
     cond.set_condition(s, cond.RUNNING, False, "Retrying", message, obs.now, ident.generation)
     _enter(s, d, SUBMITTING, "Retrying", f"attempt {attempt - 1} failed ({message}); resubmitting as {s['jobId']}", warn=True)
+
+
+def _suspended(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
+    """spec.suspend: no RayCluster exists while it is true. A running job is stopped and
+    the next attempt (resuming from the last checkpoint) starts once it is false again."""
+    if s["phase"] in (SUBMITTING, RUNNING):
+        if obs.job is not None and obs.job.status in JOB_ACTIVE:
+            d.actions.append(StopJob(s["jobId"]))
+        attempt = int(s["attempt"]) + (1 if obs.job is not None else 0)
+        s.update(attempt=attempt, jobId=submission_id(ident.uid, attempt))
+        for type_ in (cond.JOB_SUBMITTED, cond.RUNNING):
+            if cond.find(s, type_):
+                cond.set_condition(s, type_, False, "Suspended", "spec.suspend is true", obs.now, ident.generation)
+    if s["phase"] != PENDING:
+        cond.set_condition(s, cond.CLUSTER_READY, False, "Suspended", "spec.suspend is true", obs.now, ident.generation)
+        _enter(s, d, PENDING, "Suspended", "suspended: the slice is released until spec.suspend is false")
+    else:
+        s["message"] = "suspended: no RayCluster is created until spec.suspend is false"
+    if obs.cluster is not None and obs.cluster.exists and obs.cluster.owned:
+        d.actions.append(DeleteCluster(s["rayClusterName"]))
 
 
 def _terminal(s: dict, obs: Observations, d: Decision) -> None:

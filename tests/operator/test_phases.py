@@ -205,3 +205,28 @@ def test_condition_transition_time_only_moves_when_the_status_flips():
     assert cond.find(s, cond.RUNNING)["lastTransitionTime"] == "2026-01-01T12:00:00Z"
     cond.set_condition(s, cond.RUNNING, False, "C", "c", T0 + timedelta(hours=2), 1)
     assert cond.find(s, cond.RUNNING)["lastTransitionTime"] == "2026-01-01T14:00:00Z"
+
+
+def test_suspend_before_provisioning_creates_nothing_until_resumed():
+    suspended = Plan(cluster_name="demo-rc", epochs=2, suspended=True)
+    d = step(step({}, plan=suspended).status, plan=suspended, cluster=ClusterView(exists=False))
+    assert d.phase == phases.PENDING and "suspended" in d.status["message"]
+    assert not any(isinstance(a, phases.CreateCluster) for a in d.actions)
+    assert step(d.status, cluster=ClusterView(exists=False)).actions[0] == phases.CreateCluster("demo-rc")
+
+
+def test_suspend_mid_run_stops_the_job_releases_the_slice_and_reserves_the_next_attempt():
+    suspended = Plan(cluster_name="demo-rc", epochs=2, suspended=True)
+    d = step(running_status(), plan=suspended, cluster=READY, job=JobView("RUNNING"))
+    assert d.phase == phases.PENDING
+    assert phases.StopJob("tft-uid-1-1") in d.actions
+    assert phases.DeleteCluster("demo-rc") in d.actions
+    assert d.status["jobId"] == "tft-uid-1-2"
+    assert cond.find(d.status, cond.CLUSTER_READY)["reason"] == "Suspended"
+
+
+def test_a_spec_made_invalid_before_submission_fails_and_releases():
+    status = step(step({}).status).status
+    d = step(status, cluster=ClusterView(exists=True), spec_error="spec.tpu.slices: must be 1 for finetune")
+    assert d.phase == phases.FAILED
+    assert phases.DeleteCluster("demo-rc") in d.actions

@@ -1,0 +1,44 @@
+"""`tpufinetune operator`: start the kopf operator with the handlers in handlers.py.
+
+Liveness: kopf serves `GET /healthz` on --liveness (default http://0.0.0.0:8080/healthz).
+Peering: off by default (`--standalone`); run one replica, or pass --peering NAME with the
+kopf peering CRD installed to run several with one active.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", action="append", default=[],
+                        help="watch only this namespace (repeatable); default: all (or $TPUFT_NAMESPACE)")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                        help="liveness endpoint URL; empty to disable")
+    parser.add_argument("--peering", default="", help="kopf peering name; empty runs standalone")
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--json-logs", action="store_true", help="log JSON lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import kopf
+
+    from tpufinetune import handlers  # noqa: F401  (registers the handlers)
+
+    namespaces = args.namespace or ([os.environ["TPUFT_NAMESPACE"]] if os.environ.get("TPUFT_NAMESPACE") else [])
+    kopf.configure(
+        verbose=args.verbose,
+        log_format=kopf.LogFormat.JSON if args.json_logs else kopf.LogFormat.FULL,
+    )
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    asyncio.run(kopf.operator(
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=not args.peering,
+        peering_name=args.peering or None,
+        liveness_endpoint=args.liveness or None,
+    ))
+    return 0
