@@ -6,6 +6,7 @@ and the `x-kubernetes-validations` attached to the models are the admission-time
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
@@ -212,7 +213,8 @@ def _spec_error(exc: ValidationError) -> SpecError:
         return SpecError(path, "unknown field")
     if kind == "literal_error":
         return SpecError(path, f'"{given}" is not valid; expected {first["ctx"]["expected"]}')
-    message = first["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+    message = re.sub(r"^(Input|String|Dictionary|List) should", "must",
+                     first["msg"].removeprefix("Value error, "))
     if given is not None and kind != "value_error" and not isinstance(given, (dict, list)):
         message += f" (got {given!r})"
     return SpecError(path, message)

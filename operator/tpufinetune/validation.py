@@ -126,11 +126,11 @@ def spec_rules() -> list[dict]:
 def resources_rules() -> list[dict]:
     """CEL rules on a head/workers `resources` override."""
     return [{
-        "rule": (f"(!has(self.requests) || !('{g.TPU_RESOURCE}' in self.requests)) && "
-                 f"(!has(self.limits) || !('{g.TPU_RESOURCE}' in self.limits))"),
+        "rule": f"!has(self.{side}) || !('{g.TPU_RESOURCE}' in self.{side})",
         "message": TPU_OVERRIDE_MESSAGE,
+        "fieldPath": f".{side}",
         "reason": "FieldValueForbidden",
-    }]
+    } for side in ("requests", "limits")]
 
 
 def check_spec(spec: TPUFineTuneSpec) -> None:

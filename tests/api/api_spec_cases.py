@@ -1,0 +1,109 @@
+"""Specs shared by the pure validation tests and the admission tests, so one list proves
+that `parse_spec` and the apiserver (schema + CEL) refuse the same things."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from tpufinetune import validation
+
+IMAGE = "us-docker.pkg.dev/my-project/ray-torchtpu/ray-torchtpu:latest"
+V6E_VALID = "1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16"
+V7X_VALID = ("2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, 4x4x8, 4x8x8, 8x8x8, 8x8x16, 8x16x16, "
+             "16x16x16, 16x16x24")
+
+
+def base_spec() -> dict:
+    """A valid finetune spec for v6e 4x4."""
+    return {
+        "tpu": {"generation": "v6e", "topology": "4x4"},
+        "image": IMAGE,
+        "checkpoint": {"storagePath": "gs://my-bucket/ray_train_torchtpu"},
+    }
+
+
+def spec_with(**changes: object) -> dict:
+    """base_spec() with dotted-path changes; a value of None deletes the key."""
+    spec = base_spec()
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = spec
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = copy.deepcopy(value)
+    return spec
+
+
+@dataclass(frozen=True)
+class Invalid:
+    id: str
+    spec: dict
+    field: str
+    message: str
+    """parse_spec's message. For CEL twins (admission=None) the apiserver prints exactly
+    this text too; otherwise `admission` is the apiserver's own phrase."""
+    admission: str | None = None
+    python_exact: bool = field(default=True)
+
+
+INVALID: list[Invalid] = [
+    # CEL twins: the apiserver and parse_spec print the same message.
+    Invalid("v6e-3x3", spec_with(tpu__topology="3x3"), "spec.tpu.topology",
+            f'"3x3" is not a valid v6e topology; valid: {V6E_VALID}'),
+    Invalid("trillium-3d-shape", spec_with(tpu__generation="trillium", tpu__topology="2x2x2"),
+            "spec.tpu.topology", f'"2x2x2" is not a valid v6e topology; valid: {V6E_VALID}'),
+    Invalid("ironwood-2d-shape", spec_with(tpu__generation="ironwood", tpu__topology="4x4"),
+            "spec.tpu.topology", f'"4x4" is not a valid v7x topology; valid: {V7X_VALID}'),
+    Invalid("cpu-zero-workers", spec_with(tpu__generation="cpu", tpu__topology="0"),
+            "spec.tpu.topology",
+            '"0" is not a valid cpu topology; use a worker count from 1 to 64'),
+    Invalid("cpu-2d-shape", spec_with(tpu__generation="cpu", tpu__topology="2x2"),
+            "spec.tpu.topology",
+            '"2x2" is not a valid cpu topology; use a worker count from 1 to 64'),
+    Invalid("chips-per-host-8-on-4x4", spec_with(tpu__chipsPerHost=8),
+            "spec.tpu.chipsPerHost", "8 does not fit a v6e 4x4 slice; valid: 4"),
+    Invalid("chips-per-host-1-on-2x4", spec_with(tpu__topology="2x4", tpu__chipsPerHost=1),
+            "spec.tpu.chipsPerHost", "1 does not fit a v6e 2x4 slice; valid: 4, 8"),
+    Invalid("chips-per-host-on-cpu",
+            spec_with(tpu__generation="cpu", tpu__topology="2", tpu__chipsPerHost=4),
+            "spec.tpu.chipsPerHost", "applies to TPU generations only; remove it for cpu"),
+    Invalid("finetune-two-slices", spec_with(tpu__slices=2), "spec.tpu.slices",
+            validation.SLICES_MESSAGE),
+    Invalid("finetune-without-storage", spec_with(checkpoint=None),
+            "spec.checkpoint.storagePath", validation.STORAGE_MESSAGE),
+    Invalid("tpu-in-worker-overrides",
+            spec_with(workers={"resources": {"limits": {"google.com/tpu": 8}}}),
+            "spec.workers.resources.limits", validation.TPU_OVERRIDE_MESSAGE),
+    # Schema checks: same field refused, each side in its own words.
+    Invalid("unknown-generation", spec_with(tpu__generation="v9"), "spec.tpu.generation",
+            '"v9" is not valid', admission='Unsupported value: "v9"', python_exact=False),
+    Invalid("unknown-mode", spec_with(mode="train"), "spec.mode", '"train" is not valid',
+            admission='Unsupported value: "train"', python_exact=False),
+    Invalid("zero-epochs", spec_with(training={"epochs": 0}), "spec.training.epochs",
+            "must be greater than or equal to 1",
+            admission="should be greater than or equal to 1", python_exact=False),
+    Invalid("zero-learning-rate", spec_with(training={"learningRate": 0}),
+            "spec.training.learningRate", "must be greater than 0",
+            admission="should be greater than 0", python_exact=False),
+    Invalid("zero-slices", spec_with(mode="collectives", tpu__slices=0), "spec.tpu.slices",
+            "must be greater than or equal to 1",
+            admission="should be greater than or equal to 1", python_exact=False),
+    Invalid("missing-image", spec_with(image=None), "spec.image", "is required",
+            admission="Required value"),
+    Invalid("bad-quantity", spec_with(workers={"resources": {"requests": {"cpu": "lots"}}}),
+            "spec.workers.resources.requests.cpu", '"lots" is not a Kubernetes quantity',
+            admission="should match", python_exact=False),
+    Invalid("bad-secret-name",
+            spec_with(model={"tokenSecret": {"name": "HF_Secret", "key": "token"}}),
+            "spec.model.tokenSecret.name", "must match pattern",
+            admission="should match", python_exact=False),
+    Invalid("bad-score-order", spec_with(checkpoint={"storagePath": "gs://b/p",
+                                                     "scoreOrder": "lowest"}),
+            "spec.checkpoint.scoreOrder", '"lowest" is not valid',
+            admission='Unsupported value: "lowest"', python_exact=False),
+    Invalid("unknown-field", spec_with(epochs=3), "spec.epochs", "unknown field",
+            admission='unknown field "spec.epochs"'),
+]

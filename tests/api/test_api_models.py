@@ -1,0 +1,116 @@
+"""parse_spec: defaults, accepted names, and one-line refusals naming the field."""
+from __future__ import annotations
+
+import pytest
+from api_spec_cases import INVALID, base_spec, spec_with
+
+from tpufinetune import api
+from tpufinetune.api import TPUFineTuneSpec, parse_spec
+from tpufinetune.errors import SpecError
+from tpufinetune.generations import ALL_GENERATION_NAMES
+from tpufinetune.status import TPUFineTuneStatus
+
+
+def test_api_identity_constants():
+    assert (api.GROUP, api.VERSION, api.KIND, api.PLURAL) == (
+        "tpufinetune.dev", "v1alpha1", "TPUFineTune", "tpufinetunes")
+    assert api.API_VERSION == "tpufinetune.dev/v1alpha1"
+
+
+def test_minimal_spec_gets_the_tutorial_defaults():
+    spec = parse_spec(base_spec())
+    assert spec.mode == "finetune"
+    assert spec.tpu.slices == 1 and spec.tpu.chips_per_host is None
+    assert spec.tpu.spot is False and spec.tpu.reservation is None
+    assert spec.model.id == "google/gemma-4-E2B-it" and spec.model.token_secret is None
+    assert (spec.dataset.id, spec.dataset.split) == ("databricks/databricks-dolly-15k",
+                                                     "train[:1024]")
+    training = spec.training
+    assert (training.epochs, training.batch_size_per_device, training.max_seq_len) == (3, 4, 512)
+    assert (training.learning_rate, training.weight_decay, training.seed) == (2e-5, 0.01, 42)
+    assert training.eval_fraction == 0.0
+    checkpoint = spec.checkpoint
+    assert (checkpoint.keep, checkpoint.score_attribute, checkpoint.score_order) == (
+        1, "loss", "min")
+    assert spec.ray_version == "2.60.0"
+    assert spec.max_retries == 0 and spec.suspend is False
+
+
+@pytest.mark.parametrize("name", ALL_GENERATION_NAMES)
+def test_every_generation_name_users_type_is_accepted_and_kept_as_written(name):
+    topology = {"v5e": "2x2", "v5litepod": "2x2", "v6e": "2x2", "trillium": "2x2",
+                "cpu": "2"}.get(name, "2x2x1")
+    spec = parse_spec(spec_with(tpu__generation=name, tpu__topology=topology))
+    # The operator never rewrites spec (GitOps drift): the alias survives parsing.
+    assert spec.tpu.generation == name
+
+
+def test_snake_case_field_names_are_accepted_too():
+    spec = parse_spec({"tpu": {"generation": "v6e", "topology": "4x4", "chips_per_host": 4},
+                       "image": "img", "checkpoint": {"storage_path": "/mnt/shared"}})
+    assert spec.tpu.chips_per_host == 4 and spec.checkpoint.storage_path == "/mnt/shared"
+
+
+def test_collectives_needs_no_storage_path_and_may_span_slices():
+    spec = parse_spec(spec_with(mode="collectives", checkpoint=None, tpu__slices=4))
+    assert spec.tpu.slices == 4 and spec.checkpoint.storage_path is None
+
+
+def test_yaml_numbers_are_accepted_as_quantities():
+    spec = parse_spec(spec_with(workers={"resources": {"requests": {"cpu": 32},
+                                                       "limits": {"cpu": "32"}}}))
+    assert spec.workers.resources.requests == {"cpu": "32"}
+
+
+@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
+def test_invalid_spec_is_refused_with_the_field_named(case):
+    with pytest.raises(SpecError) as caught:
+        parse_spec(case.spec)
+    error = caught.value
+    assert error.field == case.field
+    if case.python_exact:
+        assert error.message == case.message
+    else:
+        assert case.message in error.message
+    assert str(error) == f"{error.field}: {error.message}" and "\n" not in str(error)
+
+
+def test_request_above_the_default_limit_is_refused():
+    with pytest.raises(SpecError) as caught:
+        parse_spec(spec_with(workers={"resources": {"requests": {"cpu": 100}}}))
+    assert str(caught.value) == "spec.workers.resources.requests.cpu: 100 exceeds the limit 64"
+
+
+def test_memory_limit_that_cannot_hold_dev_shm_is_refused():
+    with pytest.raises(SpecError) as caught:
+        parse_spec(spec_with(workers={"resources": {"requests": {"memory": "64Gi"},
+                                                    "limits": {"memory": "64Gi"}}}))
+    assert caught.value.field == "spec.workers.resources.limits.memory"
+    assert "100Gi /dev/shm" in caught.value.message
+
+
+def test_spec_must_be_a_mapping():
+    with pytest.raises(SpecError, match="^spec: must be a mapping$"):
+        parse_spec(["not", "a", "mapping"])
+
+
+def test_direct_construction_runs_the_same_cross_field_rules():
+    with pytest.raises(ValueError, match="spec.tpu.slices"):
+        TPUFineTuneSpec.model_validate(spec_with(tpu__slices=2))
+
+
+def test_status_dumps_with_the_crd_field_names():
+    status = TPUFineTuneStatus(phase="Running", epoch=2, epochs=3, epoch_progress="2/3",
+                               checkpoint_uri="gs://b/c", dashboard_url="http://h:8265",
+                               history=[{"epoch": 1, "loss": 3.14, "checkpointURI": "gs://b/1"}])
+    dumped = status.model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert dumped == {
+        "phase": "Running", "epoch": 2, "epochs": 3, "epochProgress": "2/3",
+        "checkpointURI": "gs://b/c", "dashboardURL": "http://h:8265",
+        "history": [{"epoch": 1, "loss": 3.14, "checkpointURI": "gs://b/1"}],
+    }
+
+
+def test_status_read_back_ignores_fields_it_does_not_know():
+    status = TPUFineTuneStatus.model_validate({"phase": "Pending", "kopf": {"progress": {}}})
+    assert status.phase == "Pending"

@@ -1,0 +1,104 @@
+"""`tpufinetune render FILE`: YAML out on success; exit 2 and one stderr line naming the
+field otherwise."""
+from __future__ import annotations
+
+import io
+import shlex
+
+import pytest
+import yaml
+from api_spec_cases import INVALID, base_spec, spec_with
+
+from tpufinetune import cli
+from tpufinetune.render import PLACEHOLDER_UID
+
+UID = "6f1c2a7e-0b1d-4c55-9a57-3c1e0d2b8f10"
+
+
+def resource(name: str, spec: dict, **metadata: str) -> dict:
+    return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune",
+            "metadata": {"name": name, **metadata}, "spec": spec}
+
+
+def run(tmp_path, capsys, *documents: object, text: str | None = None):
+    path = tmp_path / "run.yaml"
+    path.write_text(text if text is not None else yaml.safe_dump_all(documents))
+    code = cli.main(["render", str(path)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_renders_raycluster_and_job_for_each_resource(tmp_path, capsys):
+    code, out, err = run(tmp_path, capsys,
+                         resource("a", base_spec(), namespace="ml", uid=UID),
+                         resource("b", spec_with(mode="collectives", checkpoint=None,
+                                                 tpu={"generation": "v7x", "topology": "2x2x2"})))
+    assert (code, err) == (0, "")
+    docs = list(yaml.safe_load_all(out))
+    assert [d.get("kind", "job") for d in docs] == ["RayCluster", "job", "RayCluster", "job"]
+    cluster, job = docs[0], docs[1]["rayJobSubmission"]
+    assert cluster["metadata"]["name"] == "tft-a" and cluster["metadata"]["namespace"] == "ml"
+    assert cluster["metadata"]["ownerReferences"][0]["uid"] == UID
+    assert job["submissionId"] == f"tft-{UID}-1"
+    assert shlex.split(job["entrypoint"]) == job["entrypointArgv"]
+    assert job["entrypointArgv"][:2] == ["tpufinetune-train", "finetune"]
+    assert docs[3]["rayJobSubmission"]["entrypointArgv"][:2] == ["tpufinetune-train",
+                                                                 "collectives"]
+    assert docs[2]["metadata"]["namespace"] == "default"
+
+
+def test_absent_uid_uses_the_placeholder_and_says_so(tmp_path, capsys):
+    code, out, _ = run(tmp_path, capsys, resource("a", base_spec()))
+    assert code == 0
+    assert f"# metadata.uid is absent: placeholder {PLACEHOLDER_UID}" in out
+    docs = list(yaml.safe_load_all(out))
+    assert docs[0]["metadata"]["ownerReferences"][0]["uid"] == PLACEHOLDER_UID
+    assert docs[1]["rayJobSubmission"]["submissionId"] == f"tft-{PLACEHOLDER_UID}-1"
+
+
+@pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
+def test_invalid_spec_exits_2_with_one_line_naming_the_field(tmp_path, capsys, case):
+    code, out, err = run(tmp_path, capsys, resource("bad", case.spec))
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f'TPUFineTune "bad": {case.field}: ' in err
+    assert case.message in err
+
+
+def test_nothing_is_printed_when_a_later_document_is_invalid(tmp_path, capsys):
+    code, out, err = run(tmp_path, capsys, resource("good", base_spec()),
+                         resource("bad", spec_with(tpu__topology="3x3")))
+    assert code == 2 and out == "" and "spec.tpu.topology" in err
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("kind: Deployment\napiVersion: apps/v1\nmetadata: {name: x}\n", "expected apiVersion"),
+    ("apiVersion: tpufinetune.dev/v1alpha1\nkind: TPUFineTune\nmetadata: {name: Bad_Name}\n",
+     "metadata.name"),
+    ("a: [unclosed\n", "not valid YAML"),
+    ("", "no YAML documents"),
+    ("- just\n- a list\n", "not a mapping"),
+])
+def test_input_that_is_not_a_tpufinetune_is_refused_in_one_line(tmp_path, capsys, text,
+                                                                 expected):
+    code, out, err = run(tmp_path, capsys, text=text)
+    assert code == 2 and out == "" and err.count("\n") == 1 and expected in err
+
+
+def test_missing_file_is_one_line(tmp_path, capsys):
+    assert cli.main(["render", str(tmp_path / "absent.yaml")]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "absent.yaml" in err
+
+
+def test_reads_stdin_with_dash(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO(yaml.safe_dump(resource("s", base_spec()))))
+    assert cli.main(["render", "-"]) == 0
+    assert "tft-s" in capsys.readouterr().out
+
+
+def test_subcommands_come_from_one_table():
+    assert "render" in [c.name for c in cli.SUBCOMMANDS]
+    with pytest.raises(SystemExit) as caught:
+        cli.main([])
+    assert caught.value.code == 2
