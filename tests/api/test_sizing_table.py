@@ -3,6 +3,7 @@ schema and the KubeRay TPU webhook's rule for every shape."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from api_spec_cases import spec_with
@@ -211,3 +212,15 @@ def test_raycluster_names_do_not_collide():
     assert raycluster_name("demo") == "tft-demo"
     names = ["a.b", "a-b", "x" * 60, "x" * 61, "x" * 59 + "y"]
     assert len({raycluster_name(n) for n in names}) == len(names)
+
+
+def test_docs_sizing_table_matches_the_generation_table():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    for gen in g.GENERATIONS:
+        for m in gen.machines:
+            topologies = ", ".join(sorted(m.topologies, key=g.topology_sort_key))
+            row = (f"| {gen.name} ({', '.join(gen.aliases)}) | `{gen.accelerator_label}` | "
+                   f"`{m.machine_type}` | {m.chips_per_host} | {topologies} | "
+                   f"{m.worker_cpu} / {m.worker_memory} / {m.shm_size} | "
+                   f"{m.chips_per_host * gen.devices_per_chip} |")
+            assert row in docs, f"docs/api.md sizing table is out of date: {row}"
