@@ -1,4 +1,6 @@
-"""Generate the TPUFineTune CRD from the pydantic models: `python -m tpufinetune.crdgen --out crds/`.
+"""Generate the TPUFineTune CRD from the pydantic models (`make crds`).
+
+Usage: `python -m tpufinetune.crdgen --out crds/`.
 
 Pydantic's JSON Schema is rewritten into a Kubernetes structural schema: references
 inlined, optional (`X | None`) collapsed to `X`, titles and `additionalProperties: false`

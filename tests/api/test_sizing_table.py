@@ -111,8 +111,9 @@ def test_invalid_shape_message_lists_every_valid_shape(gen):
 
 
 def test_generation_facts_match_the_design_table():
-    facts = {x.name: (x.accelerator_label, x.machines[0].machine_type, x.machines[0].chips_per_host,
-                      x.dimensions, x.devices_per_chip) for x in g.GENERATIONS if x.is_tpu}
+    facts = {x.name: (x.accelerator_label, x.machines[0].machine_type,
+                      x.machines[0].chips_per_host, x.dimensions, x.devices_per_chip)
+             for x in g.GENERATIONS if x.is_tpu}
     assert facts == {
         "v4": ("tpu-v4-podslice", "ct4p-hightpu-4t", 4, 3, 1),
         "v5e": ("tpu-v5-lite-podslice", "ct5lp-hightpu-4t", 4, 2, 1),
