@@ -1,0 +1,81 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) and the Hugging Face export.
+
+Each rank writes only its own shards (``__<rank>_0.distcp``) into a local directory and
+hands it to ``ray.train.report``; Ray merges every rank's files into one checkpoint
+directory in storage. Rank 0 adds the DCP ``.metadata`` and ``trainer_state.json``. No
+rank ever holds the whole model while checkpointing. The frozen per-layer embeddings
+are left out: they never change, and a reload starts from the base model that has them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+STATE_FILE = "trainer_state.json"
+_SHARDED = StateDictOptions(ignore_frozen_params=True)
+
+
+def save_sharded(model, optimizer, directory: str, trainer_state: dict) -> None:
+    """Collective: every rank calls it with its own (local) directory."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    if dist.get_rank() == 0:
+        Path(directory, STATE_FILE).write_text(json.dumps(trainer_state))
+
+
+def load_sharded(model, optimizer, directory: str) -> dict:
+    """Collective: load model (and optimizer, if given) shards in place; returns trainer state."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED) if optimizer is not None else (
+        get_model_state_dict(model, options=_SHARDED), None)
+    state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}), options=_SHARDED) if optimizer is not None else \
+        set_state_dict(model, (), model_state_dict=state["model"], optim_state_dict={}, options=_SHARDED)
+    return read_trainer_state(directory)
+
+
+def read_trainer_state(directory: str) -> dict:
+    path = Path(directory, STATE_FILE)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def export_hf(model, tokenizer, destination: str) -> None:
+    """Collective: gather the full model on rank 0 (once, at the end) and write a
+    `from_pretrained`-loadable directory (safetensors) to `destination` (path or URI)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        with tempfile.TemporaryDirectory(prefix="tpuft-export-") as tmp:
+            model.save_pretrained(tmp, state_dict=full)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            upload_dir(tmp, destination)
+    del full
+    dist.barrier()
+
+
+def upload_dir(local: str, destination: str) -> None:
+    """Copy a local directory to a path or URI (gs://, s3://, file system path)."""
+    import pyarrow.fs as pafs
+
+    fs, path = pafs.FileSystem.from_uri(destination) if "://" in destination else (
+        pafs.LocalFileSystem(), os.path.abspath(destination))
+    fs.create_dir(path, recursive=True)
+    pafs.copy_files(local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+
+def join_uri(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *[p.strip("/") for p in parts]])

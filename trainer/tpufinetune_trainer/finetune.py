@@ -1,0 +1,114 @@
+"""`finetune` driver: check everything cheap first, prepare the data once, run Ray Train.
+
+Every input problem is found here, before a slice is reserved, and ends the run with a
+`failure` event and a non-zero exit (see cli.py): a missing model or dataset, missing
+columns, an empty split, over-long prompts, unwritable storage, a worker count the slice
+or the cluster cannot hold.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from . import backends
+from .config import FinetuneConfig
+from .data import prepare
+from .errors import ConfigError, StorageError
+from .model import load_config, load_tokenizer
+
+
+def check_storage(storage_path: str, run_name: str) -> None:
+    """Write and delete a probe file where checkpoints will go."""
+    import pyarrow.fs as pafs
+
+    try:
+        if "://" in storage_path:
+            fs, root = pafs.FileSystem.from_uri(storage_path)
+        else:
+            fs, root = pafs.LocalFileSystem(), storage_path
+        run_dir = f"{root.rstrip('/')}/{run_name}"
+        fs.create_dir(run_dir, recursive=True)
+        probe = f"{run_dir}/.tpuft-write-probe-{uuid.uuid4().hex}"
+        with fs.open_output_stream(probe) as f:
+            f.write(b"ok")
+        fs.delete_file(probe)
+    except Exception as exc:
+        raise StorageError(f"--storage-path {storage_path} is not writable: {type(exc).__name__}: {exc}") from exc
+
+
+def check_resume_from(uri: str) -> None:
+    import pyarrow.fs as pafs
+
+    fs, path = pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), uri)
+    try:
+        info = fs.get_file_info(f"{path.rstrip('/')}/.metadata")
+    except Exception as exc:
+        raise ConfigError(f"--resume-from {uri}: cannot read it: {exc}") from exc
+    if info.type != pafs.FileType.File:
+        raise ConfigError(f"--resume-from {uri} is not a checkpoint of this trainer (no DCP .metadata)")
+
+
+def check_cluster_fits(backend: backends.Backend, num_workers: int, resources: dict) -> None:
+    """Fail now rather than wait forever for workers the cluster can never place."""
+    need = {"CPU": float(num_workers)}
+    if backend.ray_resource:
+        need[backend.ray_resource] = float(num_workers)
+    if backend.name == "tpu":
+        need.pop("CPU")
+    short = {k: (v, resources.get(k, 0.0)) for k, v in need.items() if resources.get(k, 0.0) < v}
+    if short:
+        detail = ", ".join(f"{k}: need {v:g}, cluster has {have:g}" for k, (v, have) in short.items())
+        raise ConfigError(f"the Ray cluster cannot hold --num-workers {num_workers} ({detail})")
+
+
+def run(cfg: FinetuneConfig) -> int:
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    from ray.train.torch import TorchTrainer
+
+    from .train import quiet_progress_bars, train_func
+
+    quiet_progress_bars()
+    cfg.validate()
+    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+    backend = backends.resolve(cfg.device, ray.cluster_resources())
+    scaling = backends.scaling_config(backend, cfg.num_workers, cfg.topology, cfg.accelerator_type)
+    check_cluster_fits(backend, cfg.num_workers, ray.cluster_resources())
+    check_storage(cfg.storage_path, cfg.run_name)
+    if cfg.resume_from:
+        check_resume_from(cfg.resume_from)
+    load_config(cfg.model_id)
+    tokenizer = load_tokenizer(cfg.model_id)
+    data = prepare(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction, cfg.seed,
+                   cfg.long_prompts)
+    global_batch = cfg.num_workers * cfg.batch_size_per_device
+    if len(data.train) < global_batch:
+        raise ConfigError(f"{data.examples} training examples pack into {len(data.train)} blocks of "
+                          f"{cfg.max_seq_len} tokens, fewer than one global batch ({cfg.num_workers} workers x "
+                          f"--batch-size-per-device {cfg.batch_size_per_device}); use more data or smaller batches")
+    print(f"Starting Ray Train FSDP2 SFT job: model={cfg.model_id}, topology={cfg.topology}, "
+          f"accelerator_type={cfg.accelerator_type}, num_workers={cfg.num_workers}, backend={backend.name}", flush=True)
+    print(f"Data: {data.examples} train / {data.eval_examples} eval examples packed into {len(data.train)} / "
+          f"{len(data.eval) if data.eval else 0} blocks of {cfg.max_seq_len} tokens "
+          f"({data.skipped_long_prompts} skipped for long prompts, {data.truncated} responses truncated)", flush=True)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    data_ref = ray.put({"train": data.train, "eval": data.eval, "pad_id": pad_id})
+    trainer = TorchTrainer(
+        train_loop_per_worker=train_func,
+        train_loop_config={"cfg": cfg.to_dict(), "backend": backend.name, "data": data_ref},
+        torch_config=backends.torch_config(backend),
+        scaling_config=scaling,
+        run_config=RunConfig(
+            name=cfg.run_name,
+            storage_path=cfg.storage_path,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints,
+                                               checkpoint_score_attribute=cfg.checkpoint_score_attribute,
+                                               checkpoint_score_order=cfg.checkpoint_score_order),
+            failure_config=FailureConfig(max_failures=0),
+        ),
+    )
+    result = trainer.fit()
+    print(f"Training completed! Final metrics: {result.metrics}", flush=True)
+    print(f"Saved checkpoint: {result.checkpoint}", flush=True)
+    return 0

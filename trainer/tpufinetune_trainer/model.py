@@ -1,0 +1,99 @@
+"""Loading a causal LM (hub id or local directory), with the tutorial's Gemma 4 handling."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from .errors import ModelError
+
+# Multimodal sub-configs a text fine-tune does not need (Gemma 4 has both).
+_TOWER_CONFIGS = ("vision_config", "audio_config")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Loading a text-only view of a multimodal checkpoint prints a table of every
+    dropped tower weight; keep job logs readable."""
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+
+
+def _check_local(model_id: str) -> None:
+    path = Path(model_id).expanduser()
+    looks_local = model_id.startswith(("/", "./", "../", "~")) or path.exists()
+    if looks_local and not (path / "config.json").is_file():
+        raise ModelError(f"--model-id {model_id}: no model directory there (no config.json)")
+
+
+def load_config(model_id: str):
+    from transformers import AutoConfig
+
+    _check_local(model_id)
+    try:
+        return AutoConfig.from_pretrained(model_id)
+    except Exception as exc:
+        raise ModelError(f"cannot load the config of --model-id {model_id}: {type(exc).__name__}: {exc}") from exc
+
+
+def load_tokenizer(model_id: str):
+    from transformers import AutoTokenizer
+
+    _check_local(model_id)
+    try:
+        return AutoTokenizer.from_pretrained(model_id)
+    except Exception as exc:
+        raise ModelError(f"cannot load the tokenizer of --model-id {model_id}: {type(exc).__name__}: {exc}") from exc
+
+
+def text_only_kwargs(config) -> dict:
+    """Drop vision/audio towers at load time (the tutorial's vision_config=None, audio_config=None)."""
+    return {name: None for name in _TOWER_CONFIGS if getattr(config, name, None) is not None}
+
+
+def load_causal_lm(model_id: str, dtype, attn_implementation: str):
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(model_id)
+    try:
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                model_id, dtype=dtype, attn_implementation=attn_implementation, **text_only_kwargs(config))
+    except Exception as exc:
+        raise ModelError(f"cannot load --model-id {model_id} as a causal LM: {type(exc).__name__}: {exc}") from exc
+    model.config.get_text_config().use_cache = False
+    return model
+
+
+def per_layer_embeddings(model):
+    """Gemma's per-layer embedding table (PLE), or None. On E2B it is a 262144 x 8960 table
+    used as a lookup only: the tutorial freezes it and keeps it out of FSDP."""
+    getter = getattr(model, "get_per_layer_input_embeddings", None)
+    try:
+        return getter() if getter is not None else None
+    except AttributeError:
+        return None
+
+
+def freeze_per_layer_embeddings(model) -> list:
+    ple = per_layer_embeddings(model)
+    if ple is None:
+        return []
+    ple.requires_grad_(False)
+    return list(ple.parameters())
+
+
+def decoder_blocks(model) -> list:
+    """The repeated transformer blocks, found by the class names transformers marks as
+    not-to-be-split (Gemma4TextDecoderLayer, LlamaDecoderLayer, …)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ModelError(f"{type(model).__name__}: cannot find its decoder blocks to shard")
+    return blocks
