@@ -43,10 +43,40 @@ def _render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_arguments(parser: argparse.ArgumentParser) -> None:
+    from .local import add_arguments
+
+    add_arguments(parser)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .local import main as run_local
+
+    return run_local(args)
+
+
+def _operator_arguments(parser: argparse.ArgumentParser) -> None:
+    from .serve import add_arguments
+
+    add_arguments(parser)
+
+
+def _operator(args: argparse.Namespace) -> int:
+    from .serve import run
+
+    return run(args)
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("render", "print the RayCluster and Ray job a TPUFineTune would produce "
                          "(validated exactly as the operator does); no cluster needed",
                _render_arguments, _render),
+    Subcommand("run", "run a TPUFineTune spec on a local Ray head, without Kubernetes "
+                      "(same validation, sizing, entrypoint and event parsing)",
+               _run_arguments, _run),
+    Subcommand("operator", "start the operator (kopf) against the current kubeconfig "
+                           "or in-cluster credentials",
+               _operator_arguments, _operator),
 ]
 
 

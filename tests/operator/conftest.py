@@ -1,0 +1,145 @@
+"""The operator as users run it (`tpufinetune operator`), against the real control plane
+and a real local Ray head. The tests play KubeRay's part: nothing runs pods here, so they
+mark a RayCluster ready the way KubeRay would, and the operator reaches the Ray head
+through its documented TPUFT_DASHBOARD_URL setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class OperatorProcess:
+    def __init__(self, env: dict, log_path: Path):
+        self.env = env
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.port = _free_port()
+
+    def start(self, timeout: float = 60) -> None:
+        argv = [sys.executable, "-m", "tpufinetune.cli", "operator",
+                "--liveness", f"http://127.0.0.1:{self.port}/healthz"]
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError(f"operator not live after {timeout}s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, with no chance to clean up."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@pytest.fixture(scope="session")
+def operator(control_plane, kuberay_crd, ray_head, tmp_path_factory):
+    env = control_plane.env()
+    env.update(
+        TPUFT_DASHBOARD_URL=ray_head.dashboard_url,
+        TPUFT_RAY_TOKEN=ray_head.token or "",
+        TPUFT_POLL_INTERVAL="1",
+        TPUFT_PROVISION_TIMEOUT="600",
+        HF_HUB_OFFLINE="1",
+    )
+    process = OperatorProcess(env, tmp_path_factory.mktemp("operator") / "operator.log")
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(autouse=True)
+def _operator_log_on_failure(request):
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed and "operator" in request.fixturenames:
+        print("---- operator log tail ----\n" + request.getfixturevalue("operator").log_tail())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+class Kube:
+    """Small helpers over the real kubectl, for one namespace."""
+
+    def __init__(self, control_plane, namespace: str):
+        self.cp = control_plane
+        self.ns = namespace
+
+    def kubectl(self, *args, **kwargs):
+        return self.cp.kubectl("-n", self.ns, *args, **kwargs)
+
+    def apply(self, manifest: dict):
+        return self.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
+
+    def get(self, kind: str, name: str) -> dict | None:
+        result = self.kubectl("get", kind, name, "-o", "json", check=False)
+        return json.loads(result.stdout) if result.returncode == 0 else None
+
+    def wait_for(self, predicate, what: str, timeout: float = 120, interval: float = 0.5):
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = predicate()
+            if last:
+                return last
+            time.sleep(interval)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+    def status(self, name: str) -> dict:
+        return (self.get("tpufinetune", name) or {}).get("status") or {}
+
+    def mark_cluster_ready(self, cluster: str) -> dict:
+        """Play KubeRay: once the RayCluster exists, report it ready on its status."""
+        body = self.wait_for(lambda: self.get("raycluster", cluster), f"RayCluster {cluster}")
+        patch = {"status": {"state": "ready", "head": {"serviceName": f"{cluster}-head-svc"}}}
+        self.kubectl("patch", "raycluster", cluster, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
+        return body
+
+
+@pytest.fixture
+def kube(control_plane, namespace):
+    return Kube(control_plane, namespace)
