@@ -27,14 +27,16 @@ class LocalBackend:
     def __init__(self, address: str, out=sys.stdout):
         self.address = address
         self.out = out
+        self.cluster_up = False  # the local head "is" the cluster between create and delete
 
     def _say(self, text: str) -> None:
         print(f"[{datetime.now():%H:%M:%S}] {text}", file=self.out, flush=True)
 
     async def observe(self, ident: Identity, name: str) -> ClusterView:
-        return ClusterView(exists=True, owned=True, ready=True, dashboard_url=self.address)
+        return ClusterView(exists=self.cluster_up, owned=True, ready=True, dashboard_url=self.address)
 
     async def create(self, ident: Identity, manifest: dict) -> None:
+        self.cluster_up = True
         workers = manifest["spec"]["workerGroupSpecs"][0]
         self._say(
             f"RayCluster {manifest['metadata']['name']} rendered ({workers.get('numOfHosts', 1)} hosts x "
@@ -42,7 +44,7 @@ class LocalBackend:
         )
 
     async def delete(self, ident: Identity, name: str) -> None:
-        return None
+        self.cluster_up = False
 
     async def write_status(self, ident: Identity, patch: dict, new: dict) -> None:
         changed = [k for k in SHOWN if k in patch and patch[k] is not None]

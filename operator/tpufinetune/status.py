@@ -54,6 +54,13 @@ class CollectivesResult(_Status):
     message: str | None = Field(None, description="Summary line from the check.")
 
 
+class TrainerFailure(_Status):
+    """What the trainer reported before it failed."""
+
+    type: str | None = Field(None, max_length=128, description="Exception type.")
+    message: str | None = Field(None, max_length=1024, description="What went wrong.")
+
+
 class TPUFineTuneStatus(_Status):
     """Observed state of a TPUFineTune."""
 
@@ -91,3 +98,6 @@ class TPUFineTuneStatus(_Status):
                                    description="Bytes of the job log already parsed.")
     collectives: CollectivesResult | None = Field(None, description="Result of mode "
                                                                     "collectives.")
+    log_job_id: str | None = Field(None, description="The job whose log logCursor counts.")
+    trainer_failure: TrainerFailure | None = Field(
+        None, description="The trainer's failure event of the current attempt, if any.")
