@@ -19,6 +19,10 @@ venv: $(PIP_STAMP)
 controlplane:
 	bash tests/controlplane/build.sh
 
+## The whole stack locally: control plane, Ray head, operator, the sample CPU rehearsal.
+demo: venv controlplane
+	$(PYTHON) scripts/demo.py
+
 ## Regenerate crds/ from the pydantic models.
 crds: venv
 	$(PYTHON) -m tpufinetune.crdgen --out crds/

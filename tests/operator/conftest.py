@@ -7,68 +7,12 @@ through its documented TPUFT_DASHBOARD_URL setting.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class OperatorProcess:
-    def __init__(self, env: dict, log_path: Path):
-        self.env = env
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.port = _free_port()
-
-    def start(self, timeout: float = 60) -> None:
-        argv = [sys.executable, "-m", "tpufinetune.cli", "operator",
-                "--liveness", f"http://127.0.0.1:{self.port}/healthz"]
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError(f"operator not live after {timeout}s:\n{self.log_tail()}")
-
-    def kill(self) -> None:
-        """SIGKILL: a crash, with no chance to clean up."""
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def log_tail(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+from harness.operator_process import OperatorProcess
 
 
 @pytest.fixture(scope="session")
