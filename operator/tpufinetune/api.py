@@ -15,7 +15,7 @@ from pydantic.alias_generators import to_camel
 
 from . import validation
 from .errors import SpecError
-from .generations import ALL_GENERATION_NAMES, MAX_CPU_WORKERS
+from .generations import ALL_GENERATION_NAMES, MAX_CHIPS_PER_HOST, MAX_CPU_WORKERS
 from .quantity import QUANTITY_PATTERN, normalize_quantity
 
 GROUP = "tpufinetune.dev"
@@ -67,7 +67,7 @@ class TPUSlice(_Model):
         description="Number of identical slices (worker group replicas). finetune "
                     "requires 1: Ray Train runs PyTorch on one TPU slice only.")
     chips_per_host: int | None = Field(
-        None, ge=1, le=8,
+        None, ge=1, le=MAX_CHIPS_PER_HOST,
         description="Chips per TPU VM. Unset picks the default machine (4 chips; 1 for a "
                     "1x1 slice). Set 8 for a single-host 2x4 v5e/v6e machine (ct5lp-"
                     "hightpu-8t, ct6e-standard-8t).")

@@ -23,6 +23,8 @@ TPU_RESOURCE = "google.com/tpu"
 
 # The CPU stand-in accepts topology "N" = N CPU workers, 1 <= N <= this.
 MAX_CPU_WORKERS = 64
+# The largest TPU machine (ct5lp-hightpu-8t, ct6e-standard-8t); bounds spec.tpu.chipsPerHost.
+MAX_CHIPS_PER_HOST = 8
 
 
 @dataclass(frozen=True)

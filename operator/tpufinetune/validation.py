@@ -63,6 +63,12 @@ def _cpu_topology_rule() -> dict:
     }
 
 
+# string(self.chipsPerHost) has no size bound for the apiserver's cost estimator (the
+# CRD is refused); indexing a list of literals does, and chipsPerHost is 1..8.
+_CHIPS_PER_HOST_TEXT = (f"{_cel_list([str(n) for n in range(1, g.MAX_CHIPS_PER_HOST + 1)])}"
+                        "[self.chipsPerHost - 1]")
+
+
 def _chips_per_host_rule(gen: g.Generation) -> dict:
     fits = " || ".join(
         f"(self.chipsPerHost == {m.chips_per_host} && "
@@ -80,7 +86,7 @@ def _chips_per_host_rule(gen: g.Generation) -> dict:
                         f"{_cel_string(options)} : {options_expr})")
     return {
         "rule": f"!({_is_generation(gen)}) || !has(self.chipsPerHost) || {fits}",
-        "messageExpression": (f"string(self.chipsPerHost) + ' does not fit a {gen.name} ' + "
+        "messageExpression": (f"{_CHIPS_PER_HOST_TEXT} + ' does not fit a {gen.name} ' + "
                               f"self.topology + ' slice; valid: ' + {options_expr}"),
         "message": f"does not fit the {gen.name} slice shape; by machine: "
                    f"{g.machines_summary(gen)}",
