@@ -126,3 +126,12 @@ def test_generated_file_is_plain_yaml():
     text = CRD_PATH.read_text()
     assert "&id" not in text and "*id" not in text
     assert yaml.safe_load(text)["kind"] == "CustomResourceDefinition"
+
+
+def test_cel_message_expressions_only_concatenate_bounded_strings(crd):
+    """`string(<int>)` has no size bound for the apiserver's cost estimator, which then
+    refuses the whole CRD; messages index literal lists instead."""
+    root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for path, node in _walk(root):
+        for rule in node.get("x-kubernetes-validations", []):
+            assert "string(" not in rule.get("messageExpression", ""), path
