@@ -20,14 +20,12 @@ built offline by `python -m tpufinetune_trainer.assets` into pytest's tmp dir:
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from harness.rayhead import REPO, VENV_BIN, RayHead
+from harness.rayhead import RayHead
 
 # Nothing in the tests may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,10 +50,11 @@ class TrainerAssets:
 
 
 def build_assets(out: Path, size: str = "tiny") -> TrainerAssets:
-    python = VENV_BIN / "python" if (VENV_BIN / "python").exists() else Path(sys.executable)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    subprocess.run([str(python), "-m", "tpufinetune_trainer.assets", "--out", str(out), "--size", size],
-                   check=True, cwd=str(REPO), env=env, capture_output=True, timeout=600)
+    """In-process (the test process has the training stack loaded already); the same
+    code path as `python -m tpufinetune_trainer.assets --out DIR`."""
+    from tpufinetune_trainer.assets import write_assets
+
+    write_assets(out, size)
     return TrainerAssets(root=out, model=out / "model", data=out / "data" / "train.jsonl")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -87,10 +88,13 @@ def check_workers(backend: Backend, num_workers: int, topology: str, accelerator
         return
     per_slice = tpu_workers_per_slice(topology, accelerator_type)
     if num_workers != per_slice:
+        hint = ""
+        if "V7" in accelerator_type.upper() and os.environ.get("RAY_TPU_RESOURCE_PER_CHIP", "1") == "1":
+            hint = " (Ironwood schedules per chiplet: the cluster and this job need RAY_TPU_RESOURCE_PER_CHIP=2)"
         raise ConfigError(
             f"--num-workers {num_workers} does not match the {per_slice} TPU devices of one "
             f"{accelerator_type} {topology} slice (one worker per device; PyTorch on Ray Train "
-            f"runs on a single slice). Set --num-workers {per_slice}.")
+            f"runs on a single slice). Set --num-workers {per_slice}{hint}.")
 
 
 def scaling_config(backend: Backend, num_workers: int, topology: str, accelerator_type: str):

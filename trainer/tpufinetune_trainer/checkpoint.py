@@ -21,11 +21,13 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
 STATE_FILE = "trainer_state.json"
 _SHARDED = StateDictOptions(ignore_frozen_params=True)
+_LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def save_sharded(model, optimizer, directory: str, trainer_state: dict) -> None:
@@ -37,14 +39,19 @@ def save_sharded(model, optimizer, directory: str, trainer_state: dict) -> None:
 
 
 def load_sharded(model, optimizer, directory: str) -> dict:
-    """Collective: load model (and optimizer, if given) shards in place; returns trainer state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED) if optimizer is not None else (
-        get_model_state_dict(model, options=_SHARDED), None)
-    state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=directory)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}), options=_SHARDED) if optimizer is not None else \
-        set_state_dict(model, (), model_state_dict=state["model"], optim_state_dict={}, options=_SHARDED)
+    """Collective: load model (and optimizer, if given) shards in place; returns trainer state.
+    dcp.load fails on any key the checkpoint lacks; setting back is non-strict only because
+    the frozen per-layer embeddings are, by design, not in the checkpoint."""
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model, options=_SHARDED)}
+        dcp.load(state, checkpoint_id=directory)
+        set_model_state_dict(model, state["model"], options=_LOAD)
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_LOAD)
     return read_trainer_state(directory)
 
 
@@ -57,6 +64,8 @@ def export_hf(model, tokenizer, destination: str) -> None:
     """Collective: gather the full model on rank 0 (once, at the end) and write a
     `from_pretrained`-loadable directory (safetensors) to `destination` (path or URI)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for target in tied_weight_copies(model):
+        full.pop(target, None)  # the gathered copy is a separate tensor; from_pretrained re-ties it
     if dist.get_rank() == 0:
         with tempfile.TemporaryDirectory(prefix="tpuft-export-") as tmp:
             model.save_pretrained(tmp, state_dict=full)
@@ -65,6 +74,15 @@ def export_hf(model, tokenizer, destination: str) -> None:
             upload_dir(tmp, destination)
     del full
     dist.barrier()
+
+
+def tied_weight_copies(model) -> list[str]:
+    """Keys that are tied to another weight (lm_head -> embed_tokens when embeddings are tied)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    if not getattr(config, "tie_word_embeddings", getattr(model.config, "tie_word_embeddings", False)):
+        return []
+    return list(tied) if isinstance(tied, (dict, list)) else []
 
 
 def upload_dir(local: str, destination: str) -> None:

@@ -45,6 +45,8 @@ def load_rows(dataset: str, split: str):
     from datasets import load_dataset
 
     path = Path(dataset).expanduser()
+    if path.is_file() and path.stat().st_size == 0:
+        raise DataError(f"--dataset {dataset} is empty: split {split!r} has no rows")
     try:
         if path.is_file():
             builder = _FILE_BUILDERS.get(path.suffix)
@@ -61,6 +63,8 @@ def load_rows(dataset: str, split: str):
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types; the message is what matters
+        if "corresponds to no data" in str(exc):
+            raise DataError(f"--dataset {dataset} split {split!r} has no rows") from exc
         raise DataError(f"could not load --dataset {dataset} split {split!r}: {type(exc).__name__}: {exc}") from exc
     if hasattr(rows, "keys") and not hasattr(rows, "column_names"):
         raise DataError(f"--dataset-split {split!r} selects several splits; name one, e.g. 'train[:1024]'")

@@ -71,10 +71,7 @@ def run(cfg: FinetuneConfig) -> int:
 
     quiet_progress_bars()
     cfg.validate()
-    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
-    backend = backends.resolve(cfg.device, ray.cluster_resources())
-    scaling = backends.scaling_config(backend, cfg.num_workers, cfg.topology, cfg.accelerator_type)
-    check_cluster_fits(backend, cfg.num_workers, ray.cluster_resources())
+    # Input checks that need no cluster come first: they fail in seconds.
     check_storage(cfg.storage_path, cfg.run_name)
     if cfg.resume_from:
         check_resume_from(cfg.resume_from)
@@ -87,6 +84,10 @@ def run(cfg: FinetuneConfig) -> int:
         raise ConfigError(f"{data.examples} training examples pack into {len(data.train)} blocks of "
                           f"{cfg.max_seq_len} tokens, fewer than one global batch ({cfg.num_workers} workers x "
                           f"--batch-size-per-device {cfg.batch_size_per_device}); use more data or smaller batches")
+    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+    backend = backends.resolve(cfg.device, ray.cluster_resources())
+    scaling = backends.scaling_config(backend, cfg.num_workers, cfg.topology, cfg.accelerator_type)
+    check_cluster_fits(backend, cfg.num_workers, ray.cluster_resources())
     print(f"Starting Ray Train FSDP2 SFT job: model={cfg.model_id}, topology={cfg.topology}, "
           f"accelerator_type={cfg.accelerator_type}, num_workers={cfg.num_workers}, backend={backend.name}", flush=True)
     print(f"Data: {data.examples} train / {data.eval_examples} eval examples packed into {len(data.train)} / "

@@ -8,6 +8,7 @@ host sync per epoch, which matters on TPU).
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 
@@ -25,9 +26,18 @@ from .parallelize import apply_fsdp, build_mesh
 
 
 def quiet_progress_bars() -> None:
+    import datasets
     from transformers.utils import logging
 
     logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
+def say(line: str) -> None:
+    """A human log line. Not print(): Ray Train patches print in workers and the line
+    would reach the job log twice."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def is_better(a: float, b: float, order: str) -> bool:
@@ -94,7 +104,7 @@ class Trainer:
         self.start_epoch = self.weights_epoch = int(state.get("epoch", 0))
         self.history = list(state.get("history", []))
         if self.rank == 0:
-            print(f"Resumed from {checkpoint.path} at epoch {self.start_epoch}", flush=True)
+            say(f"Resumed from {checkpoint.path} at epoch {self.start_epoch}")
 
     # ------------------------------------------------------------------ epochs
     def train_epoch(self, epoch: int) -> dict:
@@ -104,9 +114,11 @@ class Trainer:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         counts = torch.zeros(2, device=self.device, dtype=torch.float64)  # label tokens, real tokens
+        shapes = set()
         start = time.perf_counter()
         for step in range(steps):
             batch = batches.batch(order[step * cfg.batch_size_per_device:(step + 1) * cfg.batch_size_per_device])
+            shapes.add(tuple(batch["input_ids"].shape))
             self.optimizer.zero_grad(set_to_none=True)
             out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
             out.loss.backward()
@@ -121,7 +133,8 @@ class Trainer:
         elapsed = time.perf_counter() - start
         padded = steps * cfg.batch_size_per_device * self.world * cfg.max_seq_len
         return {"loss": loss / max(label_tokens, 1), "epoch_time_s": elapsed,
-                "tokens_per_s": real_tokens / elapsed, "padded_tokens_per_s": padded / elapsed, "steps": steps}
+                "tokens_per_s": real_tokens / elapsed, "padded_tokens_per_s": padded / elapsed, "steps": steps,
+                "batch_shapes": sorted(list(s) for s in shapes)}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -171,7 +184,7 @@ class Trainer:
                        "padded_tokens_per_s": round(m["padded_tokens_per_s"], 1)}
             if self.rank == 0:
                 self.print_epoch(metrics)
-                emit("epoch", epochs=cfg.num_epochs, steps=m["steps"], **metrics)
+                emit("epoch", epochs=cfg.num_epochs, steps=m["steps"], batch_shapes=m["batch_shapes"], **metrics)
             uri = self.checkpoint(epoch, {k: v for k, v in metrics.items() if v is not None})
             if self.rank == 0:
                 emit("checkpoint", epoch=epoch, uri=uri, save_s=self.history[-1]["save_s"])
@@ -179,9 +192,9 @@ class Trainer:
 
     def print_epoch(self, m: dict) -> None:
         eval_part = f" | eval_loss={m['eval_loss']:.4f}" if m["eval_loss"] is not None else ""
-        print(f"Epoch {m['epoch']}/{self.cfg.num_epochs} | loss={m['loss']:.4f} | epoch_time={m['epoch_time_s']:.2f}s"
-              f" | tokens/s={m['tokens_per_s']:.1f}{eval_part}"
-              f" | padded_tokens/s={m['padded_tokens_per_s']:.1f} (tokens/s counts real tokens only)", flush=True)
+        say(f"Epoch {m['epoch']}/{self.cfg.num_epochs} | loss={m['loss']:.4f} | epoch_time={m['epoch_time_s']:.2f}s"
+            f" | tokens/s={m['tokens_per_s']:.1f}{eval_part}"
+            f" | padded_tokens/s={m['padded_tokens_per_s']:.1f} (tokens/s counts real tokens only)")
 
     # ------------------------------------------------------------------ export
     def export(self) -> None:
@@ -198,8 +211,8 @@ class Trainer:
         start = time.perf_counter()
         ckpt.export_hf(self.model, self.tokenizer, destination)
         if self.rank == 0:
-            print(f"Exported epoch {best['epoch']} ({cfg.checkpoint_score_attribute}={best[cfg.checkpoint_score_attribute]})"
-                  f" to {destination} in {time.perf_counter() - start:.1f}s", flush=True)
+            say(f"Exported epoch {best['epoch']} ({cfg.checkpoint_score_attribute}="
+                f"{best[cfg.checkpoint_score_attribute]}) to {destination} in {time.perf_counter() - start:.1f}s")
             final = {k: v for k, v in self.history[-1].items() if k not in ("uri", "save_s")}
             emit("result", best_checkpoint_uri=best["uri"], best_epoch=best["epoch"],
                  exported_model_uri=destination, metrics=final)

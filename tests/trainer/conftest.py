@@ -1,0 +1,67 @@
+"""Helpers for the trainer tests: run `tpufinetune-train` for real and read its events."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from harness.rayhead import REPO, VENV_BIN
+
+from tpufinetune_trainer.events import PREFIX, Event, parse_text
+
+TRAINER = VENV_BIN / "tpufinetune-train"
+
+
+@dataclass
+class Run:
+    rc: int
+    output: str
+    events: list[Event]
+
+    def of(self, kind: str) -> list[Event]:
+        return [e for e in self.events if e.kind == kind]
+
+    def one(self, kind: str) -> Event:
+        found = self.of(kind)
+        assert len(found) == 1, f"expected one {kind} event, got {found}\n{self.tail()}"
+        return found[0]
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.output[-chars:]
+
+
+def events_of(output: str) -> list[Event]:
+    """Every event in a log; also asserts that every line carrying the prefix parsed."""
+    events = parse_text(output)
+    marked = sum(line.count(PREFIX) for line in output.splitlines())
+    assert marked == len(events), f"{marked} prefixed lines but {len(events)} parsed events"
+    return events
+
+
+def run_trainer(args: list[str], env: dict, timeout: float = 300) -> Run:
+    """Run the CLI as a process (as the Ray job entrypoint would); a hang fails the test."""
+    proc = subprocess.Popen([str(TRAINER), *args], env=env, cwd=str(REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"tpufinetune-train {' '.join(args)} hung for {timeout}s:\n{output[-4000:]}")
+    return Run(proc.returncode, output, events_of(output))
+
+
+def offline_env(env: dict) -> dict:
+    return dict(env, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
