@@ -36,7 +36,7 @@ def _load_kube_config() -> client.ApiClient:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     memo.settings = Settings.from_env()
     memo.backend = KubeBackend(_load_kube_config(), memo.settings)
     memo.jobs = RayJobs(headers=memo.settings.ray_headers())
