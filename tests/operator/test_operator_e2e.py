@@ -47,7 +47,7 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, kube, r
 
     body = kube.get("raycluster", cluster)
     assert body["metadata"]["ownerReferences"][0]["uid"] == uid
-    assert body["spec"]["workerGroupSpecs"][0]["replicas"] == 2
+    assert body["spec"]["workerGroupSpecs"][0]["numOfHosts"] == 2  # cpu topology "2": two CPU workers
 
     kube.kubectl("wait", "tpufinetune/tiny-finetune", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
     status = kube.status("tiny-finetune")
