@@ -102,8 +102,11 @@ class RayHead:
                f"--ray-client-server-port={ports['client']}",
                f"--num-cpus={num_cpus}", "--num-gpus=0", f"--object-store-memory={object_store_bytes}",
                f"--temp-dir={temp_dir}"]
+        # RAY_ADDRESS in the head's own environment is inherited by every Ray process it
+        # spawns: Ray-internal "auto" lookups (Ray Train's placement-group cleaner, for
+        # one) then find this head instead of failing on "multiple active Ray instances"
+        # when others run Ray on the same machine. `ray start --head` itself ignores it.
         env = head.env()
-        env.pop("RAY_ADDRESS")  # the head must not try to join another cluster
         with open(head.log_path, "ab") as log:
             # Own session: the whole tree is one process group we can signal, and a
             # Ctrl-C in the terminal that ran `up` does not reach it.

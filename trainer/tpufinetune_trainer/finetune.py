@@ -15,7 +15,7 @@ from . import backends
 from .config import FinetuneConfig
 from .data import prepare
 from .errors import ConfigError, StorageError
-from .model import load_config, load_tokenizer
+from .model import check_local_model, load_config, load_tokenizer
 
 
 def check_storage(storage_path: str, run_name: str) -> None:
@@ -63,6 +63,13 @@ def check_cluster_fits(backend: backends.Backend, num_workers: int, resources: d
 
 
 def run(cfg: FinetuneConfig) -> int:
+    # Input checks come first, cheapest first (the training stack takes a while to import).
+    cfg.validate()
+    check_storage(cfg.storage_path, cfg.run_name)
+    if cfg.resume_from:
+        check_resume_from(cfg.resume_from)
+    check_local_model(cfg.model_id)
+
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
@@ -70,11 +77,6 @@ def run(cfg: FinetuneConfig) -> int:
     from .train import quiet_progress_bars, train_func
 
     quiet_progress_bars()
-    cfg.validate()
-    # Input checks that need no cluster come first: they fail in seconds.
-    check_storage(cfg.storage_path, cfg.run_name)
-    if cfg.resume_from:
-        check_resume_from(cfg.resume_from)
     load_config(cfg.model_id)
     tokenizer = load_tokenizer(cfg.model_id)
     data = prepare(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction, cfg.seed,

@@ -25,7 +25,8 @@ def _quiet_transformers():
         logging.set_verbosity(level)
 
 
-def _check_local(model_id: str) -> None:
+def check_local_model(model_id: str) -> None:
+    """A path-looking --model-id must be a model directory (checked without transformers)."""
     path = Path(model_id).expanduser()
     looks_local = model_id.startswith(("/", "./", "../", "~")) or path.exists()
     if looks_local and not (path / "config.json").is_file():
@@ -35,7 +36,7 @@ def _check_local(model_id: str) -> None:
 def load_config(model_id: str):
     from transformers import AutoConfig
 
-    _check_local(model_id)
+    check_local_model(model_id)
     try:
         return AutoConfig.from_pretrained(model_id)
     except Exception as exc:
@@ -45,7 +46,7 @@ def load_config(model_id: str):
 def load_tokenizer(model_id: str):
     from transformers import AutoTokenizer
 
-    _check_local(model_id)
+    check_local_model(model_id)
     try:
         return AutoTokenizer.from_pretrained(model_id)
     except Exception as exc:

@@ -1,0 +1,309 @@
+"""Benchmark: `tpufinetune-train finetune` against the tutorial's loop, on CPU. Not a test.
+
+    .venv/bin/python benchmarks/bench_trainer.py [--rows 1024] [--epochs 3] [--work DIR]
+
+Both run under Ray Train on a private local Ray head (2 workers, gloo, fp32, the same
+attention kernel), on the same offline assets: the tiny random Gemma 4 and the
+dolly-like dataset, batch 4 per worker, max length 512. The baseline re-implements the
+tutorial's loop: every example padded to max length, DataCollatorForLanguageModeling,
+DataLoader + prepare_data_loader, FSDP2 on each layer's MLP, and at every epoch a full
+state dict gathered to rank 0 (cpu_offload) and written with torch.save. It sees the
+same text as ours (our prompt format, context included) so the token streams match.
+
+Checkpoint cost is measured on a randomly initialised Gemma 4 of ~118M parameters built
+offline (`--size 100m`): wall time of the checkpoint step on rank 0 (save + hand-off to
+Ray Train + copy to storage) and rank 0's peak RSS during it, taken from the kernel's
+high-water mark (reset through /proc/self/clear_refs just before the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+
+# ----------------------------------------------------------------------------- measuring (in workers)
+
+
+def _status_kib(field: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+)", text, re.M).group(1))
+
+
+class PeakRss:
+    """Rank-local peak RSS over a block, from the kernel's high-water mark."""
+
+    def __enter__(self):
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        self.before_mib = _status_kib("VmRSS") / 1024
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start
+        self.peak_mib = _status_kib("VmHWM") / 1024
+        self.increase_mib = self.peak_mib - self.before_mib
+        return False
+
+
+def record(path: str, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def make_ours_train_func(out: str):
+    """The product's own train_func, with the epoch and checkpoint steps timed."""
+
+    def train_func(config):
+        from tpufinetune_trainer import train as product
+
+        train_epoch, checkpoint = product.Trainer.train_epoch, product.Trainer.checkpoint
+
+        def timed_epoch(self, epoch):
+            m = train_epoch(self, epoch)
+            if self.rank == 0:
+                record(out, {"kind": "epoch", "epoch": epoch, "epoch_time_s": m["epoch_time_s"],
+                             "tokens_per_s": m["tokens_per_s"], "loss": m["loss"], "shapes": m["batch_shapes"]})
+            return m
+
+        def timed_checkpoint(self, epoch, metrics):
+            with PeakRss() as peak:
+                uri = checkpoint(self, epoch, metrics)
+            if self.rank == 0:
+                record(out, {"kind": "checkpoint", "epoch": epoch, "seconds": peak.seconds,
+                             "peak_mib": peak.peak_mib, "increase_mib": peak.increase_mib})
+            return uri
+
+        product.Trainer.train_epoch, product.Trainer.checkpoint = timed_epoch, timed_checkpoint
+        product.train_func(config)
+
+    return train_func
+
+
+def make_baseline_train_func(out: str):
+    """The tutorial's loop, re-implemented (CPU: fp32 params, gloo)."""
+
+    def train_func(config):
+        import tempfile as tf
+
+        import ray.train
+        import ray.train.torch
+        import torch
+        from datasets import load_dataset
+        from torch.distributed import ReduceOp, all_reduce
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.utils.data import DataLoader
+        from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling
+
+        from tpufinetune_trainer.data import format_prompt
+
+        ctx = ray.train.get_context()
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        length, batch_size = config["max_seq_len"], config["batch_size"]
+        tokenizer = AutoTokenizer.from_pretrained(config["model"])
+        rows = load_dataset("json", data_files=config["data"], split=config["split"])
+        tokenized = rows.map(lambda x: tokenizer(format_prompt(x["instruction"], x["context"]) + " " + x["response"],
+                                                 truncation=True, max_length=length, padding="max_length"),
+                             remove_columns=rows.column_names)
+        loader = DataLoader(tokenized, batch_size=batch_size, shuffle=True, drop_last=True,
+                            collate_fn=DataCollatorForLanguageModeling(tokenizer=tokenizer, mlm=False))
+        loader = ray.train.torch.prepare_data_loader(loader)
+        torch.manual_seed(42)
+        model = AutoModelForCausalLM.from_pretrained(config["model"], dtype=torch.float32,
+                                                     attn_implementation="sdpa", vision_config=None,
+                                                     audio_config=None)
+        model.config.get_text_config().use_cache = False
+        mesh = init_device_mesh("cpu", (world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        text = model.model.language_model
+        text.embed_tokens_per_layer.requires_grad_(False)
+        for layer in text.layers:
+            fully_shard(layer.mlp, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=set(text.embed_tokens_per_layer.parameters()))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.01)
+        for epoch in range(config["epochs"]):
+            loader.sampler.set_epoch(epoch)
+            model.train()
+            start = time.perf_counter()
+            running = torch.zeros(1)
+            real = torch.zeros(1, dtype=torch.float64)
+            shapes = set()
+            for batch in loader:
+                shapes.add(tuple(batch["input_ids"].shape))
+                optimizer.zero_grad()
+                out_ = model(input_ids=batch["input_ids"], labels=batch["labels"])
+                out_.loss.backward()
+                optimizer.step()
+                running += out_.loss.detach().float()
+                real += batch["attention_mask"].sum()
+            all_reduce(running, op=ReduceOp.AVG)
+            all_reduce(real, op=ReduceOp.SUM)
+            elapsed = time.perf_counter() - start
+            metrics = {"epoch": epoch + 1, "loss": running.item() / len(loader)}
+            if rank == 0:
+                record(out, {"kind": "epoch", "epoch": epoch + 1, "epoch_time_s": elapsed,
+                             "tokens_per_s": real.item() / elapsed, "loss": metrics["loss"],
+                             "shapes": sorted(list(s) for s in shapes)})
+            with PeakRss() as peak:
+                full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                            ignore_frozen_params=True))
+                if rank == 0:
+                    with tf.TemporaryDirectory() as tmp:
+                        torch.save(full, os.path.join(tmp, "model.pt"))
+                        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+                else:
+                    ray.train.report(metrics)
+                del full
+            if rank == 0:
+                record(out, {"kind": "checkpoint", "epoch": epoch + 1, "seconds": peak.seconds,
+                             "peak_mib": peak.peak_mib, "increase_mib": peak.increase_mib})
+
+    return train_func
+
+
+# ----------------------------------------------------------------------------- one run (a subprocess)
+
+
+def run_one(args) -> None:
+    out = str(args.out)
+    if args.one == "ours":
+        from tpufinetune_trainer import finetune
+        from tpufinetune_trainer import train as product
+        from tpufinetune_trainer.config import FinetuneConfig
+
+        product.train_func = make_ours_train_func(out)  # finetune.run picks it up by name
+        cfg = FinetuneConfig(model_id=args.model, dataset=args.data, dataset_split=args.split, num_workers=2,
+                             num_epochs=args.epochs, batch_size_per_device=4, max_seq_len=512,
+                             learning_rate=args.lr, eval_fraction=0.0, device="cpu", storage_path=args.storage,
+                             run_name=f"ours-{int(time.time())}")
+        finetune.run(cfg)
+        return
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    ray.init(address=os.environ["RAY_ADDRESS"])
+    TorchTrainer(
+        train_loop_per_worker=make_baseline_train_func(out),
+        train_loop_config={"model": args.model, "data": args.data, "split": args.split, "epochs": args.epochs,
+                           "batch_size": 4, "max_seq_len": 512, "lr": args.lr},
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=f"baseline-{int(time.time())}", storage_path=args.storage),
+    ).fit()
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+
+def measure(kind: str, model: Path, data: Path, split: str, epochs: int, lr: float, work: Path, env: dict) -> list:
+    out = work / f"{kind}-{model.parent.name}-{int(time.time())}.jsonl"
+    cmd = [sys.executable, __file__, "--one", kind, "--model", str(model), "--data", str(data), "--split", split,
+           "--epochs", str(epochs), "--lr", str(lr), "--out", str(out), "--storage", str(work / "storage")]
+    started = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    print(f"  {kind:8s} {model.parent.name}: {time.time() - started:.0f}s", flush=True)
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def summarize(rows: list) -> dict:
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    ckpts = [r for r in rows if r["kind"] == "checkpoint"]
+    later = epochs[1:] or epochs  # epoch 1 includes one-off warm-up
+    shapes = {tuple(s) for r in epochs for s in r["shapes"]}
+    return {
+        "tokens_per_s": sum(r["tokens_per_s"] for r in later) / len(later),
+        "epoch_time_s": sum(r["epoch_time_s"] for r in later) / len(later),
+        "loss": [round(r["loss"], 3) for r in epochs],
+        "shapes": len(shapes),
+        "ckpt_s": sum(r["seconds"] for r in ckpts) / max(len(ckpts), 1),
+        "ckpt_peak_mib": max((r["peak_mib"] for r in ckpts), default=0.0),
+        "ckpt_increase_mib": max((r["increase_mib"] for r in ckpts), default=0.0),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=None, help="work dir (default: a temp dir)")
+    parser.add_argument("--rows", type=int, default=1024, help="examples (the tutorial's train[:1024])")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--ckpt-rows", type=int, default=32, help="examples for the 100M checkpoint runs")
+    parser.add_argument("--ckpt-epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--one", choices=["ours", "baseline"], help=argparse.SUPPRESS)
+    for hidden in ("--model", "--data", "--split", "--out", "--storage"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        run_one(args)
+        return
+
+    from harness.rayhead import RayHead
+    from tpufinetune_trainer.assets import write_assets
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="tpuft-bench-"))
+    print(f"work dir: {work}", flush=True)
+    for size in ("tiny", "100m"):
+        if not (work / size / "model" / "config.json").exists():
+            info = write_assets(work / size, size)
+            print(f"  built {size}: {info['parameters'] / 1e6:.1f}M parameters", flush=True)
+    head = RayHead.start(num_cpus=4)
+    env = dict(head.env(), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(REPO / "tests"))
+    try:
+        results = {}
+        for kind in ("ours", "baseline"):
+            results[(kind, "tiny")] = summarize(measure(kind, work / "tiny" / "model", work / "tiny" / "data" /
+                                                        "train.jsonl", f"train[:{args.rows}]", args.epochs, args.lr,
+                                                        work, env))
+            results[(kind, "100m")] = summarize(measure(kind, work / "100m" / "model", work / "100m" / "data" /
+                                                        "train.jsonl", f"train[:{args.ckpt_rows}]", args.ckpt_epochs,
+                                                        args.lr, work, env))
+    finally:
+        head.stop()
+    print_table(results, args)
+
+
+def print_table(results: dict, args) -> None:
+    o, b = results[("ours", "tiny")], results[("baseline", "tiny")]
+    om, bm = results[("ours", "100m")], results[("baseline", "100m")]
+    rows = [
+        ("real tokens/s (tiny, epochs 2+)", f"{o['tokens_per_s']:.0f}", f"{b['tokens_per_s']:.0f}",
+         f"{o['tokens_per_s'] / b['tokens_per_s']:.2f}x", ">= 3x"),
+        ("epoch time s (tiny, epochs 2+)", f"{o['epoch_time_s']:.1f}", f"{b['epoch_time_s']:.1f}",
+         f"{o['epoch_time_s'] / b['epoch_time_s']:.2f}x", ""),
+        ("distinct batch shapes", str(o["shapes"]), str(b["shapes"]), "", "1"),
+        ("loss per epoch (tiny)", str(o["loss"]), str(b["loss"]), "", ""),
+        ("checkpoint time s (118M, per epoch)", f"{om['ckpt_s']:.2f}", f"{bm['ckpt_s']:.2f}",
+         f"{om['ckpt_s'] / bm['ckpt_s']:.2f}x", "<= 1x"),
+        ("rank-0 RSS increase during ckpt MiB", f"{om['ckpt_increase_mib']:.0f}", f"{bm['ckpt_increase_mib']:.0f}",
+         f"{om['ckpt_increase_mib'] / max(bm['ckpt_increase_mib'], 1e-9):.2f}x", "<= 0.6x"),
+        ("rank-0 peak RSS during ckpt MiB", f"{om['ckpt_peak_mib']:.0f}", f"{bm['ckpt_peak_mib']:.0f}",
+         f"{om['ckpt_peak_mib'] / bm['ckpt_peak_mib']:.2f}x", ""),
+    ]
+    print(f"\nCPU, 2 workers (gloo), batch 4/worker, max length 512, {args.rows} examples x {args.epochs} epochs; "
+          f"checkpoints: {args.ckpt_rows} examples x {args.ckpt_epochs} epochs")
+    header = ("metric", "finetune", "tutorial loop", "ratio", "target")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(5)]
+    line = " | ".join(h.ljust(w) for h, w in zip(header, widths))
+    print(line)
+    print("-+-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    main()

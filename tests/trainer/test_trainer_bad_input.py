@@ -1,0 +1,88 @@
+"""Bad input ends with one `failure` event naming the problem and a non-zero exit, never a hang."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import time
+
+import pytest
+
+from conftest import events_of, offline_env, run_trainer, write_jsonl
+
+pytestmark = pytest.mark.ray
+
+
+def base_args(assets, storage) -> dict:
+    return {"--model-id": str(assets.model), "--dataset": str(assets.data), "--dataset-split": "train[:64]",
+            "--num-workers": "2", "--num-epochs": "1", "--device": "cpu", "--storage-path": str(storage)}
+
+
+def _argv(args: dict) -> list[str]:
+    return ["finetune", *[x for kv in args.items() for x in kv]]
+
+
+def _case_missing_columns(tmp, assets):
+    path = write_jsonl(tmp / "qa.jsonl", [{"question": "q?", "answer": "a."}] * 10)
+    return {"--dataset": str(path)}, "DataError", "missing column(s) ['instruction', 'response']"
+
+
+def _case_empty_split(tmp, assets):
+    return {"--dataset-split": "train[5000:]"}, "DataError", "has no rows"
+
+
+def _case_missing_model_directory(tmp, assets):
+    return {"--model-id": str(tmp / "no-such-model")}, "ModelError", "no model directory"
+
+
+def _case_unwritable_storage(tmp, assets):
+    blocker = tmp / "a-file"
+    blocker.write_text("not a directory")
+    return {"--storage-path": str(blocker / "checkpoints")}, "StorageError", "is not writable"
+
+
+def _case_prompt_longer_than_max_seq_len(tmp, assets):
+    rows = [{"instruction": "Please read this. " * 60, "context": "", "response": "Done."}] * 8
+    path = write_jsonl(tmp / "long.jsonl", rows)
+    return {"--dataset": str(path), "--max-seq-len": "64"}, "DataError", "prompt longer than --max-seq-len=64"
+
+
+def _case_unknown_device(tmp, assets):
+    return {"--device": "quantum"}, "UsageError", "invalid choice: 'quantum'"
+
+
+CASES = {name[len("_case_"):]: fn for name, fn in list(globals().items()) if name.startswith("_case_")}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_fails_with_a_named_problem(case, ray_head, trainer_assets, tmp_path):
+    overrides, kind, text = CASES[case](tmp_path, trainer_assets)
+    args = dict(base_args(trainer_assets, tmp_path / "storage"), **overrides)
+    run = run_trainer(_argv(args), offline_env(ray_head.env()), timeout=300)  # a hang fails here
+    assert run.rc != 0, run.tail()
+    failure = run.one("failure")
+    assert run.events[-1] is failure
+    assert failure["type"] == kind and text in failure["message"], failure
+    assert not run.of("start")  # found before any worker (or slice) was reserved
+    if kind == "UsageError":
+        assert run.rc == 2
+
+
+def test_a_worker_failure_ends_the_job_with_a_failure_event(ray_head, trainer_assets, tmp_path):
+    """Weights that cannot be read pass the driver's checks (config and tokenizer load)
+    and fail inside the Ray Train workers; the job must fail, not retry or hang."""
+    broken = tmp_path / "broken-model"
+    shutil.copytree(trainer_assets.model, broken)
+    (broken / "model.safetensors").write_bytes(b"\0" * 64)
+    args = dict(base_args(trainer_assets, tmp_path / "storage"), **{"--model-id": str(broken)})
+    client = ray_head.job_client()
+    job_id = client.submit_job(entrypoint=shlex.join(["tpufinetune-train", *_argv(args)]))
+    deadline = time.monotonic() + 420
+    while not client.get_job_status(job_id).is_terminal():
+        assert time.monotonic() < deadline, "job hung"
+        time.sleep(2)
+    logs = client.get_job_logs(job_id)
+    assert str(client.get_job_status(job_id).value) == "FAILED", logs[-4000:]
+    events = events_of(logs)
+    assert [e.kind for e in events] == ["start", "failure"]  # started, then one failure
+    assert events[-1]["type"] == "ModelError" and str(broken) in events[-1]["message"]
