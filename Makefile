@@ -17,7 +17,7 @@ venv: $(PIP_STAMP)
 
 ## Real kube-apiserver, etcd and kubectl built from Go modules (rebuilt only when the pin changes).
 controlplane:
-	bash tests/controlplane/build.sh
+	@bash tests/controlplane/build.sh
 
 ## The whole stack locally: control plane, Ray head, operator, the sample CPU rehearsal.
 demo: venv controlplane

@@ -3,7 +3,7 @@
 # Go module beside this script, into .cache/controlplane/<kubernetes version>/bin/.
 #
 # The build is skipped when the binaries for the pinned version already exist and were built
-# from the same go.mod/go.sum/sources (a stamp file records their hash). The pinned release is
+# from the same go.mod/go.sum/main packages (a stamp file records their hash). The pinned release is
 # the k8s.io/kubernetes line of go.mod: change it there (with the staging replaces) and this
 # script rebuilds. Go's usual caches (GOMODCACHE, GOCACHE) are used and reused.
 set -euo pipefail
@@ -32,7 +32,7 @@ minor="${version#v*.}"; minor="${minor%%.*}"
 dest="$root/.cache/controlplane/$version"
 bin="$dest/bin"
 binaries=(etcd kube-apiserver kubectl)
-stamp_value="$(cat "$here/go.mod" "$here/go.sum" "$here"/cmd/*/main.go "$here/build.sh" | sha256sum | cut -c1-16)"
+stamp_value="$(cat "$here/go.mod" "$here/go.sum" "$here"/cmd/*/main.go | sha256sum | cut -c1-16)"
 
 is_built() {
   local b
@@ -40,8 +40,8 @@ is_built() {
   [[ "$(cat "$dest/stamp" 2>/dev/null)" == "$stamp_value" ]]
 }
 
+# Silent when there is nothing to do: `make cluster` prints only the two lines to paste.
 if is_built; then
-  echo "controlplane: $version already built in .cache/controlplane/$version/bin"
   exit 0
 fi
 
