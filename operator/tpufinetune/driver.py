@@ -10,7 +10,7 @@ import logging
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
-from tpufinetune import phases
+from tpufinetune import metrics, phases
 from tpufinetune.api import SpecError, parse_spec
 from tpufinetune.jobspec import job_submission
 from tpufinetune.phases import ClusterView, Decision, Identity, Observations, Plan
@@ -103,6 +103,17 @@ class Run:
     # ---- one step ---------------------------------------------------------------------
 
     async def step(self, deleting: bool = False) -> Decision:
+        before = self.status.get("phase", "")
+        try:
+            decision = await self._step(deleting)
+        except Exception:
+            metrics.step_failed(before)
+            raise
+        recorded = [(a.type, a.reason) for a in decision.actions if isinstance(a, phases.RecordEvent)]
+        metrics.stepped(before, decision.phase, recorded)
+        return decision
+
+    async def _step(self, deleting: bool) -> Decision:
         self._refresh_spec()
         obs = await self.observe(deleting)
         decision = phases.transition(self.ident, self.plan, self.status, obs)
@@ -129,6 +140,7 @@ class Run:
                 self.backend.record(self.ident, action.type, action.reason, action.message)
             elif isinstance(action, phases.CreateCluster):
                 await self.backend.create(self.ident, render_raycluster(self.ident.name, self.ident.namespace, self.ident.uid, self.spec))
+                metrics.cluster_created(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
             elif isinstance(action, phases.DeleteCluster):
                 await self.backend.delete(self.ident, action.name)
             elif isinstance(action, phases.SubmitJob):
@@ -141,6 +153,8 @@ class Run:
                     self.jobs.submit, self.status["dashboardURL"], action.submission_id,
                     submission.entrypoint, submission.runtime_env, submission.metadata,
                 )
+                if action.attempt == 1:
+                    metrics.job_submitted(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
             elif isinstance(action, phases.StopJob):
                 await asyncio.to_thread(self.jobs.stop, self.status["dashboardURL"], action.submission_id)
         if decision.phase in phases.TERMINAL and self.follower is not None:

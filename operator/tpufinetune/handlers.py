@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import kopf
 from kubernetes import client, config
 
-from tpufinetune import phases
+from tpufinetune import metrics, phases
 from tpufinetune.api import GROUP, PLURAL, VERSION
 from tpufinetune.driver import Run
 from tpufinetune.kube import RAY_GROUP, RAY_PLURAL, RAY_VERSION, KubeBackend
@@ -73,6 +73,16 @@ async def raycluster_changed(body: kopf.Body, **_) -> None:
     run = RUNS.get((body.get("metadata", {}).get("namespace"), owner))
     if run is not None:
         run.wake.set()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def phase_seen(type: str, body: kopf.Body, **_) -> None:
+    """The tpufinetune_resources gauge follows the watch, deletions included."""
+    meta = body.get("metadata", {})
+    if type == "DELETED":
+        metrics.forget(meta.get("namespace"), meta.get("name"))
+    else:
+        metrics.seen(meta.get("namespace"), meta.get("name"), (body.get("status") or {}).get("phase", ""))
 
 
 @kopf.on.field(GROUP, VERSION, PLURAL, field="spec")

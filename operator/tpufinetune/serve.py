@@ -1,6 +1,8 @@
 """`tpufinetune operator`: start the kopf operator with the handlers in handlers.py.
 
 Liveness: kopf serves `GET /healthz` on --liveness (default http://0.0.0.0:8080/healthz).
+Metrics: Prometheus text on --metrics-port (or $TPUFT_METRICS_PORT; 0, the default, is off);
+see metrics.py.
 Peering: off by default (`--standalone`); run one replica, or pass --peering NAME with the
 kopf peering CRD installed to run several with one active.
 """
@@ -17,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                         help="liveness endpoint URL; empty to disable")
     parser.add_argument("--peering", default="", help="kopf peering name; empty runs standalone")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics on this port (default $TPUFT_METRICS_PORT, or off)")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     parser.add_argument("--json-logs", action="store_true", help="log JSON lines")
 
@@ -34,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
         log_format=kopf.LogFormat.JSON if args.json_logs else kopf.LogFormat.FULL,
     )
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    metrics_port = args.metrics_port if args.metrics_port is not None else int(os.environ.get("TPUFT_METRICS_PORT") or 0)
+    if metrics_port:
+        from tpufinetune import metrics
+
+        metrics.serve(metrics_port)
     asyncio.run(kopf.operator(
         clusterwide=not namespaces,
         namespaces=namespaces,

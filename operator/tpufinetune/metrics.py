@@ -1,0 +1,131 @@
+"""Prometheus metrics of the operator, served on `tpufinetune operator --metrics-port`.
+
+| metric | type | labels | meaning |
+|---|---|---|---|
+| tpufinetune_reconciles_total | counter | phase | steps taken, by the phase the resource was in |
+| tpufinetune_reconcile_errors_total | counter | phase | steps that raised (API or Ray unreachable, …); retried |
+| tpufinetune_resources | gauge | phase | TPUFineTunes this operator knows, by current phase |
+| tpufinetune_apply_to_raycluster_seconds | histogram | | metadata.creationTimestamp → RayCluster created |
+| tpufinetune_apply_to_job_submitted_seconds | histogram | | metadata.creationTimestamp → first Ray job submitted |
+| tpufinetune_job_outcomes_total | counter | outcome, reason | runs that ended (Succeeded, Failed) or retried (Retried) |
+
+The driver reports through the few functions below; nothing here touches Kubernetes or Ray.
+Phases are the status phases; a resource the operator has not stepped yet is `New`.
+The timestamps Kubernetes keeps have one-second resolution, so the latency buckets start at
+one second.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import datetime, timezone
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+NEW = "New"
+PHASES = ("Pending", "Provisioning", "Submitting", "Running", "Succeeded", "Failed", "Deleting")
+LATENCY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+
+RECONCILES = Counter("tpufinetune_reconciles", "Reconcile steps, by the phase the resource was in.", ["phase"])
+ERRORS = Counter("tpufinetune_reconcile_errors", "Reconcile steps that raised, by phase.", ["phase"])
+TO_CLUSTER = Histogram(
+    "tpufinetune_apply_to_raycluster_seconds",
+    "Seconds from the TPUFineTune's creation to its RayCluster being created.",
+    buckets=LATENCY_BUCKETS,
+)
+TO_SUBMITTED = Histogram(
+    "tpufinetune_apply_to_job_submitted_seconds",
+    "Seconds from the TPUFineTune's creation to its first Ray job being submitted.",
+    buckets=LATENCY_BUCKETS,
+)
+OUTCOMES = Counter(
+    "tpufinetune_job_outcomes", "Runs that ended or were retried, by outcome and reason.", ["outcome", "reason"]
+)
+
+
+class _Phases:
+    """Current phase per resource, exported as the tpufinetune_resources gauge when scraped."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._phase: dict[tuple[str, str], str] = {}
+        self._timed: set[tuple[str, str]] = set()  # (uid, which): each latency once per resource
+
+    def set(self, key: tuple[str, str], phase: str) -> None:
+        with self._lock:
+            self._phase[key] = phase or NEW
+
+    def forget(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self._phase.pop(key, None)
+
+    def first(self, uid: str, which: str) -> bool:
+        with self._lock:
+            if (uid, which) in self._timed:
+                return False
+            self._timed.add((uid, which))
+            return True
+
+    def collect(self):
+        with self._lock:
+            phases = list(self._phase.values())
+        family = GaugeMetricFamily("tpufinetune_resources", "TPUFineTunes by current phase.", labels=["phase"])
+        for phase in (NEW, *PHASES, *sorted(set(phases) - {NEW, *PHASES})):
+            family.add_metric([phase], phases.count(phase))
+        yield family
+
+
+RESOURCES = _Phases()
+REGISTRY.register(RESOURCES)
+
+
+# ---- what the driver calls ---------------------------------------------------------------
+
+
+def stepped(before: str, after: str, recorded: list[tuple[str, str]]) -> None:
+    """One step done: `before`/`after` are the phases around it, `recorded` the (type,
+    reason) of the Events it posted (the transition's reasons name outcomes and retries)."""
+    RECONCILES.labels(before or NEW).inc()
+    if after != before and after in ("Succeeded", "Failed"):
+        reason = next((r for _, r in reversed(recorded)), after)
+        OUTCOMES.labels(after, reason).inc()
+    elif any(reason == "Retrying" for _, reason in recorded):
+        OUTCOMES.labels("Retried", "Retrying").inc()
+
+
+def step_failed(phase: str) -> None:
+    ERRORS.labels(phase or NEW).inc()
+
+
+def seen(namespace: str, name: str, phase: str) -> None:
+    """The resources gauge follows the watch: what the API server holds, not what this
+    process last wrote."""
+    RESOURCES.set((namespace, name), phase)
+
+
+def forget(namespace: str, name: str) -> None:
+    """The resource is gone from the API server."""
+    RESOURCES.forget((namespace, name))
+
+
+def cluster_created(uid: str, created: str | None) -> None:
+    _since_apply(TO_CLUSTER, uid, "cluster", created)
+
+
+def job_submitted(uid: str, created: str | None) -> None:
+    _since_apply(TO_SUBMITTED, uid, "job", created)
+
+
+def _since_apply(histogram: Histogram, uid: str, which: str, created: str | None) -> None:
+    """Observed once per resource and operator process: a RayCluster created again after a
+    suspension, or a retry, measures something else."""
+    if not created or not RESOURCES.first(uid, which):
+        return
+    start = datetime.fromisoformat(created.replace("Z", "+00:00"))
+    histogram.observe(max(0.0, (datetime.now(timezone.utc) - start).total_seconds()))
+
+
+def serve(port: int, address: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> None:
+    """Serve /metrics on a daemon thread (prometheus_client's own HTTP server)."""
+    start_http_server(port, addr=address, registry=registry)
