@@ -40,7 +40,7 @@ def demo_manifest(workdir: Path, assets) -> dict:
     spec = manifest["spec"]
     spec["model"] = {"id": str(assets.model)}  # no Hugging Face token needed offline
     spec["dataset"] = {"id": str(assets.data), "split": "train[:512]"}
-    spec["training"].update(epochs=3, maxSeqLen=128)
+    spec["training"].update(epochs=3, maxSeqLen=128, learningRate=0.001, evalFraction=0.1)
     spec["checkpoint"]["storagePath"] = str(workdir / "checkpoints")
     return manifest
 
@@ -51,9 +51,10 @@ def follow(cp, name: str, cluster_ready) -> dict:
     while time.monotonic() < deadline:
         cluster_ready()
         table = cp.kubectl("get", "tpufinetunes").stdout.strip()
-        if table != last:
+        without_age = [line.rsplit(None, 1)[0] for line in table.splitlines()]
+        if without_age != last:
             print(table.splitlines()[-1] if last else table, flush=True)
-            last = table
+            last = without_age
         status = json.loads(cp.kubectl("get", "tpufinetune", name, "-o", "json").stdout).get("status", {})
         if status.get("phase") in ("Succeeded", "Failed"):
             return status
