@@ -617,7 +617,8 @@ def start_with_crds(bin_dir: Path | None = None, workdir: Path | None = None,
 
 # ---------------------------------------------------------------- command line
 
-STATE_FILE = CLUSTER_STATE_DIR / "state.json"
+STATE_FILE = CLUSTER_STATE_DIR / "state.json"  # written by the supervisor
+PID_FILE = CLUSTER_STATE_DIR / "supervisor.pid"  # written by `up`, before the supervisor is ready
 
 
 def _read_state() -> dict | None:
@@ -657,10 +658,10 @@ def _serve() -> int:
         cp, kuberay = start_with_crds(workdir=workdir, out=sys.stdout)
     except Exception as e:  # reported to `up` through the state file
         shutil.rmtree(workdir, ignore_errors=True)
-        STATE_FILE.write_text(json.dumps({"pid": os.getpid(), "error": str(e)}))
+        _write_state({"pid": os.getpid(), "error": str(e)})
         return 1
     try:
-        STATE_FILE.write_text(json.dumps({
+        _write_state({
             "pid": os.getpid(),
             "ready": True,
             "server": cp.server,
@@ -670,7 +671,7 @@ def _serve() -> int:
             "version": cp.version,
             "pids": cp.pids,
             "kuberay_crd": str(kuberay) if kuberay else None,
-        }, indent=2))
+        })
         while not stop.wait(1.0):
             if any(p.poll() is not None for p in (cp.etcd, cp.apiserver)):
                 print("controlplane: a child exited; stopping", flush=True)
@@ -686,17 +687,26 @@ def _serve() -> int:
     return 0
 
 
+def _write_state(state: dict) -> None:
+    tmp = STATE_FILE.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(STATE_FILE)  # readers never see half a file
+
+
 def cmd_up(timeout: float = 120.0) -> int:
     state = _read_state()
-    if state and state.get("ready") and _alive(state["pid"]):
+    if state and state.get("ready") and _supervisor_pid() == state["pid"]:
         print(_export_lines(state))
         return 0
+    if _supervisor_pid() is not None:
+        print("controlplane: one is still starting; try again in a moment", file=sys.stderr)
+        return 1
+    STATE_FILE.unlink(missing_ok=True)
     missing = missing_binaries(default_bin_dir())
     if missing:
         print("controlplane: binaries missing; run `make controlplane` first", file=sys.stderr)
         return 1
     CLUSTER_STATE_DIR.mkdir(parents=True, exist_ok=True)
-    STATE_FILE.unlink(missing_ok=True)
     log = CLUSTER_STATE_DIR / "supervisor.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -704,48 +714,80 @@ def cmd_up(timeout: float = 120.0) -> int:
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, cwd=ROOT,
         )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = _read_state()
-        if state and state.get("pid") == proc.pid:
-            if state.get("ready"):
+    # Recorded at once, so `down` can stop a supervisor that is still starting.
+    PID_FILE.write_text(str(proc.pid))
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = _read_state() or {}
+            if state.get("pid") == proc.pid and state.get("ready"):
                 if not state.get("kuberay_crd"):
-                    print(f"controlplane: KubeRay RayCluster CRD not found at {KUBERAY_CRD_DISPLAY}; "
-                          "not installed", file=sys.stderr)
+                    print(f"controlplane: KubeRay RayCluster CRD not found at "
+                          f"{KUBERAY_CRD_DISPLAY}; not installed", file=sys.stderr)
                 print(_export_lines(state))
                 return 0
-            print(f"controlplane: failed to start: {state.get('error')}", file=sys.stderr)
-            proc.wait(30)
-            return 1
-        if proc.poll() is not None:
-            print(f"controlplane: supervisor exited {proc.returncode}:\n{_tail(log)}", file=sys.stderr)
-            return 1
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGTERM)
-    print(f"controlplane: not ready within {timeout:.0f}s; see {log}", file=sys.stderr)
+            if state.get("pid") == proc.pid and state.get("error"):
+                print(f"controlplane: failed to start: {state['error']}", file=sys.stderr)
+                proc.wait(30)
+                cmd_down(quiet=True)
+                return 1
+            if proc.poll() is not None:
+                print(f"controlplane: supervisor exited {proc.returncode}:\n{_tail(log)}",
+                      file=sys.stderr)
+                cmd_down(quiet=True)
+                return 1
+            time.sleep(0.2)
+        print(f"controlplane: not ready within {timeout:.0f}s; see {log}", file=sys.stderr)
+    except BaseException:  # Ctrl-C while starting: take the supervisor down too
+        cmd_down(quiet=True)
+        raise
+    cmd_down(quiet=True)
     return 1
 
 
-def cmd_down(timeout: float = 30.0) -> int:
-    state = _read_state()
-    if not state or not _alive(state.get("pid", -1)):
-        STATE_FILE.unlink(missing_ok=True)
-        print("controlplane: not running")
-        return 0
-    os.kill(state["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _alive(state["pid"]):
-        time.sleep(0.1)
-    if _alive(state["pid"]):
-        os.kill(state["pid"], signal.SIGKILL)  # its children die with it (PDEATHSIG)
+def _supervisor_pid() -> int | None:
+    """The live supervisor's pid, from its state or, while it starts, from `up`'s pid file."""
+    candidates = [(_read_state() or {}).get("pid")]
+    try:
+        candidates.append(int(PID_FILE.read_text()))
+    except (OSError, ValueError):
+        pass
+    for pid in candidates:
+        if isinstance(pid, int) and _alive(pid) and _is_supervisor(pid):
+            return pid
+    return None
+
+
+def _is_supervisor(pid: int) -> bool:
+    # Guards against a stale pid file naming a pid that the system has since reused.
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"_serve" in argv and any(a.endswith(b"controlplane.py") for a in argv)
+
+
+def cmd_down(timeout: float = 30.0, quiet: bool = False) -> int:
+    say = (lambda *a: None) if quiet else print
+    pid = _supervisor_pid()
+    if pid is None:
+        say("controlplane: not running")
+    else:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.1)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)  # its children die with it (PDEATHSIG)
+        say("controlplane: stopped")
     STATE_FILE.unlink(missing_ok=True)
-    print("controlplane: stopped")
+    PID_FILE.unlink(missing_ok=True)
     return 0
 
 
 def cmd_status() -> int:
     state = _read_state()
-    if state and state.get("ready") and _alive(state["pid"]):
+    if state and state.get("ready") and _supervisor_pid() == state["pid"]:
         pids = " ".join(f"{k}={v}" for k, v in state["pids"].items())
         print(f"controlplane: running {state['version']} at {state['server']} "
               f"(supervisor {state['pid']}, {pids})\n{_export_lines(state)}")
@@ -759,7 +801,10 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] not in commands:
         print(f"usage: {Path(__file__).name} up|down|status", file=sys.stderr)
         return 2
-    return commands[argv[0]]()
+    try:
+        return commands[argv[0]]()
+    except KeyboardInterrupt:  # whatever was started is already stopped
+        return 130
 
 
 if __name__ == "__main__":
