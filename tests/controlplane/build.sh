@@ -70,7 +70,7 @@ mkdir -p "$bin"
 cd "$here"
 for b in "${binaries[@]}"; do
   start=$SECONDS
-  go build -trimpath -p "$parallel" -ldflags "$ldflags" -o "$bin/.$b.tmp" "./cmd/$b" ||
+  go build -trimpath -buildvcs=false -p "$parallel" -ldflags "$ldflags" -o "$bin/.$b.tmp" "./cmd/$b" ||
     die "building $b failed (output above). Check that the Go module proxy is reachable (GOPROXY=$(go env GOPROXY)) and that 'go version' is 1.26 or newer, then run 'make controlplane' again."
   mv -f "$bin/.$b.tmp" "$bin/$b"
   echo "controlplane: built $b in $((SECONDS - start))s"
