@@ -4,7 +4,7 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 PIP_STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv controlplane test test-fast crds demo cluster cluster-down bench lint clean
+.PHONY: venv controlplane helm test test-fast crds demo cluster cluster-down bench lint clean
 
 ## Python environment: pinned stack from pyproject.toml (pip's cache keeps re-runs fast).
 $(PIP_STAMP): pyproject.toml
@@ -19,6 +19,10 @@ venv: $(PIP_STAMP)
 controlplane:
 	@bash tests/controlplane/build.sh
 
+## helm, for the chart tests (tests/deploy), built from Go modules (rebuilt only when the pin changes).
+helm:
+	@bash tests/helmbuild/build.sh
+
 ## The whole stack locally: control plane, Ray head, operator, the sample CPU rehearsal.
 demo: venv controlplane
 	$(PYTHON) scripts/demo.py
@@ -29,7 +33,7 @@ crds: venv
 
 ## Everything: unit, control-plane, Ray and end-to-end tests. Non-zero on any failure
 ## (pytest's "no tests collected", exit 5, included).
-test: venv controlplane
+test: venv controlplane helm
 	$(PYTHON) -m pytest
 
 ## Pure-core tests only (milliseconds; no control plane, no Ray).

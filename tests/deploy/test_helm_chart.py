@@ -1,0 +1,91 @@
+"""deploy/helm/tpufinetune with the real helm (built from Go modules): lint, render into a
+server-side dry run on the real API server, and render exactly what deploy/ (kustomize)
+installs, so the two ways to install never drift apart."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from manifests import CHART, DEPLOY, OPERATOR_NS, documents, find, kustomize
+
+pytestmark = pytest.mark.cluster
+
+HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance")
+EVERY_OPTION = [
+    "--set", "rayToken.secretName=ray-token", "--set", "settings.namespace=ml-team",
+    "--set", "metrics.service.enabled=true", "--set", "metrics.scrapeAnnotations=true",
+    "--set", "image.pullPolicy=Always", "--set", "podAnnotations.team=ml",
+    "--set", "nodeSelector.pool=system", "--set", "settings.pollInterval=2",
+]
+
+
+def run(*argv, input: str | None = None) -> str:
+    result = subprocess.run([str(a) for a in argv], input=input, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{argv}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def template(helm, namespace: str, *values: str) -> str:
+    return run(helm, "template", "tpufinetune", CHART, "--namespace", namespace, "--include-crds", *values)
+
+
+def without_helm_labels(obj: dict) -> dict:
+    for meta in (obj["metadata"], obj.get("spec", {}).get("template", {}).get("metadata", {})):
+        for label in HELM_ONLY_LABELS:
+            (meta.get("labels") or {}).pop(label, None)
+    return obj
+
+
+def by_identity(objects: list[dict]) -> dict:
+    return {(o["kind"], o["metadata"]["name"]): without_helm_labels(o) for o in objects}
+
+
+def test_helm_lint_is_clean(helm):
+    assert "0 chart(s) failed" in run(helm, "lint", CHART, "--strict")
+    assert "0 chart(s) failed" in run(helm, "lint", CHART, "--strict", *EVERY_OPTION)
+
+
+@pytest.mark.parametrize("values", [[], EVERY_OPTION], ids=["defaults", "every-option"])
+def test_rendered_chart_passes_a_server_side_dry_run(helm, control_plane, kuberay_crd, namespace, values):
+    rendered = template(helm, namespace, *values)
+    applied = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered).stdout
+    kinds = {line.split("/")[0].split(".")[0] for line in applied.splitlines()}
+    assert {"customresourcedefinition", "serviceaccount", "clusterrole", "clusterrolebinding",
+            "configmap", "deployment"} <= kinds, applied
+
+
+def test_chart_defaults_render_exactly_the_kustomize_base(helm, control_plane):
+    chart = by_identity(documents(template(helm, OPERATOR_NS, "--set", "createNamespace=true")))
+    base = by_identity(kustomize(control_plane, DEPLOY / "base"))
+    assert chart.keys() == base.keys()
+    for identity in base:
+        assert chart[identity] == base[identity], identity
+
+
+def test_chart_metrics_values_render_exactly_the_prometheus_overlay(helm, control_plane):
+    chart = by_identity(documents(template(
+        helm, OPERATOR_NS, "--set", "createNamespace=true",
+        "--set", "metrics.scrapeAnnotations=true", "--set", "metrics.service.enabled=true")))
+    overlay = by_identity(kustomize(control_plane, DEPLOY / "overlays" / "prometheus"))
+    assert chart.keys() == overlay.keys()
+    for identity in overlay:
+        assert chart[identity] == overlay[identity], identity
+
+
+def test_chart_values_reach_the_operator(helm):
+    objects = documents(template(helm, "ops", *EVERY_OPTION))
+    settings = find(objects, "ConfigMap")["data"]
+    assert settings["TPUFT_NAMESPACE"] == "ml-team" and settings["TPUFT_POLL_INTERVAL"] == "2"
+    pod = find(objects, "Deployment")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    token_file = next(e["value"] for e in container["env"] if e["name"] == "TPUFT_RAY_TOKEN_FILE")
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "ray-token")
+    volume = next(v for v in pod["volumes"] if v["name"] == "ray-token")
+    assert token_file == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+    assert volume["secret"]["secretName"] == "ray-token"
+    # Watching one namespace, kopf lists namespaces: granted only then, and still no Secrets.
+    rules = find(objects, "ClusterRole")["rules"]
+    assert {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]} in rules
+    assert not any("secrets" in rule["resources"] for rule in rules)
+    assert find(objects, "Service")["spec"]["ports"][0]["port"] == 9090

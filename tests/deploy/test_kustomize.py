@@ -1,0 +1,138 @@
+"""deploy/ (kustomize) installed into the real API server: everything applies, the pod
+meets the restricted Pod Security Standard, and the ServiceAccount can do what the operator
+calls and nothing on Secrets."""
+
+from __future__ import annotations
+
+import json
+import re
+from urllib.parse import urlparse
+
+import pytest
+from manifests import DEPLOY, OPERATOR_NS, OPERATOR_SA, ROOT, find, kustomize, load
+
+from tpufinetune.cli import build_parser
+from tpufinetune.settings import Settings
+
+pytestmark = pytest.mark.cluster
+
+# Each rule has one caller (deploy/base/clusterrole.yaml says which). Widening this is a
+# decision: the end-to-end suite shows these are enough (zero Forbidden responses).
+EXPECTED_RULES = [
+    {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes"], "verbs": ["list", "watch", "patch"]},
+    {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes/status"], "verbs": ["patch"]},
+    {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
+]
+
+
+def test_base_applies_to_the_real_api_server_and_meets_the_restricted_pod_standard(control_plane):
+    result = control_plane.kubectl("apply", "-k", DEPLOY / "base")
+    for ref in ("namespace/tpufinetune-system",
+                "customresourcedefinition.apiextensions.k8s.io/tpufinetunes.tpufinetune.dev",
+                "serviceaccount/tpufinetune-operator",
+                "clusterrole.rbac.authorization.k8s.io/tpufinetune-operator",
+                "clusterrolebinding.rbac.authorization.k8s.io/tpufinetune-operator",
+                "configmap/tpufinetune-operator-settings",
+                "deployment.apps/tpufinetune-operator"):
+        assert ref in result.stdout, result.stdout
+    # The namespace says `restricted` (enforce and warn): the API server's PodSecurity
+    # admission warns about a Deployment whose pods it would refuse.
+    assert "PodSecurity" not in result.stderr, result.stderr
+    deployment = find(kustomize(control_plane, DEPLOY / "base"), "Deployment")
+    deployment["spec"]["template"]["spec"]["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+    refused = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(deployment))
+    assert 'would violate PodSecurity "restricted' in refused.stderr, refused.stderr
+    live = json.loads(control_plane.kubectl("-n", OPERATOR_NS, "get", "deployment", "tpufinetune-operator",
+                                            "-o", "json").stdout)
+    (container,) = live["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "us-docker.pkg.dev/PROJECT/tpufinetune/operator:0.1.0"
+
+
+def test_the_crd_is_the_generated_one_not_a_copy(control_plane):
+    rendered = find(kustomize(control_plane, DEPLOY / "base"), "CustomResourceDefinition")
+    assert rendered == load((ROOT / "crds" / "tpufinetunes.tpufinetune.dev.yaml").read_text())
+    listed = load((ROOT / "crds" / "kustomization.yml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in (ROOT / "crds").glob("*.yaml"))
+
+
+def test_prometheus_overlay_adds_scraping_of_the_metrics_port(control_plane):
+    result = control_plane.kubectl("apply", "-k", DEPLOY / "overlays" / "prometheus")
+    assert "service/tpufinetune-operator-metrics" in result.stdout
+    objects = kustomize(control_plane, DEPLOY / "overlays" / "prometheus")
+    deployment = find(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
+    assert f"--metrics-port={port}" in container["args"]
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                           "prometheus.io/path": "/metrics"}
+    service = json.loads(control_plane.kubectl("-n", OPERATOR_NS, "get", "service",
+                                               "tpufinetune-operator-metrics", "-o", "json").stdout)
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_cluster_role_is_exactly_what_the_operator_calls(control_plane):
+    role = find(kustomize(control_plane, DEPLOY / "base"), "ClusterRole")
+    assert role["rules"] == EXPECTED_RULES
+
+
+def test_the_service_account_can_touch_no_secret(control_plane, kuberay_crd):
+    control_plane.kubectl("apply", "-k", DEPLOY / "base")
+
+    def can(*args) -> bool:
+        result = control_plane.kubectl("auth", "can-i", *args, f"--as={OPERATOR_SA}", check=False)
+        assert result.stdout.strip() in ("yes", "no"), result
+        return result.stdout.strip() == "yes"
+
+    # The binding is live (so the refusals below are RBAC's answer, not a missing subject).
+    assert can("create", "rayclusters.ray.io", "-n", "default")
+    assert can("patch", "tpufinetunes.tpufinetune.dev", "--subresource=status", "-n", "default")
+    for verb in ("get", "list", "watch", "create", "update", "patch", "delete"):
+        assert not can(verb, "secrets", "--all-namespaces"), verb
+    assert not can("get", "secrets", "-n", OPERATOR_NS)
+    # Nothing wider either: no wildcard anywhere in the rules.
+    role = find(kustomize(control_plane, DEPLOY / "base"), "ClusterRole")
+    for rule in role["rules"]:
+        assert "secrets" not in rule["resources"]
+        assert "*" not in rule["resources"] + rule["verbs"] + rule["apiGroups"]
+
+
+def test_the_pod_is_hardened_and_its_probes_hit_the_liveness_endpoint(control_plane):
+    objects = kustomize(control_plane, DEPLOY / "base")
+    pod = find(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == find(objects, "ServiceAccount")["metadata"]["name"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    for kind in ("requests", "limits"):
+        assert set(container["resources"][kind]) == {"cpu", "memory"}
+
+    args = build_parser().parse_args(container["args"])  # the CLI accepts exactly these
+    liveness = urlparse(args.liveness)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["path"] == liveness.path and ports[get["port"]] == liveness.port
+    assert ports["metrics"] == args.metrics_port
+
+    # Dockerfile.operator's user is the one the pod runs as.
+    user = re.search(r"^USER (\d+)", (ROOT / "Dockerfile.operator").read_text(), re.MULTILINE)
+    assert int(user.group(1)) == pod["securityContext"]["runAsUser"]
+
+
+def test_the_settings_config_map_holds_only_settings_the_operator_reads(control_plane):
+    objects = kustomize(control_plane, DEPLOY / "base")
+    deployment = find(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (source,) = container["envFrom"]
+    data = find(objects, "ConfigMap", source["configMapRef"]["name"])["data"]
+    settings_doc = (ROOT / "operator" / "tpufinetune" / "settings.py").read_text()
+    documented = set(re.findall(r"^\| (TPUFT_\w+) \|", settings_doc, re.MULTILINE))
+    assert set(data) <= documented
+    settings = Settings.from_env(data)
+    assert settings == Settings()  # the shipped values are the documented defaults

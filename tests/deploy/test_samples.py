@@ -1,0 +1,49 @@
+"""deploy/samples/: the tutorial's two jobs, the interconnect check on both slices, and the
+CPU rehearsal; each validates as the operator validates, and the real API server (schema
+and CEL rules of the generated CRD) accepts it in a server-side dry run."""
+
+from __future__ import annotations
+
+import pytest
+from manifests import DEPLOY, load
+
+from tpufinetune.api import parse_spec
+
+SAMPLES = {
+    "finetune-v6e-4x4.yaml": ("v6e", "4x4", "finetune"),
+    "finetune-v7x-2x2x2.yaml": ("v7x", "2x2x2", "finetune"),
+    "collectives-v6e-4x4.yaml": ("v6e", "4x4", "collectives"),
+    "collectives-v7x-2x2x2.yaml": ("v7x", "2x2x2", "collectives"),
+    "cpu-rehearsal.yaml": ("cpu", "2", "finetune"),
+}
+
+
+def test_the_samples_folder_holds_exactly_these():
+    assert sorted(p.name for p in (DEPLOY / "samples").glob("*.yaml")) == sorted(SAMPLES)
+    names = [load((DEPLOY / "samples" / f).read_text())["metadata"]["name"] for f in SAMPLES]
+    assert len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_sample_validates_as_the_operator_does(sample):
+    spec = parse_spec(load((DEPLOY / "samples" / sample).read_text())["spec"])
+    assert (spec.tpu.generation, spec.tpu.topology, spec.mode) == SAMPLES[sample]
+
+
+@pytest.mark.parametrize("sample", ["finetune-v6e-4x4.yaml", "finetune-v7x-2x2x2.yaml"])
+def test_finetune_samples_are_the_tutorials_job(sample):
+    spec = load((DEPLOY / "samples" / sample).read_text())["spec"]
+    assert spec["model"] == {"id": "google/gemma-4-E2B-it", "tokenSecret": {"name": "hf-secret", "key": "hf_api_token"}}
+    assert spec["dataset"] == {"id": "databricks/databricks-dolly-15k", "split": "train[:1024]"}
+    assert spec["training"] == {"epochs": 3, "batchSizePerDevice": 4, "maxSeqLen": 512,
+                                "learningRate": 2e-5, "weightDecay": 0.01}
+    assert spec["checkpoint"] == {"storagePath": "gs://BUCKET/ray_train_torchtpu", "keep": 1,
+                                  "scoreAttribute": "loss", "scoreOrder": "min"}
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_sample_passes_a_server_side_dry_run(control_plane, namespace, sample):
+    result = control_plane.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", DEPLOY / "samples" / sample)
+    name = load((DEPLOY / "samples" / sample).read_text())["metadata"]["name"]
+    assert result.stdout.strip() == f"tpufinetune.tpufinetune.dev/{name} created (server dry run)"
