@@ -4,13 +4,14 @@
 |---|---|---|---|
 | tpufinetune_reconciles_total | counter | phase | steps taken, by the phase the resource was in |
 | tpufinetune_reconcile_errors_total | counter | phase | steps that raised (API or Ray unreachable, …); retried |
-| tpufinetune_resources | gauge | phase | TPUFineTunes this operator knows, by current phase |
+| tpufinetune_resources | gauge | phase | TPUFineTunes the watch sees, by status.phase |
 | tpufinetune_apply_to_raycluster_seconds | histogram | | metadata.creationTimestamp → RayCluster created |
 | tpufinetune_apply_to_job_submitted_seconds | histogram | | metadata.creationTimestamp → first Ray job submitted |
 | tpufinetune_job_outcomes_total | counter | outcome, reason | runs that ended (Succeeded, Failed) or retried (Retried) |
 
-The driver reports through the few functions below; nothing here touches Kubernetes or Ray.
-Phases are the status phases; a resource the operator has not stepped yet is `New`.
+The driver (Run.step) and one kopf watch handler (handlers.phase_seen) report through the
+few functions below; nothing here touches Kubernetes or Ray. Phases are the status phases; a
+resource without one yet is `New`.
 The timestamps Kubernetes keeps have one-second resolution, so the latency buckets start at
 one second.
 """

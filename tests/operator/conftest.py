@@ -7,44 +7,14 @@ through its documented TPUFT_DASHBOARD_URL setting.
 from __future__ import annotations
 
 import json
-import re
 import socket
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
 from harness.operator_process import OperatorProcess
-
-DEPLOY_BASE = Path(__file__).resolve().parents[2] / "deploy" / "base"
-RBAC_KINDS = {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
-# kopf logs a refused request as APIForbiddenError or "Not enough permissions"; the
-# kubernetes client's ApiException says "Reason: Forbidden"; the API server's text is
-# "... is forbidden: User ...".
-FORBIDDEN = re.compile(r"forbidden|not enough permissions", re.IGNORECASE)
-
-
-def service_account_kubeconfig(control_plane, path: Path) -> Path:
-    """Apply the RBAC objects of deploy/base, ask the TokenRequest API for a token of its
-    ServiceAccount (`kubectl create token`) and write a kubeconfig that uses it."""
-    objects = list(yaml.safe_load_all(control_plane.kubectl("kustomize", DEPLOY_BASE).stdout))
-    rbac = [o for o in objects if o and o["kind"] in RBAC_KINDS]
-    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rbac))
-    account = next(o["metadata"] for o in rbac if o["kind"] == "ServiceAccount")
-    token = control_plane.kubectl(
-        "create", "token", account["name"], "-n", account["namespace"], "--duration=12h").stdout.strip()
-    user = f"system:serviceaccount:{account['namespace']}:{account['name']}"
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "test", "cluster": {"server": control_plane.server,
-                                                  "certificate-authority": str(control_plane.ca_path)}}],
-        "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "test", "user": user}}],
-        "current-context": "operator",
-    }))
-    path.chmod(0o600)
-    return path
+from harness.service_account import refusals, service_account_kubeconfig
 
 
 def _free_port() -> int:
@@ -74,7 +44,7 @@ def operator(control_plane, kuberay_crd, ray_head, tmp_path_factory):
     process.start()
     yield process
     process.stop()
-    refused = [line for line in process.log_path.read_text(errors="replace").splitlines() if FORBIDDEN.search(line)]
+    refused = refusals(process.log_path)
     if refused:
         pytest.fail(f"the operator's ServiceAccount was refused {len(refused)} time(s); "
                     "deploy/base/clusterrole.yaml lacks a rule:\n" + "\n".join(refused[:20]), pytrace=False)

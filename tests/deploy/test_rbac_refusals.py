@@ -1,0 +1,46 @@
+"""The end-to-end suite's "zero Forbidden" proof only means something if a missing rule
+shows up in the operator's log. Here the operator runs with deploy/'s ClusterRole minus
+one rule (under another ServiceAccount, watching an empty namespace so it touches nothing
+of other tests), and the refusal must appear."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+
+from harness.operator_process import OperatorProcess
+from harness.service_account import rbac_objects, refusals, service_account_kubeconfig
+
+pytestmark = pytest.mark.cluster
+
+
+def narrowed(objects: list[dict], without: str) -> list[dict]:
+    objects = copy.deepcopy(objects)
+    for obj in objects:
+        if obj["kind"] == "Namespace":
+            continue
+        obj["metadata"]["name"] = "tpufinetune-narrow"
+        if obj["kind"] == "ClusterRole":
+            obj["rules"] = [r for r in obj["rules"] if without not in r["resources"]]
+        if obj["kind"] == "ClusterRoleBinding":
+            obj["roleRef"]["name"] = "tpufinetune-narrow"
+            obj["subjects"][0]["name"] = "tpufinetune-narrow"
+    return objects
+
+
+def test_a_rule_taken_away_shows_up_as_a_refusal_in_the_operator_log(control_plane, namespace, tmp_path):
+    rbac = narrowed(rbac_objects(control_plane), without="customresourcedefinitions")
+    env = control_plane.env()
+    env.update(KUBECONFIG=str(service_account_kubeconfig(control_plane, tmp_path / "kubeconfig", rbac)),
+               TPUFT_NAMESPACE=namespace)
+    process = OperatorProcess(env, tmp_path / "operator.log")
+    process.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any("customresourcedefinitions" in line for line in refusals(process.log_path)):
+            assert time.monotonic() < deadline, process.log_tail()
+            time.sleep(0.5)
+    finally:
+        process.stop()
