@@ -44,3 +44,21 @@ def test_slim_python_311_non_root_operator_without_the_train_extra():
     command = json.loads(next(arg for op, arg in instructions if op == "CMD"))
     assert entrypoint == ["tpufinetune"]
     assert command[0] == "operator" and any(a.startswith("--liveness=http://0.0.0.0:") for a in command)
+
+
+def test_the_operator_runs_without_the_train_extra():
+    """The image installs the package without `train`: the operator's modules must not need
+    torch, transformers or datasets (imports of them are refused here)."""
+    script = """
+import importlib.abc, sys
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"torch", "transformers", "datasets", "safetensors", "tokenizers"}:
+            raise ImportError(f"{name} is in the train extra")
+sys.meta_path.insert(0, Refuse())
+from tpufinetune import cli, handlers, metrics, serve  # noqa: F401
+cli.build_parser().parse_args(["operator", "--metrics-port=9090", "--json-logs"])
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
