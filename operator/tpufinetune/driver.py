@@ -83,10 +83,10 @@ class Run:
         address = self.status.get("dashboardURL") or (cluster.dashboard_url if cluster else "")
         if address and phase in (phases.SUBMITTING, phases.RUNNING, phases.DELETING) and self.status.get("jobId"):
             job = await asyncio.to_thread(self.jobs.job, address, self.status["jobId"])
-        events = self._new_events(address, job)
+        events = await self._new_events(address, job)
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, events=events, deleting=deleting)
 
-    def _new_events(self, address: str, job) -> tuple[dict, ...]:
+    async def _new_events(self, address: str, job) -> tuple[dict, ...]:
         if job is None or self.status.get("phase") != phases.RUNNING:
             return ()
         job_id = self.status["jobId"]
@@ -94,11 +94,21 @@ class Run:
             skip = int(self.status.get("logCursor") or 0) if self.status.get("logJobId") == job_id else 0
             self.follower = LogFollower(self.jobs, address, job_id, skip=skip, wake=self.wake)
             self.follower.start()
-        events = self.follower.drain()
-        if events or self.follower.parsed_bytes > int(self.status.get("logCursor") or 0):
-            self.status["logCursor"] = self.follower.parsed_bytes
-            self.status["logJobId"] = job_id
-        return tuple(events)
+        if job.status not in phases.JOB_ACTIVE:
+            # Decide the outcome only once the whole log is parsed: the last lines
+            # (result, failure) may still be in flight when Ray reports the job ended.
+            await self.follower.finish()
+        return tuple(self.follower.drain())
+
+    def _log_cursor(self, status: dict) -> None:
+        """Where the log was parsed up to; saved with the status it produced, so a
+        restart skips exactly those bytes."""
+        if self.follower is None:
+            return
+        same_job = status.get("logJobId") == self.follower.submission_id
+        if not same_job or self.follower.parsed_bytes > int(status.get("logCursor") or 0):
+            status["logCursor"] = self.follower.parsed_bytes
+            status["logJobId"] = self.follower.submission_id
 
     # ---- one step ---------------------------------------------------------------------
 
@@ -121,8 +131,9 @@ class Run:
         tail = [a for a in decision.actions if isinstance(a, phases.ReadLogTail)]
         if tail:
             text = await asyncio.to_thread(self.jobs.log_tail, self.status["dashboardURL"], tail[0].submission_id)
-            obs = Observations(**{**obs.__dict__, "log_tail": text or "(empty log)", "events": ()})
+            obs = Observations(**{**obs.__dict__, "log_tail": text or "(empty log)"})
             decision = phases.transition(self.ident, self.plan, self.status, obs)
+        self._log_cursor(decision.status)
         # Status first: identities are persisted before the actions that depend on them.
         await self._write(decision.status)
         await self._perform(decision)

@@ -110,11 +110,14 @@ class LogFollower:
                 self.cursor, self._partial = 0, b""
                 await asyncio.sleep(2)
 
-    def _feed(self, chunk: str) -> None:
+    def _feed(self, chunk: str | bytes, final: bool = False) -> None:
         """Parse complete lines only; a partial line waits for the next chunk, so the
         cursor saved in status always sits on a line boundary."""
-        self._partial += chunk.encode()
+        self._partial += chunk.encode() if isinstance(chunk, str) else chunk
         *lines, self._partial = self._partial.split(b"\n")
+        if final and self._partial:
+            lines.append(self._partial)
+            self._partial = b""
         for line in lines:
             start = self.cursor
             self.cursor += len(line) + 1
@@ -134,9 +137,22 @@ class LogFollower:
         events, self._pending = self._pending, []
         return events
 
-    @property
-    def finished(self) -> bool:
-        return self._task is not None and self._task.done()
+    async def finish(self, timeout: float = 15.0) -> None:
+        """The job has ended: let the stream deliver its last lines (Ray closes it when
+        the job ends). If it does not close in time, read the rest once from the full
+        log, from the cursor on, so no final event (result, failure) is ever missed."""
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+            self._feed(b"", final=True)
+            return
+        except asyncio.TimeoutError:
+            log.warning("log stream of %s still open %ss after the job ended; reading the rest", self.submission_id, timeout)
+        await self.close()
+        text = await asyncio.to_thread(self.jobs.client(self.address).get_job_logs, self.submission_id)
+        self._partial = b""
+        self._feed(text.encode()[self.cursor :], final=True)
 
     async def close(self) -> None:
         if self._task is not None:

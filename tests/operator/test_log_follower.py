@@ -41,3 +41,11 @@ def test_status_patch_holds_only_changes_and_removals():
     old = {"phase": "Running", "loss": 3.0, "trainerFailure": {"type": "X"}, "kopf": {"progress": {}}}
     new = {"phase": "Running", "loss": 2.0}
     assert status_patch(old, new) == {"loss": 2.0, "trainerFailure": None}
+
+
+def test_the_last_line_without_a_newline_is_parsed_when_the_log_ends():
+    f = follower()
+    f._feed(LOG + format_event("result", best_checkpoint_uri="gs://b/best"))
+    assert [e["event"] for e in f.drain()] == ["epoch", "epoch"]
+    f._feed(b"", final=True)
+    assert [e["event"] for e in f.drain()] == ["result"]
