@@ -13,9 +13,12 @@ import yaml
 
 DEPLOY_BASE = Path(__file__).resolve().parents[2] / "deploy" / "base"
 RBAC_KINDS = {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
-# kopf logs a refused request as APIForbiddenError(... is forbidden ...) or "Not enough
-# permissions"; the kubernetes client's ApiException says "Reason: Forbidden".
-FORBIDDEN = re.compile(r"forbidden|not enough permissions", re.IGNORECASE)
+# An RBAC refusal names the identity: `... is forbidden: User "system:serviceaccount:..."
+# cannot list resource ...`; kopf may also say "Not enough permissions". Other 403s are
+# not about RBAC and must not count: the apiserver also answers "forbidden: unable to
+# create new content in namespace X because it is being terminated" when another test's
+# namespace is going away while the operator (watching all namespaces) acts in it.
+FORBIDDEN = re.compile(r'forbidden: User "|cannot \w+ resource|not enough permissions', re.IGNORECASE)
 
 
 def rbac_objects(control_plane, folder: Path = DEPLOY_BASE) -> list[dict]:
