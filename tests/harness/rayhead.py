@@ -82,7 +82,21 @@ class RayHead:
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def start(cls, num_cpus: int = 4, auth: bool = True, temp_dir: str | None = None,
-              object_store_bytes: int = 400 * 1024 * 1024, timeout_s: float = 120.0) -> "RayHead":
+              object_store_bytes: int = 400 * 1024 * 1024, timeout_s: float = 180.0,
+              attempts: int = 3) -> "RayHead":
+        """Start a head; retried with fresh ports when Ray gives up during startup (it
+        allows its raylet only 30 s to register, which a loaded machine can miss)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return cls._start_once(num_cpus, auth, temp_dir, object_store_bytes, timeout_s)
+            except (RuntimeError, TimeoutError):
+                if attempt == attempts:
+                    raise
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _start_once(cls, num_cpus: int, auth: bool, temp_dir: str | None, object_store_bytes: int,
+                    timeout_s: float) -> "RayHead":
         owns = temp_dir is None
         # Ray's socket paths must stay under 107 bytes: keep the temp dir short.
         temp_dir = temp_dir or tempfile.mkdtemp(prefix="rh-", dir="/tmp")
@@ -125,7 +139,10 @@ class RayHead:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"ray start exited with {proc.returncode}; log:\n{self.log_tail()}")
-            if self._dashboard_answers("/api/version") and self._dashboard_answers("/api/jobs/"):
+            # `ray start` prints this once the node has registered; before that the
+            # dashboard may answer while the start still fails.
+            started = "Ray runtime started." in self.log_tail(1 << 20)
+            if started and self._dashboard_answers("/api/version") and self._dashboard_answers("/api/jobs/"):
                 return
             time.sleep(0.5)
         raise TimeoutError(f"Ray head not ready after {timeout_s:.0f}s; log:\n{self.log_tail()}")

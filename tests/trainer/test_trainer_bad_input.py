@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import events_of, offline_env, run_trainer, write_jsonl
+from trainer_helpers import events_of, offline_env, run_trainer, write_jsonl
 
 pytestmark = pytest.mark.ray
 
@@ -68,6 +68,7 @@ def test_bad_input_fails_with_a_named_problem(case, ray_head, trainer_assets, tm
         assert run.rc == 2
 
 
+@pytest.mark.slow
 def test_a_worker_failure_ends_the_job_with_a_failure_event(ray_head, trainer_assets, tmp_path):
     """Weights that cannot be read pass the driver's checks (config and tokenizer load)
     and fail inside the Ray Train workers; the job must fail, not retry or hang."""

@@ -22,7 +22,7 @@ from tpufinetune_trainer.data import (
 from tpufinetune_trainer.errors import DataError
 from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
 
-from conftest import write_jsonl
+from trainer_helpers import write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from tpufinetune_trainer.data import encode_rows, load_rows
 from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
 
-from conftest import Run, events_of, offline_env, run_trainer
+from trainer_helpers import Run, events_of, offline_env, run_trainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

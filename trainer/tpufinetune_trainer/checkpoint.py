@@ -1,9 +1,10 @@
 """Sharded checkpoints (torch.distributed.checkpoint) and the Hugging Face export.
 
-Each rank writes only its own shards (``__<rank>_0.distcp``) into a local directory and
-hands it to ``ray.train.report``; Ray merges every rank's files into one checkpoint
-directory in storage. Rank 0 adds the DCP ``.metadata`` and ``trainer_state.json``. No
-rank ever holds the whole model while checkpointing. The frozen per-layer embeddings
+Each rank writes only its own shards (``__<rank>_0.distcp``), either straight into the
+checkpoint directory on a shared file system or into a local staging directory whose
+files Ray Train uploads (every rank its own, merged into one directory in storage).
+Rank 0 adds the DCP ``.metadata`` and ``trainer_state.json``. No rank ever holds the
+whole model while checkpointing. The frozen per-layer embeddings
 are left out: they never change, and a reload starts from the base model that has them.
 """
 
@@ -14,7 +15,6 @@ import os
 import tempfile
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
@@ -31,9 +31,15 @@ _LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def save_sharded(model, optimizer, directory: str, trainer_state: dict) -> None:
-    """Collective: every rank calls it with its own (local) directory."""
+    """Collective: every rank calls it, with a local staging directory of its own or the
+    same shared directory. No fsync per file: like Ray Train's own upload, durability is
+    left to the storage (a staging directory needs none). Plan caching: from the second
+    epoch on, ranks whose save plan has not changed skip shipping it to the coordinator."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    dcp.save({"model": model_sd, "optim": optim_sd},
+             storage_writer=dcp.FileSystemWriter(directory, sync_files=False),
+             planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
     if dist.get_rank() == 0:
         Path(directory, STATE_FILE).write_text(json.dumps(trainer_state))
 

@@ -157,17 +157,29 @@ class Trainer:
         return loss / label_tokens if label_tokens else None
 
     def checkpoint(self, epoch: int, metrics: dict) -> str:
-        """Sharded save + report; returns the checkpoint's URI in storage."""
+        """Sharded save + report; returns the checkpoint's URI in storage.
+
+        A file-system storage path (shared by all hosts, as Ray Train requires) is written
+        in place and reported without an upload: one write of each shard instead of a
+        write plus a copy. A URI (gs://) is staged in a local directory that Ray Train
+        uploads, every rank its own files, in parallel."""
         import ray.train
+        from ray.train import CheckpointUploadMode
 
         name = f"epoch_{epoch:04d}"
         uri = ckpt.join_uri(self.cfg.storage_path, self.cfg.run_name, name)
         entry = dict(metrics, uri=uri)
         state = {"epoch": epoch, "history": self.history + [entry], "run_name": self.cfg.run_name}
         start = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="tpuft-ckpt-") as local:
-            ckpt.save_sharded(self.model, self.optimizer, local, state)
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(local), checkpoint_dir_name=name)
+        if "://" in uri:
+            with tempfile.TemporaryDirectory(prefix="tpuft-ckpt-") as local:
+                ckpt.save_sharded(self.model, self.optimizer, local, state)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(local),
+                                 checkpoint_dir_name=name)
+        else:
+            ckpt.save_sharded(self.model, self.optimizer, uri, state)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint(uri), checkpoint_dir_name=name,
+                             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         entry["save_s"] = round(time.perf_counter() - start, 3)
         self.history.append(entry)
         self.weights_epoch = epoch

@@ -1,4 +1,8 @@
-"""Helpers for the trainer tests: run `tpufinetune-train` for real and read its events."""
+"""Helpers for the trainer tests: run `tpufinetune-train` for real and read its events.
+
+A plain module with a unique name (not conftest.py), so `from trainer_helpers import …`
+can never pick up another directory's conftest.
+"""
 
 from __future__ import annotations
 
