@@ -1,0 +1,65 @@
+"""Model loading and FSDP2 sharding in one process (a real world-size-1 gloo group)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tpufinetune_trainer.model import decoder_blocks, load_causal_lm, per_layer_embeddings
+from tpufinetune_trainer.parallelize import apply_fsdp, build_mesh
+
+
+@pytest.fixture
+def process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_step(model) -> float:
+    ids = torch.randint(3, 200, (2, 32))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    return float(loss)
+
+
+def test_any_causal_lm_is_sharded_per_decoder_block(tmp_path, process_group):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = load_causal_lm(str(tmp_path), torch.float32, "sdpa")
+    assert per_layer_embeddings(model) is None
+    blocks = decoder_blocks(model)
+    assert [type(b).__name__ for b in blocks] == ["LlamaDecoderLayer"] * 2
+    apply_fsdp(model, build_mesh("cpu", 1), torch.float32)
+    assert all(type(b).__name__.startswith("FSDP") for b in blocks)  # each block is its own unit
+    assert type(model).__name__.startswith("FSDP")
+    assert torch.isfinite(torch.tensor(_train_step(model)))
+
+
+def test_gemma4_per_layer_embeddings_are_frozen_and_left_out_of_fsdp(trainer_assets, process_group):
+    from torch.distributed.tensor import DTensor
+
+    model = load_causal_lm(str(trainer_assets.model), torch.float32, "sdpa")
+    table = per_layer_embeddings(model)
+    assert table is model.model.language_model.embed_tokens_per_layer
+    apply_fsdp(model, build_mesh("cpu", 1), torch.float32)
+    assert not table.weight.requires_grad and not isinstance(table.weight, DTensor)
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    assert "model.language_model.layers.0.mlp.gate_proj.weight" in sharded
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in sharded  # whole blocks, not just MLPs
+    before = table.weight.detach().clone()
+    _train_step(model)
+    assert torch.equal(table.weight, before)
