@@ -30,7 +30,7 @@ def _train_step(model) -> float:
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def test_any_causal_lm_is_sharded_per_decoder_block(tmp_path, process_group):
