@@ -22,6 +22,9 @@ SLICES_MESSAGE = ("must be 1 when mode is finetune: Ray Train runs PyTorch on on
                   "slice only (mode: collectives may span several slices)")
 STORAGE_MESSAGE = ("is required when mode is finetune: a gs:// bucket path or a shared "
                    "filesystem path where Ray Train writes checkpoints")
+EVAL_SCORE_MESSAGE = ("eval_loss needs training.evalFraction greater than 0: with no "
+                      "evaluation no epoch reports eval_loss; set training.evalFraction "
+                      "(e.g. 0.05) or rank checkpoints by loss")
 TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host); "
                         "remove it from the overrides")
 
@@ -126,6 +129,17 @@ def spec_rules() -> list[dict]:
             "fieldPath": ".checkpoint.storagePath",
             "reason": "FieldValueRequired",
         },
+        {
+            # evalFraction is a number, so CEL sees a double: compare with 0.0.
+            "rule": (f"{is_collectives} || !has(self.checkpoint) || "
+                     "!has(self.checkpoint.scoreAttribute) || "
+                     "self.checkpoint.scoreAttribute != 'eval_loss' || "
+                     "!has(self.training) || !has(self.training.evalFraction) || "
+                     "self.training.evalFraction > 0.0"),
+            "message": EVAL_SCORE_MESSAGE,
+            "fieldPath": ".checkpoint.scoreAttribute",
+            "reason": "FieldValueInvalid",
+        },
     ]
 
 
@@ -155,6 +169,8 @@ def check_spec(spec: TPUFineTuneSpec) -> None:
             raise SpecError("spec.tpu.slices", SLICES_MESSAGE)
         if not spec.checkpoint.storage_path:
             raise SpecError("spec.checkpoint.storagePath", STORAGE_MESSAGE)
+        if spec.checkpoint.score_attribute == "eval_loss" and spec.training.eval_fraction == 0:
+            raise SpecError("spec.checkpoint.scoreAttribute", EVAL_SCORE_MESSAGE)
     for group in ("head", "workers"):
         resources = getattr(spec, group).resources
         if resources is not None:

@@ -28,7 +28,7 @@ def test_minimal_spec_gets_the_tutorial_defaults():
     training = spec.training
     assert (training.epochs, training.batch_size_per_device, training.max_seq_len) == (3, 4, 512)
     assert (training.learning_rate, training.weight_decay, training.seed) == (2e-5, 0.01, 42)
-    assert training.eval_fraction == 0.0
+    assert training.eval_fraction == 0.05
     checkpoint = spec.checkpoint
     assert (checkpoint.keep, checkpoint.score_attribute, checkpoint.score_order) == (
         1, "loss", "min")

@@ -1,0 +1,138 @@
+"""The API and the trainer agree: every flag the operator passes has the trainer's own
+default when the spec leaves it unset, and every value the trainer refuses is refused by
+`parse_spec` too (the same cases run against the real apiserver in
+test_crd_admission.py, through api_spec_cases.INVALID)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from api_spec_cases import INVALID, base_spec, spec_with
+
+from tpufinetune.api import parse_spec
+from tpufinetune.errors import SpecError
+from tpufinetune.jobspec import trainer_argv
+from tpufinetune_trainer import cli as trainer_cli
+from tpufinetune_trainer.errors import TrainerError
+
+# Flags whose value comes from the slice, the storage or the run's identity rather than a
+# spec default (so there is no default to agree on).
+DERIVED_FLAGS = {"--topology", "--accelerator-type", "--num-workers", "--device",
+                 "--storage-path", "--run-name"}
+# Trainer flags the operator does not pass, each with its reason.
+NOT_PASSED = {
+    "--resume-from": "passed only on retries and resumes, from status.checkpointURI",
+    "--long-prompts": "the trainer's default (skip, counted in the start event) applies",
+}
+
+
+def _finetune_parser() -> argparse.ArgumentParser:
+    parser = trainer_cli.build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices["finetune"]
+
+
+def _flag_dests() -> dict[str, str]:
+    return {option: action.dest for action in _finetune_parser()._actions
+            for option in action.option_strings if option.startswith("--")
+            and option != "--help"}
+
+
+def _passed_flags(argv: list[str]) -> dict[str, str]:
+    return dict(arg.split("=", 1) for arg in argv[2:])
+
+
+def _trainer_config(argv: list[str]):
+    """What the trainer makes of `argv`: its parser, its config, its checks."""
+    return trainer_cli._config(trainer_cli.build_parser().parse_args(argv[1:])).validate()
+
+
+def test_every_trainer_flag_is_passed_or_left_out_for_a_stated_reason():
+    passed = set(_passed_flags(trainer_argv(parse_spec(base_spec()), run_name="r")))
+    assert passed <= set(_flag_dests()), passed - set(_flag_dests())
+    unaccounted = set(_flag_dests()) - passed - set(NOT_PASSED)
+    assert not unaccounted, (f"trainer flags {sorted(unaccounted)} are neither passed by "
+                             "jobspec.trainer_argv nor listed in NOT_PASSED with a reason")
+
+
+def test_unset_spec_fields_pass_the_trainers_own_defaults():
+    argv = trainer_argv(parse_spec(base_spec()), run_name="r")
+    given = vars(trainer_cli.build_parser().parse_args(argv[1:]))
+    defaults = vars(trainer_cli.build_parser().parse_args(["finetune"]))
+    dests = _flag_dests()
+    compared = 0
+    for flag in _passed_flags(argv):
+        if flag in DERIVED_FLAGS:
+            continue
+        dest = dests[flag]
+        assert given[dest] == defaults[dest], (
+            f"{flag}: the API's default gives {given[dest]!r}, the trainer's default is "
+            f"{defaults[dest]!r}")
+        compared += 1
+    assert compared >= 13  # model, data, training and checkpoint flags
+
+
+def test_the_operators_argv_for_the_default_spec_passes_the_trainers_checks():
+    config = _trainer_config(trainer_argv(parse_spec(base_spec()), run_name="r"))
+    assert config.num_workers == 16 and config.storage_path.startswith("gs://")
+
+
+# (spec change, trainer flag and value): values at and past each bound the trainer checks.
+TRAINER_REFUSALS = [
+    ({"training": {"epochs": 0}}, ["--num-epochs=0"]),
+    ({"training": {"batchSizePerDevice": 0}}, ["--batch-size-per-device=0"]),
+    ({"training": {"maxSeqLen": 7}}, ["--max-seq-len=7"]),
+    ({"training": {"learningRate": 0}}, ["--learning-rate=0.0"]),
+    ({"training": {"learningRate": -1e-5}}, ["--learning-rate=-1e-05"]),
+    ({"training": {"weightDecay": -0.1}}, ["--weight-decay=-0.1"]),
+    ({"training": {"evalFraction": -0.1}}, ["--eval-fraction=-0.1"]),
+    ({"training": {"evalFraction": 1}}, ["--eval-fraction=1.0"]),
+    ({"checkpoint": {"storagePath": "gs://b/p", "keep": 0}}, ["--keep-checkpoints=0"]),
+    ({"checkpoint": {"storagePath": "gs://b/p", "scoreAttribute": "accuracy"}},
+     ["--checkpoint-score-attribute=accuracy"]),
+    ({"checkpoint": {"storagePath": "gs://b/p", "scoreOrder": "lowest"}},
+     ["--checkpoint-score-order=lowest"]),
+    ({"checkpoint": {"storagePath": "gs://b/p", "scoreAttribute": "eval_loss"},
+      "training": {"evalFraction": 0}},
+     ["--checkpoint-score-attribute=eval_loss", "--eval-fraction=0.0"]),
+]
+
+
+def _with_flags(argv: list[str], flags: list[str]) -> list[str]:
+    replaced = {flag.split("=", 1)[0]: flag for flag in flags}
+    return [replaced.get(arg.split("=", 1)[0], arg) for arg in argv]
+
+
+@pytest.mark.parametrize("changes,flags", TRAINER_REFUSALS, ids=lambda v: str(v))
+def test_what_the_trainer_refuses_the_api_refuses(changes, flags):
+    argv = _with_flags(trainer_argv(parse_spec(base_spec()), run_name="r"), flags)
+    with pytest.raises(TrainerError):
+        _trainer_config(argv)
+    with pytest.raises(SpecError):
+        parse_spec(spec_with(**changes))
+
+
+def test_every_trainer_refusal_is_an_admission_case():
+    """The same values reach the real apiserver through INVALID (test_crd_admission)."""
+    admission_specs = [case.spec for case in INVALID]
+    for changes, _ in TRAINER_REFUSALS:
+        assert spec_with(**changes) in admission_specs, changes
+
+
+@pytest.mark.parametrize("changes", [
+    {"training": {"evalFraction": 0}},
+    {"checkpoint": {"storagePath": "gs://b/p", "scoreAttribute": "eval_loss"}},
+    {"checkpoint": {"storagePath": "gs://b/p", "scoreAttribute": "tokens_per_s",
+                    "scoreOrder": "max"}},
+    {"training": {"maxSeqLen": 8, "evalFraction": 0.5}},
+], ids=str)
+def test_what_the_api_accepts_the_trainer_accepts(changes):
+    spec = parse_spec(spec_with(**changes))
+    _trainer_config(trainer_argv(spec, run_name="r"))
+
+
+def test_a_collectives_run_ignores_the_checkpoint_ranking():
+    spec = parse_spec(spec_with(mode="collectives",
+                                checkpoint={"scoreAttribute": "eval_loss"},
+                                training={"evalFraction": 0}))
+    assert trainer_argv(spec)[1] == "collectives"
