@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import __version__
+
 EXIT_INVALID = 2  # an input the command refuses (same status argparse uses for usage errors)
 
 
@@ -24,6 +26,9 @@ class Subcommand:
 
 def _render_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="TPUFineTune YAML (one or more documents); - for stdin")
+    parser.add_argument("--jobs", action="store_true",
+                        help="print the Ray job submissions as YAML instead of the "
+                             "RayClusters (which show them as comments)")
 
 
 def _render(args: argparse.Namespace) -> int:
@@ -35,7 +40,7 @@ def _render(args: argparse.Namespace) -> int:
             text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
         except OSError as exc:
             raise RenderError(f"{source}: {exc.strerror or exc}") from None
-        output = render(load_documents(text, source), source)
+        output = render(load_documents(text, source), source, jobs=args.jobs)
     except RenderError as exc:
         print(f"tpufinetune render: {exc}", file=sys.stderr)
         return EXIT_INVALID
@@ -83,6 +88,7 @@ SUBCOMMANDS: list[Subcommand] = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tpufinetune", description="Fine-tune LLMs on Cloud TPU slices from Kubernetes.")
+    parser.add_argument("--version", action="version", version=f"tpufinetune {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in SUBCOMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)

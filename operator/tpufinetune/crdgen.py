@@ -17,6 +17,7 @@ import yaml
 
 from .api import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, TPUFineTuneSpec
 from .status import TPUFineTuneStatus
+from .validation import cel_string
 
 CRD_FILENAME = f"{PLURAL}.{GROUP}.yaml"
 
@@ -36,7 +37,29 @@ PRINTER_COLUMNS = [
 _DROPPED_KEYS = {"title", "$defs"}
 
 
+def _key_rules(node: dict) -> dict:
+    """A map with constrained keys: pydantic writes patternProperties and propertyNames,
+    which structural schemas lack, so the key checks become a CEL rule."""
+    (pattern, value), = node.pop("patternProperties").items()
+    names = node.pop("propertyNames", {})
+    limit = names.get("maxLength")
+    check = f"k.matches({cel_string(pattern)})"
+    if limit:
+        check = f"k.size() <= {limit} && {check}"
+    node["additionalProperties"] = value
+    node.setdefault("x-kubernetes-validations", []).append({
+        "rule": f"self.all(k, {check})",
+        "message": "keys must be Kubernetes label keys: an optional DNS subdomain prefix "
+                   "and '/', then a name of letters, digits, '-', '_' and '.'"
+                   + (f" ({limit} characters at most)" if limit else ""),
+        "reason": "FieldValueInvalid",
+    })
+    return node
+
+
 def _structural(node: dict, defs: dict) -> dict:
+    if "patternProperties" in node:
+        node = _key_rules(dict(node))
     if "$ref" in node:
         siblings = {k: v for k, v in node.items() if k != "$ref"}
         node = {**defs[node["$ref"].split("/")[-1]], **siblings}

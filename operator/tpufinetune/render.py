@@ -1,5 +1,9 @@
 """`tpufinetune render`: what the operator would create for a TPUFineTune, without a cluster.
 
+stdout holds Kubernetes documents only (`tpufinetune render FILE | kubectl apply -f -`);
+the Ray job submission is a comment under each RayCluster, or the whole output with
+`--jobs`.
+
 Validation is `parse_spec`, the operator's own, so a spec that renders is one the operator
 accepts; documents are rendered only after every input document validated.
 """
@@ -10,10 +14,10 @@ from dataclasses import asdict
 
 import yaml
 
-from .api import API_VERSION, DNS_SUBDOMAIN, KIND, parse_spec
+from .api import API_VERSION, DNS_SUBDOMAIN, KIND, TPUFineTuneSpec, parse_spec
 from .errors import SpecError
 from .jobspec import job_submission
-from .sizing import render_raycluster
+from .podtemplate import raycluster_with_pod_settings
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 FIRST_ATTEMPT = 1
@@ -61,8 +65,10 @@ def _check_document(document: object, index: int, source: str) -> tuple[str, str
     return name, namespace, uid, document.get("spec")
 
 
-def render(documents: list[dict], source: str) -> str:
-    """The YAML stream for `documents`: per TPUFineTune, its RayCluster and its job."""
+def render(documents: list[dict], source: str, jobs: bool = False) -> str:
+    """The YAML stream for `documents`: per TPUFineTune, its RayCluster with the Ray job
+    the operator would submit as a comment, so the stream can go to `kubectl apply -f -`.
+    With `jobs`, only the job submissions, as YAML documents."""
     validated = []
     for index, document in enumerate(documents):
         name, namespace, uid, raw_spec = _check_document(document, index, source)
@@ -75,24 +81,39 @@ def render(documents: list[dict], source: str) -> str:
     out = []
     for name, namespace, uid, spec in validated:
         header = f"# TPUFineTune {namespace}/{name}"
-        uid_note = ""
+        job = _job_document(name, namespace, uid or PLACEHOLDER_UID, spec)
+        if jobs:
+            out.append(f"---\n{header}: the Ray job the operator submits (attempt "
+                       f"{FIRST_ATTEMPT}).\n" + _dump(job))
+            continue
+        cluster = raycluster_with_pod_settings(name, namespace, uid or PLACEHOLDER_UID, spec)
+        note = ""
         if not uid:
-            uid = PLACEHOLDER_UID
-            uid_note = (f"# metadata.uid is absent: placeholder {PLACEHOLDER_UID} used; the "
-                        "operator uses the resource's real uid.\n")
-        cluster = render_raycluster(name, namespace, uid, spec)
-        job = asdict(job_submission(name, namespace, uid, spec, FIRST_ATTEMPT))
-        job_document = {"rayJobSubmission": {
-            "submissionId": job["submission_id"],
-            "submissionIdScheme": "tft-<metadata.uid>-<attempt>, attempt 1, 2, ... "
-                                  f"(up to 1 + spec.maxRetries = {1 + spec.max_retries})",
-            "entrypointArgv": job["entrypoint_argv"],
-            "entrypoint": job["entrypoint"],
-            "runtimeEnv": job["runtime_env"],
-            "metadata": job["metadata"],
-        }}
-        out.append(f"---\n{header}: the RayCluster the operator creates.\n{uid_note}"
-                   + _dump(cluster))
-        out.append(f"---\n{header}: the Ray job the operator submits (attempt "
-                   f"{FIRST_ATTEMPT}).\n{uid_note}" + _dump(job_document))
+            # A placeholder owner would have the garbage collector delete the RayCluster
+            # as soon as it is applied; without metadata.uid it is applied unowned.
+            del cluster["metadata"]["ownerReferences"]
+            note = ("# metadata.uid is absent: no ownerReferences (the operator sets the "
+                    f"resource's own); job ids use the placeholder {PLACEHOLDER_UID}.\n")
+        out.append(f"---\n{header}: the RayCluster the operator creates.\n{note}"
+                   + _dump(cluster)
+                   + f"{header}: the Ray job the operator submits once it is ready "
+                     f"(attempt {FIRST_ATTEMPT}; --jobs prints it as YAML):\n"
+                   + _comment(_dump(job)))
     return "".join(out)
+
+
+def _job_document(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec) -> dict:
+    job = asdict(job_submission(name, namespace, uid, spec, FIRST_ATTEMPT))
+    return {"rayJobSubmission": {
+        "submissionId": job["submission_id"],
+        "submissionIdScheme": "tft-<metadata.uid>-<attempt>, attempt 1, 2, ... "
+                              f"(up to 1 + spec.maxRetries = {1 + spec.max_retries})",
+        "entrypointArgv": job["entrypoint_argv"],
+        "entrypoint": job["entrypoint"],
+        "runtimeEnv": job["runtime_env"],
+        "metadata": job["metadata"],
+    }}
+
+
+def _comment(text: str) -> str:
+    return "".join(f"#   {line}\n" for line in text.splitlines())

@@ -16,7 +16,7 @@ from .errors import SpecError
 from .quantity import parse_quantity
 
 if TYPE_CHECKING:
-    from .api import ResourceRequirements, TPUFineTuneSpec
+    from .api import PodGroup, ResourceRequirements, TPUFineTuneSpec
 
 SLICES_MESSAGE = ("must be 1 when mode is finetune: Ray Train runs PyTorch on one TPU "
                   "slice only (mode: collectives may span several slices)")
@@ -28,12 +28,32 @@ EVAL_SCORE_MESSAGE = ("eval_loss needs training.evalFraction greater than 0: wit
 TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host); "
                         "remove it from the overrides")
 
+# The pod settings users may add to the Ray pods (api.PodGroup) never replace what the
+# operator sets from the slice and the spec.
+RESERVED_ENV = ("HF_TOKEN", "RAY_TPU_RESOURCE_PER_CHIP")
+RESERVED_ENV_PREFIX = "TPU_"  # the KubeRay TPU webhook's TPU_WORKER_ID, TPU_NAME, ...
+SHM_VOLUME, SHM_PATH = "dshm", "/dev/shm"
+RESERVED_LABEL_PREFIX = "ray.io/"
+VOLUME_SOURCES = ("persistentVolumeClaim", "csi", "emptyDir", "configMap", "secret", "nfs")
+ENV_VALUE_MESSAGE = "set exactly one of value and valueFrom.secretKeyRef"
+ENV_RESERVED_MESSAGE = ("is set by the operator (HF_TOKEN from model.tokenSecret; "
+                        "RAY_TPU_RESOURCE_PER_CHIP and TPU_* from the slice); use another "
+                        "name")
+VOLUME_SOURCE_MESSAGE = f"set exactly one volume source: {', '.join(VOLUME_SOURCES)}"
+SHM_VOLUME_MESSAGE = ("dshm is the workers' /dev/shm volume, sized from the machine; use "
+                      "another name")
+SHM_MOUNT_MESSAGE = ("/dev/shm is the workers' shared-memory volume, sized from the "
+                     "machine; mount elsewhere")
+MOUNT_VOLUME_MESSAGE = ("every volumeMounts[].name must be one of this group's volumes; "
+                        "add the volume or fix the name")
+LABEL_MESSAGE = "ray.io/ labels are KubeRay's; use another prefix"
+
 
 def _cel_list(values: list[str]) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
 
-def _cel_string(text: str) -> str:
+def cel_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
@@ -46,7 +66,7 @@ def _topology_rule(gen: g.Generation) -> dict:
     reason = f" is not a valid {gen.name} topology; valid: {', '.join(valid)}"
     return {
         "rule": f"!({_is_generation(gen)}) || self.topology in {_cel_list(valid)}",
-        "messageExpression": "'\"' + self.topology + '\"' + " + _cel_string(reason),
+        "messageExpression": "'\"' + self.topology + '\"' + " + cel_string(reason),
         "message": reason.strip(),
         "fieldPath": ".topology",
         "reason": "FieldValueInvalid",
@@ -59,7 +79,7 @@ def _cpu_topology_rule() -> dict:
     return {
         "rule": ("self.generation != 'cpu' || (self.topology.matches('^[0-9]{1,3}$') && "
                  f"int(self.topology) >= 1 && int(self.topology) <= {g.MAX_CPU_WORKERS})"),
-        "messageExpression": "'\"' + self.topology + '\"' + " + _cel_string(reason),
+        "messageExpression": "'\"' + self.topology + '\"' + " + cel_string(reason),
         "message": reason.strip(),
         "fieldPath": ".topology",
         "reason": "FieldValueInvalid",
@@ -83,10 +103,10 @@ def _chips_per_host_rule(gen: g.Generation) -> dict:
         options = ", ".join(str(o) for o in g.chips_per_host_options(gen, topology))
         by_options.setdefault(options, []).append(topology)
     *branches, (last_options, _) = by_options.items()
-    options_expr = _cel_string(last_options)
+    options_expr = cel_string(last_options)
     for options, topologies in reversed(branches):
         options_expr = (f"(self.topology in {_cel_list(topologies)} ? "
-                        f"{_cel_string(options)} : {options_expr})")
+                        f"{cel_string(options)} : {options_expr})")
     return {
         "rule": f"!({_is_generation(gen)}) || !has(self.chipsPerHost) || {fits}",
         "messageExpression": (f"{_CHIPS_PER_HOST_TEXT} + ' does not fit a {gen.name} ' + "
@@ -153,6 +173,52 @@ def resources_rules() -> list[dict]:
     } for side in ("requests", "limits")]
 
 
+def env_rules() -> list[dict]:
+    """CEL rules on one extra environment variable of a pod group."""
+    return [
+        {"rule": "has(self.value) != has(self.valueFrom)", "message": ENV_VALUE_MESSAGE,
+         "reason": "FieldValueInvalid"},
+        {"rule": (f"!(self.name in {_cel_list(list(RESERVED_ENV))}) && "
+                  f"!self.name.startsWith('{RESERVED_ENV_PREFIX}')"),
+         "message": ENV_RESERVED_MESSAGE, "fieldPath": ".name",
+         "reason": "FieldValueForbidden"},
+    ]
+
+
+def volume_rules() -> list[dict]:
+    """CEL rules on one extra volume of a pod group."""
+    count = " + ".join(f"(has(self.{source}) ? 1 : 0)" for source in VOLUME_SOURCES)
+    return [
+        {"rule": f"{count} == 1", "message": VOLUME_SOURCE_MESSAGE,
+         "reason": "FieldValueInvalid"},
+        {"rule": f"self.name != '{SHM_VOLUME}'", "message": SHM_VOLUME_MESSAGE,
+         "fieldPath": ".name", "reason": "FieldValueForbidden"},
+    ]
+
+
+def volume_mount_rules() -> list[dict]:
+    """CEL rules on one extra volume mount of a pod group."""
+    return [{
+        "rule": (f"self.mountPath != '{SHM_PATH}' && "
+                 f"!self.mountPath.startsWith('{SHM_PATH}/')"),
+        "message": SHM_MOUNT_MESSAGE, "fieldPath": ".mountPath",
+        "reason": "FieldValueForbidden",
+    }]
+
+
+def pod_group_rules() -> list[dict]:
+    """CEL rules across the fields of one pod group (head or workers)."""
+    return [
+        {"rule": ("!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) "
+                  "&& self.volumes.exists(v, v.name == m.name))"),
+         "message": MOUNT_VOLUME_MESSAGE, "fieldPath": ".volumeMounts",
+         "reason": "FieldValueInvalid"},
+        {"rule": (f"!has(self.labels) || "
+                  f"self.labels.all(k, !k.startsWith('{RESERVED_LABEL_PREFIX}'))"),
+         "message": LABEL_MESSAGE, "fieldPath": ".labels", "reason": "FieldValueForbidden"},
+    ]
+
+
 def check_spec(spec: TPUFineTuneSpec) -> None:
     """Raise SpecError for the first rule `spec` breaks (CEL twins first, then the rest)."""
     tpu = spec.tpu
@@ -175,7 +241,47 @@ def check_spec(spec: TPUFineTuneSpec) -> None:
         resources = getattr(spec, group).resources
         if resources is not None:
             _check_overrides(f"spec.{group}.resources", resources)
+        _check_pod_group(f"spec.{group}", getattr(spec, group))
     _check_merged_resources(spec)
+
+
+def _check_unique(path: str, keys: list[str], what: str) -> None:
+    """The apiserver's list-map check (x-kubernetes-list-map-keys)."""
+    seen: set[str] = set()
+    for index, key in enumerate(keys):
+        if key in seen:
+            raise SpecError(f"{path}[{index}]", f'Duplicate value: {what} "{key}"')
+        seen.add(key)
+
+
+def _check_pod_group(path: str, group: PodGroup) -> None:
+    for index, var in enumerate(group.env or ()):
+        if (var.value is None) == (var.value_from is None):
+            raise SpecError(f"{path}.env[{index}]", ENV_VALUE_MESSAGE)
+        if var.name in RESERVED_ENV or var.name.startswith(RESERVED_ENV_PREFIX):
+            raise SpecError(f"{path}.env[{index}].name", ENV_RESERVED_MESSAGE)
+    _check_unique(f"{path}.env", [var.name for var in group.env or ()], "name")
+    for index, volume in enumerate(group.volumes or ()):
+        sources = [s for s in VOLUME_SOURCES if getattr(volume, _snake(s)) is not None]
+        if len(sources) != 1:
+            raise SpecError(f"{path}.volumes[{index}]", VOLUME_SOURCE_MESSAGE)
+        if volume.name == SHM_VOLUME:
+            raise SpecError(f"{path}.volumes[{index}].name", SHM_VOLUME_MESSAGE)
+    _check_unique(f"{path}.volumes", [v.name for v in group.volumes or ()], "name")
+    for index, mount in enumerate(group.volume_mounts or ()):
+        if mount.mount_path == SHM_PATH or mount.mount_path.startswith(SHM_PATH + "/"):
+            raise SpecError(f"{path}.volumeMounts[{index}].mountPath", SHM_MOUNT_MESSAGE)
+    _check_unique(f"{path}.volumeMounts", [m.mount_path for m in group.volume_mounts or ()],
+                  "mountPath")
+    names = {volume.name for volume in group.volumes or ()}
+    if any(mount.name not in names for mount in group.volume_mounts or ()):
+        raise SpecError(f"{path}.volumeMounts", MOUNT_VOLUME_MESSAGE)
+    if any(key.startswith(RESERVED_LABEL_PREFIX) for key in group.labels or {}):
+        raise SpecError(f"{path}.labels", LABEL_MESSAGE)
+
+
+def _snake(camel: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in camel)
 
 
 def _check_overrides(path: str, resources: ResourceRequirements) -> None:

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from api_spec_cases import INVALID, base_spec, spec_with
 
+import tpufinetune
 from tpufinetune import cli
 from tpufinetune.render import PLACEHOLDER_UID
 
@@ -20,40 +21,66 @@ def resource(name: str, spec: dict, **metadata: str) -> dict:
             "metadata": {"name": name, **metadata}, "spec": spec}
 
 
-def run(tmp_path, capsys, *documents: object, text: str | None = None):
+def run(tmp_path, capsys, *documents: object, text: str | None = None, flags=()):
     path = tmp_path / "run.yaml"
     path.write_text(text if text is not None else yaml.safe_dump_all(documents))
-    code = cli.main(["render", str(path)])
+    code = cli.main(["render", *flags, str(path)])
     out, err = capsys.readouterr()
     return code, out, err
 
 
-def test_renders_raycluster_and_job_for_each_resource(tmp_path, capsys):
+def _commented_job(out: str, index: int) -> dict:
+    """The job shown as a comment after the index-th RayCluster."""
+    block = out.split("---\n")[index + 1]
+    lines = block.split("the Ray job the operator submits", 1)[1].splitlines()[1:]
+    return yaml.safe_load("\n".join(line.removeprefix("#   ") for line in lines
+                                     if line.startswith("#   ")))["rayJobSubmission"]
+
+
+def test_stdout_holds_only_the_rayclusters_with_each_job_as_a_comment(tmp_path, capsys):
     code, out, err = run(tmp_path, capsys,
                          resource("a", base_spec(), namespace="ml", uid=UID),
                          resource("b", spec_with(mode="collectives", checkpoint=None,
                                                  tpu={"generation": "v7x", "topology": "2x2x2"})))
     assert (code, err) == (0, "")
     docs = list(yaml.safe_load_all(out))
-    assert [d.get("kind", "job") for d in docs] == ["RayCluster", "job", "RayCluster", "job"]
-    cluster, job = docs[0], docs[1]["rayJobSubmission"]
+    assert [(d["apiVersion"], d["kind"]) for d in docs] == [("ray.io/v1", "RayCluster")] * 2
+    cluster = docs[0]
     assert cluster["metadata"]["name"] == "tft-a" and cluster["metadata"]["namespace"] == "ml"
     assert cluster["metadata"]["ownerReferences"][0]["uid"] == UID
+    job = _commented_job(out, 0)
     assert job["submissionId"] == f"tft-{UID}-1"
     assert shlex.split(job["entrypoint"]) == job["entrypointArgv"]
     assert job["entrypointArgv"][:2] == ["tpufinetune-train", "finetune"]
-    assert docs[3]["rayJobSubmission"]["entrypointArgv"][:2] == ["tpufinetune-train",
-                                                                 "collectives"]
-    assert docs[2]["metadata"]["namespace"] == "default"
+    assert _commented_job(out, 1)["entrypointArgv"][:2] == ["tpufinetune-train",
+                                                            "collectives"]
+    assert docs[1]["metadata"]["namespace"] == "default"
 
 
-def test_absent_uid_uses_the_placeholder_and_says_so(tmp_path, capsys):
+def test_jobs_flag_prints_the_job_submissions_as_yaml(tmp_path, capsys):
+    code, out, _ = run(tmp_path, capsys, resource("a", base_spec(), uid=UID),
+                       flags=["--jobs"])
+    assert code == 0
+    (doc,) = list(yaml.safe_load_all(out))
+    assert doc["rayJobSubmission"]["submissionId"] == f"tft-{UID}-1"
+
+
+def test_absent_uid_renders_an_unowned_raycluster_and_says_so(tmp_path, capsys):
     code, out, _ = run(tmp_path, capsys, resource("a", base_spec()))
     assert code == 0
-    assert f"# metadata.uid is absent: placeholder {PLACEHOLDER_UID}" in out
-    docs = list(yaml.safe_load_all(out))
-    assert docs[0]["metadata"]["ownerReferences"][0]["uid"] == PLACEHOLDER_UID
-    assert docs[1]["rayJobSubmission"]["submissionId"] == f"tft-{PLACEHOLDER_UID}-1"
+    assert "# metadata.uid is absent: no ownerReferences" in out
+    (cluster,) = list(yaml.safe_load_all(out))
+    # An owner that does not exist would have the garbage collector delete it at once.
+    assert "ownerReferences" not in cluster["metadata"]
+    assert _commented_job(out, 0)["submissionId"] == f"tft-{PLACEHOLDER_UID}-1"
+
+
+def test_pod_settings_reach_the_rendered_raycluster(tmp_path, capsys):
+    spec = spec_with(workers={"annotations": {"gke-gcsfuse/volumes": "true"}})
+    code, out, _ = run(tmp_path, capsys, resource("a", spec))
+    (cluster,) = list(yaml.safe_load_all(out))
+    worker = cluster["spec"]["workerGroupSpecs"][0]["template"]
+    assert worker["metadata"]["annotations"] == {"gke-gcsfuse/volumes": "true"}
 
 
 @pytest.mark.parametrize("case", INVALID, ids=lambda c: c.id)
@@ -95,6 +122,13 @@ def test_reads_stdin_with_dash(monkeypatch, capsys):
     monkeypatch.setattr("sys.stdin", io.StringIO(yaml.safe_dump(resource("s", base_spec()))))
     assert cli.main(["render", "-"]) == 0
     assert "tft-s" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["--version"])
+    assert caught.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tpufinetune {tpufinetune.__version__}"
 
 
 def test_subcommands_come_from_one_table():

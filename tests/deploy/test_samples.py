@@ -1,5 +1,5 @@
-"""deploy/samples/: the tutorial's two jobs, the interconnect check on both slices, and the
-CPU rehearsal; each validates as the operator validates, and the real API server (schema
+"""deploy/samples/: the tutorial's two jobs, the interconnect check on both slices, the
+CPU rehearsal (pod-local and on a ReadWriteMany claim) and the v6e job on GCS FUSE; each validates as the operator validates, and the real API server (schema
 and CEL rules of the generated CRD) accepts it in a server-side dry run."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ SAMPLES = {
     "collectives-v6e-4x4.yaml": ("v6e", "4x4", "collectives"),
     "collectives-v7x-2x2x2.yaml": ("v7x", "2x2x2", "collectives"),
     "cpu-rehearsal.yaml": ("cpu", "2", "finetune"),
+    "cpu-rehearsal-pvc.yaml": ("cpu", "2", "finetune"),
+    "finetune-v6e-4x4-gcsfuse.yaml": ("v6e", "4x4", "finetune"),
 }
 
 
