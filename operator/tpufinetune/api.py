@@ -13,9 +13,6 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationE
                       WithJsonSchema, model_validator)
 from pydantic.alias_generators import to_camel
 
-from tpufinetune_trainer.config import (DEFAULT_DATASET, DEFAULT_MODEL, SCORE_ATTRIBUTES,
-                                        FinetuneConfig)
-
 from . import validation
 from .errors import SpecError
 from .generations import ALL_GENERATION_NAMES, MAX_CHIPS_PER_HOST, MAX_CPU_WORKERS
@@ -29,12 +26,13 @@ SINGULAR = "tpufinetune"
 SHORT_NAMES = ("tft", "tpuft")
 API_VERSION = f"{GROUP}/{VERSION}"
 
-# Every value the operator passes to the trainer defaults to the trainer's own default: the
-# trainer's config (standard library only) is the one source; tests/api/
-# test_trainer_agreement.py also runs the trainer's parser on what the operator passes.
-TRAINER_DEFAULTS = FinetuneConfig()
-DEFAULT_MODEL_ID = DEFAULT_MODEL
-DEFAULT_DATASET_ID = DEFAULT_DATASET
+# Every value the operator passes to the trainer defaults to the trainer's own default, and
+# every closed set is the trainer's: tests/api/test_trainer_agreement.py runs the trainer's
+# parser and checks on what the operator passes. (The operator never imports the trainer's
+# config: it pulls in the training stack.)
+DEFAULT_MODEL_ID = "google/gemma-4-E2B-it"
+DEFAULT_DATASET_ID = "databricks/databricks-dolly-15k"
+SCORE_ATTRIBUTES = ("loss", "eval_loss", "tokens_per_s", "epoch")
 DEFAULT_RAY_VERSION = "2.60.0"
 
 # DNS-1123 subdomain (object, Secret and ServiceAccount names).
@@ -109,24 +107,24 @@ class DatasetSource(_Model):
     id: str = Field(DEFAULT_DATASET_ID, min_length=1, max_length=512,
                     description="Hugging Face dataset id, or a path to local files "
                                 "(json/jsonl/csv/parquet) on a shared filesystem.")
-    split: str = Field(TRAINER_DEFAULTS.dataset_split, min_length=1, max_length=128,
+    split: str = Field("train[:1024]", min_length=1, max_length=128,
                        description="Dataset split expression, e.g. train[:1024].")
 
 
 class Training(_Model):
-    epochs: int = Field(TRAINER_DEFAULTS.num_epochs, ge=1, le=1000,
+    epochs: int = Field(3, ge=1, le=1000,
                         description="Number of epochs.")
-    batch_size_per_device: int = Field(TRAINER_DEFAULTS.batch_size_per_device, ge=1, le=4096,
+    batch_size_per_device: int = Field(4, ge=1, le=4096,
                                        description="Micro-batch size on each device.")
-    max_seq_len: int = Field(TRAINER_DEFAULTS.max_seq_len, ge=8, le=131072,
+    max_seq_len: int = Field(512, ge=8, le=131072,
                              description="Tokens per example (truncated and padded).")
-    learning_rate: float = Field(TRAINER_DEFAULTS.learning_rate, gt=0, le=1,
+    learning_rate: float = Field(2e-5, gt=0, le=1,
                                  description="AdamW learning rate.")
-    weight_decay: float = Field(TRAINER_DEFAULTS.weight_decay, ge=0, le=1,
+    weight_decay: float = Field(0.01, ge=0, le=1,
                                 description="AdamW weight decay.")
-    seed: int = Field(TRAINER_DEFAULTS.seed, ge=0, le=2**31 - 1, description="Random seed.")
+    seed: int = Field(42, ge=0, le=2**31 - 1, description="Random seed.")
     eval_fraction: float = Field(
-        TRAINER_DEFAULTS.eval_fraction, ge=0, lt=1,
+        0.05, ge=0, lt=1,
         description="Fraction of the dataset held out for evaluation each epoch (0 "
                     "disables evaluation; checkpoint.scoreAttribute eval_loss needs more "
                     "than 0).")
@@ -137,15 +135,15 @@ class Checkpoint(_Model):
         None, min_length=1, max_length=1024,
         description="Where Ray Train writes checkpoints: gs://bucket/prefix or a shared "
                     "filesystem path. Required for mode finetune.")
-    keep: int = Field(TRAINER_DEFAULTS.keep_checkpoints, ge=1, le=100,
+    keep: int = Field(1, ge=1, le=100,
                       description="Checkpoints to keep (Ray Train num_to_keep).")
     score_attribute: ScoreAttribute = Field(
-        TRAINER_DEFAULTS.checkpoint_score_attribute,
+        "loss",
         description="Epoch metric that ranks checkpoints: "
                     f"{', '.join(SCORE_ATTRIBUTES)} (eval_loss needs "
                     "training.evalFraction > 0).")
     score_order: Literal["min", "max"] = Field(
-        TRAINER_DEFAULTS.checkpoint_score_order,
+        "min",
         description="Whether a lower (min) or higher (max) score is better.")
 
 

@@ -32,7 +32,12 @@ PRINTER_COLUMNS = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Checkpoint", "type": "string", "jsonPath": ".status.checkpointURI",
      "priority": 1},
+    # Why a run waits or failed (e.g. "waiting for RayCluster ... to be ready").
+    {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
 ]
+# `kubectl get all` (and `kubectl get tpufinetune`) list the runs with the other
+# workloads, as KubeRay's RayClusters and RayJobs are.
+CATEGORIES = ["all", "tpufinetune"]
 
 _DROPPED_KEYS = {"title", "$defs"}
 
@@ -128,7 +133,8 @@ def crd() -> dict:
         "spec": {
             "group": GROUP,
             "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL,
-                      "singular": SINGULAR, "shortNames": list(SHORT_NAMES)},
+                      "singular": SINGULAR, "shortNames": list(SHORT_NAMES),
+                      "categories": list(CATEGORIES)},
             "scope": "Namespaced",
             "versions": [{
                 "name": VERSION, "served": True, "storage": True,

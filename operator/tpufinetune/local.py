@@ -18,7 +18,7 @@ from tpufinetune import phases
 from tpufinetune.driver import Run
 from tpufinetune.phases import ClusterView, Identity
 from tpufinetune.rayjobs import RayJobs
-from tpufinetune.settings import Settings
+from tpufinetune.settings import Settings, SettingsError
 
 SHOWN = ("phase", "epochProgress", "loss", "evalLoss", "tokensPerSecond", "checkpointURI", "message")
 
@@ -86,7 +86,11 @@ def main(args) -> int:
     if not env.get("TPUFT_RAY_TOKEN") and env.get("RAY_AUTH_TOKEN"):
         env["TPUFT_RAY_TOKEN"] = env["RAY_AUTH_TOKEN"]
     env.setdefault("TPUFT_POLL_INTERVAL", "1")
-    settings = Settings.from_env(env)
+    try:
+        settings = Settings.from_env(env)
+    except SettingsError as exc:
+        print(f"tpufinetune run: {exc}", file=sys.stderr)
+        return 2
     address = args.address or env.get("RAY_DASHBOARD_ADDRESS") or "http://127.0.0.1:8265"
     print(f"uid {body['metadata']['uid']} (pass --uid to re-attach to this run)", flush=True)
     try:

@@ -25,6 +25,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-logs", action="store_true", help="log JSON lines")
 
 
+REPORTING_COMPONENT = "tpufinetune-operator"
+
+
+def operator_settings():
+    """kopf's settings before the startup handler adds the rest: Events name the operator,
+    not the framework (`kubectl describe` shows it in the From column)."""
+    import socket
+
+    import kopf
+
+    settings = kopf.OperatorSettings()
+    settings.posting.reporting_component = REPORTING_COMPONENT
+    settings.posting.reporting_instance = socket.gethostname()  # the pod's name
+    return settings
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
@@ -44,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
         metrics.serve(metrics_port)
     asyncio.run(kopf.operator(
+        settings=operator_settings(),
         clusterwide=not namespaces,
         namespaces=namespaces,
         standalone=not args.peering,

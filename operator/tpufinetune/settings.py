@@ -13,37 +13,59 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 DEFAULT_DASHBOARD_URL = "http://{service}.{namespace}.svc:8265"
+PREFIX = "TPUFT_"
 
 
-@dataclass(frozen=True)
-class Settings:
-    dashboard_url: str = DEFAULT_DASHBOARD_URL
-    ray_token: str = ""
-    poll_interval: float = 5.0
-    provision_timeout: float = 1800.0
+class SettingsError(ValueError):
+    """A bad TPUFT_* variable; the message names it and says what to write."""
+
+
+class Settings(BaseModel):
+    """The operator's settings; each field is the variable TPUFT_<FIELD> (upper case)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dashboard_url: str = Field(DEFAULT_DASHBOARD_URL, min_length=1)
+    ray_token: str = Field("", repr=False)
+    poll_interval: float = Field(5.0, gt=0, le=3600)
+    provision_timeout: float = Field(1800.0, gt=0)
     namespace: str = ""
 
     @classmethod
-    def from_env(cls, env: dict | None = None) -> "Settings":
+    def from_env(cls, env: dict | None = None) -> Settings:
         env = os.environ if env is None else env
-        token = env.get("TPUFT_RAY_TOKEN", "")
-        token_file = env.get("TPUFT_RAY_TOKEN_FILE", "")
+        values = {name: env[PREFIX + name.upper()] for name in cls.model_fields
+                  if env.get(PREFIX + name.upper())}
+        token_file = env.get(PREFIX + "RAY_TOKEN_FILE", "")
         if token_file:
-            token = Path(token_file).read_text().strip()
-        return cls(
-            dashboard_url=env.get("TPUFT_DASHBOARD_URL") or DEFAULT_DASHBOARD_URL,
-            ray_token=token,
-            poll_interval=float(env.get("TPUFT_POLL_INTERVAL") or 5.0),
-            provision_timeout=float(env.get("TPUFT_PROVISION_TIMEOUT") or 1800.0),
-            namespace=env.get("TPUFT_NAMESPACE", ""),
-        )
+            try:
+                values["ray_token"] = Path(token_file).read_text().strip()
+            except OSError as exc:
+                raise SettingsError(f"{PREFIX}RAY_TOKEN_FILE: cannot read {token_file}: "
+                                    f"{exc.strerror or exc}") from None
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise _settings_error(exc, values) from None
 
     def dashboard_for(self, cluster: str, namespace: str, service: str) -> str:
         return self.dashboard_url.format(cluster=cluster, namespace=namespace, service=service)
 
     def ray_headers(self) -> dict:
         return {"Authorization": f"Bearer {self.ray_token}"} if self.ray_token else {}
+
+
+def _settings_error(exc: ValidationError, values: dict) -> SettingsError:
+    first = exc.errors()[0]
+    name = str(first["loc"][0])
+    variable = PREFIX + name.upper()
+    given = values.get(name)
+    if first["type"] in ("float_parsing", "float_type"):
+        return SettingsError(f"{variable}={given!r} is not a number of seconds; write a "
+                             "plain number, e.g. 5 (not 5s)")
+    return SettingsError(f"{variable}={given!r}: {first['msg'].lower()}")

@@ -11,7 +11,7 @@ import yaml
 from api_spec_cases import INVALID, base_spec, spec_with
 
 from tpufinetune.api import parse_spec
-from tpufinetune.sizing import render_raycluster
+from tpufinetune.podtemplate import raycluster_with_pod_settings
 
 pytestmark = pytest.mark.cluster
 
@@ -28,6 +28,18 @@ VALID = [
               tpu={"generation": "tpu7x", "topology": "4x4x4", "slices": 4}),
     spec_with(tpu={"generation": "cpu", "topology": "3"}, serviceAccountName="trainer",
               workers={"resources": {"requests": {"cpu": "500m"}, "limits": {"cpu": 1}}}),
+    spec_with(head={"serviceAccountName": "head-sa", "priorityClassName": "high",
+                    "labels": {"team": "ml"}, "env": [{"name": "A", "value": "1"}]},
+              workers={"annotations": {"gke-gcsfuse/volumes": "true"},
+                       "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+                       "volumes": [{"name": "gcs", "csi": {
+                           "driver": "gcsfuse.csi.storage.gke.io",
+                           "volumeAttributes": {"bucketName": "b"}}},
+                           {"name": "ckpt", "persistentVolumeClaim": {"claimName": "c"}}],
+                       "volumeMounts": [{"name": "gcs", "mountPath": "/mnt/gcs"},
+                                        {"name": "ckpt", "mountPath": "/mnt/ckpt"}],
+                       "env": [{"name": "K", "valueFrom": {
+                           "secretKeyRef": {"name": "s", "key": "k"}}}]}),
 ]
 
 
@@ -97,6 +109,7 @@ def test_kubectl_get_shows_the_printer_columns(control_plane, namespace):
     status = {"status": {
         "phase": "Running", "epoch": 2, "epochs": 3, "epochProgress": "2/3", "loss": 2.205,
         "tokensPerSecond": 20545.2, "checkpointURI": "gs://my-bucket/ckpt_2",
+        "message": "epoch 2 done",
         "conditions": [{"type": "Ready", "status": "True", "reason": "JobRunning",
                         "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
     }}
@@ -109,11 +122,31 @@ def test_kubectl_get_shows_the_printer_columns(control_plane, namespace):
                                "20545.2"]
     header, row = control_plane.kubectl("get", "tpufinetunes", "-n", namespace,
                                         "-o", "wide").stdout.splitlines()[:2]
-    assert header.split()[-1] == "CHECKPOINT" and row.split()[-1] == "gs://my-bucket/ckpt_2"
+    assert header.split()[-2:] == ["CHECKPOINT", "MESSAGE"]
+    assert row.split()[-4:] == ["gs://my-bucket/ckpt_2", "epoch", "2", "done"]
+
+
+def test_kubectl_get_all_and_the_category_list_the_runs(control_plane, namespace):
+    assert apply(control_plane, namespace, manifest("listed", base_spec())).returncode == 0
+    for category in ("all", "tpufinetune"):
+        names = control_plane.kubectl("get", category, "-n", namespace, "-o", "name").stdout
+        assert "tpufinetune.tpufinetune.dev/listed" in names.split(), (category, names)
+
+
+def test_render_output_applies_with_kubectl(control_plane, kuberay_crd, namespace):
+    """tpufinetune render FILE | kubectl apply -f -: stdout holds only Kubernetes objects."""
+    from tpufinetune.render import render
+
+    spec = spec_with(workers={"annotations": {"gke-gcsfuse/volumes": "true"}})
+    resource = {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune",
+                "metadata": {"name": "piped", "namespace": namespace}, "spec": spec}
+    result = apply(control_plane, namespace, render([resource], "piped.yaml"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "raycluster.ray.io/tft-piped created"
 
 
 def test_rendered_rayclusters_pass_the_real_kuberay_crd(control_plane, kuberay_crd, namespace):
-    documents = [render_raycluster(f"run-{index}", namespace, UID, parse_spec(spec))
+    documents = [raycluster_with_pod_settings(f"run-{index}", namespace, UID, parse_spec(spec))
                  for index, spec in enumerate(VALID)]
     result = apply(control_plane, namespace, yaml.safe_dump_all(documents),
                    "--dry-run=server")

@@ -44,7 +44,8 @@ def test_names_scope_and_subresources(crd):
     assert spec["group"] == "tpufinetune.dev" and spec["scope"] == "Namespaced"
     assert spec["names"] == {"kind": "TPUFineTune", "listKind": "TPUFineTuneList",
                              "plural": "tpufinetunes", "singular": "tpufinetune",
-                             "shortNames": ["tft", "tpuft"]}
+                             "shortNames": ["tft", "tpuft"],
+                             "categories": ["all", "tpufinetune"]}
     (version,) = spec["versions"]
     assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
     assert version["subresources"] == {"status": {}}
@@ -53,10 +54,12 @@ def test_names_scope_and_subresources(crd):
 def test_printer_columns(crd):
     columns = {c["name"]: c for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
     assert list(columns) == ["Generation", "Topology", "Mode", "Phase", "Epoch", "Loss",
-                             "Tokens/s", "Age", "Checkpoint"]
+                             "Tokens/s", "Age", "Checkpoint", "Message"]
     assert columns["Epoch"]["jsonPath"] == ".status.epochProgress"
-    assert columns["Checkpoint"]["priority"] == 1
-    assert all("priority" not in c for n, c in columns.items() if n != "Checkpoint")
+    assert columns["Message"]["jsonPath"] == ".status.message"
+    wide = {"Checkpoint", "Message"}
+    assert all(columns[n]["priority"] == 1 for n in wide)
+    assert all("priority" not in c for n, c in columns.items() if n not in wide)
 
 
 def test_schema_is_structural_and_described(crd):

@@ -9,7 +9,7 @@ import argparse
 import pytest
 from api_spec_cases import INVALID, base_spec, spec_with
 
-from tpufinetune.api import parse_spec
+from tpufinetune.api import SCORE_ATTRIBUTES, Checkpoint, parse_spec
 from tpufinetune.errors import SpecError
 from tpufinetune.jobspec import trainer_argv
 from tpufinetune_trainer import cli as trainer_cli
@@ -70,6 +70,14 @@ def test_unset_spec_fields_pass_the_trainers_own_defaults():
             f"{defaults[dest]!r}")
         compared += 1
     assert compared >= 13  # model, data, training and checkpoint flags
+
+
+def test_closed_sets_are_the_trainers():
+    choices = {action.dest: tuple(action.choices) for action in _finetune_parser()._actions
+               if action.choices}
+    assert SCORE_ATTRIBUTES == choices["checkpoint_score_attribute"]
+    assert Checkpoint.model_fields["score_order"].annotation.__args__ == choices[
+        "checkpoint_score_order"]
 
 
 def test_the_operators_argv_for_the_default_spec_passes_the_trainers_checks():
