@@ -17,13 +17,19 @@ EVERY_OPTION = [
     "--set", "metrics.service.enabled=true", "--set", "metrics.scrapeAnnotations=true",
     "--set", "image.pullPolicy=Always", "--set", "podAnnotations.team=ml",
     "--set", "nodeSelector.pool=system", "--set", "settings.pollInterval=2",
+    "--set", "priorityClassName=system-cluster-critical",
+    "--set", "env[0].name=EXTRA", "--set", "env[0].value=1",
+    "--set", "serviceAccount.annotations.iam\\.gke\\.io/gcp-service-account=op@p.iam.gserviceaccount.com",
 ]
 
 
-def run(*argv, input: str | None = None) -> str:
+def run(*argv, input: str | None = None, check: bool = True) -> str:
     result = subprocess.run([str(a) for a in argv], input=input, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, f"{argv}\n{result.stdout}\n{result.stderr}"
-    return result.stdout
+    if check:
+        assert result.returncode == 0, f"{argv}\n{result.stdout}\n{result.stderr}"
+        return result.stdout
+    assert result.returncode != 0, f"{argv} succeeded"
+    return result.stderr
 
 
 def template(helm, namespace: str, *values: str) -> str:
@@ -85,7 +91,51 @@ def test_chart_values_reach_the_operator(helm):
     assert token_file == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
     assert volume["secret"]["secretName"] == "ray-token"
     # Watching one namespace, kopf lists namespaces: granted only then, and still no Secrets.
-    rules = find(objects, "ClusterRole")["rules"]
+    rules = find(objects, "ClusterRole", "tpufinetune-operator")["rules"]
     assert {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]} in rules
     assert not any("secrets" in rule["resources"] for rule in rules)
     assert find(objects, "Service")["spec"]["ports"][0]["port"] == 9090
+
+
+def test_values_in_kuberays_shape_reach_the_deployment(helm):
+    objects = documents(template(helm, "ops", *EVERY_OPTION))
+    pod = find(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    assert {"name": "EXTRA", "value": "1"} in pod["containers"][0]["env"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    account = find(objects, "ServiceAccount")
+    assert account["metadata"]["annotations"] == {
+        "iam.gke.io/gcp-service-account": "op@p.iam.gserviceaccount.com"}
+
+
+def test_an_existing_service_account_is_bound_and_not_created(helm):
+    objects = documents(template(helm, "ops", "--set", "serviceAccount.create=false",
+                                 "--set", "serviceAccount.name=platform-operator"))
+    assert not [o for o in objects if o["kind"] == "ServiceAccount"]
+    assert find(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "platform-operator"
+    (subject,) = find(objects, "ClusterRoleBinding")["subjects"]
+    assert subject["name"] == "platform-operator"
+
+
+def test_service_monitor_is_off_by_default_and_selects_the_metrics_service(helm):
+    assert "ServiceMonitor" not in {o["kind"] for o in documents(template(helm, "ops"))}
+    objects = documents(template(helm, "ops", "--set", "metrics.serviceMonitor.enabled=true",
+                                 "--set", "metrics.serviceMonitor.labels.release=prom"))
+    monitor, service = find(objects, "ServiceMonitor"), find(objects, "Service")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    selected = monitor["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+
+
+def test_aggregated_roles_can_be_left_out(helm):
+    names = {o["metadata"]["name"] for o in documents(template(helm, "ops")) if o["kind"] == "ClusterRole"}
+    assert names == {"tpufinetune-operator", "tpufinetune-edit", "tpufinetune-view"}
+    objects = documents(template(helm, "ops", "--set", "rbac.aggregateToDefaultRoles=false"))
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "ClusterRole"] == ["tpufinetune-operator"]
+
+
+def test_values_schema_refuses_a_misspelt_key(helm):
+    error = run(helm, "template", "tpufinetune", CHART, "--set", "serviceAcount.create=false", check=False)
+    assert "serviceAcount" in error

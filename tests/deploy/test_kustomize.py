@@ -75,7 +75,7 @@ def test_prometheus_overlay_adds_scraping_of_the_metrics_port(control_plane):
 
 
 def test_cluster_role_is_exactly_what_the_operator_calls(control_plane):
-    role = find(kustomize(control_plane, DEPLOY / "base"), "ClusterRole")
+    role = find(kustomize(control_plane, DEPLOY / "base"), "ClusterRole", "tpufinetune-operator")
     assert role["rules"] == EXPECTED_RULES
 
 
@@ -94,7 +94,7 @@ def test_the_service_account_can_touch_no_secret(control_plane, kuberay_crd):
         assert not can(verb, "secrets", "--all-namespaces"), verb
     assert not can("get", "secrets", "-n", OPERATOR_NS)
     # Nothing wider either: no wildcard anywhere in the rules.
-    role = find(kustomize(control_plane, DEPLOY / "base"), "ClusterRole")
+    role = find(kustomize(control_plane, DEPLOY / "base"), "ClusterRole", "tpufinetune-operator")
     for rule in role["rules"]:
         assert "secrets" not in rule["resources"]
         assert "*" not in rule["resources"] + rule["verbs"] + rule["apiGroups"]
@@ -136,3 +136,10 @@ def test_the_settings_config_map_holds_only_settings_the_operator_reads(control_
     assert set(data) <= documented
     settings = Settings.from_env(data)
     assert settings == Settings()  # the shipped values are the documented defaults
+
+
+def test_kubectl_apply_k_deploy_installs_the_base(control_plane):
+    assert kustomize(control_plane, DEPLOY) == kustomize(control_plane, DEPLOY / "base")
+    result = control_plane.kubectl("apply", "--dry-run=server", "-k", DEPLOY)
+    assert "deployment.apps/tpufinetune-operator" in result.stdout, result.stdout
+    assert "clusterrole.rbac.authorization.k8s.io/tpufinetune-edit" in result.stdout

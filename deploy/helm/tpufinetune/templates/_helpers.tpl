@@ -13,3 +13,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
+
+
+{{/* The operator's ServiceAccount: the chart's, or one you manage (serviceAccount.create
+false and its name). */}}
+{{- define "tpufinetune.serviceAccountName" -}}
+{{- .Values.serviceAccount.name | default (include "tpufinetune.name" .) -}}
+{{- end -}}

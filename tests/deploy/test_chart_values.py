@@ -1,0 +1,78 @@
+"""The chart's values and notes without helm: values.schema.json accepts the shipped values
+and refuses misspelt keys, the aggregated ClusterRoles are those of deploy/base, the notes
+never send users to a sample with a placeholder image, and `kubectl apply -k deploy/` is the
+base."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from manifests import CHART, DEPLOY, documents, load
+
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+VALUES = load((CHART / "values.yaml").read_text())
+
+
+def test_the_shipped_values_match_the_schema():
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
+    jsonschema.validate(VALUES, SCHEMA)
+
+
+def test_every_value_is_in_the_schema():
+    def keys(values: dict, schema: dict, path: str = ""):
+        for key, value in values.items():
+            assert key in schema.get("properties", {}), f"{path}{key} is not in the schema"
+            if isinstance(value, dict) and "properties" in schema["properties"][key]:
+                yield from keys(value, schema["properties"][key], f"{path}{key}.")
+            yield f"{path}{key}"
+
+    assert "metrics.serviceMonitor.enabled" in set(keys(VALUES, SCHEMA))
+
+
+@pytest.mark.parametrize("change", [
+    {"serviceAcount": {"create": False}},                   # misspelt key
+    {"metrics": {"serviceMonitor": {"enabled": "yes"}}},    # wrong type
+    {"settings": {"pollInterval": 0}},                      # the operator would refuse it
+    {"image": {"pullPolicy": "Sometimes"}},
+])
+def test_the_schema_refuses_bad_values(change):
+    values = json.loads(json.dumps(VALUES))
+    for key, value in change.items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = {**values[key], **value}
+        else:
+            values[key] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(values, SCHEMA)
+
+
+def test_kubectl_apply_k_deploy_is_the_base():
+    kustomization = load((DEPLOY / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["base"]
+    assert set(kustomization) == {"apiVersion", "kind", "resources"}
+
+
+def test_aggregated_roles_give_edit_and_view_users_the_runs():
+    roles = {r["metadata"]["name"]: r for r in
+             documents((DEPLOY / "base" / "clusterrole-aggregated.yaml").read_text())}
+    edit, view = roles["tpufinetune-edit"], roles["tpufinetune-view"]
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert {"create", "delete", "patch", "update"} <= set(edit["rules"][0]["verbs"])
+    assert set(view["rules"][0]["verbs"]) == {"get", "list", "watch"}
+    # Status is the operator's: nobody but the operator writes it.
+    for role in roles.values():
+        for rule in role["rules"]:
+            if "tpufinetunes/status" in rule["resources"]:
+                assert set(rule["verbs"]) <= {"get", "list", "watch"}
+    assert "clusterrole-aggregated.yaml" in load(
+        (DEPLOY / "base" / "kustomization.yaml").read_text())["resources"]
+
+
+def test_notes_point_at_no_sample_with_a_placeholder_image():
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    assert "PROJECT" not in notes
+    assert "kubectl apply -f deploy/samples" not in notes
+    assert "helm show crds" in notes  # Helm never upgrades CRDs: the notes say how
