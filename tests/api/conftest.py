@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness import controlplane
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-KUBERAY_CRD = REPO_ROOT.parent / "shared" / "kuberay" / "ray.io_rayclusters.yaml"
+KUBERAY_CRD = controlplane.KUBERAY_CRD  # extracted from the pinned ray-operator module
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -58,8 +60,8 @@ class KubeRaySchema:
 @pytest.fixture(scope="session")
 def kuberay_schema() -> KubeRaySchema:
     if not KUBERAY_CRD.exists():
-        pytest.skip(f"KubeRay CRD not found at {KUBERAY_CRD} (the shared data file beside "
-                    "the repository); the schema checks need it")
+        pytest.fail(f"KubeRay CRD not found at {controlplane.KUBERAY_CRD_DISPLAY}; the schema "
+                    "checks need it", pytrace=False)
     return KubeRaySchema(_v1_schema(KUBERAY_CRD.read_text()))
 
 
