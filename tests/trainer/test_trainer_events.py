@@ -51,7 +51,7 @@ def test_non_finite_numbers_become_null_not_invalid_json():
 
 def test_unknown_kinds_cannot_be_emitted():
     with pytest.raises(ValueError):
-        format_event("progress", x=1)
+        format_event("heartbeat", x=1)
 
 
 def test_emit_writes_one_flushed_line():

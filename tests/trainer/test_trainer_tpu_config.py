@@ -31,7 +31,8 @@ def test_v6e_4x4_slice(monkeypatch):
     assert (scaling.num_workers, scaling.topology, scaling.accelerator_type) == (16, "4x4", "TPU-V6E")
     assert scaling.resources_per_worker == {"TPU": 1}
     assert backends.torch_config(tpu).backend == "tpu_dist"
-    assert (tpu.device_type, tpu.param_dtype, tpu.attn_implementation) == ("tpu", "bfloat16", "eager")
+    assert (tpu.device_type, tpu.compute_dtype, tpu.attn_implementation) == ("tpu", "bfloat16", "eager")
+    assert tpu.capturable_optimizer and tpu.compile_by_default
     assert backends.tpu_workers_per_slice("4x4", "TPU-V6E") == 16
 
 

@@ -17,8 +17,16 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-# Gemma's special-token ids: pad 0, eos 1, bos 2 (the model config hard-codes these).
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+# Gemma's special-token ids: pad 0, eos 1, bos 2 (the model config hard-codes these),
+# then the turn markers of the chat template.
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+# A Gemma-style chat template, so the offline tokenizer is an instruct model's: training
+# defaults to the chat format with it, as it does with gemma-4-E2B-it.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 # Text sizes. `vocab` is the tokenizer's target; the model's vocabulary is the tokenizer's
 # real size (tiny) or this many rows (100m, so the embedding counts toward 100M params).
@@ -251,8 +259,11 @@ def build_tokenizer(texts: list[str], vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", unk_token="<unk>")
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                      bos_token="<bos>", unk_token="<unk>",
+                                      additional_special_tokens=SPECIAL_TOKENS[4:])
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
 
 
 def build_model(size: str, vocab_size: int, seed: int = 0):
@@ -282,7 +293,7 @@ def write_assets(out: Path, size: str = "tiny", rows: int = 1500, seed: int = 12
         for row in dataset:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     # The prompt scaffolding is part of what the tokenizer must know well.
-    tokenizer = build_tokenizer(prompt_texts(dataset) + ["Instruction: Context: Response:"] * 50,
+    tokenizer = build_tokenizer(prompt_texts(dataset) + ["Instruction: Context: Response: user model"] * 50,
                                 SIZES[size]["vocab"])
     vocab = len(tokenizer) if size == "tiny" else max(len(tokenizer), SIZES[size]["vocab"])
     model = build_model(size, vocab, seed)

@@ -27,18 +27,25 @@ class Backend:
     dist_backend: str         # torch.distributed backend
     device_type: str          # torch device type and DeviceMesh device type
     ray_resource: str | None  # what each Ray worker reserves besides a CPU
-    param_dtype: str          # torch dtype name for parameters and compute
+    compute_dtype: str        # torch dtype name for forward/backward (master weights are fp32)
     attn_implementation: str  # transformers attention kernel
+    # AdamW keeps its step count and learning rate on the device (capturable), so an
+    # optimizer step feeds the device no Python number that changes every step. CPU
+    # optimizers are not capturable in torch; there the host is the device.
+    capturable_optimizer: bool
+    compile_by_default: bool  # torch.compile each decoder block unless --compile off
 
 
 BACKENDS = {
-    # The tutorial's TPU set-up: bf16, eager attention, tpu_dist over ICI.
-    "tpu": Backend("tpu", "tpu_dist", "tpu", "TPU", "bfloat16", "eager"),
-    "cuda": Backend("cuda", "nccl", "cuda", "GPU", "bfloat16", "sdpa"),
-    # CPU keeps fp32 parameters: bf16 matmuls on CPU run ~5x slower than fp32 here, and
-    # the CPU backend exists to rehearse and test, not to match TPU numerics.
-    "cpu": Backend("cpu", "gloo", "cpu", None, "float32", "sdpa"),
+    # The tutorial's TPU set-up: bf16 compute, eager attention, tpu_dist over ICI.
+    "tpu": Backend("tpu", "tpu_dist", "tpu", "TPU", "bfloat16", "eager", True, True),
+    "cuda": Backend("cuda", "nccl", "cuda", "GPU", "bfloat16", "sdpa", True, True),
+    # CPU computes in fp32: this machine kind emulates bf16 matmuls (~20x slower), and
+    # the CPU backend exists to rehearse and test. `--compute-dtype bfloat16` runs the
+    # TPU's numerics on CPU.
+    "cpu": Backend("cpu", "gloo", "cpu", None, "float32", "sdpa", False, False),
 }
+COMPUTE_DTYPES = ("auto", "bfloat16", "float32")
 
 
 def host_has_tpu() -> bool:
@@ -116,10 +123,13 @@ def torch_config(backend: Backend):
     return TorchConfig(backend=backend.dist_backend)
 
 
-def torch_dtype(backend: Backend):
+def compute_dtype(backend: Backend, requested: str = "auto"):
+    """The dtype of forward and backward; parameters and optimizer state stay fp32."""
     import torch
 
-    return getattr(torch, backend.param_dtype)
+    if requested not in COMPUTE_DTYPES:
+        raise UsageError(f"unknown --compute-dtype {requested!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    return getattr(torch, backend.compute_dtype if requested == "auto" else requested)
 
 
 def setup_device(backend: Backend, local_rank: int = 0):

@@ -6,10 +6,19 @@ files Ray Train uploads (every rank its own, merged into one directory in storag
 Rank 0 adds the DCP ``.metadata`` and ``trainer_state.json``. No rank ever holds the
 whole model while checkpointing. The frozen per-layer embeddings
 are left out: they never change, and a reload starts from the base model that has them.
+
+A load reads straight from storage (a path, or a URI such as gs:// through pyarrow's
+file systems): each rank reads only the byte ranges of the shards it owns, and nothing
+downloads the whole checkpoint to every host.
+
+DCP's own coordination (gathering plans, the final barrier) is pickled Python objects:
+it runs on a CPU (gloo) process group made once per run, never on the accelerator's
+collective backend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -17,6 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,7 +40,12 @@ _SHARDED = StateDictOptions(ignore_frozen_params=True)
 _LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-def save_sharded(model, optimizer, directory: str, trainer_state: dict) -> None:
+def cpu_group():
+    """A gloo group over all ranks, for DCP and barriers (collective: every rank calls it)."""
+    return dist.new_group(backend="gloo")
+
+
+def save_sharded(model, optimizer, directory: str, trainer_state: dict, group=None) -> None:
     """Collective: every rank calls it, with a local staging directory of its own or the
     same shared directory. No fsync per file: like Ray Train's own upload, durability is
     left to the storage (a staging directory needs none). Plan caching: from the second
@@ -39,34 +54,115 @@ def save_sharded(model, optimizer, directory: str, trainer_state: dict) -> None:
     Path(directory).mkdir(parents=True, exist_ok=True)
     dcp.save({"model": model_sd, "optim": optim_sd},
              storage_writer=dcp.FileSystemWriter(directory, sync_files=False),
-             planner=dcp.DefaultSavePlanner(enable_plan_caching=True))
+             planner=dcp.DefaultSavePlanner(enable_plan_caching=True), process_group=group)
     if dist.get_rank() == 0:
         Path(directory, STATE_FILE).write_text(json.dumps(trainer_state))
 
 
-def load_sharded(model, optimizer, directory: str) -> dict:
-    """Collective: load model (and optimizer, if given) shards in place; returns trainer state.
-    dcp.load fails on any key the checkpoint lacks; setting back is non-strict only because
-    the frozen per-layer embeddings are, by design, not in the checkpoint."""
+def load_sharded(model, optimizer, location: str, group=None) -> dict:
+    """Collective: load model (and optimizer, if given) shards in place from a path or
+    URI; returns trainer state. dcp.load fails on any key the checkpoint lacks; setting
+    back is non-strict only because the frozen per-layer embeddings are, by design, not
+    in the checkpoint."""
+    reader = storage_reader(location)
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=_SHARDED)}
-        dcp.load(state, checkpoint_id=directory)
+        dcp.load(state, storage_reader=reader, process_group=group)
         set_model_state_dict(model, state["model"], options=_LOAD)
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=directory)
+        dcp.load(state, storage_reader=reader, process_group=group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_LOAD)
-    return read_trainer_state(directory)
+    return read_trainer_state(location)
 
 
-def read_trainer_state(directory: str) -> dict:
-    path = Path(directory, STATE_FILE)
-    return json.loads(path.read_text()) if path.is_file() else {}
+def read_trainer_state(location: str) -> dict:
+    fs, path = _arrow_fs(location)
+    import pyarrow.fs as pafs
+
+    target = f"{path.rstrip('/')}/{STATE_FILE}"
+    if fs.get_file_info(target).type != pafs.FileType.File:
+        return {}
+    with fs.open_input_stream(target) as f:
+        return json.loads(f.read().decode("utf-8"))
 
 
-def export_hf(model, tokenizer, destination: str) -> None:
+def _arrow_fs(location: str):
+    import pyarrow.fs as pafs
+
+    if "://" in location:
+        return pafs.FileSystem.from_uri(location)
+    return pafs.LocalFileSystem(), os.path.abspath(location)
+
+
+class ArrowFileSystem(FileSystemBase):
+    """DCP storage over a pyarrow file system (gs://, s3://, file://, hdfs://): random
+    access reads, so a rank fetches only its own byte ranges."""
+
+    def __init__(self) -> None:
+        self.fs = None
+
+    def init_path(self, path):
+        self.fs, root = _arrow_fs(str(path))
+        return root
+
+    def concat_path(self, path, suffix: str):
+        return f"{str(path).rstrip('/')}/{suffix}"
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "r" in mode:
+            stream = self.fs.open_input_file(str(path))
+        else:
+            stream = self.fs.open_output_stream(str(path))
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    def rename(self, path, new_path) -> None:
+        self.fs.move(str(path), str(new_path))
+
+    def mkdir(self, path) -> None:
+        self.fs.create_dir(str(path), recursive=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return "://" in str(checkpoint_id)
+
+    def exists(self, path) -> bool:
+        import pyarrow.fs as pafs
+
+        return self.fs.get_file_info(str(path)).type != pafs.FileType.NotFound
+
+    def rm_file(self, path) -> None:
+        self.fs.delete_file(str(path))
+
+
+class ArrowReader(dcp.FileSystemReader):
+    def __init__(self, uri: str) -> None:
+        super().__init__(uri)
+        self.fs = ArrowFileSystem()
+        self.path = self.fs.init_path(uri)
+
+
+def storage_reader(location: str):
+    """A DCP reader for a checkpoint path or URI (read in place, never copied first)."""
+    return ArrowReader(location) if "://" in location else dcp.FileSystemReader(location)
+
+
+def checkpoint_location(checkpoint) -> str:
+    """A Ray Train Checkpoint's storage location as a path (local) or URI (remote)."""
+    import pyarrow.fs as pafs
+
+    if isinstance(checkpoint.filesystem, pafs.LocalFileSystem):
+        return checkpoint.path
+    return f"{checkpoint.filesystem.type_name}://{checkpoint.path.lstrip('/')}"
+
+
+def export_hf(model, tokenizer, destination: str, group=None) -> None:
     """Collective: gather the full model on rank 0 (once, at the end) and write a
     `from_pretrained`-loadable directory (safetensors) to `destination` (path or URI)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -79,7 +175,7 @@ def export_hf(model, tokenizer, destination: str) -> None:
                 tokenizer.save_pretrained(tmp)
             upload_dir(tmp, destination)
     del full
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 def tied_weight_copies(model) -> list[str]:

@@ -12,7 +12,11 @@ import os
 import sys
 import traceback
 
-from .config import DEFAULT_DATASET, DEFAULT_MODEL, SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig
+from .backends import COMPUTE_DTYPES
+from .config import (DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET, DEFAULT_MODEL, SCORE_ATTRIBUTES,
+                     CollectivesConfig, FinetuneConfig)
+from .data import DATASET_FORMATS, PROMPT_FORMATS
+from .schedule import SCHEDULES
 from .errors import TrainerError, UsageError
 from .events import emit
 
@@ -42,21 +46,51 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--dataset-split", default="train[:1024]")
     _slice_flags(ft)
     ft.add_argument("--num-epochs", type=int, default=3)
-    ft.add_argument("--batch-size-per-device", type=int, default=4)
+    ft.add_argument("--batch-size-per-device", type=int, default=DEFAULT_BATCH_SIZE_PER_DEVICE,
+                    help="packed blocks of --max-seq-len tokens per device per micro-batch")
+    ft.add_argument("--global-batch-blocks", type=int, default=0,
+                    help="blocks per optimizer step over all devices; a multiple of devices x batch size, the "
+                         "factor being gradient accumulation (default 0: devices x batch size, no accumulation)")
     ft.add_argument("--storage-path", default=os.environ.get("STORAGE_PATH", ""),
                     help="checkpoint storage (gs://… or a shared path); default $STORAGE_PATH")
     ft.add_argument("--max-seq-len", type=int, default=512, help="tokens per packed block")
-    ft.add_argument("--learning-rate", type=float, default=2e-5)
+    ft.add_argument("--learning-rate", type=float, default=2e-5, help="peak AdamW learning rate")
+    ft.add_argument("--lr-schedule", default="cosine", choices=list(SCHEDULES),
+                    help="after linear warmup: cosine or linear decay to --min-lr-ratio x peak, or constant")
+    ft.add_argument("--warmup-ratio", type=float, default=0.05, help="share of all optimizer steps spent warming up")
+    ft.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak")
+    ft.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    ft.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: epochs decide)")
     ft.add_argument("--weight-decay", type=float, default=0.01)
     ft.add_argument("--seed", type=int, default=42)
     ft.add_argument("--eval-fraction", type=float, default=0.05, help="share of examples held out for eval loss")
-    ft.add_argument("--keep-checkpoints", type=int, default=1, help="checkpoints Ray Train keeps (best first)")
-    ft.add_argument("--checkpoint-score-attribute", default="loss", choices=list(SCORE_ATTRIBUTES))
+    ft.add_argument("--keep-checkpoints", type=int, default=1,
+                    help="checkpoints Ray Train keeps (best first; the latest is always kept for recovery)")
+    ft.add_argument("--checkpoint-every-steps", type=int, default=0,
+                    help="also checkpoint every N optimizer steps (0: at the end of every epoch only)")
+    ft.add_argument("--checkpoint-score-attribute", default="auto", choices=list(SCORE_ATTRIBUTES),
+                    help="auto: eval_loss when there is an eval split, else loss")
     ft.add_argument("--checkpoint-score-order", default="min", choices=["min", "max"])
     ft.add_argument("--resume-from", default=None, help="checkpoint directory or URI to continue from")
     ft.add_argument("--run-name", default="", help="Ray Train run name (default: from the model id + time)")
     ft.add_argument("--long-prompts", default="skip", choices=["skip", "fail"],
                     help="examples whose prompt alone exceeds --max-seq-len: skip them (counted) or fail")
+    ft.add_argument("--prompt-format", default="auto", choices=list(PROMPT_FORMATS),
+                    help="chat: the tokenizer's chat template, labels on assistant turns only; tutorial: "
+                         "'Instruction: ...\\nResponse: ...'; auto: chat when the tokenizer has a template")
+    ft.add_argument("--dataset-format", default="auto", choices=list(DATASET_FORMATS),
+                    help="dolly (instruction/context/response), messages (role/content turns) or "
+                         "prompt-completion; auto: from the columns")
+    ft.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                    help="torch.compile each decoder block (auto: on for TPU and CUDA, off for CPU)")
+    ft.add_argument("--compute-dtype", default="auto", choices=list(COMPUTE_DTYPES),
+                    help="forward/backward dtype (auto: bfloat16 on TPU and CUDA, float32 on CPU); "
+                         "weights and optimizer state are always float32")
+    ft.add_argument("--progress-interval", type=float, default=30.0,
+                    help="seconds between progress events within an epoch")
+    ft.add_argument("--max-failures", type=int, default=0,
+                    help="worker failures Ray Train recovers from inside this job, each resuming from the "
+                         "latest checkpoint")
 
     co = sub.add_parser("collectives", help="interconnect check: DTensor TP parity + all_reduce")
     _slice_flags(co)
@@ -74,11 +108,17 @@ def _config(args: argparse.Namespace):
             topology=args.topology, accelerator_type=args.accelerator_type, num_workers=args.num_workers,
             device=args.device, model_id=args.model_id, dataset=args.dataset, dataset_split=args.dataset_split,
             num_epochs=args.num_epochs, batch_size_per_device=args.batch_size_per_device,
-            storage_path=args.storage_path, max_seq_len=args.max_seq_len, learning_rate=args.learning_rate,
-            weight_decay=args.weight_decay, seed=args.seed, eval_fraction=args.eval_fraction,
-            keep_checkpoints=args.keep_checkpoints, checkpoint_score_attribute=args.checkpoint_score_attribute,
+            global_batch_blocks=args.global_batch_blocks, storage_path=args.storage_path,
+            max_seq_len=args.max_seq_len, learning_rate=args.learning_rate, lr_schedule=args.lr_schedule,
+            warmup_ratio=args.warmup_ratio, min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm,
+            max_steps=args.max_steps, weight_decay=args.weight_decay, seed=args.seed,
+            eval_fraction=args.eval_fraction, keep_checkpoints=args.keep_checkpoints,
+            checkpoint_every_steps=args.checkpoint_every_steps,
+            checkpoint_score_attribute=args.checkpoint_score_attribute,
             checkpoint_score_order=args.checkpoint_score_order, resume_from=args.resume_from,
-            run_name=args.run_name, long_prompts=args.long_prompts)
+            run_name=args.run_name, long_prompts=args.long_prompts, prompt_format=args.prompt_format,
+            dataset_format=args.dataset_format, compile=args.compile, compute_dtype=args.compute_dtype,
+            progress_interval_s=args.progress_interval, max_failures=args.max_failures)
     return CollectivesConfig(topology=args.topology, accelerator_type=args.accelerator_type,
                              num_workers=args.num_workers, device=args.device, hidden_dim=args.hidden_dim,
                              batch_size=args.batch_size, placement_timeout_s=args.placement_timeout,

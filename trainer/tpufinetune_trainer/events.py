@@ -19,7 +19,7 @@ from typing import Any, Iterator, TextIO
 
 PREFIX = "TPUFT-EVENT "
 VERSION = 1
-KINDS = frozenset({"start", "epoch", "checkpoint", "result", "failure", "collectives"})
+KINDS = frozenset({"start", "plan", "progress", "epoch", "checkpoint", "result", "failure", "collectives"})
 
 # A line longer than this without a newline is not one of ours; drop it rather than
 # buffer a runaway log line forever.

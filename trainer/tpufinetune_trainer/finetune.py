@@ -13,7 +13,7 @@ import uuid
 
 from . import backends
 from .config import FinetuneConfig
-from .data import prepare
+from .data import pad_id_of, prepare
 from .errors import ConfigError, StorageError
 from .model import check_local_model, load_config, load_tokenizer
 
@@ -80,12 +80,14 @@ def run(cfg: FinetuneConfig) -> int:
     load_config(cfg.model_id)
     tokenizer = load_tokenizer(cfg.model_id)
     data = prepare(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction, cfg.seed,
-                   cfg.long_prompts)
-    global_batch = cfg.num_workers * cfg.batch_size_per_device
-    if len(data.train) < global_batch:
+                   cfg.long_prompts, cfg.prompt_format, cfg.dataset_format)
+    plan = cfg.batch_plan()
+    if len(data.train) < plan.global_blocks:
         raise ConfigError(f"{data.examples} training examples pack into {len(data.train)} blocks of "
-                          f"{cfg.max_seq_len} tokens, fewer than one global batch ({cfg.num_workers} workers x "
-                          f"--batch-size-per-device {cfg.batch_size_per_device}); use more data or smaller batches")
+                          f"{cfg.max_seq_len} tokens, fewer than one global batch of {plan.global_blocks} blocks "
+                          f"({cfg.num_workers} workers x --batch-size-per-device {cfg.batch_size_per_device} x "
+                          f"{plan.accum} accumulation); use more data, or lower --global-batch-blocks or "
+                          f"--batch-size-per-device")
     ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
     backend = backends.resolve(cfg.device, ray.cluster_resources())
     scaling = backends.scaling_config(backend, cfg.num_workers, cfg.topology, cfg.accelerator_type)
@@ -94,12 +96,13 @@ def run(cfg: FinetuneConfig) -> int:
           f"accelerator_type={cfg.accelerator_type}, num_workers={cfg.num_workers}, backend={backend.name}", flush=True)
     print(f"Data: {data.examples} train / {data.eval_examples} eval examples packed into {len(data.train)} / "
           f"{len(data.eval) if data.eval else 0} blocks of {cfg.max_seq_len} tokens "
-          f"({data.skipped_long_prompts} skipped for long prompts, {data.truncated} responses truncated)", flush=True)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    data_ref = ray.put({"train": data.train, "eval": data.eval, "pad_id": pad_id})
+          f"({data.skipped_long_prompts} skipped for long prompts, {data.truncated} responses truncated); "
+          f"dataset format {data.dataset_format}, prompt format {data.prompt_format}", flush=True)
+    data_ref = ray.put({"train": data.train, "eval": data.eval, "pad_id": pad_id_of(tokenizer)})
     trainer = TorchTrainer(
         train_loop_per_worker=train_func,
-        train_loop_config={"cfg": cfg.to_dict(), "backend": backend.name, "data": data_ref},
+        train_loop_config={"cfg": cfg.to_dict(), "backend": backend.name, "data": data_ref,
+                           "prompt_format": data.prompt_format, "dataset_format": data.dataset_format},
         torch_config=backends.torch_config(backend),
         scaling_config=scaling,
         run_config=RunConfig(
@@ -108,7 +111,9 @@ def run(cfg: FinetuneConfig) -> int:
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints,
                                                checkpoint_score_attribute=cfg.checkpoint_score_attribute,
                                                checkpoint_score_order=cfg.checkpoint_score_order),
-            failure_config=FailureConfig(max_failures=0),
+            # A worker that dies restarts the worker group, which resumes from the
+            # latest (step-level) checkpoint inside this same job.
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
         ),
     )
     result = trainer.fit()

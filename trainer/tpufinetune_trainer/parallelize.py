@@ -1,11 +1,19 @@
-"""FSDP2 sharding of a causal LM over a 1-D device mesh.
+"""FSDP2 sharding (and optional torch.compile) of a causal LM over a 1-D device mesh.
+
+Mixed precision: the model arrives in fp32 and its parameters stay fp32 (the master
+weights, and so AdamW's state); FSDP casts the all-gathered copy to the compute dtype
+(bf16 on TPU/GPU) for forward and backward and reduces gradients in fp32.
 
 Order matters: every decoder block becomes its own FSDP unit first, then the root. The
 root call picks up what no block claimed (embeddings, final norm, lm_head, which shares
 the embedding's weight) as one unit; wrapping it last lets each block's all-gather be
 prefetched while the previous block computes. The per-layer embedding table (Gemma) is
-frozen and passed as `ignored_params`, so it stays a plain replicated lookup table: it is
-never all-gathered, reduced or stored in the optimizer.
+frozen, stored in the compute dtype and passed as `ignored_params`, so it stays a plain
+replicated lookup table: never all-gathered, reduced or stored in the optimizer.
+
+Compile: each block's forward is compiled on its own (torch.compile), before sharding,
+so FSDP's all-gather and reduce-scatter hooks stay outside the compiled graph; every
+block of a kind shares one graph.
 """
 
 from __future__ import annotations
@@ -21,11 +29,32 @@ def build_mesh(device_type: str, world_size: int):
     return init_device_mesh(device_type, (world_size,))
 
 
-def apply_fsdp(model: torch.nn.Module, mesh, param_dtype: torch.dtype) -> torch.nn.Module:
-    # Gradients are reduced in fp32 whatever the compute dtype (the tutorial's policy).
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+def compile_blocks(model: torch.nn.Module) -> None:
+    for block in decoder_blocks(model):
+        block.forward = torch.compile(block.forward)
+
+
+def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, compile: bool = False,
+               device: torch.device | None = None) -> torch.nn.Module:
+    """Shard `model` (fp32, on the CPU or already on the device) in place; the frozen
+    table, which FSDP does not manage, is moved to `device` afterwards."""
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     ignored = set(freeze_per_layer_embeddings(model))
+    for param in ignored:
+        param.data = param.data.to(compute_dtype)
+    if compile:
+        compile_blocks(model)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
+    # fully_shard moves what it manages to the mesh's device, one block at a time (so
+    # the whole fp32 model never sits on one device); the frozen table follows by hand.
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored or None)
+    if device is not None:
+        for param in ignored:
+            param.data = param.data.to(device)
     return model
+
+
+def master_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
+    """dtypes of the trainable (sharded) parameters: {torch.float32} by construction."""
+    return {p.dtype for p in model.parameters() if p.requires_grad}

@@ -1,13 +1,20 @@
 """The per-worker training loop, run by every Ray Train worker.
 
-Built in a fixed order: device -> model -> parallelize -> optimizer -> restore ->
-epochs (train, eval, sharded checkpoint) -> export of the best checkpoint. Only rank 0
-prints; the loss and token counts are summed on-device and reduced once per epoch (one
-host sync per epoch, which matters on TPU).
+Built in a fixed order: device -> model -> parallelize (+compile) -> optimizer ->
+schedule -> data on the device -> restore -> steps (train, progress, eval, sharded
+checkpoints) -> export of the best checkpoint. Only rank 0 prints.
+
+The hot loop never makes the host wait for the device: token counts come from the numpy
+blocks (every rank knows the global batch's label count), each step's block indices and
+count reach the device in one host-to-device copy, the attention masks are built there
+from segment ids, the learning rate is read from a table on the device, and the loss is
+summed on the device in fp32. The host reads a device value only once per epoch (the
+loss), at a checkpoint, and at most once per --progress-interval on rank 0.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import tempfile
 import time
@@ -15,14 +22,18 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from . import checkpoint as ckpt
-from .backends import BACKENDS, Backend, setup_device, torch_dtype
+from .backends import BACKENDS, Backend, compute_dtype, setup_device
 from .config import FinetuneConfig
-from .data import IGNORE_INDEX, Packed, eval_order, shard_order
+from .data import IGNORE_INDEX, BatchPlan, Packed, epoch_permutation, eval_order, global_label_tokens, \
+    step_blocks, steps_per_epoch
 from .events import emit
+from .masks import MaskBuilder
 from .model import load_causal_lm, load_tokenizer
 from .parallelize import apply_fsdp, build_mesh
+from .schedule import lr_table, warmup_steps
 
 
 def quiet_progress_bars() -> None:
@@ -45,7 +56,7 @@ def is_better(a: float, b: float, order: str) -> bool:
 
 
 def best_entry(history: list[dict], attribute: str, order: str) -> dict | None:
-    """The checkpointed epoch with the best score (earliest wins a tie, as in Ray)."""
+    """The checkpoint with the best score (earliest wins a tie, as in Ray)."""
     best = None
     for entry in history:
         score = entry.get(attribute)
@@ -54,109 +65,265 @@ def best_entry(history: list[dict], attribute: str, order: str) -> dict | None:
     return best
 
 
-class Batches:
-    """Fixed-shape batches of packed blocks for one rank."""
+class DeviceBlocks:
+    """One split's packed blocks, copied to the device once. A micro-batch is gathered
+    there by indices; index `len(packed)` is an all-padding filler block (no labels)."""
 
     def __init__(self, packed: Packed, device, pad_id: int):
-        self.packed, self.device, self.pad_id = packed, device, pad_id
+        length = packed.input_ids.shape[1]
 
-    def batch(self, index: np.ndarray) -> dict:
-        p, length = self.packed, self.packed.input_ids.shape[1]
-        real = index >= 0
-        safe = np.where(real, index, 0)
-        ids = np.where(real[:, None], p.input_ids[safe], self.pad_id)
-        labels = np.where(real[:, None], p.labels[safe], IGNORE_INDEX)
-        pos = np.where(real[:, None], p.position_ids[safe], np.arange(length)[None, :])
-        tensors = {"input_ids": ids, "labels": labels, "position_ids": pos}
-        out = {k: torch.from_numpy(np.ascontiguousarray(v)).to(self.device) for k, v in tensors.items()}
-        out["real_tokens"] = int(np.where(real, p.real_tokens[safe], 0).sum())
-        return out
+        def with_filler(array: np.ndarray, fill: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate([array, fill[None, :]])).to(device)
+
+        self.input_ids = with_filler(packed.input_ids, np.full(length, pad_id, np.int64))
+        self.labels = with_filler(packed.labels, np.full(length, IGNORE_INDEX, np.int64))
+        self.position_ids = with_filler(packed.position_ids, np.arange(length, dtype=np.int64))
+        self.segment_ids = with_filler(packed.segment_ids, np.ones(length, np.int64))
+        self.filler = len(packed)
+
+    def gather(self, index: torch.Tensor) -> dict:
+        return {name: getattr(self, name).index_select(0, index)
+                for name in ("input_ids", "labels", "position_ids", "segment_ids")}
 
 
 class Trainer:
     def __init__(self, cfg: FinetuneConfig, backend: Backend, data: dict, rank: int, world: int, local_rank: int):
         self.cfg, self.backend, self.rank, self.world = cfg, backend, rank, world
         self.device = setup_device(backend, local_rank)
+        self.cpu_group = ckpt.cpu_group()  # DCP plans and barriers: pickled objects, never over ICI
         self.train_data, self.eval_data = data["train"], data.get("eval")
         self.pad_id = int(data["pad_id"])
         self.tokenizer = load_tokenizer(cfg.model_id) if rank == 0 else None
+        self.dtype = compute_dtype(backend, cfg.compute_dtype)
         torch.manual_seed(cfg.seed)
-        model = load_causal_lm(cfg.model_id, torch_dtype(backend), backend.attn_implementation).to(self.device)
-        self.model = apply_fsdp(model, build_mesh(backend.device_type, world), torch_dtype(backend))
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        # Master weights in fp32; FSDP computes in self.dtype (see parallelize.py).
+        model = load_causal_lm(cfg.model_id, torch.float32, backend.attn_implementation)
+        self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and backend.compile_by_default)
+        self.model = apply_fsdp(model, build_mesh(backend.device_type, world), self.dtype, compile=self.compiled,
+                                device=self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.masks = MaskBuilder(self.model.config, cfg.max_seq_len, self.device, self.dtype,
+                                 backend.attn_implementation)
+        self.plan: BatchPlan = cfg.batch_plan()
+        self.epoch_steps = steps_per_epoch(len(self.train_data), self.plan)
+        self.total_steps = self.epoch_steps * cfg.num_epochs
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self._build_optimizer()
+        self.train_blocks = DeviceBlocks(self.train_data, self.device, self.pad_id)
+        self.eval_blocks = DeviceBlocks(self.eval_data, self.device, self.pad_id) if self.eval_data else None
         self.history: list[dict] = []
-        self.start_epoch = 0
-        self.weights_epoch = 0  # which epoch's weights the model holds (0: the base model)
+        self.epoch, self.epoch_step, self.global_step = 1, 0, 0
+        self.carried = (0.0, 0)  # (loss sum, label tokens) of the resumed epoch's earlier steps
+        self.weights_uri: str | None = None  # which checkpoint's weights the model holds
+
+    def _build_optimizer(self) -> None:
+        cfg, capturable = self.cfg, self.backend.capturable_optimizer
+        lr_device = self.device if capturable else torch.device("cpu")
+        self.lr = torch.tensor(cfg.learning_rate, dtype=torch.float32, device=lr_device)
+        # capturable keeps AdamW's step count and bias corrections on the device; the
+        # CPU optimizer is not capturable and takes one tensor at a time with a tensor lr.
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=cfg.weight_decay,
+                                           capturable=capturable, foreach=capturable)
+        self.warmup = warmup_steps(self.total_steps, cfg.warmup_ratio)
+        self.lr_host = lr_table(cfg.learning_rate, self.total_steps, self.warmup, cfg.lr_schedule, cfg.min_lr_ratio)
+        self.lr_table = torch.from_numpy(self.lr_host).to(lr_device)
+        self.step_counter = torch.zeros(1, dtype=torch.int64, device=lr_device)
+
+    def _attach_lr(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> None:
-        """Ray Train's restore (same run name + storage) wins over --resume-from."""
+        """Ray Train's restore (same run name + storage, or a retry within this job
+        under --max-failures) wins over --resume-from. Every rank reads only its own
+        shards, in place."""
         import ray.train
 
         checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None and self.cfg.resume_from:
-            checkpoint = ray.train.Checkpoint(self.cfg.resume_from)
-        if checkpoint is None:
+        location = ckpt.checkpoint_location(checkpoint) if checkpoint is not None else self.cfg.resume_from
+        if not location:
             return
-        with checkpoint.as_directory() as directory:
-            state = ckpt.load_sharded(self.model, self.optimizer, directory)
-        self.start_epoch = self.weights_epoch = int(state.get("epoch", 0))
+        state = ckpt.load_sharded(self.model, self.optimizer, location, self.cpu_group)
+        self._attach_lr()  # the loaded param groups carry a copy of the learning rate
         self.history = list(state.get("history", []))
+        self.weights_uri = location
+        epoch, done = int(state.get("epoch", 0)), int(state.get("epoch_step", 0))
+        finished = done == 0 or done >= int(state.get("epoch_steps", done)) or done >= self.epoch_steps
+        self.epoch, self.epoch_step = (epoch + 1, 0) if finished else (epoch, done)
+        self.global_step = (self.epoch - 1) * self.epoch_steps + self.epoch_step
+        if not finished:
+            self.carried = (float(state.get("epoch_loss_sum", 0.0)), int(state.get("epoch_label_tokens", 0)))
+        self.step_counter.fill_(min(self.global_step, max(self.total_steps - 1, 0)))  # once, at start
         if self.rank == 0:
-            say(f"Resumed from {checkpoint.path} at epoch {self.start_epoch}")
+            where = f"epoch {epoch}" if finished else f"epoch {epoch} step {done}/{self.epoch_steps}"
+            say(f"Resumed from {location} at {where} (global step {self.global_step})")
+
+    # ------------------------------------------------------------------ one step
+    def token_loss_sum(self, batch: dict) -> torch.Tensor:
+        """Summed cross-entropy over the label tokens of a micro-batch, in fp32."""
+        out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                         attention_mask=self.masks(batch["segment_ids"]), use_cache=False)
+        logits = out.logits[:, :-1].flatten(0, 1).float()
+        return F.cross_entropy(logits, batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+    def train_step(self, blocks: np.ndarray, label_tokens: int, loss_sum: torch.Tensor) -> None:
+        """One optimizer step: `blocks` is this rank's [accum, per_device] indices and
+        `label_tokens` the global batch's count. Every response token weighs the same: the
+        loss is the global sum divided by the global count. FSDP averages gradients over
+        ranks, so each rank scales by the world size to make that average a sum."""
+        host = np.concatenate([blocks.ravel(), [label_tokens]]).astype(np.int64)
+        step_input = torch.from_numpy(host).to(self.device)  # the step's only host->device copy
+        index = step_input[:-1].view(self.plan.accum, self.plan.per_device)
+        scale = self.world / step_input[-1].clamp(min=1).to(torch.float32)
+        for micro in range(self.plan.accum):
+            summed = self.token_loss_sum(self.train_blocks.gather(index[micro]))
+            (summed * scale).backward()
+            loss_sum += summed.detach()
+        if self.cfg.max_grad_norm > 0:
+            self.clip_gradients()
+        self.lr.copy_(self.lr_table.index_select(0, self.step_counter).squeeze(0))
+        self.step_counter += 1
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_gradients(self) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=self.backend.capturable_optimizer)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm,
+                                             foreach=self.backend.capturable_optimizer)
+        return norm
 
     # ------------------------------------------------------------------ epochs
-    def train_epoch(self, epoch: int) -> dict:
-        cfg, batches = self.cfg, Batches(self.train_data, self.device, self.pad_id)
-        order = shard_order(len(self.train_data), self.world, cfg.batch_size_per_device, epoch, cfg.seed, self.rank)
-        steps = len(order) // cfg.batch_size_per_device
+    def run(self) -> None:
+        cfg = self.cfg
+        if self.rank == 0:
+            self.announce()
+        while self.global_step < self.total_steps:
+            metrics = self.train_epoch()
+            self.report(metrics, epoch_end=True)
+        self.export()
+
+    def announce(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        say(f"Plan: {plan.world} devices x {plan.per_device} blocks x {plan.accum} accumulation = "
+            f"{plan.global_blocks} blocks ({plan.global_blocks * cfg.max_seq_len} tokens) per optimizer step; "
+            f"{self.epoch_steps} steps per epoch, {self.total_steps} in all; lr {cfg.learning_rate:g} "
+            f"(warmup {self.warmup} steps, {cfg.lr_schedule} to {cfg.learning_rate * cfg.min_lr_ratio:g}); "
+            f"clip {cfg.max_grad_norm:g}; compute {str(self.dtype).removeprefix('torch.')}, master weights "
+            f"float32; compile {'on' if self.compiled else 'off'}")
+        emit("plan", global_batch_blocks=plan.global_blocks, global_batch_tokens=plan.global_blocks * cfg.max_seq_len,
+             accumulation=plan.accum, steps_per_epoch=self.epoch_steps, total_steps=self.total_steps,
+             warmup_steps=self.warmup, lr_schedule=cfg.lr_schedule, compute_dtype=str(self.dtype).split(".")[-1],
+             compile=self.compiled)
+
+    def train_epoch(self) -> dict:
+        """Steps of the current epoch from self.epoch_step on; checkpoints every
+        --checkpoint-every-steps and stops at --max-steps."""
+        cfg, plan, data = self.cfg, self.plan, self.train_data
+        order = epoch_permutation(len(data), self.epoch, cfg.seed)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        counts = torch.zeros(2, device=self.device, dtype=torch.float64)  # label tokens, real tokens
-        shapes = set()
+        window = ProgressWindow(time.perf_counter())
+        label_tokens = real_tokens = steps = 0
         start = time.perf_counter()
-        for step in range(steps):
-            batch = batches.batch(order[step * cfg.batch_size_per_device:(step + 1) * cfg.batch_size_per_device])
-            shapes.add(tuple(batch["input_ids"].shape))
-            self.optimizer.zero_grad(set_to_none=True)
-            out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
-            out.loss.backward()
-            self.optimizer.step()
-            label_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
-            loss_sum += out.loss.detach().float() * label_tokens
-            counts[0] += label_tokens
-            counts[1] += batch["real_tokens"]
-        totals = torch.cat([loss_sum.double().reshape(1), counts])
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        loss, label_tokens, real_tokens = totals.tolist()
+        while self.epoch_step < self.epoch_steps and self.global_step < self.total_steps:
+            blocks = step_blocks(order, self.epoch_step, plan, self.rank)
+            global_blocks = order[self.epoch_step * plan.global_blocks:(self.epoch_step + 1) * plan.global_blocks]
+            count = global_label_tokens(data, order, self.epoch_step, plan)
+            self.train_step(blocks, count, loss_sum)
+            self.epoch_step += 1
+            self.global_step += 1
+            steps += 1
+            label_tokens += count
+            real_tokens += int(data.real_tokens[global_blocks].sum())
+            window.add(int(data.label_tokens[blocks.ravel()].sum()), int(data.real_tokens[global_blocks].sum()))
+            if self.rank == 0 and window.due(cfg.progress_interval_s):
+                self.emit_progress(window, loss_sum)
+            if cfg.checkpoint_every_steps and self.global_step % cfg.checkpoint_every_steps == 0 \
+                    and self.epoch_step < self.epoch_steps and self.global_step < self.total_steps:
+                elapsed = time.perf_counter() - start
+                self.report(self.epoch_metrics(loss_sum, label_tokens, real_tokens, elapsed, steps),
+                            epoch_end=False)
+                self.model.train()
         elapsed = time.perf_counter() - start
-        padded = steps * cfg.batch_size_per_device * self.world * cfg.max_seq_len
-        return {"loss": loss / max(label_tokens, 1), "epoch_time_s": elapsed,
-                "tokens_per_s": real_tokens / elapsed, "padded_tokens_per_s": padded / elapsed, "steps": steps,
-                "batch_shapes": sorted(list(s) for s in shapes)}
+        metrics = self.epoch_metrics(loss_sum, label_tokens, real_tokens, elapsed, steps)
+        return metrics
+
+    def epoch_metrics(self, loss_sum: torch.Tensor, label_tokens: int, real_tokens: int, elapsed: float,
+                      steps: int) -> dict:
+        """Global metrics of the epoch so far: one fp32 all_reduce of the loss sum."""
+        total = loss_sum.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        carried_sum, carried_tokens = self.carried
+        loss = (float(total.item()) + carried_sum) / max(label_tokens + carried_tokens, 1)
+        padded = steps * self.plan.global_blocks * self.cfg.max_seq_len
+        return {"epoch": self.epoch, "step": self.global_step, "loss": loss, "epoch_time_s": elapsed,
+                "tokens_per_s": real_tokens / max(elapsed, 1e-9), "padded_tokens_per_s": padded / max(elapsed, 1e-9),
+                "steps": steps, "epoch_step": self.epoch_step, "epoch_loss_sum": float(total.item()) + carried_sum,
+                "epoch_label_tokens": label_tokens + carried_tokens,
+                "batch_shapes": [[self.plan.per_device, self.cfg.max_seq_len]]}
+
+    def emit_progress(self, window: "ProgressWindow", loss_sum: torch.Tensor) -> None:
+        """Rank 0 only, throttled: the loss is rank 0's mean over the window (reading it
+        is this window's one host sync)."""
+        now = time.perf_counter()
+        current = float(loss_sum.item())
+        loss = (current - window.loss_mark) / max(window.label_tokens, 1)
+        window.loss_mark = current
+        seconds = now - window.start
+        emit("progress", epoch=self.epoch, epochs=self.cfg.num_epochs, step=self.global_step,
+             total_steps=self.total_steps, epoch_step=self.epoch_step, epoch_steps=self.epoch_steps,
+             loss=round(loss, 4), lr=float(self.lr_host[min(self.global_step, self.total_steps) - 1]),
+             tokens_per_s=round(window.real_tokens / max(seconds, 1e-9), 1),
+             step_time_s=round(seconds / max(window.steps, 1), 4))
+        window.reset(now)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        if self.eval_data is None or len(self.eval_data) == 0:
+        if self.eval_blocks is None:
             return None
-        batch_size = self.cfg.batch_size_per_device
-        batches = Batches(self.eval_data, self.device, self.pad_id)
-        order = eval_order(len(self.eval_data), self.world, batch_size, self.rank)
+        per_device = self.plan.per_device
+        order = eval_order(len(self.eval_data), self.world, per_device, self.rank)
+        order = np.where(order < 0, self.eval_blocks.filler, order)
         self.model.eval()
-        totals = torch.zeros(2, device=self.device, dtype=torch.float64)
-        for step in range(len(order) // batch_size):
-            batch = batches.batch(order[step * batch_size:(step + 1) * batch_size])
-            out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
-            label_tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
-            # An all-filler batch has no labels: its mean loss is NaN and weighs nothing.
-            totals[0] += torch.nan_to_num(out.loss.float(), nan=0.0).double() * label_tokens
-            totals[1] += label_tokens
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-        loss, label_tokens = totals.tolist()
-        return loss / label_tokens if label_tokens else None
+        total = torch.zeros((), device=self.device, dtype=torch.float32)
+        for step in range(len(order) // per_device):
+            index = torch.from_numpy(order[step * per_device:(step + 1) * per_device]).to(self.device)
+            total += self.token_loss_sum(self.eval_blocks.gather(index))
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        label_tokens = int(self.eval_data.label_tokens.sum())  # known on the host
+        return float(total.item()) / label_tokens if label_tokens else None
 
-    def checkpoint(self, epoch: int, metrics: dict) -> str:
+    # ------------------------------------------------------------------ checkpoints
+    def report(self, m: dict, epoch_end: bool) -> None:
+        cfg = self.cfg
+        eval_loss = self.evaluate()
+        metrics = {"epoch": m["epoch"], "step": m["step"], "loss": round(m["loss"], 4),
+                   "eval_loss": None if eval_loss is None else round(eval_loss, 4),
+                   "epoch_time_s": round(m["epoch_time_s"], 2), "tokens_per_s": round(m["tokens_per_s"], 1),
+                   "padded_tokens_per_s": round(m["padded_tokens_per_s"], 1)}
+        if self.rank == 0 and epoch_end:
+            self.print_epoch(metrics)
+            emit("epoch", epochs=cfg.num_epochs, steps=m["steps"], total_steps=self.total_steps,
+                 batch_shapes=m["batch_shapes"], **metrics)
+        state_extra = {"epoch_step": m["epoch_step"], "epoch_steps": self.epoch_steps,
+                       "epoch_loss_sum": m["epoch_loss_sum"], "epoch_label_tokens": m["epoch_label_tokens"]}
+        name = f"epoch_{m['epoch']:04d}" if epoch_end else f"step_{m['step']:07d}"
+        uri = self.checkpoint(name, {k: v for k, v in metrics.items() if v is not None}, state_extra)
+        if self.rank == 0:
+            emit("checkpoint", epoch=m["epoch"], step=m["step"], epoch_end=epoch_end, uri=uri,
+                 save_s=self.history[-1]["save_s"])
+        if epoch_end:
+            self.epoch, self.epoch_step, self.carried = self.epoch + 1, 0, (0.0, 0)
+
+    def checkpoint(self, name: str, metrics: dict, state_extra: dict) -> str:
         """Sharded save + report; returns the checkpoint's URI in storage.
 
         A file-system storage path (shared by all hosts, as Ray Train requires) is written
@@ -166,41 +333,24 @@ class Trainer:
         import ray.train
         from ray.train import CheckpointUploadMode
 
-        name = f"epoch_{epoch:04d}"
         uri = ckpt.join_uri(self.cfg.storage_path, self.cfg.run_name, name)
         entry = dict(metrics, uri=uri)
-        state = {"epoch": epoch, "history": self.history + [entry], "run_name": self.cfg.run_name}
+        state = {"epoch": metrics["epoch"], "step": metrics["step"], "history": self.history + [entry],
+                 "run_name": self.cfg.run_name, **state_extra}
         start = time.perf_counter()
         if "://" in uri:
             with tempfile.TemporaryDirectory(prefix="tpuft-ckpt-") as local:
-                ckpt.save_sharded(self.model, self.optimizer, local, state)
+                ckpt.save_sharded(self.model, self.optimizer, local, state, self.cpu_group)
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(local),
                                  checkpoint_dir_name=name)
         else:
-            ckpt.save_sharded(self.model, self.optimizer, uri, state)
+            ckpt.save_sharded(self.model, self.optimizer, uri, state, self.cpu_group)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint(uri), checkpoint_dir_name=name,
                              checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         entry["save_s"] = round(time.perf_counter() - start, 3)
         self.history.append(entry)
-        self.weights_epoch = epoch
+        self.weights_uri = uri
         return uri
-
-    def run(self) -> None:
-        cfg = self.cfg
-        for epoch in range(self.start_epoch + 1, cfg.num_epochs + 1):
-            m = self.train_epoch(epoch)
-            eval_loss = self.evaluate()
-            metrics = {"epoch": epoch, "loss": round(m["loss"], 4),
-                       "eval_loss": None if eval_loss is None else round(eval_loss, 4),
-                       "epoch_time_s": round(m["epoch_time_s"], 2), "tokens_per_s": round(m["tokens_per_s"], 1),
-                       "padded_tokens_per_s": round(m["padded_tokens_per_s"], 1)}
-            if self.rank == 0:
-                self.print_epoch(metrics)
-                emit("epoch", epochs=cfg.num_epochs, steps=m["steps"], batch_shapes=m["batch_shapes"], **metrics)
-            uri = self.checkpoint(epoch, {k: v for k, v in metrics.items() if v is not None})
-            if self.rank == 0:
-                emit("checkpoint", epoch=epoch, uri=uri, save_s=self.history[-1]["save_s"])
-        self.export()
 
     def print_epoch(self, m: dict) -> None:
         eval_part = f" | eval_loss={m['eval_loss']:.4f}" if m["eval_loss"] is not None else ""
@@ -214,20 +364,36 @@ class Trainer:
         best = best_entry(self.history, cfg.checkpoint_score_attribute, cfg.checkpoint_score_order)
         if best is None:
             raise RuntimeError("no checkpoint to export (was every epoch already done?)")
-        if best["epoch"] != self.weights_epoch:
-            import ray.train
-
-            with ray.train.Checkpoint(best["uri"]).as_directory() as directory:
-                ckpt.load_sharded(self.model, None, directory)
+        if best["uri"] != self.weights_uri:
+            ckpt.load_sharded(self.model, None, best["uri"], self.cpu_group)
         destination = ckpt.join_uri(cfg.storage_path, cfg.run_name, "export")
         start = time.perf_counter()
-        ckpt.export_hf(self.model, self.tokenizer, destination)
+        ckpt.export_hf(self.model, self.tokenizer, destination, self.cpu_group)
         if self.rank == 0:
-            say(f"Exported epoch {best['epoch']} ({cfg.checkpoint_score_attribute}="
+            say(f"Exported epoch {best['epoch']} step {best.get('step')} ({cfg.checkpoint_score_attribute}="
                 f"{best[cfg.checkpoint_score_attribute]}) to {destination} in {time.perf_counter() - start:.1f}s")
             final = {k: v for k, v in self.history[-1].items() if k not in ("uri", "save_s")}
-            emit("result", best_checkpoint_uri=best["uri"], best_epoch=best["epoch"],
+            emit("result", best_checkpoint_uri=best["uri"], best_epoch=best["epoch"], best_step=best.get("step"),
                  exported_model_uri=destination, metrics=final)
+
+
+class ProgressWindow:
+    """What rank 0 has seen since its last progress event (host numbers only)."""
+
+    def __init__(self, start: float):
+        self.loss_mark = 0.0
+        self.reset(start)
+
+    def reset(self, start: float) -> None:
+        self.start, self.steps, self.label_tokens, self.real_tokens = start, 0, 0, 0
+
+    def add(self, label_tokens: int, real_tokens: int) -> None:
+        self.steps += 1
+        self.label_tokens += label_tokens
+        self.real_tokens += real_tokens
+
+    def due(self, interval_s: float) -> bool:
+        return self.steps > 0 and time.perf_counter() - self.start >= interval_s
 
 
 def device_layout(backend: Backend, world: int, local_world: int) -> list[str]:
@@ -249,7 +415,8 @@ def train_func(config: dict) -> None:
     cfg = FinetuneConfig(**config["cfg"])
     if rank == 0:
         emit("start", mode="finetune", world_size=world, backend=backend.dist_backend, device=backend.device_type,
-             devices=device_layout(backend, world, ctx.get_local_world_size()), run_name=cfg.run_name)
+             devices=device_layout(backend, world, ctx.get_local_world_size()), run_name=cfg.run_name,
+             prompt_format=config.get("prompt_format"), dataset_format=config.get("dataset_format"))
     data = ray.get(config["data"])
     # On GPU, Ray Train decides which visible CUDA device is this worker's.
     local = ray.train.torch.get_device().index if backend.name == "cuda" else ctx.get_local_rank()
