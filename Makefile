@@ -4,13 +4,13 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 PIP_STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv controlplane helm test test-fast crds demo cluster cluster-down bench lint clean
+.PHONY: venv controlplane kuberay ground helm test test-fast crds demo cluster cluster-down bench lint clean
 
 ## Python environment: pinned stack from pyproject.toml (pip's cache keeps re-runs fast).
 $(PIP_STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
-	$(PYTHON) -m pip install --quiet -e '.[train,test]'
+	$(PYTHON) -m pip install --quiet -e '.[operator,train,test]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(PIP_STAMP)
@@ -19,12 +19,20 @@ venv: $(PIP_STAMP)
 controlplane:
 	@bash tests/controlplane/build.sh
 
+## The KubeRay operator and its CRDs, from the pinned ray-operator Go module (its own build).
+kuberay:
+	@bash tests/kuberay/build.sh
+
+## Everything the test ground runs (control plane, scheduler, controller-manager, KubeRay).
+ground: controlplane kuberay
+
 ## helm, for the chart tests (tests/deploy), built from Go modules (rebuilt only when the pin changes).
 helm:
 	@bash tests/helmbuild/build.sh
 
-## The whole stack locally: control plane, Ray head, operator, the sample CPU rehearsal.
-demo: venv controlplane
+## The whole stack locally on the test ground: KubeRay, scheduler, GKE-shaped nodes whose
+## pods are Ray processes, the operator, and the sample CPU rehearsal run to Succeeded.
+demo: venv ground
 	$(PYTHON) scripts/demo.py
 
 ## Regenerate crds/ from the pydantic models.
@@ -33,15 +41,15 @@ crds: venv
 
 ## Everything: unit, control-plane, Ray and end-to-end tests. Non-zero on any failure
 ## (pytest's "no tests collected", exit 5, included).
-test: venv controlplane helm
+test: venv ground helm
 	$(PYTHON) -m pytest
 
 ## Pure-core tests only (milliseconds; no control plane, no Ray).
 test-fast: venv
 	$(PYTHON) -m pytest -m "not cluster and not ray and not slow"
 
-## A control plane in the background for manual work; prints the two lines to paste.
-cluster: venv controlplane
+## The test ground and the operator in the background; prints the two lines to paste.
+cluster: venv ground
 	@$(PYTHON) tests/harness/controlplane.py up
 
 cluster-down: venv

@@ -330,7 +330,7 @@ def test_killing_the_owner_stops_its_control_plane(tmp_path, sig):
 
 
 def test_cli_up_status_down(tmp_path):
-    env = dict(os.environ, TPUFT_CLUSTER_DIR=str(tmp_path / "cluster"))
+    env = dict(os.environ, TPUFT_CLUSTER_DIR=str(tmp_path / "cluster"), TPUFT_CLUSTER_KIND="controlplane")
     script = str(Path(cpmod.__file__))
 
     def cli(cmd: str) -> subprocess.CompletedProcess:

@@ -19,6 +19,8 @@ from tpufinetune.settings import Settings
 from tpufinetune.sizing import raycluster_name, render_raycluster
 
 log = logging.getLogger(__name__)
+# While deleting, Ray gets this long to answer (the job's state, a stop request).
+DELETE_RAY_TIMEOUT = 5.0
 
 
 class ClusterBackend(Protocol):
@@ -81,10 +83,26 @@ class Run:
         if self.status.get("rayClusterName"):
             cluster = await self.backend.observe(self.ident, self.status["rayClusterName"])
         address = self.status.get("dashboardURL") or (cluster.dashboard_url if cluster else "")
-        if address and phase in (phases.SUBMITTING, phases.RUNNING, phases.DELETING) and self.status.get("jobId"):
+        if deleting:
+            job = await self._job_while_deleting(address, cluster)
+            return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, deleting=True)
+        if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId"):
             job = await asyncio.to_thread(self.jobs.job, address, self.status["jobId"])
         events = await self._new_events(address, job)
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, events=events, deleting=deleting)
+
+    async def _job_while_deleting(self, address: str, cluster: ClusterView | None):
+        """The job, only to stop it politely; unknown (None) when the head is gone or does
+        not answer in time. Deletion never waits on Ray."""
+        if not (address and self.status.get("jobId") and cluster is not None and cluster.exists and cluster.ready):
+            return None
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(self.jobs.job, address, self.status["jobId"]), DELETE_RAY_TIMEOUT)
+        except Exception as error:  # a dead head, a refused token, a timeout: release anyway
+            log.info("%s/%s: job state unknown while deleting (%s); releasing the cluster",
+                     self.ident.namespace, self.ident.name, error or type(error).__name__)
+            return None
 
     async def _new_events(self, address: str, job) -> tuple[dict, ...]:
         if job is None or self.status.get("phase") != phases.RUNNING:
@@ -166,6 +184,15 @@ class Run:
                 )
                 if action.attempt == 1:
                     metrics.job_submitted(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
+            elif isinstance(action, phases.StopJob) and decision.phase == phases.DELETING:
+                # Best effort and bounded: the cluster's deletion below ends the job anyway.
+                try:
+                    await asyncio.wait_for(asyncio.to_thread(
+                        self.jobs.stop, self.status["dashboardURL"], action.submission_id), DELETE_RAY_TIMEOUT)
+                except Exception as error:
+                    log.info("%s/%s: could not stop job %s (%s); deleting the cluster ends it",
+                             self.ident.namespace, self.ident.name, action.submission_id,
+                             error or type(error).__name__)
             elif isinstance(action, phases.StopJob):
                 await asyncio.to_thread(self.jobs.stop, self.status["dashboardURL"], action.submission_id)
         if decision.phase in phases.TERMINAL and self.follower is not None:

@@ -37,6 +37,12 @@ class Machine:
     worker_cpu: str
     worker_memory: str
     shm_size: str
+    vcpus: int
+    """The whole VM's vCPUs, as Compute Engine lists the machine type."""
+    memory_gib: int
+    """The whole VM's memory (Compute Engine's "GB" here are GiB)."""
+    source: str
+    """Where the vCPU and memory figures come from."""
 
 
 @dataclass(frozen=True)
@@ -77,22 +83,32 @@ _2D_SHAPES = ("2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
 _3D_SHAPES = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8",
               "8x8x16", "8x16x16")
 
+# Machine-type tables (vCPUs and memory per VM) of each generation's Cloud TPU page.
+_V4 = "https://cloud.google.com/tpu/docs/v4"
+_V5E = "https://cloud.google.com/tpu/docs/v5e"
+_V5P = "https://cloud.google.com/tpu/docs/v5p"
+_V6E = "https://cloud.google.com/tpu/docs/v6e"
+_V7X = "https://cloud.google.com/tpu/docs/tpu7x"
+
 GENERATIONS: tuple[Generation, ...] = (
     Generation(
         name="v4", aliases=("v4",), accelerator_label="tpu-v4-podslice",
         ray_accelerator_type="TPU-V4", group_prefix="v4", tensorcores_per_chip=2,
         devices_per_chip=1, dimensions=3,
         machines=(Machine("ct4p-hightpu-4t", 4, _3D_SHAPES + ("8x8x12",), "64", "200Gi",
-                          "100Gi"),),
+                          "100Gi", vcpus=240, memory_gib=407, source=_V4),),
     ),
     Generation(
         name="v5e", aliases=("v5e", "v5litepod"), accelerator_label="tpu-v5-lite-podslice",
         ray_accelerator_type="TPU-V5LITEPOD", group_prefix="v5litepod",
         tensorcores_per_chip=1, devices_per_chip=1, dimensions=2,
         machines=(
-            Machine("ct5lp-hightpu-4t", 4, _2D_SHAPES, "64", "128Gi", "64Gi"),
-            Machine("ct5lp-hightpu-1t", 1, ("1x1",), "16", "32Gi", "16Gi"),
-            Machine("ct5lp-hightpu-8t", 8, ("2x4",), "128", "256Gi", "128Gi"),
+            Machine("ct5lp-hightpu-4t", 4, _2D_SHAPES, "64", "128Gi", "64Gi",
+                    vcpus=112, memory_gib=192, source=_V5E),
+            Machine("ct5lp-hightpu-1t", 1, ("1x1",), "16", "32Gi", "16Gi",
+                    vcpus=24, memory_gib=48, source=_V5E),
+            Machine("ct5lp-hightpu-8t", 8, ("2x4",), "128", "256Gi", "128Gi",
+                    vcpus=224, memory_gib=384, source=_V5E),
         ),
     ),
     Generation(
@@ -100,16 +116,19 @@ GENERATIONS: tuple[Generation, ...] = (
         ray_accelerator_type="TPU-V5P", group_prefix="v5p", tensorcores_per_chip=2,
         devices_per_chip=1, dimensions=3,
         machines=(Machine("ct5p-hightpu-4t", 4, _3D_SHAPES + ("16x16x16", "16x16x24"),
-                          "64", "200Gi", "100Gi"),),
+                          "64", "200Gi", "100Gi", vcpus=208, memory_gib=448, source=_V5P),),
     ),
     Generation(
         name="v6e", aliases=("v6e", "trillium"), accelerator_label="tpu-v6e-slice",
         ray_accelerator_type="TPU-V6E", group_prefix="v6e", tensorcores_per_chip=1,
         devices_per_chip=1, dimensions=2,
         machines=(
-            Machine("ct6e-standard-4t", 4, _2D_SHAPES, "64", "200Gi", "100Gi"),
-            Machine("ct6e-standard-1t", 1, ("1x1",), "32", "96Gi", "48Gi"),
-            Machine("ct6e-standard-8t", 8, ("2x4",), "128", "400Gi", "200Gi"),
+            Machine("ct6e-standard-4t", 4, _2D_SHAPES, "64", "200Gi", "100Gi",
+                    vcpus=180, memory_gib=720, source=_V6E),
+            Machine("ct6e-standard-1t", 1, ("1x1",), "32", "96Gi", "48Gi",
+                    vcpus=44, memory_gib=176, source=_V6E),
+            Machine("ct6e-standard-8t", 8, ("2x4",), "128", "400Gi", "200Gi",
+                    vcpus=180, memory_gib=1440, source=_V6E),
         ),
     ),
     Generation(
@@ -117,7 +136,7 @@ GENERATIONS: tuple[Generation, ...] = (
         ray_accelerator_type="TPU-V7X", group_prefix="tpu7x", tensorcores_per_chip=2,
         devices_per_chip=2, dimensions=3,
         machines=(Machine("tpu7x-standard-4t", 4, _3D_SHAPES + ("16x16x16", "16x16x24"),
-                          "64", "250Gi", "128Gi"),),
+                          "64", "250Gi", "128Gi", vcpus=224, memory_gib=960, source=_V7X),),
     ),
     Generation(
         name="cpu", aliases=("cpu",), accelerator_label=None, ray_accelerator_type=None,

@@ -99,5 +99,5 @@ async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     key = (body["metadata"].get("namespace"), body["metadata"]["name"])
     run = RUNS.get(key) or Run(dict(body), memo.backend, memo.jobs, memo.settings)
     decision = await run.step(deleting=True)
-    if any(isinstance(a, (phases.StopJob, phases.DeleteCluster)) for a in decision.actions):
-        raise kopf.TemporaryError("waiting for the job to stop and the RayCluster to go", delay=2)
+    if any(isinstance(a, phases.DeleteCluster) for a in decision.actions):
+        raise kopf.TemporaryError("waiting for the RayCluster to go", delay=2)

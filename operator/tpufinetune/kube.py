@@ -6,6 +6,7 @@ Blocking client calls run in threads so one slow API call never stalls other run
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import kopf
@@ -46,14 +47,47 @@ def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> Clust
     return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url)
 
 
+# Waiting reasons a kubelet reports while a container is being set up as usual.
+_ROUTINE_WAITING = frozenset({"ContainerCreating", "PodInitializing"})
+
+
+def pod_problem(pods: list[dict]) -> str:
+    """Why a cluster's pods are not running yet, in the words of whoever knows: the
+    scheduler (Unschedulable: "0/12 nodes are available: 3 Insufficient google.com/tpu …")
+    or the kubelet (a missing Secret, an image that cannot be pulled). Pure; '' if none."""
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        name = (pod.get("metadata") or {}).get("name", "")
+        status = pod.get("status") or {}
+        for condition in status.get("conditions") or []:
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+                reason = condition.get("reason") or "Unschedulable"
+                return f"pod {name} is {reason}: {condition.get('message') or 'not scheduled'}"
+        for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") and waiting["reason"] not in _ROUTINE_WAITING:
+                return f"pod {name}: {waiting['reason']}: {waiting.get('message') or ''}".rstrip(": ")
+    return ""
+
+
 class KubeBackend:
     def __init__(self, api: client.ApiClient, settings: Settings):
         self.objects = client.CustomObjectsApi(api)
+        self.core = client.CoreV1Api(api)
         self.settings = settings
 
     async def observe(self, ident: Identity, name: str) -> ClusterView:
         body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
-        return cluster_view(body, ident.uid, self.settings)
+        view = cluster_view(body, ident.uid, self.settings)
+        if view.exists and view.owned and not view.ready and not view.problem:
+            pods = await asyncio.to_thread(self._cluster_pods, ident.namespace, name)
+            problem = pod_problem(pods)
+            if problem:
+                view = dataclasses.replace(view, problem=problem)
+        return view
+
+    def _cluster_pods(self, namespace: str, name: str) -> list[dict]:
+        pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={name}")
+        return [self.core.api_client.sanitize_for_serialization(p) for p in pods.items]
 
     def _get_cluster(self, namespace: str, name: str) -> dict | None:
         try:

@@ -278,19 +278,22 @@ def _terminal(s: dict, obs: Observations, d: Decision) -> None:
 
 
 def _deleting(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
+    """Release the slice; never wait on Ray. The head lives in the RayCluster and dies
+    with it, and so does any job on it: stopping the job first is a courtesy (the trainer
+    ends cleanly), not a condition."""
     if s.get("phase") != DELETING:
         _enter(s, d, DELETING, "Deleting", "stopping the job and releasing the RayCluster")
-    if obs.job is not None and obs.job.status in JOB_ACTIVE and s.get("jobId"):
+    cluster_up = obs.cluster is not None and obs.cluster.exists and obs.cluster.owned
+    if cluster_up and obs.job is not None and obs.job.status in JOB_ACTIVE and s.get("jobId"):
         d.actions.append(StopJob(s["jobId"]))
-    if s.get("rayClusterName") and (obs.cluster is None or (obs.cluster.exists and obs.cluster.owned)):
+    if s.get("rayClusterName") and (obs.cluster is None or cluster_up):
         d.actions.append(DeleteCluster(s["rayClusterName"]))
 
 
 def deletion_complete(obs: Observations) -> bool:
-    """The finalizer may go once no job runs and no owned cluster remains."""
-    job_done = obs.job is None or obs.job.status not in JOB_ACTIVE
-    cluster_gone = obs.cluster is not None and (not obs.cluster.exists or not obs.cluster.owned)
-    return job_done and cluster_gone
+    """The finalizer may go once no owned RayCluster remains (its head, and every job on
+    it, went with it). Ray is never asked: a dead head must not keep the finalizer."""
+    return obs.cluster is None or not obs.cluster.exists or not obs.cluster.owned
 
 
 # ---- helpers ---------------------------------------------------------------------------

@@ -31,7 +31,7 @@ minor="${version#v*.}"; minor="${minor%%.*}"
 
 dest="$root/.cache/controlplane/$version"
 bin="$dest/bin"
-binaries=(etcd kube-apiserver kubectl)
+binaries=(etcd kube-apiserver kubectl kube-scheduler kube-controller-manager)
 stamp_value="$(cat "$here/go.mod" "$here/go.sum" "$here"/cmd/*/main.go | sha256sum | cut -c1-16)"
 
 is_built() {
@@ -65,13 +65,22 @@ done
 
 # Two packages at a time at most: the machines are small and shared.
 parallel="${CONTROLPLANE_BUILD_P:-2}"
-echo "controlplane: building etcd, kube-apiserver and kubectl for Kubernetes $version (first time: several minutes)"
+echo "controlplane: building etcd, kube-apiserver, kubectl, kube-scheduler and kube-controller-manager for Kubernetes $version (first time: several minutes)"
 mkdir -p "$bin"
 cd "$here"
+# A line a minute while a long compile runs, so nobody takes it for a hang.
+heartbeat() {
+  local what="$1" start=$SECONDS
+  while sleep 60; do echo "controlplane: still building $what ($((SECONDS - start))s)"; done
+}
 for b in "${binaries[@]}"; do
   start=$SECONDS
+  heartbeat "$b" &
+  beat=$!
+  trap 'kill $beat 2>/dev/null' EXIT
   go build -trimpath -buildvcs=false -p "$parallel" -ldflags "$ldflags" -o "$bin/.$b.tmp" "./cmd/$b" ||
     die "building $b failed (output above). Check that the Go module proxy is reachable (GOPROXY=$(go env GOPROXY)) and that 'go version' is 1.26 or newer, then run 'make controlplane' again."
+  kill "$beat" 2>/dev/null; wait "$beat" 2>/dev/null || true
   mv -f "$bin/.$b.tmp" "$bin/$b"
   echo "controlplane: built $b in $((SECONDS - start))s"
 done

@@ -40,8 +40,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 GO_MODULE = ROOT / "tests" / "controlplane"
 CRDS_DIR = ROOT / "crds"
-KUBERAY_CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayclusters.yaml"
-KUBERAY_CRD_DISPLAY = "../shared/kuberay/ray.io_rayclusters.yaml"
+KUBERAY_BUILD = ROOT / "tests" / "kuberay" / "build.sh"
+
+
+def kuberay_version() -> str:
+    """The KubeRay release pinned in tests/kuberay/build.sh (e.g. 'v1.6.2')."""
+    for line in KUBERAY_BUILD.read_text().splitlines():
+        if line.startswith("KUBERAY_VERSION="):
+            return line.split("=", 1)[1].split()[0]
+    raise RuntimeError(f"no KUBERAY_VERSION= line in {KUBERAY_BUILD}")
+
+
+def kuberay_dir() -> Path:
+    """Where `make kuberay` puts ray-operator (bin/) and the CRDs of the same module (crds/)."""
+    return ROOT / ".cache" / "kuberay" / kuberay_version()
+
+
+# KubeRay's RayCluster CRD, extracted from the pinned ray-operator module by `make kuberay`.
+KUBERAY_CRD = kuberay_dir() / "crds" / "ray.io_rayclusters.yaml"
+KUBERAY_CRD_DISPLAY = f".cache/kuberay/{kuberay_version()}/crds/ray.io_rayclusters.yaml (run `make kuberay`)"
 # Where `up` keeps its state; TPUFT_CLUSTER_DIR moves it (the harness's own tests do, so
 # they never touch a cluster started by hand).
 CLUSTER_STATE_DIR = Path(os.environ.get("TPUFT_CLUSTER_DIR") or ROOT / ".cache" / "cluster")
@@ -344,6 +361,7 @@ class ControlPlane:
         self.user_token = secrets.token_hex(16)
         self.user_name = TEST_USER
         self.version = pinned_version()
+        self.extra_apiserver_args: list[str] = []
 
     # -- paths, set once started
     @property
@@ -449,6 +467,7 @@ class ControlPlane:
                 "--endpoint-reconciler-type=none",
                 "--profiling=false",
                 "--v=0",
+                *self.extra_apiserver_args,
             ],
             self.workdir / "kube-apiserver.log",
         )
@@ -586,6 +605,9 @@ class ControlPlane:
             if proc is not None:
                 _stop_process(proc)
 
+    def alive(self) -> bool:
+        return all(p is not None and p.poll() is None for p in (self.etcd, self.apiserver))
+
     def __enter__(self) -> "ControlPlane":
         return self.start()
 
@@ -647,15 +669,28 @@ def _export_lines(state: dict) -> str:
     return f"export KUBECONFIG={state['kubeconfig']}\nexport PATH={state['bin_dir']}:$PATH"
 
 
+def _start_stack(workdir: Path):
+    """What `up` runs: the whole test ground with the operator (harness/ground.py), or,
+    with TPUFT_CLUSTER_KIND=controlplane, only etcd + kube-apiserver with the CRDs."""
+    if os.environ.get("TPUFT_CLUSTER_KIND", "ground") == "controlplane":
+        cp, _ = start_with_crds(workdir=workdir, out=sys.stdout)
+        return cp, cp
+    from ground import Ground
+
+    ground = Ground(workdir=workdir, with_operator=True).start()
+    print(f"ground: up in {sum(ground.timings.values()):.1f}s {ground.timings}", flush=True)
+    return ground, ground.cp
+
+
 def _serve() -> int:
-    """The detached supervisor behind `up`: runs the control plane until SIGTERM/SIGINT."""
+    """The detached supervisor behind `up`: runs the stack until SIGTERM/SIGINT."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())
     workdir = CLUSTER_STATE_DIR / "run"
     shutil.rmtree(workdir, ignore_errors=True)
     try:
-        cp, kuberay = start_with_crds(workdir=workdir, out=sys.stdout)
+        stack, cp = _start_stack(workdir)
     except Exception as e:  # reported to `up` through the state file
         shutil.rmtree(workdir, ignore_errors=True)
         _write_state({"pid": os.getpid(), "error": str(e)})
@@ -669,15 +704,15 @@ def _serve() -> int:
             "user_kubeconfig": str(cp.user_kubeconfig),
             "bin_dir": str(cp.bin_dir),
             "version": cp.version,
-            "pids": cp.pids,
-            "kuberay_crd": str(kuberay) if kuberay else None,
+            "pids": stack.pids,
+            "kuberay_crd": str(KUBERAY_CRD) if KUBERAY_CRD.is_file() else None,
         })
         while not stop.wait(1.0):
-            if any(p.poll() is not None for p in (cp.etcd, cp.apiserver)):
-                print("controlplane: a child exited; stopping", flush=True)
+            if not stack.alive():
+                print("controlplane: a component exited; stopping", flush=True)
                 break
     finally:
-        cp.stop()
+        stack.stop()
         shutil.rmtree(workdir, ignore_errors=True)
         try:
             if (_read_state() or {}).get("pid") == os.getpid():
@@ -693,7 +728,7 @@ def _write_state(state: dict) -> None:
     tmp.replace(STATE_FILE)  # readers never see half a file
 
 
-def cmd_up(timeout: float = 120.0) -> int:
+def cmd_up(timeout: float = 240.0) -> int:
     state = _read_state()
     if state and state.get("ready") and _supervisor_pid() == state["pid"]:
         print(_export_lines(state))

@@ -7,11 +7,13 @@ Contract (other tests code against it):
   `kubectl_path`, `bin_dir`, `server`, `admin_token`, `user_name`, `ca_path`; methods
   `env()`, `kubectl(*args, input=None, kubeconfig=None, check=True, timeout=60)` and
   `install_crd(path)` (apply, then wait until Established).
-- `kuberay_crd` (session): Path of KubeRay's RayCluster CRD, installed; skips when
-  ../shared/kuberay/ray.io_rayclusters.yaml is absent.
+- `kuberay_crd` (session): Path of KubeRay's RayCluster CRD (extracted from the pinned
+  ray-operator module by `make kuberay`), installed; fails with the command to run when
+  it has not been built.
 - `k8s_api` (session): a `kubernetes.client.ApiClient` for the admin.
 - `namespace` (function): name of a fresh namespace, deleted afterwards (without waiting:
-  no controller-manager runs, so it stays Terminating).
+  this bare control plane runs no controller-manager, so it stays Terminating; the test
+  ground's `ground_namespace` really goes).
 
 Tests that use any of these are marked `cluster` automatically.
 """
@@ -60,7 +62,7 @@ def control_plane():
 def kuberay_crd(control_plane):
     path = cpmod.KUBERAY_CRD
     if not path.is_file():
-        pytest.skip(f"KubeRay RayCluster CRD not found at {cpmod.KUBERAY_CRD_DISPLAY}")
+        pytest.fail(f"KubeRay RayCluster CRD not found at {cpmod.KUBERAY_CRD_DISPLAY}", pytrace=False)
     control_plane.install_crd(path)
     return path
 

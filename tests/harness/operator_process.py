@@ -20,16 +20,31 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def private_hosts_argv(hosts_file: Path, argv: list[str]) -> list[str]:
+    """argv run in a mount namespace of its own where `hosts_file` is /etc/hosts: the
+    ground's cluster DNS for this one process, nothing else on the machine sees it.
+    As root, a plain mount namespace; otherwise a user namespace maps us to root in it."""
+    namespace = ["unshare", "--mount", "--propagation", "private"]
+    if os.geteuid() != 0:
+        namespace.insert(1, "--map-root-user")
+    # The hosts path and argv travel as positional parameters, never inside the script.
+    script = 'mount --bind "$1" /etc/hosts && shift && exec "$@"'
+    return [*namespace, "--", "sh", "-c", script, "sh", str(hosts_file), *argv]
+
+
 class OperatorProcess:
-    def __init__(self, env: dict, log_path: Path):
+    def __init__(self, env: dict, log_path: Path, hosts_file: Path | None = None):
         self.env = env
         self.log_path = log_path
+        self.hosts_file = hosts_file
         self.proc: subprocess.Popen | None = None
         self.port = _free_port()
 
     def start(self, timeout: float = 60) -> None:
         argv = [sys.executable, "-m", "tpufinetune.cli", "operator",
                 "--liveness", f"http://127.0.0.1:{self.port}/healthz"]
+        if self.hosts_file is not None:
+            argv = private_hosts_argv(self.hosts_file, argv)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout

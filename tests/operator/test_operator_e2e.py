@@ -1,15 +1,18 @@
-"""End to end: kubectl apply -> RayCluster (validated by KubeRay's real CRD) -> the test
-marks it ready as KubeRay would -> the operator submits through the real Ray Job API ->
-the trainer runs for real on CPU -> status, conditions, printer columns, Events.
+"""End to end on the test ground: kubectl apply -> RayCluster -> the real KubeRay makes a
+head and worker pods -> the scheduler binds them -> the node agent runs them as Ray
+processes -> KubeRay reports ready -> the operator submits through the real Ray Job API at
+the head's Service name -> the trainer runs for real on CPU in the worker pods -> status,
+conditions, printer columns, Events -> the cluster and every Ray process are released.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
 
 def resource(name: str, assets, storage, mode: str = "finetune", epochs: int = 2, **extra) -> dict:
@@ -27,8 +30,8 @@ def resource(name: str, assets, storage, mode: str = "finetune", epochs: int = 2
     return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": name}, "spec": spec}
 
 
-def jobs_of(ray_head, uid: str) -> list:
-    client = ray_head.job_client()
+def jobs_of(kube, cluster: str, uid: str) -> list:
+    client = kube.head_job_client(cluster)
     return [job for job in client.list_jobs() if (job.submission_id or "").startswith(f"tft-{uid}-")]
 
 
@@ -37,17 +40,35 @@ def start_run(kube, manifest) -> tuple[str, str]:
     name = manifest["metadata"]["name"]
     uid = kube.get("tpufinetune", name)["metadata"]["uid"]
     cluster = kube.wait_for(lambda: kube.status(name).get("rayClusterName"), "rayClusterName in status")
-    kube.mark_cluster_ready(cluster)
     return uid, cluster
 
 
-def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, kube, ray_head, trainer_assets, tmp_path):
+def released(kube, ground, cluster: str, pod_uids: list[str]) -> None:
+    """The RayCluster and its pods are gone (the real garbage collector took the pods) and
+    no Ray process of those pods is left on the machine."""
+    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster deleted", timeout=60)
+    kube.wait_for(lambda: not kube.pods_of(cluster), "pods collected", timeout=90)
+    kube.wait_for(lambda: not any(ground.ray_processes(uid) for uid in pod_uids),
+                  "Ray processes of the cluster stopped", timeout=60)
+
+
+def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground, kube, trainer_assets, tmp_path):
     manifest = resource("tiny-finetune", trainer_assets, tmp_path / "ckpt")
     uid, cluster = start_run(kube, manifest)
 
-    body = kube.get("raycluster", cluster)
+    body = kube.wait_for(lambda: kube.get("raycluster", cluster), "RayCluster")
     assert body["metadata"]["ownerReferences"][0]["uid"] == uid
     assert body["spec"]["workerGroupSpecs"][0]["numOfHosts"] == 2  # cpu topology "2": two CPU workers
+    kube.wait_for(lambda: kube.status("tiny-finetune").get("phase") == "Running", "phase Running", timeout=300)
+    pods = kube.pods_of(cluster)
+    assert sorted(p["metadata"]["labels"]["ray.io/node-type"] for p in pods) == ["head", "worker", "worker"]
+    assert all(p["spec"]["nodeName"].startswith("gke-ground-cpu-pool-") for p in pods)
+    # The trainer's Ray Train workers run in the worker pods, never on the head (num-cpus 0).
+    worker_ips = {p["status"]["podIP"] for p in pods if p["metadata"]["labels"]["ray.io/node-type"] == "worker"}
+    (job,) = jobs_of(kube, cluster, uid)
+    assert job.status in ("PENDING", "RUNNING")
+    actors = _train_worker_ips(kube, cluster)
+    assert actors and actors <= worker_ips, (actors, worker_ips)
 
     kube.kubectl("wait", "tpufinetune/tiny-finetune", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
     status = kube.status("tiny-finetune")
@@ -57,6 +78,7 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, kube, r
     assert status["history"][-1]["loss"] < status["history"][0]["loss"]
     assert status["epochProgress"] == "2/2"
     assert status["checkpointURI"] and str(tmp_path / "ckpt") in status["checkpointURI"]
+    assert status.get("exportedModelURI")
     assert status["jobId"] == f"tft-{uid}-1"
     assert status["observedGeneration"] == 1
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
@@ -70,52 +92,79 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, kube, r
     assert row[:6] == ["tiny-finetune", "cpu", "2", "finetune", "Succeeded", "2/2"]
     assert "CHECKPOINT" in kube.kubectl("get", "tpufinetunes", "-o", "wide").stdout
 
-    # nothing expensive is left running, and the spec is exactly what was applied
-    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released")
+    # Nothing expensive is left running, and the spec is exactly what was applied.
+    released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])
     assert kube.get("tpufinetune", "tiny-finetune")["metadata"]["generation"] == 1
     events = kube.kubectl("get", "events", "--field-selector", "involvedObject.name=tiny-finetune", "-o", "json").stdout
     reasons = {item["reason"] for item in json.loads(events)["items"]}
     assert {"Accepted", "ClusterReady", "JobSubmitted", "Succeeded"} <= reasons
-    assert len(jobs_of(ray_head, uid)) == 1
 
 
-def test_collectives_check_passes(operator, kube, ray_head, trainer_assets, tmp_path):
-    uid, _ = start_run(kube, resource("tiny-collectives", trainer_assets, tmp_path / "ckpt", mode="collectives"))
-    kube.kubectl("wait", "tpufinetune/tiny-collectives", "--for=condition=Succeeded", "--timeout=300s", timeout=320)
+def _train_worker_ips(kube, cluster: str) -> set[str]:
+    """Node IPs of the live Ray Train worker actors, from the head's state API."""
+    import urllib.request
+
+    head = next(p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "head")
+    base = f"http://{head['status']['podIP']}:8265"
+    auth = {"Authorization": f"Bearer {kube.ground.ray_token}"}
+
+    def fetch(path):
+        with urllib.request.urlopen(urllib.request.Request(base + path, headers=auth), timeout=10) as r:
+            return json.loads(r.read())
+
+    def worker_nodes():
+        actors = fetch("/api/v0/actors?filter_keys=state&filter_predicates=%3D&filter_values=ALIVE&limit=1000")
+        ids = {a["node_id"] for a in actors["data"]["result"]["result"]
+               if "TrainWorker" in (a.get("class_name") or "") or "RayTrainWorker" in (a.get("class_name") or "")}
+        return ids
+
+    node_ids = kube.wait_for(worker_nodes, "Ray Train worker actors", timeout=300, interval=1)
+    nodes = fetch("/api/v0/nodes?limit=100")["data"]["result"]["result"]
+    return {n["node_ip"] for n in nodes if n["node_id"] in node_ids}
+
+
+def test_collectives_check_passes(operator, kube, trainer_assets, tmp_path):
+    start_run(kube, resource("tiny-collectives", trainer_assets, tmp_path / "ckpt", mode="collectives"))
+    kube.kubectl("wait", "tpufinetune/tiny-collectives", "--for=condition=Succeeded", "--timeout=400s", timeout=420)
     status = kube.status("tiny-collectives")
     assert status["collectives"]["passed"] is True
     assert status["collectives"]["ranks"] == 2
 
 
-def test_deleting_mid_run_stops_the_job_and_removes_the_cluster(operator, kube, ray_head, trainer_assets, tmp_path):
-    uid, cluster = start_run(kube, resource("tiny-delete", trainer_assets, tmp_path / "ckpt", epochs=20))
-    kube.wait_for(lambda: kube.status("tiny-delete").get("phase") == "Running", "phase Running", timeout=120)
-    kube.kubectl("delete", "tpufinetune", "tiny-delete", "--wait=true", "--timeout=120s", timeout=130)
-    assert kube.get("raycluster", cluster) is None
-    jobs = jobs_of(ray_head, uid)
-    assert len(jobs) == 1
-    assert str(jobs[0].status) == "STOPPED"
+def test_deleting_mid_run_stops_everything_and_the_finalizer_goes_within_30s(operator, ground, kube, trainer_assets, tmp_path):
+    uid, cluster = start_run(kube, resource("tiny-delete", trainer_assets, tmp_path / "ckpt", epochs=50))
+    kube.wait_for(lambda: kube.status("tiny-delete").get("epoch", 0) >= 1 or
+                  kube.status("tiny-delete").get("phase") == "Running", "phase Running", timeout=300)
+    pods = kube.pods_of(cluster)
+    assert len(pods) == 3 and all(ground.ray_processes(p["metadata"]["uid"]) for p in pods)
+    started = time.monotonic()
+    kube.kubectl("delete", "tpufinetune", "tiny-delete", "--wait=false")
+    kube.wait_for(lambda: kube.get("tpufinetune", "tiny-delete") is None, "finalizer removed", timeout=30)
+    assert time.monotonic() - started < 30
+    # The head died with its cluster, as in production; the garbage collector took the pods.
+    released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])
 
 
-def test_operator_restart_mid_run_reattaches_without_a_second_submission(operator, kube, ray_head, trainer_assets, tmp_path):
-    uid, _ = start_run(kube, resource("tiny-restart", trainer_assets, tmp_path / "ckpt", epochs=3))
-    kube.wait_for(lambda: kube.status("tiny-restart").get("phase") == "Running", "phase Running", timeout=120)
+def test_operator_restart_mid_run_reattaches_without_a_second_submission(operator, kube, trainer_assets, tmp_path):
+    uid, cluster = start_run(kube, resource("tiny-restart", trainer_assets, tmp_path / "ckpt", epochs=3))
+    kube.wait_for(lambda: kube.status("tiny-restart").get("phase") == "Running", "phase Running", timeout=300)
     before = kube.status("tiny-restart")["jobId"]
     operator.kill()
     operator.start()
+    assert len(jobs_of(kube, cluster, uid)) == 1
     kube.kubectl("wait", "tpufinetune/tiny-restart", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
     status = kube.status("tiny-restart")
     assert status["jobId"] == before == f"tft-{uid}-1"
     assert [entry["epoch"] for entry in status["history"]] == [1, 2, 3]
-    assert len(jobs_of(ray_head, uid)) == 1
 
 
-def test_a_problem_only_the_trainer_can_see_ends_failed_with_its_reason(operator, kube, ray_head, trainer_assets, tmp_path):
+def test_a_problem_only_the_trainer_can_see_ends_failed_with_its_reason(operator, kube, trainer_assets, tmp_path):
     manifest = resource("tiny-baddata", trainer_assets, tmp_path / "ckpt", dataset={"id": str(tmp_path / "missing.jsonl")})
-    start_run(kube, manifest)
-    kube.kubectl("wait", "tpufinetune/tiny-baddata", "--for=condition=Failed", "--timeout=300s", timeout=320)
+    _, cluster = start_run(kube, manifest)
+    kube.kubectl("wait", "tpufinetune/tiny-baddata", "--for=condition=Failed", "--timeout=400s", timeout=420)
     status = kube.status("tiny-baddata")
     assert status["phase"] == "Failed"
     assert "missing.jsonl" in status["message"]
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "TrainerFailed"
+    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released", timeout=60)

@@ -189,6 +189,10 @@ def test_terminal_phase_keeps_releasing_until_the_cluster_is_gone():
     (JobView("STOPPED"), READY, False),
     (JobView("STOPPED"), ClusterView(exists=False), True),
     (None, ClusterView(exists=True, owned=False), True),
+    # The head died with its cluster: the job's state is unknown, and that must not matter.
+    (None, ClusterView(exists=False), True),
+    # A head that does not answer (or refuses the token): the cluster still goes.
+    (None, READY, False),
 ])
 def test_deletion_stops_the_job_and_deletes_the_cluster(job, cluster, complete):
     d = step(running_status(), cluster=cluster, job=job, deleting=True)
@@ -196,6 +200,13 @@ def test_deletion_stops_the_job_and_deletes_the_cluster(job, cluster, complete):
     assert (phases.StopJob("tft-uid-1-1") in d.actions) == (job is not None and job.status == "RUNNING")
     assert (phases.DeleteCluster("demo-rc") in d.actions) == (cluster.exists and cluster.owned)
     assert phases.deletion_complete(Observations(now=T0, cluster=cluster, job=job, deleting=True)) == complete
+
+
+def test_deletion_never_asks_to_stop_a_job_on_a_cluster_that_is_gone():
+    d = step(running_status(), cluster=ClusterView(exists=False), job=JobView("RUNNING"), deleting=True)
+    assert not any(isinstance(a, (phases.StopJob, phases.DeleteCluster)) for a in d.actions)
+    assert phases.deletion_complete(Observations(now=T0, cluster=ClusterView(exists=False),
+                                                 job=JobView("RUNNING"), deleting=True))
 
 
 def test_condition_transition_time_only_moves_when_the_status_flips():

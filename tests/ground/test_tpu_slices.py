@@ -1,0 +1,129 @@
+"""TPU slices on the test ground: the tutorial's v6e 4x4 and v7x 2x2x2 samples go through the
+real KubeRay, the real scheduler and Ray's own TPU slice reservation across the simulated
+hosts, up to the first call that needs a chip; and a pool too small for the slice says why.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+from kubernetes.utils import parse_quantity
+
+from harness.nodepools import NODEPOOL_LABEL, tpu_pool
+from tpufinetune.generations import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
+
+pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
+
+
+def tpu_resource(name: str, generation: str, topology: str, assets, storage) -> dict:
+    return {
+        "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": name},
+        "spec": {
+            "tpu": {"generation": generation, "topology": topology},
+            "image": "registry.example/tpufinetune-trainer:test",
+            "model": {"id": str(assets.model)},
+            "dataset": {"id": str(assets.data), "split": "train[:64]"},
+            "training": {"epochs": 1, "batchSizePerDevice": 1, "maxSeqLen": 64},
+            "checkpoint": {"storagePath": str(storage)},
+        },
+    }
+
+
+def ray_nodes(kube, cluster: str) -> list[dict]:
+    """Ray's own view of its nodes (state API on the head), with their resources and labels."""
+    head = next(p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "head")
+    request = urllib.request.Request(f"http://{head['status']['podIP']}:8265/nodes?view=summary",
+                                     headers={"Authorization": f"Bearer {kube.ground.ray_token}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        summary = json.loads(response.read())["data"]["summary"]
+    return [n for n in summary if n.get("raylet", {}).get("state") == "ALIVE"]
+
+
+def _fits(requests: dict, allocatable: dict) -> bool:
+    return all(parse_quantity(value) <= parse_quantity(allocatable.get(name, "0")) for name, value in requests.items())
+
+
+def check_slice(kube, ground, name: str, generation_label: str, topology: str, pool: str,
+                hosts: int, tpu_per_host: int, head_resource: str):
+    cluster = kube.wait_for(lambda: kube.status(name).get("rayClusterName"), "rayClusterName")
+
+    def scheduled():
+        pods = kube.pods_of(cluster)
+        workers = [p for p in pods if p["metadata"]["labels"]["ray.io/node-type"] == "worker"]
+        return pods if len(workers) == hosts and all(p["spec"].get("nodeName") for p in pods) else None
+
+    pods = kube.wait_for(scheduled, f"head + {hosts} workers scheduled", timeout=120)
+    workers = [p for p in pods if p["metadata"]["labels"]["ray.io/node-type"] == "worker"]
+    nodes = {n["metadata"]["name"]: n for n in kube.items("nodes")}
+    # Each worker on its own node of the one pool for this slice, and it fits the machine.
+    assert len({w["spec"]["nodeName"] for w in workers}) == hosts
+    for worker in workers:
+        node = nodes[worker["spec"]["nodeName"]]
+        assert node["metadata"]["labels"][NODEPOOL_LABEL] == pool
+        assert node["metadata"]["labels"][ACCELERATOR_LABEL] == generation_label
+        assert node["metadata"]["labels"][TOPOLOGY_LABEL] == topology
+        requests = worker["spec"]["containers"][0]["resources"]["requests"]
+        assert requests[TPU_RESOURCE] == str(tpu_per_host)
+        assert _fits(requests, node["status"]["allocatable"]), (requests, node["status"]["allocatable"])
+        # GKE's toleration for pods that request google.com/tpu (ExtendedResourceToleration).
+        assert any(t.get("key") == TPU_RESOURCE for t in worker["spec"].get("tolerations") or [])
+
+    # Ray sees the slice as a real TPU slice: hosts x TPU, one slice head, one slice name.
+    def tpu_hosts():
+        found = [n for n in ray_nodes(kube, cluster) if n["raylet"]["resourcesTotal"].get("TPU")]
+        return found if len(found) == hosts else None
+
+    found = kube.wait_for(tpu_hosts, f"{hosts} TPU hosts in Ray", timeout=240, interval=2)
+    assert [n["raylet"]["resourcesTotal"]["TPU"] for n in found] == [tpu_per_host] * hosts
+    assert sum(n["raylet"]["resourcesTotal"].get(head_resource, 0) for n in found) == 1
+    assert len({n["raylet"]["labels"]["ray.io/tpu-slice-name"] for n in found}) == 1
+    assert sorted(n["raylet"]["labels"]["ray.io/tpu-worker-id"] for n in found) == [str(i) for i in range(hosts)]
+
+    # The trainer reserves the slice and places one worker per device, then meets the one
+    # thing the ground lacks.
+    kube.kubectl("wait", f"tpufinetune/{name}", "--for=condition=Failed", "--timeout=500s", timeout=520)
+    status = kube.status(name)
+    assert "no TPU device" in status["message"], status["message"]
+    assert f"of {hosts * tpu_per_host}" in status["message"], status["message"]
+    # The slice is released: no pod and no Ray process of it is left.
+    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster deleted", timeout=60)
+    kube.wait_for(lambda: not kube.pods_of(cluster), "pods collected", timeout=90)
+    uids = [p["metadata"]["uid"] for p in pods]
+    kube.wait_for(lambda: not any(ground.ray_processes(uid) for uid in uids), "Ray processes gone", timeout=60)
+
+
+def test_the_tutorial_v6e_4x4_sample_reserves_its_slice_and_fails_only_for_want_of_a_chip(
+        operator, ground, kube, trainer_assets, tmp_path):
+    kube.apply(tpu_resource("v6e-sample", "v6e", "4x4", trainer_assets, tmp_path / "ckpt"))
+    check_slice(kube, ground, "v6e-sample", "tpu-v6e-slice", "4x4", "v6e-4x4", hosts=4, tpu_per_host=4,
+                head_resource="TPU-v6e-16-head")
+
+
+def test_the_tutorial_v7x_2x2x2_sample_counts_two_devices_per_chip(operator, ground, kube, trainer_assets, tmp_path):
+    kube.apply(tpu_resource("v7x-sample", "v7x", "2x2x2", trainer_assets, tmp_path / "ckpt"))
+    # 2 hosts of 4 chips; Ray schedules per chiplet: 8 TPU per host, 16 workers.
+    check_slice(kube, ground, "v7x-sample", "tpu7x", "2x2x2", "v7x-2x2x2", hosts=2, tpu_per_host=8,
+                head_resource="TPU-v7x-16-head")
+
+
+def test_a_pool_short_of_capacity_shows_the_schedulers_reason_within_60s(operator, ground, kube, trainer_assets, tmp_path):
+    pool = tpu_pool("v5e-4x4-short", "v5e", "4x4", nodes=3)  # a 4-host slice on 3 nodes
+    ground.add_pools([pool])
+    try:
+        kube.apply(tpu_resource("short", "v5e", "4x4", trainer_assets, tmp_path / "ckpt"))
+        started = time.monotonic()
+
+        def explained():
+            ready = next((c for c in kube.status("short").get("conditions") or [] if c["type"] == "ClusterReady"), {})
+            return ready if "Insufficient google.com/tpu" in (ready.get("message") or "") else None
+
+        condition = kube.wait_for(explained, "ClusterReady with the scheduler's reason", timeout=60)
+        assert time.monotonic() - started < 60
+        assert condition["status"] == "False"
+        assert "Unschedulable" in condition["message"] or "nodes are available" in condition["message"]
+        kube.kubectl("delete", "tpufinetune", "short", "--timeout=60s", timeout=70)
+    finally:
+        ground.remove_pool(pool)

@@ -1,0 +1,335 @@
+"""The test ground: a small GKE-shaped cluster on this machine, every part real except the chips.
+
+    etcd + kube-apiserver          (tests/controlplane, one k8s.io/kubernetes pin)
+    kube-scheduler                 binds pods to nodes by resources, selectors and taints
+    kube-controller-manager        garbage collector, namespaces, service accounts, endpoint slices
+    KubeRay ray-operator           (tests/kuberay) reconciles RayClusters into pods and Services
+    GKE-shaped Node objects        one pool per TPU slice + CPU nodes (nodepools.py)
+    node agent                     runs each bound pod as a real local Ray process (nodeagent.py)
+    the operator (optional)        as deploy/'s ServiceAccount, resolving Service names through
+                                   the agent's hosts file in a mount namespace of its own
+
+The API server runs with the ExtendedResourceToleration admission plugin, so a pod that
+requests google.com/tpu tolerates the TPU taint, as GKE arranges.
+
+Used by the end-to-end fixtures (`ground`), `make cluster` and `make demo`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from controlplane import (  # noqa: E402
+    ROOT,
+    ControlPlane,
+    ControlPlaneError,
+    _free_ports,
+    _spawn,
+    _stop_process,
+    _tail,
+    kuberay_dir,
+    kuberay_version,
+    project_crd_files,
+)
+from nodeagent import kill_marked  # noqa: E402
+from nodepools import NodePool, default_pools, node_manifest, node_status  # noqa: E402
+
+KUBERAY_BUILD = ROOT / "tests" / "kuberay" / "build.sh"
+GC_CONTROLLERS = ",".join([
+    "garbage-collector-controller",
+    "namespace-controller",
+    "serviceaccount-controller",
+    "serviceaccount-token-controller",
+    "endpoints-controller",
+    "endpointslice-controller",
+])
+
+
+def kuberay_crd_files() -> list[Path]:
+    crds = sorted((kuberay_dir() / "crds").glob("ray.io_*.yaml"))
+    if not crds or not (kuberay_dir() / "bin" / "ray-operator").exists():
+        raise ControlPlaneError(
+            f"KubeRay {kuberay_version()} is not built (.cache/kuberay/{kuberay_version()}): "
+            "run `make kuberay` (builds ray-operator from its Go module; `make test` and "
+            "`make cluster` run it for you)")
+    return crds
+
+
+class Ground:
+    """start() returns once every component is up and the nodes are Ready."""
+
+    def __init__(self, pools: list[NodePool] | None = None, workdir: Path | None = None,
+                 with_operator: bool = False, operator_env: dict | None = None):
+        self.pools = list(default_pools() if pools is None else pools)
+        self.cp = ControlPlane(workdir=workdir)
+        self.cp.extra_apiserver_args = ["--enable-admission-plugins=ExtendedResourceToleration"]
+        self.with_operator = with_operator
+        self.operator_env = dict(operator_env or {})
+        self.ground_id = secrets.token_hex(4)
+        self.ray_token = secrets.token_hex(16)
+        # One 127.N.0.0/16 per ground: two grounds at once (a test run beside `make cluster`)
+        # never hand out the same pod address.
+        self.ip_prefix = f"127.{secrets.randbelow(200) + 20}"
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.operator = None
+        self.timings: dict[str, float] = {}
+
+    # -- paths
+    @property
+    def workdir(self) -> Path:
+        return self.cp.workdir
+
+    @property
+    def hosts_file(self) -> Path:
+        return self.workdir / "hosts"
+
+    def kubectl(self, *args, **kwargs):
+        return self.cp.kubectl(*args, **kwargs)
+
+    def env(self) -> dict:
+        return self.cp.env()
+
+    # -- start / stop
+
+    def start(self, timeout: float = 120.0) -> "Ground":
+        crds = kuberay_crd_files()  # fail fast, before anything starts
+        started = time.monotonic()
+        self.cp.start(timeout=timeout)
+        try:
+            self._mark("control plane", started)
+            t = time.monotonic()
+            self.cp.install_crds(project_crd_files() + crds, timeout=timeout)
+            self._mark("CRDs", t)
+            self.hosts_file.write_text("127.0.0.1 localhost\n")
+            t = time.monotonic()
+            self._start_scheduler()
+            self._start_controller_manager()
+            self._start_kuberay()
+            self._start_agent()
+            self.add_pools(self.pools)
+            self._wait_component_health(timeout)
+            self._mark("components", t)
+            if self.with_operator:
+                t = time.monotonic()
+                self.start_operator()
+                self._mark("operator", t)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _mark(self, what: str, since: float) -> None:
+        self.timings[what] = round(time.monotonic() - since, 1)
+
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
+        self.processes[name] = _spawn(argv, self.workdir / f"{name}.log", env=env)
+
+    def _start_scheduler(self) -> None:
+        port, = _free_ports(1)
+        self._spawn("kube-scheduler", [
+            str(self.cp.bin_dir / "kube-scheduler"),
+            f"--kubeconfig={self.cp.kubeconfig}",
+            f"--authentication-kubeconfig={self.cp.kubeconfig}",
+            f"--authorization-kubeconfig={self.cp.kubeconfig}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--cert-dir={self.workdir / 'scheduler-certs'}",
+            "--v=1",
+        ])
+        self.scheduler_health = f"https://127.0.0.1:{port}/healthz"
+
+    def _start_controller_manager(self) -> None:
+        port, = _free_ports(1)
+        pki = self.workdir / "pki"
+        self._spawn("kube-controller-manager", [
+            str(self.cp.bin_dir / "kube-controller-manager"),
+            f"--kubeconfig={self.cp.kubeconfig}",
+            f"--authentication-kubeconfig={self.cp.kubeconfig}",
+            f"--authorization-kubeconfig={self.cp.kubeconfig}",
+            "--leader-elect=false",
+            # The node-lifecycle controller stays off: simulated nodes send no heartbeats.
+            f"--controllers={GC_CONTROLLERS}",
+            f"--service-account-private-key-file={pki / 'sa.key'}",
+            f"--root-ca-file={pki / 'ca.crt'}",
+            "--use-service-account-credentials=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={port}",
+            f"--cert-dir={self.workdir / 'kcm-certs'}",
+            "--v=1",
+        ])
+        self.kcm_health = f"https://127.0.0.1:{port}/healthz"
+
+    def _start_kuberay(self) -> None:
+        metrics, probe = _free_ports(2)
+        env = dict(os.environ, KUBECONFIG=str(self.cp.kubeconfig))
+        self._spawn("kuberay-operator", [
+            str(kuberay_dir() / "bin" / "ray-operator"),
+            "-enable-leader-election=false",
+            f"-metrics-addr=127.0.0.1:{metrics}",
+            f"-health-probe-bind-address=127.0.0.1:{probe}",
+            "-log-stdout-encoder=console",
+        ], env=env)
+        self.kuberay_health = f"http://127.0.0.1:{probe}/readyz"
+
+    def _start_agent(self) -> None:
+        env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.ray_token,
+                   HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.pop("RAY_ADDRESS", None)
+        (self.workdir / "pods").mkdir(exist_ok=True)
+        self._spawn("node-agent", [
+            sys.executable, str(HERE / "nodeagent.py"),
+            f"--kubeconfig={self.cp.kubeconfig}", f"--workdir={self.workdir}",
+            f"--hosts-file={self.hosts_file}", f"--ip-prefix={self.ip_prefix}",
+            f"--ground-id={self.ground_id}",
+        ], env=env)
+
+    def _wait_component_health(self, timeout: float) -> None:
+        import ssl
+        insecure = ssl.create_default_context()
+        insecure.check_hostname = False
+        insecure.verify_mode = ssl.CERT_NONE
+        checks = {
+            "kube-scheduler": (self.scheduler_health, insecure),
+            "kube-controller-manager": (self.kcm_health, insecure),
+            "kuberay-operator": (self.kuberay_health, None),
+        }
+        deadline = time.monotonic() + timeout
+        pending = dict(checks)
+        while pending:
+            for name in list(pending):
+                proc = self.processes[name]
+                if proc.poll() is not None:
+                    raise ControlPlaneError(f"{name} exited with {proc.returncode}; last log lines:\n"
+                                            + _tail(self.workdir / f"{name}.log"))
+                url, ctx = pending[name]
+                try:
+                    with urllib.request.urlopen(url, context=ctx, timeout=2) as response:
+                        if response.status == 200:
+                            del pending[name]
+                except OSError:
+                    pass
+            if (self.workdir / "nodeagent.ready").exists() is False and self.processes["node-agent"].poll() is not None:
+                raise ControlPlaneError("node agent exited:\n" + _tail(self.workdir / "node-agent.log"))
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(f"not healthy within {timeout:.0f}s: {', '.join(pending)}")
+            time.sleep(0.3)
+        while not (self.workdir / "nodeagent.ready").exists():
+            if time.monotonic() > deadline:
+                raise ControlPlaneError("node agent not ready:\n" + _tail(self.workdir / "node-agent.log"))
+            time.sleep(0.2)
+
+    # -- nodes
+
+    def add_pools(self, pools: list[NodePool]) -> None:
+        from kubernetes import client, config
+
+        api = config.new_client_from_config(config_file=str(self.cp.kubeconfig))
+        core = client.CoreV1Api(api)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        try:
+            for pool in pools:
+                for name in pool.node_names():
+                    core.create_node(node_manifest(pool, name))
+                    core.patch_node_status(name, {"status": node_status(pool, stamp)})
+        finally:
+            api.close()
+        self.pools += [p for p in pools if p not in self.pools]
+
+    def remove_pool(self, pool: NodePool) -> None:
+        for name in pool.node_names():
+            self.kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+        if pool in self.pools:
+            self.pools.remove(pool)
+
+    # -- the operator
+
+    def operator_environment(self, kubeconfig: Path) -> dict:
+        env = dict(os.environ)
+        for name in ("RAY_ADDRESS", "TPUFT_DASHBOARD_URL"):
+            env.pop(name, None)  # the operator reaches each head by its Service name
+        env.update(
+            KUBECONFIG=str(kubeconfig),
+            TPUFT_RAY_TOKEN=self.ray_token,
+            TPUFT_POLL_INTERVAL="1",
+            HF_HUB_OFFLINE="1",
+        )
+        env.update(self.operator_env)
+        return env
+
+    def start_operator(self, kubeconfig: Path | None = None, extra_env: dict | None = None):
+        """The operator as deployed: deploy/'s ServiceAccount, cluster DNS from the ground."""
+        from operator_process import OperatorProcess
+        from service_account import service_account_kubeconfig
+
+        kubeconfig = kubeconfig or service_account_kubeconfig(self.cp, self.workdir / "operator-kubeconfig")
+        env = self.operator_environment(kubeconfig)
+        env.update(extra_env or {})
+        self.operator = OperatorProcess(env, self.workdir / "operator.log", hosts_file=self.hosts_file)
+        self.operator.start()
+        return self.operator
+
+    # -- inspection
+
+    def ray_processes(self, pod_uid: str | None = None) -> list[int]:
+        """Pids of the Ray processes of one pod (by uid), or of the whole ground."""
+        from nodeagent import processes_marked
+
+        return processes_marked(f"{self.ground_id}/{pod_uid}" if pod_uid else self.ground_id)
+
+    def alive(self) -> bool:
+        return self.cp.etcd.poll() is None and self.cp.apiserver.poll() is None and all(
+            p.poll() is None for p in self.processes.values())
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {**self.cp.pids, **{n: p.pid for n, p in self.processes.items()},
+                **({"operator": self.operator.proc.pid} if self.operator and self.operator.proc else {})}
+
+    def stop(self) -> None:
+        if self.operator is not None:
+            self.operator.stop()
+        # The agent first: it stops every Ray process it started.
+        agent = self.processes.pop("node-agent", None)
+        if agent is not None:
+            _stop_process(agent, grace=20)
+        kill_marked(self.ground_id, grace=5)  # whatever the agent could not reach
+        for name in ("kuberay-operator", "kube-controller-manager", "kube-scheduler"):
+            proc = self.processes.pop(name, None)
+            if proc is not None:
+                _stop_process(proc)
+        self.cp.stop()
+
+    def __enter__(self) -> "Ground":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def describe(self) -> str:
+        return json.dumps({"timings_s": self.timings, "pids": self.pids}, indent=1)
+
+
+def build_all(out=sys.stderr) -> None:
+    """`make controlplane kuberay`, for callers outside make (prints nothing when built)."""
+    for script in (ROOT / "tests" / "controlplane" / "build.sh", KUBERAY_BUILD):
+        subprocess.run(["bash", str(script)], check=True, stdout=out, stderr=out)
+
+
+if __name__ == "__main__":  # a quick look by hand: start, print, stop
+    with Ground() as g:
+        print(g.describe())
+        print(g.kubectl("get", "nodes", "-L", "cloud.google.com/gke-nodepool").stdout)
+        shutil.copy(g.hosts_file, "/dev/stdout")

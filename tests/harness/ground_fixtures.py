@@ -1,0 +1,152 @@
+"""Fixtures for the test ground (harness/ground.py): a real control plane with kube-scheduler,
+kube-controller-manager, KubeRay and GKE-shaped nodes whose pods are real Ray processes.
+
+- `ground` (session): a started `Ground` with the default pools (v6e 4x4, v7x 2x2x2, CPU).
+- `operator` (session): the operator on the ground, as deploy/'s ServiceAccount, reaching
+  each Ray head by its Service name through the ground's cluster DNS; metrics on. At the end
+  of the session it fails if the ServiceAccount was ever refused (a missing RBAC rule).
+- `ground_namespace` (function): a fresh namespace on the ground, deleted afterwards (the
+  real namespace controller empties it).
+- `kube` (function): kubectl helpers bound to that namespace.
+
+Tests that use them are marked `ground` (and `cluster`) automatically.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import socket
+import time
+
+import pytest
+import yaml
+
+from harness.ground import Ground
+from harness.service_account import refusals
+
+_GROUND_FIXTURES = {"ground", "operator", "ground_namespace", "kube"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _GROUND_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ground)
+            item.add_marker(pytest.mark.cluster)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ground():
+    g = Ground()
+    g.start(timeout=180)
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+@pytest.fixture(scope="session")
+def operator(ground):
+    metrics_port = _free_port()
+    process = ground.start_operator(extra_env={
+        "TPUFT_METRICS_PORT": str(metrics_port),
+        "TPUFT_PROVISION_TIMEOUT": "600",
+    })
+    process.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    yield process
+    process.stop()
+    refused = refusals(process.log_path)
+    if refused:
+        pytest.fail(f"the operator's ServiceAccount was refused {len(refused)} time(s); "
+                    "deploy/base/clusterrole.yaml lacks a rule:\n" + "\n".join(refused[:20]), pytrace=False)
+
+
+@pytest.fixture
+def ground_namespace(request, ground):
+    stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"t-{stem}-{secrets.token_hex(3)}"
+    ground.kubectl("create", "namespace", name)
+    yield name
+    ground.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(autouse=True)
+def _operator_log_on_failure(request):
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed and "operator" in request.fixturenames:
+        print("---- operator log tail ----\n" + request.getfixturevalue("operator").log_tail())
+        ground = request.getfixturevalue("ground")
+        print("---- node agent log tail ----\n" + _tail(ground.workdir / "node-agent.log"))
+
+
+def _tail(path, n=40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+class Kube:
+    """Small helpers over the real kubectl, for one namespace of the ground."""
+
+    def __init__(self, ground: Ground, namespace: str):
+        self.ground = ground
+        self.cp = ground.cp
+        self.ns = namespace
+
+    def kubectl(self, *args, **kwargs):
+        return self.cp.kubectl("-n", self.ns, *args, **kwargs)
+
+    def apply(self, manifest: dict):
+        return self.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
+
+    def get(self, kind: str, name: str) -> dict | None:
+        result = self.kubectl("get", kind, name, "-o", "json", check=False)
+        return json.loads(result.stdout) if result.returncode == 0 else None
+
+    def items(self, kind: str, *selector: str) -> list[dict]:
+        return json.loads(self.kubectl("get", kind, *selector, "-o", "json").stdout)["items"]
+
+    def pods_of(self, cluster: str) -> list[dict]:
+        return self.items("pods", "-l", f"ray.io/cluster={cluster}")
+
+    def wait_for(self, predicate, what: str, timeout: float = 120, interval: float = 0.5):
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            last = predicate()
+            if last:
+                return last
+            time.sleep(interval)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+    def status(self, name: str) -> dict:
+        return (self.get("tpufinetune", name) or {}).get("status") or {}
+
+    def head_job_client(self, cluster: str):
+        """A Job API client on the cluster's head pod (by its pod IP), authenticated."""
+        from ray.job_submission import JobSubmissionClient
+
+        head = next(p for p in self.pods_of(cluster) if p["metadata"]["labels"].get("ray.io/node-type") == "head")
+        return JobSubmissionClient(f"http://{head['status']['podIP']}:8265",
+                                   headers={"Authorization": f"Bearer {self.ground.ray_token}"})
+
+
+@pytest.fixture
+def kube(ground, ground_namespace):
+    return Kube(ground, ground_namespace)

@@ -1,0 +1,156 @@
+"""GKE-shaped Node objects for the test ground: one node pool per TPU slice, plus CPU nodes.
+
+Each TPU node carries the labels and the taint GKE puts on a TPU slice node, and the
+capacity of its machine type from the one TPU table (`tpufinetune.generations`). What a
+pod may use is the allocatable GKE leaves after its system reservations, computed with
+GKE's published formula, so a worker pod that fits here fits the real machine.
+
+Pure: this module builds manifests; `Ground` creates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpufinetune.generations import (
+    ACCELERATOR_LABEL,
+    TOPOLOGY_LABEL,
+    TPU_RESOURCE,
+    chips_in,
+    generation,
+    select_machine,
+)
+
+NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+MACHINE_FAMILY_LABEL = "cloud.google.com/machine-family"
+# Marks the nodes whose pods the ground's node agent runs.
+SIMULATED_LABEL = "tpufinetune.dev/simulated-node"
+TPU_TAINT = {"key": TPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
+MAX_PODS = 110  # GKE's default maximum pods per node (Standard clusters)
+EPHEMERAL_STORAGE_GIB = 100  # the boot disk of a default GKE node pool
+
+# The CPU nodes that hold Ray heads and the `cpu` stand-in's workers.
+# n2-standard-16: 16 vCPUs, 64 GB (https://cloud.google.com/compute/docs/general-purpose-machines#n2_machines).
+CPU_MACHINE_TYPE, CPU_MACHINE_VCPUS, CPU_MACHINE_MEMORY_GIB = "n2-standard-16", 16, 64
+
+
+@dataclass(frozen=True)
+class NodePool:
+    name: str
+    machine_type: str
+    nodes: int
+    vcpus: int
+    memory_gib: int
+    tpu_chips: int = 0  # google.com/tpu per node; 0 for CPU nodes
+    accelerator: str | None = None  # cloud.google.com/gke-tpu-accelerator
+    topology: str | None = None  # cloud.google.com/gke-tpu-topology
+
+    def node_names(self) -> list[str]:
+        return [f"gke-ground-{self.name}-{i}" for i in range(self.nodes)]
+
+
+def tpu_pool(name: str, generation_name: str, topology: str, nodes: int | None = None,
+             chips_per_host: int | None = None) -> NodePool:
+    """The node pool GKE creates for one slice: hosts = chips / chips per host, unless
+    `nodes` asks for another count (a pool short of capacity, for tests)."""
+    gen = generation(generation_name)
+    machine = select_machine(gen, topology, chips_per_host)
+    hosts = chips_in(topology) // machine.chips_per_host
+    return NodePool(
+        name=name, machine_type=machine.machine_type, nodes=hosts if nodes is None else nodes,
+        vcpus=machine.vcpus, memory_gib=machine.memory_gib, tpu_chips=machine.chips_per_host,
+        accelerator=gen.accelerator_label, topology=topology,
+    )
+
+
+def cpu_pool(name: str = "cpu-pool", nodes: int = 3) -> NodePool:
+    return NodePool(name=name, machine_type=CPU_MACHINE_TYPE, nodes=nodes,
+                    vcpus=CPU_MACHINE_VCPUS, memory_gib=CPU_MACHINE_MEMORY_GIB)
+
+
+def default_pools() -> list[NodePool]:
+    """The default ground: a v6e 4x4 slice, a v7x 2x2x2 slice and CPU nodes."""
+    return [
+        tpu_pool("v6e-4x4", "v6e", "4x4"),
+        tpu_pool("v7x-2x2x2", "v7x", "2x2x2"),
+        cpu_pool(),
+    ]
+
+
+# ---- GKE's node allocatable --------------------------------------------------------------
+# https://cloud.google.com/kubernetes-engine/docs/concepts/plan-node-sizes#memory_and_cpu_reservations
+
+
+def reserved_millicores(vcpus: int) -> int:
+    """CPU GKE reserves for the system: 6% of the first core, 1% of the next, 0.5% of the
+    next 2, 0.25% of every core above 4."""
+    tiers = ((1, 60), (1, 10), (2, 5), (float("inf"), 2.5))
+    return round(_tiered(vcpus, tiers))
+
+
+def reserved_memory_mib(memory_gib: int) -> int:
+    """Memory GKE reserves: 25% of the first 4 GiB, 20% of the next 4, 10% of the next 8,
+    6% of the next 112, 2% above 128 GiB; plus the 100 MiB eviction threshold."""
+    tiers = ((4, 0.25), (4, 0.20), (8, 0.10), (112, 0.06), (float("inf"), 0.02))
+    return round(_tiered(memory_gib, tiers) * 1024) + 100
+
+
+def _tiered(amount: float, tiers) -> float:
+    total, left = 0.0, amount
+    for size, rate in tiers:
+        take = min(left, size)
+        total += take * rate
+        left -= take
+        if left <= 0:
+            break
+    return total
+
+
+def node_manifest(pool: NodePool, name: str) -> dict:
+    labels = {
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        NODEPOOL_LABEL: pool.name,
+        INSTANCE_TYPE_LABEL: pool.machine_type,
+        MACHINE_FAMILY_LABEL: pool.machine_type.split("-", 1)[0],
+        SIMULATED_LABEL: "true",
+    }
+    spec: dict = {}
+    if pool.tpu_chips:
+        labels[ACCELERATOR_LABEL] = pool.accelerator
+        labels[TOPOLOGY_LABEL] = pool.topology
+        spec["taints"] = [dict(TPU_TAINT)]
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}, "spec": spec}
+
+
+def node_status(pool: NodePool, now: str) -> dict:
+    capacity = {
+        "cpu": str(pool.vcpus),
+        "memory": f"{pool.memory_gib}Gi",
+        "pods": str(MAX_PODS),
+        "ephemeral-storage": f"{EPHEMERAL_STORAGE_GIB}Gi",
+    }
+    allocatable = {
+        "cpu": f"{pool.vcpus * 1000 - reserved_millicores(pool.vcpus)}m",
+        "memory": f"{pool.memory_gib * 1024 - reserved_memory_mib(pool.memory_gib)}Mi",
+        "pods": str(MAX_PODS),
+        "ephemeral-storage": f"{EPHEMERAL_STORAGE_GIB - 10}Gi",
+    }
+    if pool.tpu_chips:
+        capacity[TPU_RESOURCE] = allocatable[TPU_RESOURCE] = str(pool.tpu_chips)
+    ready = {"type": "Ready", "status": "True", "reason": "KubeletReady",
+             "message": "node agent of the test ground", "lastHeartbeatTime": now,
+             "lastTransitionTime": now}
+    return {
+        "capacity": capacity,
+        "allocatable": allocatable,
+        "conditions": [ready],
+        "addresses": [{"type": "Hostname", "address": "localhost"},
+                      {"type": "InternalIP", "address": "127.0.0.1"}],
+        "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux",
+                     "kubeletVersion": "ground-node-agent", "containerRuntimeVersion": "ray-process://",
+                     "kernelVersion": "", "osImage": "", "kubeProxyVersion": "", "machineID": "",
+                     "systemUUID": "", "bootID": ""},
+    }
