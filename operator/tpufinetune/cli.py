@@ -49,9 +49,13 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _run_arguments(parser: argparse.ArgumentParser) -> None:
-    from .local import add_arguments
-
-    add_arguments(parser)
+    # Defined here, not in local.py: building the parser must not load the operator's stack.
+    parser.add_argument("--local", action="store_true", required=True,
+                        help="use a local Ray head instead of a RayCluster (the only mode)")
+    parser.add_argument("file", help="TPUFineTune YAML file, or - for stdin")
+    parser.add_argument("--address", help="Ray dashboard URL (default $RAY_DASHBOARD_ADDRESS "
+                                          "or http://127.0.0.1:8265)")
+    parser.add_argument("--uid", help="resource uid; reuse one to re-attach to its job")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -100,11 +100,3 @@ def main(args) -> int:
         return 130
     print(yaml.safe_dump({"status": status}, sort_keys=False), end="")
     return 0 if status.get("phase") == phases.SUCCEEDED else 1
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--local", action="store_true", required=True,
-                        help="use a local Ray head instead of a RayCluster (the only mode)")
-    parser.add_argument("file", help="TPUFineTune YAML file, or - for stdin")
-    parser.add_argument("--address", help="Ray dashboard URL (default $RAY_DASHBOARD_ADDRESS or http://127.0.0.1:8265)")
-    parser.add_argument("--uid", help="resource uid; reuse one to re-attach to its job")

@@ -36,10 +36,12 @@ def test_slim_python_311_non_root_operator_without_the_train_extra():
     text = DOCKERFILE.read_text()
     instructions = [line.split(None, 1) for line in text.splitlines() if line and not line.startswith((" ", "#"))]
     (base,) = [arg for op, arg in instructions if op == "FROM"]
-    assert re.fullmatch(r"python:3\.11(\.\d+)?-slim(-\w+)?", base), base
+    args = dict(arg.split("=", 1) for op, arg in instructions if op == "ARG" and "=" in arg)
+    base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], base)
+    assert re.fullmatch(r"python:3\.11(\.\d+)?-slim(-\w+)?(@sha256:[0-9a-f]{64})?", base), base
     users = [arg for op, arg in instructions if op == "USER"]
     assert users and re.fullmatch(r"[1-9]\d*(:[1-9]\d*)?", users[-1]), users
-    assert "[train" not in text and "pip install ." in text
+    assert "[train" not in text and "pip install --no-deps ." in text
     entrypoint = json.loads(next(arg for op, arg in instructions if op == "ENTRYPOINT"))
     command = json.loads(next(arg for op, arg in instructions if op == "CMD"))
     assert entrypoint == ["tpufinetune"]
@@ -62,3 +64,31 @@ print("ok")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def _pins(lines) -> dict[str, str]:
+    pins = {}
+    for line in lines:
+        match = re.match(r"^([A-Za-z0-9_.\-]+)(\[[^\]]*\])?==([^\s;\\]+)", line.strip().strip('"').strip("',"))
+        if match:
+            pins[match.group(1).lower().replace("_", "-")] = match.group(3)
+    return pins
+
+
+def test_the_image_installs_the_lock_with_hashes_and_the_lock_holds_the_projects_pins():
+    """The lock is the operator extra resolved: every pin of pyproject's base and operator
+    sets is in it at the same version, and every entry carries a hash."""
+    import tomllib
+
+    text = DOCKERFILE.read_text()
+    assert "pip install --require-hashes --no-deps -r operator.lock.txt" in text
+    lock_text = (ROOT / "requirements" / "operator.lock.txt").read_text()
+    entries = [e for e in lock_text.split("\n") if e and not e.startswith(("#", " "))]
+    assert all(e.endswith("\\") for e in entries), "an entry without --hash"
+    lock = _pins(entries)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = _pins(project["dependencies"] + project["optional-dependencies"]["operator"])
+    assert {name: lock.get(name) for name in wanted} == wanted
+    assert not {"torch", "transformers", "datasets"} & lock.keys()
+    ignore = (ROOT / "Dockerfile.operator.dockerignore").read_text()
+    assert "!requirements/operator.lock.txt" in ignore
