@@ -118,6 +118,11 @@ def scaling_config(backend: Backend, num_workers: int, topology: str, accelerato
 
 
 def torch_config(backend: Backend):
+    if backend.name == "tpu":
+        # Each worker checks for its chips before tpu_dist starts (tpu_guard.py).
+        from .tpu_guard import guarded_torch_config
+
+        return guarded_torch_config(backend.dist_backend)
     from ray.train.torch import TorchConfig
 
     return TorchConfig(backend=backend.dist_backend)
