@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from .status import Condition
+
 # Condition types the operator maintains.
 CLUSTER_READY = "ClusterReady"
 JOB_SUBMITTED = "JobSubmitted"
@@ -50,15 +52,12 @@ def set_condition(
     since = timestamp(now)
     if existing and existing.get("status") == new_status:
         since = existing.get("lastTransitionTime", since)
-    condition = {
-        "type": type_,
-        "status": new_status,
-        "reason": reason,
-        "message": message[:MESSAGE_LIMIT],
-        "lastTransitionTime": since,
-    }
-    if generation is not None:
-        condition["observedGeneration"] = generation
+    # Built through the status model, so a misspelt or ill-typed key fails here instead of
+    # being pruned by the apiserver.
+    condition = Condition(
+        type=type_, status=new_status, reason=reason, message=message[:MESSAGE_LIMIT],
+        last_transition_time=since, observed_generation=generation,
+    ).model_dump(by_alias=True, exclude_none=True)
     others = [c for c in status.get("conditions") or [] if c.get("type") != type_]
     order = {name: index for index, name in enumerate(ALL_TYPES)}
     status["conditions"] = sorted(
