@@ -1,11 +1,11 @@
-"""`make demo`: the whole stack on this machine, then everything stopped again.
+"""`make demo`: the whole stack on this machine's test ground, then everything stopped again.
 
-A real kube-apiserver + etcd (built from Go modules), KubeRay's real RayCluster CRD, a
-real local Ray head, the operator as users run it, and the sample CPU rehearsal
-(deploy/samples/cpu-rehearsal.yaml) pointed at a tiny random Gemma 4 and a generated
-dolly-style dataset (nothing can be downloaded here). No pods run without a kubelet, so
-the demo plays KubeRay's one part: it reports the RayCluster ready, and the operator's
-TPUFT_DASHBOARD_URL setting points it at the local Ray head.
+The ground (tests/harness/ground.py) is a small GKE-shaped cluster: a real kube-apiserver,
+etcd, kube-scheduler and kube-controller-manager, the real KubeRay operator, GKE-shaped TPU
+and CPU node pools, and a node agent that runs each scheduled pod as a real Ray process.
+The operator runs as deploy/'s ServiceAccount and reaches the Ray head by its Service name.
+The sample CPU rehearsal (deploy/samples/cpu-rehearsal.yaml) is pointed at a tiny random
+Gemma 4 and a generated dolly-style dataset (nothing can be downloaded here).
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from harness.controlplane import start_with_crds  # noqa: E402
-from harness.operator_process import OperatorProcess  # noqa: E402
+from harness.ground import Ground  # noqa: E402
 from harness.ray_fixtures import build_assets  # noqa: E402
-from harness.rayhead import RayHead  # noqa: E402
 
 SAMPLE = REPO / "deploy" / "samples" / "cpu-rehearsal.yaml"
 TIMEOUT_S = 900
@@ -45,17 +43,29 @@ def demo_manifest(workdir: Path, assets) -> dict:
     return manifest
 
 
-def follow(cp, name: str, cluster_ready) -> dict:
-    """Print `kubectl get tpufinetunes` whenever it changes, until the run ends."""
-    last, deadline = "", time.monotonic() + TIMEOUT_S
+def changed_lines(previous: list[str], table: str) -> list[str]:
+    lines = table.strip().splitlines()
+    return [line for line in lines if line not in previous] if previous else lines
+
+
+def follow(ground: Ground, name: str) -> dict:
+    """Print `kubectl get tpufinetunes` and `kubectl get pods -o wide` whenever they change,
+    until the run ends."""
+    seen_runs: list[str] = []
+    seen_pods: list[str] = []
+    deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        cluster_ready()
-        table = cp.kubectl("get", "tpufinetunes").stdout.strip()
-        without_age = [line.rsplit(None, 1)[0] for line in table.splitlines()]
-        if without_age != last:
-            print(table.splitlines()[-1] if last else table, flush=True)
-            last = without_age
-        status = json.loads(cp.kubectl("get", "tpufinetune", name, "-o", "json").stdout).get("status", {})
+        runs = ground.kubectl("get", "tpufinetunes").stdout
+        without_age = "\n".join(line.rsplit(None, 1)[0] for line in runs.strip().splitlines())
+        for line in changed_lines(seen_runs, without_age):
+            print(f"  {line}", flush=True)
+        seen_runs = without_age.splitlines()
+        pods = ground.kubectl("get", "pods", "-o", "wide").stdout
+        stable = "\n".join(" ".join(line.split()[:3] + line.split()[5:7]) for line in pods.strip().splitlines())
+        for line in changed_lines(seen_pods, stable):
+            print(f"    pods: {line}", flush=True)
+        seen_pods = stable.splitlines()
+        status = json.loads(ground.kubectl("get", "tpufinetune", name, "-o", "json").stdout).get("status", {})
         if status.get("phase") in ("Succeeded", "Failed"):
             return status
         time.sleep(1)
@@ -65,45 +75,25 @@ def follow(cp, name: str, cluster_ready) -> dict:
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     workdir = Path(tempfile.mkdtemp(prefix="tft-demo-"))
-    cp = head = operator = None
+    ground = None
+    started = time.monotonic()
     try:
-        say("starting a real control plane (kube-apiserver + etcd) with the CRDs")
-        cp, kuberay = start_with_crds(workdir=workdir / "cp")
-        if kuberay is None:
-            print("KubeRay's RayCluster CRD is missing: see tests/README.md", file=sys.stderr)
-            return 1
-        say("starting a local Ray head (token authentication on)")
-        head = RayHead.start(num_cpus=4)
+        say("starting the test ground: kube-apiserver, etcd, kube-scheduler, kube-controller-manager, "
+            "KubeRay, GKE-shaped node pools, the node agent, and the operator")
+        ground = Ground(workdir=workdir / "ground", with_operator=True).start()
+        print(f"  up in {sum(ground.timings.values()):.1f}s: {ground.timings}")
+        print(ground.kubectl("get", "nodes", "-L", "cloud.google.com/gke-nodepool",
+                             "-L", "node.kubernetes.io/instance-type", "-L", "cloud.google.com/gke-tpu-topology").stdout)
         say("building the offline assets: a tiny random Gemma 4 and a dolly-style dataset")
         assets = build_assets(workdir / "assets")
-        say("starting the operator: tpufinetune operator")
-        env = cp.env()
-        env.update(TPUFT_DASHBOARD_URL=head.dashboard_url, TPUFT_RAY_TOKEN=head.token or "",
-                   TPUFT_POLL_INTERVAL="1", HF_HUB_OFFLINE="1")
-        operator = OperatorProcess(env, workdir / "operator.log")
-        operator.start()
 
         manifest = demo_manifest(workdir, assets)
         name = manifest["metadata"]["name"]
         say(f"kubectl apply -f {SAMPLE.relative_to(REPO)} (model and data pointed at the offline assets)")
-        print(cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest)).stdout.strip())
+        print(ground.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest)).stdout.strip())
 
-        marked = []
-
-        def cluster_ready() -> None:
-            # Playing KubeRay: no kubelet runs pods here, so report the cluster ready.
-            if marked:
-                return
-            got = cp.kubectl("get", "rayclusters", "-o", "name", check=False).stdout.split()
-            if got:
-                cluster = got[0].split("/")[-1]
-                cp.kubectl("patch", "raycluster", cluster, "--subresource=status", "--type=merge",
-                           "-p", json.dumps({"status": {"state": "ready"}}))
-                print(f"(KubeRay's part: RayCluster {cluster} accepted by the real CRD, reported ready)", flush=True)
-                marked.append(cluster)
-
-        say("kubectl get tpufinetunes (each change)")
-        status = follow(cp, name, cluster_ready)
+        say("kubectl get tpufinetunes / kubectl get pods -o wide (each change)")
+        status = follow(ground, name)
 
         say("loss per epoch")
         for entry in status.get("history", []):
@@ -113,15 +103,21 @@ def main() -> int:
         print(f"  phase:      {status.get('phase')}  ({status.get('message')})")
         print(f"  checkpoint: {status.get('checkpointURI')}")
         print(f"  exported:   {status.get('exportedModelURI')}")
-        left = cp.kubectl("get", "rayclusters", "-o", "name").stdout.strip()
-        print(f"  RayClusters left running: {left or 'none'}")
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (
+                ground.kubectl("get", "rayclusters", "-o", "name").stdout.strip()
+                or ground.kubectl("get", "pods", "-o", "name").stdout.strip()):
+            time.sleep(1)
+        left = ground.kubectl("get", "rayclusters,pods", "-o", "name").stdout.strip()
+        print(f"  RayClusters and pods left running: {left or 'none'}")
+        print(f"  Ray processes left: {len(ground.ray_processes())}")
         print(f"  (everything lives under {workdir}; it is kept for you to look at)")
+        print(f"  demo took {time.monotonic() - started:.0f}s")
         return 0 if status.get("phase") == "Succeeded" else 1
     finally:
-        say("stopping the operator, the Ray head and the control plane")
-        for part in (operator, head, cp):
-            if part is not None:
-                part.stop()
+        say("stopping the operator, every Ray process and the ground")
+        if ground is not None:
+            ground.stop()
 
 
 if __name__ == "__main__":
