@@ -22,6 +22,7 @@ EXPECTED_RULES = [
     {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes"], "verbs": ["list", "watch", "patch"]},
     {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes/status"], "verbs": ["patch"]},
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
 ]
