@@ -91,6 +91,10 @@ def ray_start_args(container: dict) -> list[str]:
     `ulimit -n 65536; ray start --head … --num-cpus=0 …`), without the words `ray start`."""
     words = [*(container.get("command") or []), *(container.get("args") or [])]
     text = " ".join(w for w in words if w not in ("/bin/bash", "bash", "/bin/sh", "sh", "-c", "-lc", "--"))
+    # KubeRay may keep its generated line in an env var ($KUBERAY_GEN_RAY_START_CMD) when the
+    # user brings a command of their own: expand the container's plain variables first.
+    plain = {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
+    text = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: plain.get(m.group(1), m.group(0)), text)
     for part in re.split(r";|&&|\|\|", text):
         tokens = shlex.split(part)
         for i in range(len(tokens) - 1):
@@ -353,6 +357,9 @@ class NodeAgent:
             ports = {k: free_port() for k in ("gcs", "metrics", "agent_http", "agent_grpc", "runtime_env", "client")}
             if run.head:
                 run.gcs_address = f"{run.ip}:{ports['gcs']}"
+            # KubeRay's RAY_ADDRESS / RAY_PORT name port 6379 on the head; here the GCS
+            # listens where the agent put it.
+            env.update(RAY_ADDRESS=run.gcs_address, RAY_PORT=run.gcs_address.rsplit(":", 1)[1])
             argv = [str(Path(sys.executable).parent / "ray"), "start",
                     *rewrite_ray_start(args, head=run.head, ip=run.ip, temp_dir=str(run.temp_dir),
                                        gcs_address=run.gcs_address, ports=ports)]
