@@ -32,7 +32,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # config: it pulls in the training stack.)
 DEFAULT_MODEL_ID = "google/gemma-4-E2B-it"
 DEFAULT_DATASET_ID = "databricks/databricks-dolly-15k"
-SCORE_ATTRIBUTES = ("loss", "eval_loss", "tokens_per_s", "epoch")
+SCORE_ATTRIBUTES = ("auto", "loss", "eval_loss", "tokens_per_s", "epoch")
 DEFAULT_RAY_VERSION = "2.60.0"
 
 # DNS-1123 subdomain (object, Secret and ServiceAccount names).
@@ -114,12 +114,29 @@ class DatasetSource(_Model):
 class Training(_Model):
     epochs: int = Field(3, ge=1, le=1000,
                         description="Number of epochs.")
-    batch_size_per_device: int = Field(4, ge=1, le=4096,
-                                       description="Micro-batch size on each device.")
+    batch_size_per_device: int = Field(
+        2, ge=1, le=4096,
+        description="Packed blocks of maxSeqLen tokens per device per micro-batch.")
+    global_batch_blocks: int = Field(
+        0, ge=0, le=1048576,
+        description="Blocks per optimizer step over all devices: a multiple of devices x "
+                    "batchSizePerDevice, the factor being gradient accumulation. 0: devices x "
+                    "batchSizePerDevice (no accumulation).")
     max_seq_len: int = Field(512, ge=8, le=131072,
-                             description="Tokens per example (truncated and padded).")
+                             description="Tokens per packed block.")
     learning_rate: float = Field(2e-5, gt=0, le=1,
-                                 description="AdamW learning rate.")
+                                 description="Peak AdamW learning rate.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="After linear warmup: cosine or linear decay to "
+                              "minLrRatio x learningRate, or constant.")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1,
+                                description="Share of all optimizer steps spent warming up.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1,
+                                description="Final learning rate as a fraction of the peak.")
+    max_grad_norm: float = Field(1.0, ge=0, le=1e6,
+                                 description="Gradient clipping by global norm (0: off).")
+    max_steps: int = Field(0, ge=0, le=10**9,
+                           description="Stop after this many optimizer steps (0: epochs decide).")
     weight_decay: float = Field(0.01, ge=0, le=1,
                                 description="AdamW weight decay.")
     seed: int = Field(42, ge=0, le=2**31 - 1, description="Random seed.")
@@ -128,6 +145,24 @@ class Training(_Model):
         description="Fraction of the dataset held out for evaluation each epoch (0 "
                     "disables evaluation; checkpoint.scoreAttribute eval_loss needs more "
                     "than 0).")
+    prompt_format: Literal["auto", "chat", "tutorial"] = Field(
+        "auto", description="chat: the tokenizer's chat template, loss on assistant turns "
+                            "only; tutorial: 'Instruction: ...\\nResponse: ...'; auto: chat "
+                            "when the tokenizer has a template.")
+    dataset_format: Literal["auto", "dolly", "messages", "prompt-completion"] = Field(
+        "auto", description="dolly (instruction, context, response), messages (role/content "
+                            "turns) or prompt-completion; auto: from the columns.")
+    checkpoint_every_steps: int = Field(
+        0, ge=0, le=10**9,
+        description="Also checkpoint every N optimizer steps, so a run can resume inside an "
+                    "epoch (0: at the end of every epoch only).")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile each decoder block (auto: on for TPU and GPU, off "
+                            "for the cpu stand-in).")
+    max_failures: int = Field(
+        0, ge=0, le=100,
+        description="Worker failures Ray Train recovers from inside one job, each resuming "
+                    "from the latest checkpoint (maxRetries resubmits the whole job).")
 
 
 class Checkpoint(_Model):
@@ -138,9 +173,10 @@ class Checkpoint(_Model):
     keep: int = Field(1, ge=1, le=100,
                       description="Checkpoints to keep (Ray Train num_to_keep).")
     score_attribute: ScoreAttribute = Field(
-        "loss",
-        description="Epoch metric that ranks checkpoints: "
-                    f"{', '.join(SCORE_ATTRIBUTES)} (eval_loss needs "
+        "auto",
+        description="Metric that ranks checkpoints: "
+                    f"{', '.join(SCORE_ATTRIBUTES)} (auto: eval_loss when "
+                    "training.evalFraction > 0, else loss; eval_loss needs "
                     "training.evalFraction > 0).")
     score_order: Literal["min", "max"] = Field(
         "min",

@@ -27,6 +27,7 @@ PRINTER_COLUMNS = [
     {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Epoch", "type": "string", "jsonPath": ".status.epochProgress"},
+    {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary"},
     {"name": "Loss", "type": "number", "jsonPath": ".status.loss"},
     {"name": "Tokens/s", "type": "number", "jsonPath": ".status.tokensPerSecond"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -53,11 +53,56 @@ def _on_checkpoint(status: dict, event: dict) -> None:
     if not uri:
         return
     status["checkpointURI"] = uri
-    if event.get("epoch") is not None:
+    # A step checkpoint inside an epoch is not that epoch's checkpoint.
+    if event.get("epoch") is not None and event.get("epoch_end", True):
         _history_entry(status, int(event["epoch"]))["checkpointURI"] = uri
 
 
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m"
+    return f"{seconds}s"
+
+
+def _on_progress(status: dict, event: dict) -> None:
+    """Movement inside an epoch; the estimate of the time left is steps left x the mean
+    step time of the trainer's last window (checkpoints and evaluation come on top)."""
+    step, total = event.get("step"), event.get("total_steps")
+    if not isinstance(step, int) or not isinstance(total, int) or total <= 0:
+        return
+    progress = {"step": step, "totalSteps": total, "percent": round(100.0 * min(step, total) / total, 1)}
+    for key, field, digits in (("epoch_step", "epochStep", None), ("epoch_steps", "epochSteps", None),
+                               ("loss", "loss", 4), ("lr", "learningRate", 10),
+                               ("tokens_per_s", "tokensPerSecond", 1), ("step_time_s", "stepTimeSeconds", 4)):
+        value = event.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            progress[field] = int(value) if digits is None else round(float(value), digits)
+    summary = f"{progress['percent']:g}% {step}/{total}"
+    step_time = progress.get("stepTimeSeconds")
+    if step_time is not None:
+        progress["etaSeconds"] = int(round(max(total - step, 0) * step_time))
+        summary += f" ETA {_duration(progress['etaSeconds'])}"
+    progress["summary"] = summary
+    status["progress"] = progress
+    if event.get("epoch") is not None and event.get("epochs"):
+        status["message"] = f"epoch {event['epoch']}/{event['epochs']}: step {step}/{total}" + (
+            f" loss={progress['loss']}" if "loss" in progress else "")
+
+
+def _on_plan(status: dict, event: dict) -> None:
+    total = event.get("total_steps")
+    if isinstance(total, int) and total > 0 and not status.get("progress"):
+        status["progress"] = {"step": 0, "totalSteps": total, "percent": 0.0, "summary": f"0% 0/{total}"}
+
+
 def _on_result(status: dict, event: dict) -> None:
+    progress = status.get("progress")
+    if isinstance(progress, dict) and progress.get("totalSteps"):
+        total = progress["totalSteps"]
+        progress.update(step=total, percent=100.0, etaSeconds=0, summary=f"100% {total}/{total}")
     if event.get("best_checkpoint_uri"):
         status["checkpointURI"] = event["best_checkpoint_uri"]
     if event.get("exported_model_uri"):
@@ -83,6 +128,8 @@ def _on_collectives(status: dict, event: dict) -> None:
 
 HANDLERS = {
     "start": _on_start,
+    "plan": _on_plan,
+    "progress": _on_progress,
     "epoch": _on_epoch,
     "checkpoint": _on_checkpoint,
     "result": _on_result,

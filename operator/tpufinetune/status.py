@@ -45,6 +45,25 @@ class EpochRecord(_Status):
                                        description="Checkpoint written after the epoch.")
 
 
+class Progress(_Status):
+    """Where the run is inside an epoch, from the trainer's throttled progress events."""
+
+    step: int | None = Field(None, ge=0, description="Optimizer steps done (whole run).")
+    total_steps: int | None = Field(None, ge=0, description="Optimizer steps planned.")
+    epoch_step: int | None = Field(None, ge=0, description="Steps done in the current epoch.")
+    epoch_steps: int | None = Field(None, ge=0, description="Steps in one epoch.")
+    percent: float | None = Field(None, ge=0, le=100, description="step / totalSteps x 100.")
+    loss: float | None = Field(None, description="Training loss over the last progress window.")
+    learning_rate: float | None = Field(None, description="Learning rate of the last step.")
+    tokens_per_second: float | None = Field(None, description="Throughput over the last window.")
+    step_time_seconds: float | None = Field(None, ge=0, description="Mean seconds per step.")
+    eta_seconds: int | None = Field(None, ge=0, description="Estimated seconds of training left "
+                                                          "(steps left x step time; checkpoints "
+                                                          "and evaluation not included).")
+    summary: str | None = Field(None, max_length=128,
+                                description="e.g. '37% 120/320 ETA 12m', for kubectl get.")
+
+
 class CollectivesResult(_Status):
     """Outcome of the interconnect check (mode collectives)."""
 
@@ -85,6 +104,8 @@ class TPUFineTuneStatus(_Status):
     epoch_time_seconds: float | None = Field(None, description="Duration of the last epoch.")
     history: list[EpochRecord] | None = Field(None, max_length=1000,
                                               description="Per-epoch metrics.")
+    progress: Progress | None = Field(None, description="Progress within the run, updated "
+                                                        "during an epoch.")
     checkpoint_uri: str | None = Field(None, alias="checkpointURI",
                                        description="Latest (best-kept) checkpoint.")
     exported_model_uri: str | None = Field(None, alias="exportedModelURI",

@@ -17,7 +17,7 @@ def test_api_identity_constants():
     assert api.API_VERSION == "tpufinetune.dev/v1alpha1"
 
 
-def test_minimal_spec_gets_the_tutorial_defaults():
+def test_minimal_spec_gets_the_defaults():
     spec = parse_spec(base_spec())
     assert spec.mode == "finetune"
     assert spec.tpu.slices == 1 and spec.tpu.chips_per_host is None
@@ -26,12 +26,15 @@ def test_minimal_spec_gets_the_tutorial_defaults():
     assert (spec.dataset.id, spec.dataset.split) == ("databricks/databricks-dolly-15k",
                                                      "train[:1024]")
     training = spec.training
-    assert (training.epochs, training.batch_size_per_device, training.max_seq_len) == (3, 4, 512)
+    # Packed blocks are ~5x denser than the tutorial's padded rows: 2 blocks per device.
+    assert (training.epochs, training.batch_size_per_device, training.max_seq_len) == (3, 2, 512)
+    assert (training.global_batch_blocks, training.lr_schedule, training.warmup_ratio) == (0, "cosine", 0.05)
+    assert (training.max_grad_norm, training.max_steps, training.prompt_format) == (1.0, 0, "auto")
     assert (training.learning_rate, training.weight_decay, training.seed) == (2e-5, 0.01, 42)
     assert training.eval_fraction == 0.05
     checkpoint = spec.checkpoint
     assert (checkpoint.keep, checkpoint.score_attribute, checkpoint.score_order) == (
-        1, "loss", "min")
+        1, "auto", "min")
     assert spec.ray_version == "2.60.0"
     assert spec.max_retries == 0 and spec.suspend is False
 

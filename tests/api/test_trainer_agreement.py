@@ -23,6 +23,9 @@ DERIVED_FLAGS = {"--topology", "--accelerator-type", "--num-workers", "--device"
 NOT_PASSED = {
     "--resume-from": "passed only on retries and resumes, from status.checkpointURI",
     "--long-prompts": "the trainer's default (skip, counted in the start event) applies",
+    "--compute-dtype": "the backend decides (bfloat16 on TPU and GPU, float32 on the cpu stand-in)",
+    "--progress-interval": "the trainer's default (30 s) applies",
+    "--fail-at-step": "fault injection for the trainer's own tests",
 }
 
 

@@ -1,11 +1,15 @@
 """`finetune` for real: Ray Train + FSDP2 on CPU (gloo, 2 workers) on the tiny Gemma 4.
 
 One run is submitted through the Ray Job API (as the operator does) and shared by the
-assertions; a second run resumes from its checkpoint.
+assertions. It checkpoints every few steps and fails once on purpose after step 7:
+Ray Train (--max-failures 1) restarts the workers, which resume from the step-5
+checkpoint inside the same job. A second run resumes from a checkpoint in the middle of
+epoch 1 and must retrace the first run exactly.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import time
@@ -23,20 +27,23 @@ from trainer_helpers import Run, events_of, offline_env, run_trainer
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 EPOCHS = 2
+EVERY = 5  # --checkpoint-every-steps
+FAIL_AT = 7
 
 
 def common_args(assets, storage: Path, run_name: str) -> list[str]:
     return ["finetune", "--model-id", str(assets.model), "--dataset", str(assets.data),
-            "--dataset-split", "train[:320]", "--num-workers", "2", "--batch-size-per-device", "4",
-            "--max-seq-len", "512", "--learning-rate", "3e-3", "--eval-fraction", "0.1", "--device", "cpu",
-            "--storage-path", str(storage), "--run-name", run_name]
+            "--dataset-split", "train[:320]", "--num-workers", "2", "--max-seq-len", "512",
+            "--learning-rate", "3e-3", "--eval-fraction", "0.1", "--device", "cpu",
+            "--storage-path", str(storage), "--run-name", run_name, "--checkpoint-every-steps", str(EVERY),
+            "--keep-checkpoints", "20", "--progress-interval", "0.2", "--num-epochs", str(EPOCHS)]
 
 
 @pytest.fixture(scope="module")
 def trained(ray_head, trainer_assets, tmp_path_factory):
     storage = tmp_path_factory.mktemp("storage")
     entrypoint = shlex.join(["tpufinetune-train", *common_args(trainer_assets, storage, "first"),
-                             "--num-epochs", str(EPOCHS)])
+                             "--max-failures", "1", "--fail-at-step", str(FAIL_AT)])
     client = ray_head.job_client()
     job_id = client.submit_job(entrypoint=entrypoint, submission_id=f"tpuft-test-{int(time.time())}")
     deadline = time.monotonic() + 480
@@ -53,24 +60,62 @@ def trained(ray_head, trainer_assets, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def resumed(ray_head, trainer_assets, trained, tmp_path_factory):
+    """A new run from the first run's checkpoint after step 10, inside epoch 1."""
     run, storage = trained
-    best = run.one("result")["best_checkpoint_uri"]
-    args = common_args(trainer_assets, storage, "resumed") + ["--num-epochs", str(EPOCHS + 1), "--resume-from", best]
+    middle = next(e["uri"] for e in run.of("checkpoint") if e["step"] == 2 * EVERY)
+    args = common_args(trainer_assets, storage, "resumed") + ["--resume-from", middle]
     return run_trainer(args, offline_env(ray_head.env()), timeout=480)
 
 
 def test_events_tell_the_whole_run(trained):
     run, storage = trained
-    start = run.one("start")
+    starts = run.of("start")  # once per worker-group start: the first and the one after the failure
+    assert len(starts) == 2 and starts[0] == starts[1]
+    start = starts[0]
     assert (start["mode"], start["world_size"], start["backend"], start["device"]) == ("finetune", 2, "gloo", "cpu")
-    assert len(start["devices"]) == 2
+    assert len(start["devices"]) == 2 and start["prompt_format"] == "chat"  # the tokenizer has a template
     assert [e["epoch"] for e in run.of("epoch")] == [1, 2]
-    assert [e["epoch"] for e in run.of("checkpoint")] == [1, 2]
     assert not run.of("failure")
     result = run.one("result")
-    assert result["best_checkpoint_uri"] == str(storage / "first" / "epoch_0002")
+    assert result["best_checkpoint_uri"].startswith(str(storage / "first") + "/")
     assert result["exported_model_uri"] == str(storage / "first" / "export")
     assert result["metrics"]["epoch"] == EPOCHS
+
+
+def test_the_plan_states_the_global_batch_and_the_schedule(trained):
+    run = trained[0]
+    plans = run.of("plan")  # once per worker-group start: the first and the one after the failure
+    assert len(plans) == 2 and plans[0] == plans[1]
+    plan = plans[0]
+    steps = run.of("epoch")[-1]["steps"]  # epoch 1 restarted at step 5 and ran only the rest
+    assert (plan["global_batch_blocks"], plan["global_batch_tokens"], plan["accumulation"]) == (4, 2048, 1)
+    assert plan["steps_per_epoch"] == steps and plan["total_steps"] == EPOCHS * steps
+    assert plan["lr_schedule"] == "cosine" and plan["warmup_steps"] >= 1
+    assert plan["compute_dtype"] == "float32" and plan["compile"] is False  # CPU defaults
+    assert "Plan: 2 devices x 2 blocks x 1 accumulation = 4 blocks (2048 tokens) per optimizer step" in run.output
+
+
+def test_a_worker_failure_resumes_from_the_latest_step_checkpoint_in_the_same_job(trained):
+    run = trained[0]
+    assert f"injected failure after step {FAIL_AT}" in run.output
+    assert re.search(rf"Resumed from \S+/first/step_{EVERY:07d} at epoch 1 step {EVERY}/\d+ \(global step {EVERY}\)",
+                     run.output)
+    steps = [e["step"] for e in run.of("checkpoint")]
+    # Step 5 was written before the failure, step 5's successors after it; no step is lost.
+    assert steps[0] == EVERY and steps.count(EVERY) == 1
+    assert sorted(set(steps)) == steps[:1] + sorted(set(steps[1:])) and steps[-1] == run.of("plan")[0]["total_steps"]
+
+
+def test_progress_events_move_within_an_epoch(trained):
+    run = trained[0]
+    progress = run.of("progress")
+    assert len(progress) >= 3
+    total = run.of("plan")[0]["total_steps"]
+    for e in progress:
+        assert 0 < e["step"] <= total and e["total_steps"] == total
+        assert 0 < e["epoch_step"] <= e["epoch_steps"] and e["tokens_per_s"] > 0 and e["step_time_s"] > 0
+        assert e["loss"] > 0 and 0 < e["lr"] <= 3e-3
+    assert any(e["epoch_step"] < e["epoch_steps"] for e in progress)  # inside an epoch, not at its end
 
 
 def test_loss_falls_and_eval_loss_is_reported(trained):
@@ -82,7 +127,7 @@ def test_loss_falls_and_eval_loss_is_reported(trained):
 def test_throughput_counts_real_tokens_and_batches_have_one_shape(trained):
     run = trained[0]
     for e in run.of("epoch"):
-        assert e["batch_shapes"] == [[4, 512]]
+        assert e["batch_shapes"] == [[2, 512]]
         assert 0 < e["tokens_per_s"] <= e["padded_tokens_per_s"]
         assert e["epoch_time_s"] > 0 and e["epochs"] == EPOCHS
     # The tutorial's human line, with the real-token figure and the padded one labelled.
@@ -91,17 +136,24 @@ def test_throughput_counts_real_tokens_and_batches_have_one_shape(trained):
     assert "Training completed! Final metrics:" in run.output
 
 
-def test_checkpoints_are_sharded_and_retention_keeps_the_best(trained):
+def test_checkpoints_are_sharded_and_the_best_by_eval_loss_is_exported(trained):
     run, storage = trained
     best = Path(run.one("result")["best_checkpoint_uri"])
     assert sorted(p.name for p in best.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
                                                       "trainer_state.json"]
-    assert not (storage / "first" / "epoch_0001").exists()  # --keep-checkpoints 1 (Ray Train retention)
     meta = dcp.FileSystemReader(str(best)).read_metadata().state_dict_metadata
     weight = meta["model.model.language_model.layers.0.mlp.gate_proj.weight"]
     assert len(weight.chunks) == 2  # each rank wrote only its half
+    assert weight.properties.dtype == torch.float32  # master weights, whatever the compute dtype
     assert any(k.startswith("optim.") for k in meta)  # optimizer state travels with it
     assert not any("embed_tokens_per_layer" in k for k in meta)  # frozen PLE is not stored
+    # eval_loss ranks checkpoints when there is an eval split (score attribute auto).
+    last = Path(run.of("checkpoint")[-1]["uri"])
+    history = json.loads((last / "trainer_state.json").read_text())["history"]
+    assert len(history) == len({e["step"] for e in run.of("checkpoint")})
+    assert all(entry["eval_loss"] is not None for entry in history)
+    assert str(best) == min(history, key=lambda entry: entry["eval_loss"])["uri"]
+    assert "(eval_loss=" in run.output
 
 
 def _sample_batch(assets) -> torch.Tensor:
@@ -144,13 +196,14 @@ def test_exported_directory_loads_with_from_pretrained(trained):
         assert "lm_head.weight" not in f.keys()  # tied to the embedding, stored once
 
 
-def test_resumed_run_continues_at_the_next_epoch(resumed, trained):
+def test_a_run_resumed_inside_an_epoch_retraces_the_uninterrupted_run(resumed, trained):
     assert resumed.rc == 0, resumed.tail()
-    assert [e["epoch"] for e in resumed.of("epoch")] == [EPOCHS + 1]
-    previous = trained[0].of("epoch")[-1]
-    # Model and optimizer came back: the next epoch improves on the last one instead of
-    # starting again from the random model's loss.
-    assert resumed.one("epoch")["loss"] < previous["loss"]
-    assert f"at epoch {EPOCHS}" in resumed.output
-    result = resumed.one("result")
-    assert result["best_epoch"] == EPOCHS + 1 and result["best_checkpoint_uri"].endswith("resumed/epoch_0003")
+    assert re.search(rf"Resumed from \S+/first/step_{2 * EVERY:07d} at epoch 1 step {2 * EVERY}/", resumed.output)
+    first = trained[0].of("epoch")
+    again = resumed.of("epoch")
+    assert [e["epoch"] for e in again] == [1, 2]
+    # Same data order, optimizer state, schedule position and partial-epoch loss: the
+    # same numbers as the run that was never stopped there.
+    for a, b in zip(first, again):
+        assert abs(a["loss"] - b["loss"]) < 2e-3, (a, b)
+        assert abs(a["eval_loss"] - b["eval_loss"]) < 2e-3, (a, b)

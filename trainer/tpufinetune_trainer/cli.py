@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--max-failures", type=int, default=0,
                     help="worker failures Ray Train recovers from inside this job, each resuming from the "
                          "latest checkpoint")
+    ft.add_argument("--fail-at-step", type=int, default=0,
+                    help="fault injection for tests: fail once after this optimizer step (not after a restore)")
 
     co = sub.add_parser("collectives", help="interconnect check: DTensor TP parity + all_reduce")
     _slice_flags(co)
@@ -118,7 +120,8 @@ def _config(args: argparse.Namespace):
             checkpoint_score_order=args.checkpoint_score_order, resume_from=args.resume_from,
             run_name=args.run_name, long_prompts=args.long_prompts, prompt_format=args.prompt_format,
             dataset_format=args.dataset_format, compile=args.compile, compute_dtype=args.compute_dtype,
-            progress_interval_s=args.progress_interval, max_failures=args.max_failures)
+            progress_interval_s=args.progress_interval, max_failures=args.max_failures,
+            fail_at_step=args.fail_at_step)
     return CollectivesConfig(topology=args.topology, accelerator_type=args.accelerator_type,
                              num_workers=args.num_workers, device=args.device, hidden_dim=args.hidden_dim,
                              batch_size=args.batch_size, placement_timeout_s=args.placement_timeout,

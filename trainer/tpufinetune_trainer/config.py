@@ -73,6 +73,7 @@ class FinetuneConfig(SliceConfig):
     compute_dtype: str = "auto"
     progress_interval_s: float = 30.0
     max_failures: int = 0
+    fail_at_step: int = 0  # fault injection for tests: every rank fails once after this step
 
     def validate(self) -> "FinetuneConfig":
         if not self.storage_path:

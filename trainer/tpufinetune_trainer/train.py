@@ -116,6 +116,7 @@ class Trainer:
         self.epoch, self.epoch_step, self.global_step = 1, 0, 0
         self.carried = (0.0, 0)  # (loss sum, label tokens) of the resumed epoch's earlier steps
         self.weights_uri: str | None = None  # which checkpoint's weights the model holds
+        self.restored = False
 
     def _build_optimizer(self) -> None:
         cfg, capturable = self.cfg, self.backend.capturable_optimizer
@@ -145,6 +146,7 @@ class Trainer:
         location = ckpt.checkpoint_location(checkpoint) if checkpoint is not None else self.cfg.resume_from
         if not location:
             return
+        self.restored = True
         state = ckpt.load_sharded(self.model, self.optimizer, location, self.cpu_group)
         self._attach_lr()  # the loaded param groups carry a copy of the learning rate
         self.history = list(state.get("history", []))
@@ -240,6 +242,8 @@ class Trainer:
             self.train_step(blocks, count, loss_sum)
             self.epoch_step += 1
             self.global_step += 1
+            if self.global_step == cfg.fail_at_step and not self.restored:
+                raise RuntimeError(f"injected failure after step {self.global_step} (--fail-at-step)")
             steps += 1
             label_tokens += count
             real_tokens += int(data.real_tokens[global_blocks].sum())

@@ -1,0 +1,117 @@
+"""Dataset formats, the chat template's labels, the schedule, and the operator's fold of
+progress events (pure, fast)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from datasets import Dataset
+
+from tpufinetune.runevents import apply_event
+from tpufinetune_trainer.data import IGNORE_INDEX, detect_format, encode_rows, prepare, resolve_prompt_format
+from tpufinetune_trainer.errors import DataError
+from tpufinetune_trainer.model import load_tokenizer
+from tpufinetune_trainer.schedule import lr_table, warmup_steps
+
+from trainer_helpers import write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tokenizer(trainer_assets):
+    return load_tokenizer(str(trainer_assets.model))
+
+
+def labelled_text(tokenizer, ids, labels) -> str:
+    return tokenizer.decode([t for t, l in zip(ids, labels) if l != IGNORE_INDEX])
+
+
+def test_chat_is_the_default_for_a_tokenizer_with_a_template(tokenizer):
+    assert resolve_prompt_format("auto", tokenizer) == "chat"
+    assert resolve_prompt_format("tutorial", tokenizer) == "tutorial"
+
+
+def test_chat_format_labels_only_the_assistant_turn(tokenizer):
+    rows = Dataset.from_list([{"instruction": "Name a fruit.", "context": "Be brief.", "response": " Apple. "}])
+    enc = encode_rows(rows, tokenizer, 512, "chat")
+    ids, labels = enc.input_ids[0], enc.labels[0]
+    text = tokenizer.decode(ids)
+    assert text == ("<bos><start_of_turn>user\nName a fruit.\n\nBe brief.<end_of_turn>\n"
+                    "<start_of_turn>model\nApple.<end_of_turn>\n")
+    assert labelled_text(tokenizer, ids, labels) == "Apple.<end_of_turn>\n"  # answer and its end marker
+
+
+def test_multi_turn_messages_label_every_assistant_turn_and_nothing_else(tokenizer):
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": "Count to two."}, {"role": "assistant", "content": "One, two."}]
+    enc = encode_rows(Dataset.from_list([{"messages": turns}]), tokenizer, 512, "chat")
+    assert labelled_text(tokenizer, enc.input_ids[0], enc.labels[0]) == (
+        "Hello.<end_of_turn>\nOne, two.<end_of_turn>\n")
+    with pytest.raises(DataError, match="multi-turn or system messages need --prompt-format chat"):
+        encode_rows(Dataset.from_list([{"messages": turns}]), tokenizer, 512, "tutorial")
+
+
+def test_prompt_completion_rows(tokenizer):
+    rows = Dataset.from_list([{"prompt": "2+2=", "completion": "4"}])
+    chat = encode_rows(rows, tokenizer, 512, "chat")
+    assert labelled_text(tokenizer, chat.input_ids[0], chat.labels[0]) == "4<end_of_turn>\n"
+    tutorial = encode_rows(rows, tokenizer, 512, "tutorial")
+    assert tokenizer.decode(tutorial.input_ids[0]) == "<bos>Instruction: 2+2=\nResponse: 4<eos>"
+
+
+def test_formats_are_detected_from_columns_and_errors_name_the_fix():
+    assert detect_format(["instruction", "context", "response", "category"], "d") == "dolly"
+    assert detect_format(["messages"], "d") == "messages"
+    assert detect_format(["prompt", "completion"], "d") == "prompt-completion"
+    with pytest.raises(DataError, match=r"missing column\(s\) \['completion'\] for --dataset-format prompt-completion"):
+        detect_format(["prompt", "answer"], "d", "prompt-completion")
+    with pytest.raises(DataError, match="name it with --dataset-format"):
+        detect_format(["question", "answer"], "d")
+
+
+def test_a_long_chat_prompt_is_skipped_and_a_long_answer_truncated(tmp_path, tokenizer):
+    rows = [{"instruction": "Say yes.", "context": "", "response": "Yes."}] * 20
+    rows += [{"instruction": "word " * 300, "context": "", "response": "x"}]
+    rows += [{"instruction": "Go on.", "context": "", "response": "more " * 300}]
+    data = prepare(str(write_jsonl(tmp_path / "rows.jsonl", rows)), "train", tokenizer, 128, 0.0, 0)
+    assert data.prompt_format == "chat" and data.skipped_long_prompts == 1 and data.truncated == 1
+    assert data.train.label_tokens.sum() == (data.train.labels[:, 1:] != IGNORE_INDEX).sum()
+
+
+def test_warmup_then_cosine_decay_to_the_floor():
+    table = lr_table(1e-3, 100, warmup_steps(100, 0.1), "cosine", 0.1)
+    assert len(table) == 100 and warmup_steps(100, 0.1) == 10
+    assert np.all(np.diff(table[:10]) > 0) and table[9] == pytest.approx(1e-3)
+    assert np.all(np.diff(table[10:]) <= 1e-12) and table[-1] == pytest.approx(1e-4)
+    linear = lr_table(1e-3, 100, 0, "linear", 0.0)
+    assert linear[0] < 1e-3 and linear[-1] == pytest.approx(0.0)
+    assert np.all(lr_table(1e-3, 10, 0, "constant", 0.1) == np.float32(1e-3))
+
+
+def test_progress_events_become_status_progress_with_a_time_left():
+    status: dict = {}
+    apply_event(status, {"event": "plan", "total_steps": 300})
+    assert status["progress"]["summary"] == "0% 0/300"
+    event = {"event": "progress", "epoch": 1, "epochs": 3, "step": 75, "total_steps": 300, "epoch_step": 75,
+             "epoch_steps": 100, "loss": 2.51234, "lr": 2e-5, "tokens_per_s": 12345.67, "step_time_s": 2.0,
+             "some_future_field": 1}
+    apply_event(status, event)
+    apply_event(status, event)  # idempotent
+    progress = status["progress"]
+    assert progress["percent"] == 25.0 and progress["etaSeconds"] == 450
+    assert progress["summary"] == "25% 75/300 ETA 7m"
+    assert (progress["loss"], progress["tokensPerSecond"], progress["epochStep"]) == (2.5123, 12345.7, 75)
+    assert status["message"] == "epoch 1/3: step 75/300 loss=2.5123"
+    apply_event(status, {"event": "result", "best_checkpoint_uri": "gs://b/r/epoch_0003"})
+    assert status["progress"]["summary"] == "100% 300/300" and status["progress"]["etaSeconds"] == 0
+    apply_event(status, {"event": "progress", "step": "x"})  # malformed: ignored
+    assert status["progress"]["percent"] == 100.0
+
+
+def test_the_status_schema_keeps_progress():
+    from tpufinetune.status import TPUFineTuneStatus
+
+    status: dict = {}
+    apply_event(status, {"event": "progress", "epoch": 1, "epochs": 1, "step": 5, "total_steps": 10,
+                         "loss": 1.0, "step_time_s": 0.5})
+    dumped = TPUFineTuneStatus.model_validate(status).model_dump(by_alias=True, exclude_none=True)
+    assert dumped["progress"] == status["progress"]

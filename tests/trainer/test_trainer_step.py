@@ -1,0 +1,214 @@
+"""The training step in one process (a real world-size-1 gloo group): the TPU's dtype
+policy run on CPU, token-weighted loss, masks, no host reads, compile parity."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tpufinetune_trainer.backends import BACKENDS
+from tpufinetune_trainer.config import FinetuneConfig
+from tpufinetune_trainer.data import (
+    BatchPlan,
+    encode_rows,
+    epoch_permutation,
+    global_label_tokens,
+    load_rows,
+    pack,
+    pad_id_of,
+    prepare,
+    step_blocks,
+)
+from tpufinetune_trainer.masks import MaskBuilder
+from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
+from tpufinetune_trainer.train import Trainer
+
+LENGTH = 256
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def prepared(trainer_assets):
+    tokenizer = load_tokenizer(str(trainer_assets.model))
+    data = prepare(str(trainer_assets.data), "train[:160]", tokenizer, LENGTH, 0.1, 42)
+    return {"train": data.train, "eval": data.eval, "pad_id": pad_id_of(tokenizer)}
+
+
+def make_trainer(assets, data, tmp_path, **overrides) -> Trainer:
+    settings = dict(model_id=str(assets.model), storage_path=str(tmp_path), num_workers=1, device="cpu",
+                    max_seq_len=LENGTH, learning_rate=3e-3, batch_size_per_device=2, num_epochs=1)
+    cfg = FinetuneConfig(**{**settings, **overrides}).validate()
+    return Trainer(cfg, BACKENDS["cpu"], data, rank=0, world=1, local_rank=0)
+
+
+def run_steps(trainer: Trainer, steps: int) -> list[float]:
+    """Mean loss per optimizer step (read after each step: this is a test, not the loop)."""
+    data, plan = trainer.train_data, trainer.plan
+    order = epoch_permutation(len(data), 1, 42)
+    losses, loss_sum = [], torch.zeros(())
+    for step in range(steps):
+        count = global_label_tokens(data, order, step, plan)
+        before = float(loss_sum)
+        trainer.train_step(step_blocks(order, step, plan, 0), count, loss_sum)
+        losses.append((float(loss_sum) - before) / count)
+    return losses
+
+
+def test_the_tpu_dtype_policy_on_cpu(trainer_assets, prepared, process_group, tmp_path):
+    """bf16 compute, fp32 master weights and AdamW state, the frozen table stored in bf16:
+    the numerics a TPU runs, here on the CPU suite."""
+    from torch.distributed.tensor import DTensor
+
+    trainer = make_trainer(trainer_assets, prepared, tmp_path, compute_dtype="bfloat16")
+    model = trainer.model
+    table = model.model.language_model.embed_tokens_per_layer.weight
+    assert table.dtype == torch.bfloat16 and not table.requires_grad and not isinstance(table, DTensor)
+    assert {p.dtype for p in trainer.params} == {torch.float32}
+    seen = {}
+
+    def block_output(module, args, out) -> None:
+        seen.setdefault("block", out.dtype)
+
+    hook = model.model.language_model.layers[0].register_forward_hook(block_output)
+    losses = run_steps(trainer, 8)
+    hook.remove()
+    assert seen["block"] == torch.bfloat16  # the blocks compute in bf16
+    state = trainer.optimizer.state[trainer.params[0]]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3, losses
+    assert trainer.lr.dtype == torch.float32 and trainer.optimizer.param_groups[0]["lr"] is trainer.lr
+
+
+def step_gradients(trainer: Trainer) -> list[torch.Tensor]:
+    """The gradients one train_step produces (optimizer step and zeroing held back)."""
+    trainer.optimizer.step = lambda *a, **k: None
+    trainer.optimizer.zero_grad = lambda *a, **k: None
+    order = epoch_permutation(len(trainer.train_data), 1, 42)
+    count = global_label_tokens(trainer.train_data, order, 0, trainer.plan)
+    trainer.train_step(step_blocks(order, 0, trainer.plan, 0), count, torch.zeros(()))
+    return [p.grad.full_tensor() for p in trainer.params]
+
+
+def test_every_label_token_weighs_the_same_however_the_batch_is_split(trainer_assets, prepared,
+                                                                      process_group, tmp_path):
+    """One global batch of 4 blocks, as 1 micro-batch of 4 or 4 micro-batches of 1
+    (accumulation): the same gradient, because the loss is the global token sum over the
+    global token count, not a mean of per-batch means (the blocks hold different numbers
+    of label tokens, so a mean of means would weigh their tokens differently)."""
+    whole = make_trainer(trainer_assets, prepared, tmp_path, batch_size_per_device=4, max_grad_norm=0)
+    split = make_trainer(trainer_assets, prepared, tmp_path, batch_size_per_device=1, global_batch_blocks=4,
+                         max_grad_norm=0)
+    assert (whole.plan.accum, split.plan.accum) == (1, 4)
+    blocks = step_blocks(epoch_permutation(len(whole.train_data), 1, 42), 0, whole.plan, 0).ravel()
+    assert len(set(whole.train_data.label_tokens[blocks].tolist())) > 1
+    for a, b in zip(step_gradients(whole), step_gradients(split)):
+        assert torch.linalg.vector_norm(a - b) <= 1e-5 * torch.linalg.vector_norm(a)  # summation order only
+
+
+def test_the_learning_rate_follows_the_schedule_from_the_device_table(trainer_assets, prepared, process_group,
+                                                                      tmp_path):
+    trainer = make_trainer(trainer_assets, prepared, tmp_path, warmup_ratio=0.25, num_epochs=2)
+    seen = []
+    for step in range(4):
+        run_steps_from = epoch_permutation(len(trainer.train_data), 1, 42)
+        trainer.train_step(step_blocks(run_steps_from, step, trainer.plan, 0), 100, torch.zeros(()))
+        seen.append(float(trainer.lr))
+    np.testing.assert_allclose(seen, trainer.lr_host[:4], rtol=1e-6)
+    assert seen[0] < seen[1] < seen[2]  # warmup
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Fail on any read of a tensor's value into Python (what makes a TPU host wait)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor value was read on the host")
+
+    names = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+    for name in names:
+        setattr(torch.Tensor, name, refuse)
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def test_forward_and_backward_never_read_a_tensor_on_the_host(trainer_assets, prepared, process_group, tmp_path):
+    """transformers reads a device value to detect packing when it builds masks itself;
+    with our masks passed in, the step's forward and backward read nothing."""
+    trainer = make_trainer(trainer_assets, prepared, tmp_path)
+    index = torch.tensor([0, 1])
+    batch = trainer.train_blocks.gather(index)
+    trainer.token_loss_sum(batch).backward()  # warm-up outside the guard (lazy inits)
+    with no_host_reads():
+        loss = trainer.token_loss_sum(trainer.train_blocks.gather(index))
+        loss.backward()
+    with pytest.raises(AssertionError, match="read on the host"):
+        with no_host_reads():
+            trainer.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])  # no masks
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_our_masks_give_each_packed_example_its_logits_alone(trainer_assets, attn):
+    model = load_causal_lm(str(trainer_assets.model), torch.float32, attn).eval()
+    tokenizer = load_tokenizer(str(trainer_assets.model))
+    enc = encode_rows(load_rows(str(trainer_assets.data), "train[:40]"), tokenizer, LENGTH, "chat")
+    packed = pack(enc.input_ids, enc.labels, LENGTH, tokenizer.pad_token_id)
+    block = int(np.argmax(packed.segment_ids.max(axis=1)))  # the block with the most examples
+    masks = MaskBuilder(model.config, LENGTH, torch.device("cpu"), torch.float32, attn)
+    with torch.no_grad():
+        logits = model(input_ids=torch.from_numpy(packed.input_ids[block:block + 1]),
+                       position_ids=torch.from_numpy(packed.position_ids[block:block + 1]),
+                       attention_mask=masks(torch.from_numpy(packed.segment_ids[block:block + 1]))).logits[0]
+        checked = 0
+        for segment in range(1, int(packed.segment_ids[block].max())):
+            where = np.flatnonzero(packed.segment_ids[block] == segment)
+            alone = model(input_ids=torch.from_numpy(packed.input_ids[block, where][None])).logits[0]
+            torch.testing.assert_close(logits[where], alone, rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 2
+
+
+def test_a_long_example_sees_only_the_sliding_window_on_sliding_layers(trainer_assets):
+    model = load_causal_lm(str(trainer_assets.model), torch.float32, "sdpa").eval()
+    window = model.config.get_text_config().sliding_window
+    length = window + 64
+    ids = torch.randint(6, 1000, (1, length))
+    masks = MaskBuilder(model.config, length, torch.device("cpu"), torch.float32, "sdpa")
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=masks(torch.ones(1, length, dtype=torch.long))).logits
+        theirs = model(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(trainer_assets, prepared, process_group, tmp_path):
+    eager = run_steps(make_trainer(trainer_assets, prepared, tmp_path, compile="off"), 3)
+    compiled_trainer = make_trainer(trainer_assets, prepared, tmp_path, compile="on")
+    assert compiled_trainer.compiled
+    compiled = run_steps(compiled_trainer, 3)
+    np.testing.assert_allclose(compiled, eager, rtol=2e-3, atol=2e-3)
+
+
+def test_a_steps_blocks_do_not_depend_on_the_world_size():
+    order = epoch_permutation(200, 3, 42)
+    one = step_blocks(order, 5, BatchPlan(1, 8, 1), 0).ravel()
+    four = np.concatenate([step_blocks(order, 5, BatchPlan(4, 1, 2), r).ravel() for r in range(4)])
+    assert sorted(one.tolist()) == sorted(four.tolist()) == sorted(order[40:48].tolist())
