@@ -1,4 +1,5 @@
-"""Benchmark: `tpufinetune-train finetune` against the tutorial's loop, on CPU. Not a test.
+"""Benchmark: throughput and checkpoint cost, `finetune` against the tutorial's loop, on CPU.
+Not a test; time to quality is `bench_time_to_quality.py`.
 
     .venv/bin/python benchmarks/bench_trainer.py [--rows 1024] [--epochs 3] [--work DIR]
 
@@ -75,18 +76,18 @@ def make_ours_train_func(out: str):
 
         train_epoch, checkpoint = product.Trainer.train_epoch, product.Trainer.checkpoint
 
-        def timed_epoch(self, epoch):
-            m = train_epoch(self, epoch)
+        def timed_epoch(self):
+            m = train_epoch(self)
             if self.rank == 0:
-                record(out, {"kind": "epoch", "epoch": epoch, "epoch_time_s": m["epoch_time_s"],
+                record(out, {"kind": "epoch", "epoch": m["epoch"], "epoch_time_s": m["epoch_time_s"],
                              "tokens_per_s": m["tokens_per_s"], "loss": m["loss"], "shapes": m["batch_shapes"]})
             return m
 
-        def timed_checkpoint(self, epoch, metrics):
+        def timed_checkpoint(self, name, metrics, state_extra):
             with PeakRss() as peak:
-                uri = checkpoint(self, epoch, metrics)
+                uri = checkpoint(self, name, metrics, state_extra)
             if self.rank == 0:
-                record(out, {"kind": "checkpoint", "epoch": epoch, "seconds": peak.seconds,
+                record(out, {"kind": "checkpoint", "epoch": metrics["epoch"], "seconds": peak.seconds,
                              "peak_mib": peak.peak_mib, "increase_mib": peak.increase_mib})
             return uri
 
@@ -193,6 +194,7 @@ def run_one(args) -> None:
         cfg = FinetuneConfig(model_id=args.model, dataset=args.data, dataset_split=args.split, num_workers=2,
                              num_epochs=args.epochs, batch_size_per_device=4, max_seq_len=512,
                              learning_rate=args.lr, eval_fraction=0.0, device="cpu", storage_path=args.storage,
+                             prompt_format="tutorial",
                              run_name=f"ours-{int(time.time())}")
         finetune.run(cfg)
         return
