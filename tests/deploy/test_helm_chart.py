@@ -18,7 +18,7 @@ EVERY_OPTION = [
     "--set", "image.pullPolicy=Always", "--set", "podAnnotations.team=ml",
     "--set", "nodeSelector.pool=system", "--set", "settings.pollInterval=2",
     "--set", "priorityClassName=system-cluster-critical",
-    "--set", "env[0].name=EXTRA", "--set", "env[0].value=1",
+    "--set", "env[0].name=EXTRA", "--set-string", "env[0].value=1",
     "--set", "serviceAccount.annotations.iam\\.gke\\.io/gcp-service-account=op@p.iam.gserviceaccount.com",
 ]
 
@@ -139,3 +139,9 @@ def test_aggregated_roles_can_be_left_out(helm):
 def test_values_schema_refuses_a_misspelt_key(helm):
     error = run(helm, "template", "tpufinetune", CHART, "--set", "serviceAcount.create=false", check=False)
     assert "serviceAcount" in error
+
+
+def test_values_schema_refuses_an_env_value_that_is_not_a_string(helm):
+    error = run(helm, "template", "tpufinetune", CHART, "--set", "env[0].name=A", "--set", "env[0].value=1",
+                check=False)
+    assert "env" in error and "string" in error
