@@ -109,7 +109,7 @@ def test_kubectl_get_shows_the_printer_columns(control_plane, namespace):
     status = {"status": {
         "phase": "Running", "epoch": 2, "epochs": 3, "epochProgress": "2/3", "loss": 2.205,
         "tokensPerSecond": 20545.2, "checkpointURI": "gs://my-bucket/ckpt_2",
-        "message": "epoch 2 done",
+        "message": "epoch 2 done", "progress": {"summary": "62%"},
         "conditions": [{"type": "Ready", "status": "True", "reason": "JobRunning",
                         "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
     }}
@@ -117,9 +117,9 @@ def test_kubectl_get_shows_the_printer_columns(control_plane, namespace):
                           "--type=merge", "-p", json.dumps(status))
     header, row = control_plane.kubectl("get", "tft", "-n", namespace).stdout.splitlines()[:2]
     assert header.split() == ["NAME", "GENERATION", "TOPOLOGY", "MODE", "PHASE", "EPOCH",
-                              "LOSS", "TOKENS/S", "AGE"]
-    assert row.split()[:8] == ["cols", "v6e", "4x4", "finetune", "Running", "2/3", "2.205",
-                               "20545.2"]
+                              "PROGRESS", "LOSS", "TOKENS/S", "AGE"]
+    assert row.split()[:9] == ["cols", "v6e", "4x4", "finetune", "Running", "2/3", "62%",
+                               "2.205", "20545.2"]
     header, row = control_plane.kubectl("get", "tpufinetunes", "-n", namespace,
                                         "-o", "wide").stdout.splitlines()[:2]
     assert header.split()[-2:] == ["CHECKPOINT", "MESSAGE"]
