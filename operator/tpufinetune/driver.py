@@ -16,7 +16,8 @@ from tpufinetune.jobspec import job_submission
 from tpufinetune.phases import ClusterView, Decision, Identity, Observations, Plan
 from tpufinetune.rayjobs import LogFollower, RayJobs
 from tpufinetune.settings import Settings
-from tpufinetune.sizing import raycluster_name, render_raycluster
+from tpufinetune.podtemplate import raycluster_with_pod_settings
+from tpufinetune.sizing import raycluster_name
 
 log = logging.getLogger(__name__)
 # While deleting, Ray gets this long to answer (the job's state, a stop request).
@@ -168,7 +169,8 @@ class Run:
             if isinstance(action, phases.RecordEvent):
                 self.backend.record(self.ident, action.type, action.reason, action.message)
             elif isinstance(action, phases.CreateCluster):
-                await self.backend.create(self.ident, render_raycluster(self.ident.name, self.ident.namespace, self.ident.uid, self.spec))
+                await self.backend.create(self.ident, raycluster_with_pod_settings(
+                    self.ident.name, self.ident.namespace, self.ident.uid, self.spec))
                 metrics.cluster_created(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
             elif isinstance(action, phases.DeleteCluster):
                 await self.backend.delete(self.ident, action.name)

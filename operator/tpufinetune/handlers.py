@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 FINALIZER = f"{GROUP}/release"
 OWNER_LABEL = f"{GROUP}/name"
 RUNS: dict[tuple[str, str], Run] = {}
+RELEASE_WAIT_S = 60
 
 
 def _load_kube_config() -> client.ApiClient:
@@ -98,6 +99,13 @@ async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     """Stop the job and delete the RayCluster; retry until both are gone."""
     key = (body["metadata"].get("namespace"), body["metadata"]["name"])
     run = RUNS.get(key) or Run(dict(body), memo.backend, memo.jobs, memo.settings)
-    decision = await run.step(deleting=True)
-    if any(isinstance(a, phases.DeleteCluster) for a in decision.actions):
-        raise kopf.TemporaryError("waiting for the RayCluster to go", delay=2)
+    # Wait here for the garbage collector (seconds, normally): kopf would post a retry
+    # as an Error event, and a normal delete is not an error.
+    deadline = asyncio.get_running_loop().time() + RELEASE_WAIT_S
+    while True:
+        decision = await run.step(deleting=True)
+        if not any(isinstance(a, phases.DeleteCluster) for a in decision.actions):
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise kopf.TemporaryError("waiting for the RayCluster to go", delay=5)
+        await asyncio.sleep(1)

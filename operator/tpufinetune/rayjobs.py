@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 
 from ray.job_submission import JobSubmissionClient
@@ -20,10 +21,25 @@ log = logging.getLogger(__name__)
 LOG_TAIL_CHARS = 2000
 
 
+# Ray's JobSubmissionClient replaces the address it is given with either of these when
+# they are set; a stray one would send every run to one cluster.
+ADDRESS_OVERRIDES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+
+
+def drop_address_overrides(environ=os.environ) -> list[str]:
+    """Remove Ray's address variables from this process: each run talks to its own
+    cluster's head, always. Returns the names removed (logged once)."""
+    removed = [name for name in ADDRESS_OVERRIDES if environ.pop(name, None) is not None]
+    if removed:
+        log.warning("ignoring %s: each run uses its own RayCluster's head address", ", ".join(removed))
+    return removed
+
+
 class RayJobs:
     """One JobSubmissionClient per dashboard address, created on first use."""
 
     def __init__(self, headers: dict | None = None):
+        drop_address_overrides()
         self._headers = headers or {}
         self._clients: dict[str, JobSubmissionClient] = {}
 

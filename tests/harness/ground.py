@@ -242,8 +242,13 @@ class Ground:
         try:
             for pool in pools:
                 for name in pool.node_names():
-                    core.create_node(node_manifest(pool, name))
+                    manifest = node_manifest(pool, name)
+                    core.create_node(manifest)
                     core.patch_node_status(name, {"status": node_status(pool, stamp)})
+                    # The API server taints a new node not-ready until the node-lifecycle
+                    # controller sees a kubelet's Ready; that controller is off here, so the
+                    # node's own taints (GKE's TPU taint, or none) are set back at once.
+                    core.patch_node(name, {"spec": {"taints": manifest["spec"].get("taints") or None}})
         finally:
             api.close()
         self.pools += [p for p in pools if p not in self.pools]
@@ -258,10 +263,13 @@ class Ground:
 
     def operator_environment(self, kubeconfig: Path) -> dict:
         env = dict(os.environ)
-        for name in ("RAY_ADDRESS", "TPUFT_DASHBOARD_URL"):
-            env.pop(name, None)  # the operator reaches each head by its Service name
+        env.pop("TPUFT_DASHBOARD_URL", None)  # the operator reaches each head by its Service name
         env.update(
             KUBECONFIG=str(kubeconfig),
+            # Stray Ray address variables must not redirect any run (the operator drops
+            # them); every run on the ground proves it.
+            RAY_ADDRESS="http://127.0.0.1:9",
+            RAY_API_SERVER_ADDRESS="http://127.0.0.1:9",
             TPUFT_RAY_TOKEN=self.ray_token,
             TPUFT_POLL_INTERVAL="1",
             HF_HUB_OFFLINE="1",

@@ -15,8 +15,8 @@ scheduler binds to simulated nodes, by running each pod as a real local Ray proc
   TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY, TPU_WORKER_HOSTNAMES), so Ray's own TPU code advertises
   the slice head resource and the slice labels; the TPU count is the `TPU` resource KubeRay
   puts into `ray start` from the pod's `google.com/tpu` request.
-- It also plays cluster DNS for the ground: every Service's ready endpoints (from the
-  EndpointSlices the real controller-manager writes) go into a hosts file, which processes
+- It also plays cluster DNS for the ground: every Service's ready pods (picked by its
+  selector, as the endpoint-slice controller does) go into a hosts file, which processes
   that should resolve Service names (the operator) see as their /etc/hosts.
 
 Where this differs from GKE is listed in tests/README.md. Run as a process by `Ground`:
@@ -172,6 +172,25 @@ def hosts_file_text(entries: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def service_endpoints(services, pods) -> dict[str, str]:
+    """DNS name -> pod IP for every Service with a selector and a ready pod it selects."""
+    entries: dict[str, str] = {}
+    ready = [p for p in pods if p.status and p.status.pod_ip and p.metadata.deletion_timestamp is None
+             and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
+    for service in services:
+        selector = service.spec.selector or {}
+        if not selector:
+            continue
+        for pod in ready:
+            labels = pod.metadata.labels or {}
+            if pod.metadata.namespace == service.metadata.namespace and all(
+                    labels.get(k) == v for k, v in selector.items()):
+                for name in service_names(service.metadata.name, service.metadata.namespace):
+                    entries[name] = pod.status.pod_ip
+                break
+    return entries
+
+
 def service_names(service: str, namespace: str) -> list[str]:
     """The names cluster DNS answers for a Service."""
     return [f"{service}.{namespace}", f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
@@ -258,7 +277,6 @@ class NodeAgent:
     def __init__(self, api: client.ApiClient, workdir: Path, hosts_file: Path, ip_prefix: str,
                  ground_id: str):
         self.core = client.CoreV1Api(api)
-        self.discovery = client.DiscoveryV1Api(api)
         self.workdir = workdir
         self.hosts_file = hosts_file
         self.ip_prefix = ip_prefix  # "127.N": pods get 127.N.x.y
@@ -583,22 +601,16 @@ class NodeAgent:
                 time.sleep(1)
 
     def resolve_services(self) -> None:
-        """Cluster DNS: each Service name -> its ready endpoint addresses (pod IPs; the
-        ground has no kube-proxy, so ClusterIPs would not route)."""
+        """Cluster DNS: each Service name -> the IPs of the ready pods its selector picks
+        (what the endpoint-slice controller computes; the API server refuses EndpointSlices
+        with loopback addresses, so the ground resolves from the selector itself). Pod IPs,
+        not ClusterIPs: the ground has no kube-proxy."""
         written = None
         while not self.stop_event.is_set():
             try:
-                entries: dict[str, str] = {}
-                for eps in self.discovery.list_endpoint_slice_for_all_namespaces().items:
-                    service = (eps.metadata.labels or {}).get("kubernetes.io/service-name")
-                    if not service:
-                        continue
-                    for endpoint in eps.endpoints or []:
-                        if endpoint.conditions is not None and endpoint.conditions.ready is False:
-                            continue
-                        for address in endpoint.addresses or []:
-                            for dns_name in service_names(service, eps.metadata.namespace):
-                                entries[dns_name] = address
+                entries = service_endpoints(
+                    self.core.list_service_for_all_namespaces().items,
+                    self.core.list_pod_for_all_namespaces().items)
                 text = hosts_file_text(entries)
                 if text != written:
                     # In place, never by rename: the file is bind-mounted over /etc/hosts.
@@ -608,7 +620,7 @@ class NodeAgent:
                         f.truncate()
                     written = text
             except Exception as error:
-                log.warning("endpoint slices: %s", error)
+                log.warning("cluster DNS: %s", error)
             self.stop_event.wait(0.5)
 
     def shutdown(self) -> None:

@@ -49,3 +49,11 @@ def test_the_last_line_without_a_newline_is_parsed_when_the_log_ends():
     assert [e["event"] for e in f.drain()] == ["epoch", "epoch"]
     f._feed(b"", final=True)
     assert [e["event"] for e in f.drain()] == ["result"]
+
+
+def test_stray_ray_address_variables_never_redirect_a_run():
+    from tpufinetune.rayjobs import drop_address_overrides
+
+    environ = {"RAY_ADDRESS": "http://elsewhere:8265", "RAY_API_SERVER_ADDRESS": "http://elsewhere:8265", "HOME": "/"}
+    assert drop_address_overrides(environ) == ["RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"]
+    assert environ == {"HOME": "/"}

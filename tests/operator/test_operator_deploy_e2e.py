@@ -1,5 +1,5 @@
-"""What a deployment depends on, end to end with the operator running as deploy/'s
-ServiceAccount (the `operator` fixture): GitOps sees no drift after a run, the Argo CD
+"""What a deployment depends on, end to end on the test ground with the operator running as
+deploy/'s ServiceAccount (the `operator` fixture): GitOps sees no drift after a run, the Argo CD
 health check (deploy/argocd/health.lua, in a real Lua interpreter) reads every phase of
 objects watched live, and /metrics moves with the run.
 
@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness.argocd_health import health
 
-pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
 CAPTURE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "testdata" / "argocd"
 EXPECTED_HEALTH = {
@@ -118,9 +118,9 @@ def manifest(name: str, spec: dict) -> dict:
 
 
 def test_a_full_run_leaves_the_spec_as_applied_and_reports_health_and_metrics(
-        operator, kube, control_plane, trainer_assets, tmp_path):
+        operator, kube, ground, trainer_assets, tmp_path):
     metrics_before = scrape(operator)
-    watch = Watch(control_plane, kube.ns)
+    watch = Watch(ground.cp, kube.ns)
     applied = manifest("gitops-run", {
         "tpu": {"generation": "cpu", "topology": "2"},
         "image": "registry.example/tpufinetune-trainer:test",
@@ -132,7 +132,6 @@ def test_a_full_run_leaves_the_spec_as_applied_and_reports_health_and_metrics(
     kube.apply(applied)
     created = kube.get("tpufinetune", "gitops-run")
     cluster = kube.wait_for(lambda: kube.status("gitops-run").get("rayClusterName"), "rayClusterName")
-    kube.mark_cluster_ready(cluster)
     kube.kubectl("wait", "tpufinetune/gitops-run", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
     kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released")
     final = json.loads(kube.kubectl("get", "tpufinetune", "gitops-run", "-o", "json", "--show-managed-fields").stdout)
@@ -161,9 +160,9 @@ def test_a_full_run_leaves_the_spec_as_applied_and_reports_health_and_metrics(
     assert after[("tpufinetune_resources", (("phase", "Succeeded"),))] >= 1
 
 
-def test_suspended_deleted_and_invalid_resources_report_their_health(operator, kube, control_plane):
+def test_suspended_deleted_and_invalid_resources_report_their_health(operator, kube, ground):
     metrics_before = scrape(operator)
-    watch = Watch(control_plane, kube.ns)
+    watch = Watch(ground.cp, kube.ns)
     base = {"tpu": {"generation": "cpu", "topology": "1"}, "mode": "collectives", "image": "registry.example/t:1"}
     kube.apply(manifest("held", {**base, "suspend": True}))
     kube.wait_for(lambda: kube.status("held").get("message", "").startswith("suspended"), "suspended message")
