@@ -63,11 +63,11 @@ def _row(rng: random.Random) -> dict:
     kind = rng.randrange(8)
     context = ""
     if kind == 0:
-        numbers = rng.sample(range(1, 100), rng.randint(4, 9))
+        numbers = rng.sample(range(1, 100), rng.randint(4, 30))
         instruction = f"Which of these numbers are even: {', '.join(map(str, numbers))}?"
         response = ", ".join(str(n) for n in numbers if n % 2 == 0) or "None of them."
     elif kind == 1:
-        items = rng.sample(FRUITS + VEGETABLES, rng.randint(3, 7))
+        items = rng.sample(FRUITS + VEGETABLES, rng.randint(3, 14))
         instruction = f"Classify each of the following as a fruit or a vegetable: {', '.join(items)}"
         response = "\n".join(f"{i}: {'fruit' if i in FRUITS else 'vegetable'}" for i in items)
     elif kind == 2:
@@ -84,7 +84,7 @@ def _row(rng: random.Random) -> dict:
         response = f"There are {len(items)} items."
     elif kind == 5:
         country, capital, river = _name(rng) + "ia", _name(rng), _name(rng)
-        others = [f"{_name(rng)}ia has {_name(rng)} as its capital." for _ in range(rng.randint(0, 6))]
+        others = [f"{_name(rng)}ia has {_name(rng)} as its capital." for _ in range(rng.randint(4, 30))]
         facts = [f"{country} has {capital} as its capital.", f"The {river} river flows through {country}."]
         sentences = others + facts
         rng.shuffle(sentences)
@@ -96,7 +96,7 @@ def _row(rng: random.Random) -> dict:
         instruction = f"Give me a list of {k} colors."
         response = "\n".join(f"- {c}" for c in COLORS[:k])
     else:
-        words = [_name(rng).lower() for _ in range(rng.randint(3, 12))]
+        words = [_name(rng).lower() for _ in range(rng.randint(20, 120))]
         context = " ".join(words)
         instruction = "Repeat the text exactly."
         response = context
@@ -108,19 +108,47 @@ def make_rows(n: int, seed: int) -> list[dict]:
     return [_row(rng) for _ in range(n)]
 
 
-def build_assets(work: Path, rows: int, heldout: int) -> dict:
-    """Train and held-out JSONL, and a tiny random Gemma 4 with a BPE tokenizer (with a
-    chat template) fitted to this data."""
+def pretrain(model, tokenizer, texts: list[str], steps: int, length: int = 256, batch: int = 8) -> float:
+    """Plain causal-LM pretraining on untemplated text, so both loops fine-tune a base
+    that knows the data's words but neither prompt format nor the tasks (as a real
+    fine-tune starts from a pretrained model, not from random weights)."""
+    import torch
+
+    stream = []
+    for text in texts:
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    blocks = torch.tensor(stream[:len(stream) // length * length]).view(-1, length)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(0)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        ids = blocks[torch.randint(len(blocks), (batch,), generator=generator)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return float(loss)
+
+
+def build_assets(work: Path, rows: int, heldout: int, pretrain_steps: int) -> dict:
+    """Train and held-out JSONL, and a tiny Gemma 4 with a BPE tokenizer (with a chat
+    template) fitted to this data, pretrained on other rows as plain text."""
     from tpufinetune_trainer.assets import build_model, build_tokenizer
 
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
-    train, held = make_rows(rows, 1), make_rows(heldout, 2)
+    train, held, corpus = make_rows(rows, 1), make_rows(heldout, 2), make_rows(4 * rows, 3)
     for name, part in (("train", train), ("heldout", held)):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     texts = [" ".join(r.values()) for r in train] + ["Instruction: Context: Response: user model"] * 50
     tokenizer = build_tokenizer(texts, 2048)
     model = build_model("tiny", len(tokenizer), seed=0)
+    started = time.perf_counter()
+    loss = pretrain(model, tokenizer,
+                    [" ".join(v for v in r.values() if v) for r in corpus], pretrain_steps)
+    print(f"  pretrained the base on {len(corpus)} plain-text rows: {pretrain_steps} steps, "
+          f"loss {loss:.3f}, {time.perf_counter() - started:.0f}s", flush=True)
     model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
     return {"model": str(work / "model"), "train": str(data / "train.jsonl"), "heldout": str(data / "heldout.jsonl")}
@@ -348,7 +376,7 @@ def run_one(args) -> None:
         from tpufinetune_trainer import train as product
         from tpufinetune_trainer.config import FinetuneConfig
 
-        product.train_func = make_ours_train_func(out, args.heldout, args.score_every)  # picked up by name
+        product.train_func = make_ours_train_func(out, args.heldout_file, args.score_every)  # picked up by name
         # Defaults, except: the shared peak lr, the same examples (no split of our own),
         # CPU, 2 workers.
         cfg = FinetuneConfig(model_id=args.model, dataset=args.data, dataset_split="train", num_workers=2,
@@ -362,7 +390,7 @@ def run_one(args) -> None:
 
     ray.init(address=os.environ["RAY_ADDRESS"])
     TorchTrainer(
-        train_loop_per_worker=make_baseline_train_func(out, args.heldout, args.score_every),
+        train_loop_per_worker=make_baseline_train_func(out, args.heldout_file, args.score_every),
         train_loop_config={"model": args.model, "data": args.data, "epochs": args.epochs, "lr": args.lr},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
@@ -373,7 +401,7 @@ def run_one(args) -> None:
 def measure(kind: str, assets: dict, args, work: Path, env: dict, score_every: int) -> list:
     out = work / f"{kind}-{int(time.time())}.jsonl"
     cmd = [sys.executable, __file__, "--one", kind, "--model", assets["model"], "--data", assets["train"],
-           "--heldout", assets["heldout"], "--epochs", str(args.epochs), "--lr", str(args.lr), "--out", str(out),
+           "--heldout-file", assets["heldout"], "--epochs", str(args.epochs), "--lr", str(args.lr), "--out", str(out),
            "--storage", str(work / "storage"), "--score-every", str(score_every)]
     log = out.with_suffix(".log")
     started = time.time()
@@ -475,11 +503,12 @@ def main() -> None:
     parser.add_argument("--heldout", type=int, default=128, help="held-out examples")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of both loops")
+    parser.add_argument("--pretrain-steps", type=int, default=600, help="plain-text pretraining of the base (0: random)")
     parser.add_argument("--redo", action="append", default=[], help="ours, baseline or all (else cached)")
     parser.add_argument("--plot", type=Path, default=None, help="write the curves as a PNG here (needs matplotlib)")
     parser.add_argument("--one", choices=["ours", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--score-every", type=int, default=8, help=argparse.SUPPRESS)
-    for hidden in ("--model", "--data", "--out", "--storage"):
+    for hidden in ("--model", "--data", "--heldout-file", "--out", "--storage"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -492,7 +521,7 @@ def main() -> None:
     print(f"work dir: {work}", flush=True)
     assets_file = work / "assets.json"
     if not assets_file.exists():
-        assets_file.write_text(json.dumps(build_assets(work, args.rows, args.heldout)))
+        assets_file.write_text(json.dumps(build_assets(work, args.rows, args.heldout, args.pretrain_steps)))
     assets = json.loads(assets_file.read_text())
     cache = work / "results.json"
     results = json.loads(cache.read_text()) if cache.exists() else {}

@@ -115,7 +115,7 @@ class Training(_Model):
     epochs: int = Field(3, ge=1, le=1000,
                         description="Number of epochs.")
     batch_size_per_device: int = Field(
-        2, ge=1, le=4096,
+        1, ge=1, le=4096,
         description="Packed blocks of maxSeqLen tokens per device per micro-batch.")
     global_batch_blocks: int = Field(
         0, ge=0, le=1048576,

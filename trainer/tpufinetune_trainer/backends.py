@@ -33,17 +33,18 @@ class Backend:
     # optimizer step feeds the device no Python number that changes every step. CPU
     # optimizers are not capturable in torch; there the host is the device.
     capturable_optimizer: bool
+    fused_optimizer: bool     # the CPU's fused AdamW kernel (one op for all parameters)
     compile_by_default: bool  # torch.compile each decoder block unless --compile off
 
 
 BACKENDS = {
     # The tutorial's TPU set-up: bf16 compute, eager attention, tpu_dist over ICI.
-    "tpu": Backend("tpu", "tpu_dist", "tpu", "TPU", "bfloat16", "eager", True, True),
-    "cuda": Backend("cuda", "nccl", "cuda", "GPU", "bfloat16", "sdpa", True, True),
+    "tpu": Backend("tpu", "tpu_dist", "tpu", "TPU", "bfloat16", "eager", True, False, True),
+    "cuda": Backend("cuda", "nccl", "cuda", "GPU", "bfloat16", "sdpa", True, False, True),
     # CPU computes in fp32: this machine kind emulates bf16 matmuls (~20x slower), and
     # the CPU backend exists to rehearse and test. `--compute-dtype bfloat16` runs the
     # TPU's numerics on CPU.
-    "cpu": Backend("cpu", "gloo", "cpu", None, "float32", "sdpa", False, False),
+    "cpu": Backend("cpu", "gloo", "cpu", None, "float32", "sdpa", False, True, False),
 }
 COMPUTE_DTYPES = ("auto", "bfloat16", "float32")
 

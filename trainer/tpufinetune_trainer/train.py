@@ -76,14 +76,17 @@ class DeviceBlocks:
             return torch.from_numpy(np.concatenate([array, fill[None, :]])).to(device)
 
         self.input_ids = with_filler(packed.input_ids, np.full(length, pad_id, np.int64))
-        self.labels = with_filler(packed.labels, np.full(length, IGNORE_INDEX, np.int64))
+        # targets[t] = labels[t + 1]: what position t predicts, so the loss needs no slicing.
+        targets = np.full_like(packed.labels, IGNORE_INDEX)
+        targets[:, :-1] = packed.labels[:, 1:]
+        self.targets = with_filler(targets, np.full(length, IGNORE_INDEX, np.int64))
         self.position_ids = with_filler(packed.position_ids, np.arange(length, dtype=np.int64))
         self.segment_ids = with_filler(packed.segment_ids, np.ones(length, np.int64))
         self.filler = len(packed)
 
     def gather(self, index: torch.Tensor) -> dict:
         return {name: getattr(self, name).index_select(0, index)
-                for name in ("input_ids", "labels", "position_ids", "segment_ids")}
+                for name in ("input_ids", "targets", "position_ids", "segment_ids")}
 
 
 class Trainer:
@@ -123,9 +126,10 @@ class Trainer:
         lr_device = self.device if capturable else torch.device("cpu")
         self.lr = torch.tensor(cfg.learning_rate, dtype=torch.float32, device=lr_device)
         # capturable keeps AdamW's step count and bias corrections on the device; the
-        # CPU optimizer is not capturable and takes one tensor at a time with a tensor lr.
+        # CPU optimizer is not capturable, and its fused kernel takes the tensor lr.
         self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=cfg.weight_decay,
-                                           capturable=capturable, foreach=capturable)
+                                           capturable=capturable, foreach=capturable,
+                                           fused=self.backend.fused_optimizer or None)
         self.warmup = warmup_steps(self.total_steps, cfg.warmup_ratio)
         self.lr_host = lr_table(cfg.learning_rate, self.total_steps, self.warmup, cfg.lr_schedule, cfg.min_lr_ratio)
         self.lr_table = torch.from_numpy(self.lr_host).to(lr_device)
@@ -167,9 +171,8 @@ class Trainer:
         """Summed cross-entropy over the label tokens of a micro-batch, in fp32."""
         out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                          attention_mask=self.masks(batch["segment_ids"]), use_cache=False)
-        logits = out.logits[:, :-1].flatten(0, 1).float()
-        return F.cross_entropy(logits, batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        return F.cross_entropy(out.logits.flatten(0, 1).float(), batch["targets"].flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
 
     def train_step(self, blocks: np.ndarray, label_tokens: int, loss_sum: torch.Tensor) -> None:
         """One optimizer step: `blocks` is this rank's [accum, per_device] indices and
@@ -195,16 +198,14 @@ class Trainer:
         from torch.distributed.tensor import DTensor
 
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=self.backend.capturable_optimizer)
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm,
-                                             foreach=self.backend.capturable_optimizer)
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm, foreach=True)
         return norm
 
     # ------------------------------------------------------------------ epochs
     def run(self) -> None:
-        cfg = self.cfg
         if self.rank == 0:
             self.announce()
         while self.global_step < self.total_steps:
@@ -256,9 +257,7 @@ class Trainer:
                 self.report(self.epoch_metrics(loss_sum, label_tokens, real_tokens, elapsed, steps),
                             epoch_end=False)
                 self.model.train()
-        elapsed = time.perf_counter() - start
-        metrics = self.epoch_metrics(loss_sum, label_tokens, real_tokens, elapsed, steps)
-        return metrics
+        return self.epoch_metrics(loss_sum, label_tokens, real_tokens, time.perf_counter() - start, steps)
 
     def epoch_metrics(self, loss_sum: torch.Tensor, label_tokens: int, real_tokens: int, elapsed: float,
                       steps: int) -> dict:
@@ -266,11 +265,12 @@ class Trainer:
         total = loss_sum.detach().clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         carried_sum, carried_tokens = self.carried
-        loss = (float(total.item()) + carried_sum) / max(label_tokens + carried_tokens, 1)
+        summed = float(total.item()) + carried_sum
+        loss = summed / max(label_tokens + carried_tokens, 1)
         padded = steps * self.plan.global_blocks * self.cfg.max_seq_len
         return {"epoch": self.epoch, "step": self.global_step, "loss": loss, "epoch_time_s": elapsed,
                 "tokens_per_s": real_tokens / max(elapsed, 1e-9), "padded_tokens_per_s": padded / max(elapsed, 1e-9),
-                "steps": steps, "epoch_step": self.epoch_step, "epoch_loss_sum": float(total.item()) + carried_sum,
+                "steps": steps, "epoch_step": self.epoch_step, "epoch_loss_sum": summed,
                 "epoch_label_tokens": label_tokens + carried_tokens,
                 "batch_shapes": [[self.plan.per_device, self.cfg.max_seq_len]]}
 
