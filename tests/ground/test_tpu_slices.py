@@ -35,10 +35,15 @@ def tpu_resource(name: str, generation: str, topology: str, assets, storage) -> 
 def ray_nodes(kube, cluster: str) -> list[dict]:
     """Ray's own view of its nodes (state API on the head), with their resources and labels."""
     head = next(p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "head")
+    if not head["status"].get("podIP"):
+        return []
     request = urllib.request.Request(f"http://{head['status']['podIP']}:8265/nodes?view=summary",
                                      headers={"Authorization": f"Bearer {kube.ground.ray_token}"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        summary = json.loads(response.read())["data"]["summary"]
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            summary = json.loads(response.read())["data"]["summary"]
+    except OSError:  # the head is still starting
+        return []
     return [n for n in summary if n.get("raylet", {}).get("state") == "ALIVE"]
 
 

@@ -30,7 +30,7 @@ def tpu_device_files() -> list[str]:
     return files
 
 
-def require_tpu_device(rank: int, world_size: int) -> None:
+def require_tpu_device(worker_rank: int, world_size: int) -> None:
     """Run in each worker before the TPU runtime starts."""
     if tpu_device_files():
         return
@@ -39,7 +39,7 @@ def require_tpu_device(rank: int, world_size: int) -> None:
     slice_name = os.environ.get("TPU_NAME") or "?"
     host = os.environ.get("TPU_WORKER_ID") or "?"
     raise NoTPUDevice(
-        f"no TPU device: Ray placed worker rank {rank} of {world_size} on TPU slice {slice_name} "
+        f"no TPU device: Ray placed worker rank {worker_rank} of {world_size} on TPU slice {slice_name} "
         f"(host {host}, {ray.util.get_node_ip_address()}), but that host has no /dev/accel* "
         "or /dev/vfio TPU device. The node advertises TPU resources without chips: check that "
         "the pod runs on a TPU node pool and that GKE's TPU device plugin gave it the chips.")
@@ -56,7 +56,7 @@ def guarded_torch_config(dist_backend: str):
             import ray
 
             size = len(worker_group)
-            ray.get([worker_group.execute_single_async(i, require_tpu_device, rank=i, world_size=size)
+            ray.get([worker_group.execute_single_async(i, require_tpu_device, worker_rank=i, world_size=size)
                      for i in range(size)])
             super().on_start(worker_group, backend_config)
 
