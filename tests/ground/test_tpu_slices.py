@@ -52,7 +52,9 @@ def _fits(requests: dict, allocatable: dict) -> bool:
 
 
 def check_slice(kube, ground, name: str, generation_label: str, topology: str, pool: str,
-                hosts: int, tpu_per_host: int, head_resource: str):
+                hosts: int, chips_per_host: int, tpu_per_host: int, head_resource: str):
+    """`chips_per_host`: google.com/tpu per pod; `tpu_per_host`: Ray's TPU resource per host
+    (devices: two per chip on v7x)."""
     cluster = kube.wait_for(lambda: kube.status(name).get("rayClusterName"), "rayClusterName")
 
     def scheduled():
@@ -71,7 +73,7 @@ def check_slice(kube, ground, name: str, generation_label: str, topology: str, p
         assert node["metadata"]["labels"][ACCELERATOR_LABEL] == generation_label
         assert node["metadata"]["labels"][TOPOLOGY_LABEL] == topology
         requests = worker["spec"]["containers"][0]["resources"]["requests"]
-        assert requests[TPU_RESOURCE] == str(tpu_per_host)
+        assert requests[TPU_RESOURCE] == str(chips_per_host)
         assert _fits(requests, node["status"]["allocatable"]), (requests, node["status"]["allocatable"])
         # GKE's toleration for pods that request google.com/tpu (ExtendedResourceToleration).
         assert any(t.get("key") == TPU_RESOURCE for t in worker["spec"].get("tolerations") or [])
@@ -103,14 +105,14 @@ def check_slice(kube, ground, name: str, generation_label: str, topology: str, p
 def test_the_tutorial_v6e_4x4_sample_reserves_its_slice_and_fails_only_for_want_of_a_chip(
         operator, ground, kube, trainer_assets, tmp_path):
     kube.apply(tpu_resource("v6e-sample", "v6e", "4x4", trainer_assets, tmp_path / "ckpt"))
-    check_slice(kube, ground, "v6e-sample", "tpu-v6e-slice", "4x4", "v6e-4x4", hosts=4, tpu_per_host=4,
+    check_slice(kube, ground, "v6e-sample", "tpu-v6e-slice", "4x4", "v6e-4x4", hosts=4, chips_per_host=4, tpu_per_host=4,
                 head_resource="TPU-v6e-16-head")
 
 
 def test_the_tutorial_v7x_2x2x2_sample_counts_two_devices_per_chip(operator, ground, kube, trainer_assets, tmp_path):
     kube.apply(tpu_resource("v7x-sample", "v7x", "2x2x2", trainer_assets, tmp_path / "ckpt"))
     # 2 hosts of 4 chips; Ray schedules per chiplet: 8 TPU per host, 16 workers.
-    check_slice(kube, ground, "v7x-sample", "tpu7x", "2x2x2", "v7x-2x2x2", hosts=2, tpu_per_host=8,
+    check_slice(kube, ground, "v7x-sample", "tpu7x", "2x2x2", "v7x-2x2x2", hosts=2, chips_per_host=4, tpu_per_host=8,
                 head_resource="TPU-v7x-16-head")
 
 
