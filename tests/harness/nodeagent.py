@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -502,6 +503,9 @@ class NodeAgent:
                 run.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+        # The container's files go with it, as a kubelet removes them (the pod's log stays
+        # under the ground's workdir).
+        shutil.rmtree(run.temp_dir, ignore_errors=True)
         self.confirm_deletion(run.namespace, run.name, run.uid)
         self.runs.pop(run.uid, None)
         if self.heads.get((run.namespace, run.cluster)) is run:
@@ -633,6 +637,8 @@ class NodeAgent:
                 except ProcessLookupError:
                     pass
         kill_marked(self.ground_id, grace=10)
+        for run in list(self.runs.values()):
+            shutil.rmtree(run.temp_dir, ignore_errors=True)
 
 
 def _hosts_per_slice(topology: str, chips_per_host: int) -> int:
