@@ -314,6 +314,8 @@ class Ground:
         if agent is not None:
             _stop_process(agent, grace=20)
         kill_marked(self.ground_id, grace=5)  # whatever the agent could not reach
+        for leftover in Path("/tmp").glob(f"tpuft-{self.ground_id}-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
         for name in ("kuberay-operator", "kube-controller-manager", "kube-scheduler"):
             proc = self.processes.pop(name, None)
             if proc is not None:
