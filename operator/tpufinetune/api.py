@@ -18,13 +18,7 @@ from .errors import SpecError
 from .generations import ALL_GENERATION_NAMES, MAX_CHIPS_PER_HOST, MAX_CPU_WORKERS
 from .quantity import QUANTITY_PATTERN, normalize_quantity
 
-GROUP = "tpufinetune.dev"
-VERSION = "v1alpha1"
-KIND = "TPUFineTune"
-PLURAL = "tpufinetunes"
-SINGULAR = "tpufinetune"
-SHORT_NAMES = ("tft", "tpuft")
-API_VERSION = f"{GROUP}/{VERSION}"
+from .names import API_VERSION, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION  # noqa: F401  (re-exported)
 
 # Every value the operator passes to the trainer defaults to the trainer's own default, and
 # every closed set is the trainer's: tests/api/test_trainer_agreement.py runs the trainer's

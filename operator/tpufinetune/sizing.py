@@ -10,9 +10,13 @@ import copy
 import hashlib
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from . import generations as g
-from .api import API_VERSION, KIND, TPUFineTuneSpec
+from .names import API_VERSION, KIND
+
+if TYPE_CHECKING:  # sizing reads the models, never imports them: api -> validation -> sizing
+    from .api import TPUFineTuneSpec
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "tpufinetune"

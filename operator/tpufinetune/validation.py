@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from . import generations as g
 from .errors import SpecError
 from .quantity import parse_quantity
+from .sizing import plan_resources
 
 if TYPE_CHECKING:
     from .api import PodGroup, ResourceRequirements, TPUFineTuneSpec
@@ -293,8 +294,6 @@ def _check_overrides(path: str, resources: ResourceRequirements) -> None:
 def _check_merged_resources(spec: TPUFineTuneSpec) -> None:
     """Python-only: pods whose request exceeds their limit, or whose memory limit cannot
     hold the /dev/shm volume, would be created and then never run."""
-    from .sizing import plan_resources  # sizing imports api; keep the cycle at call time
-
     for group, (requests, limits, shm) in plan_resources(spec).items():
         for key in requests.keys() & limits.keys():
             if parse_quantity(requests[key]) > parse_quantity(limits[key]):
