@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# "../shared", "..\\shared", `parent / "shared"`, `parents[N] / "shared"`: any way of
-# naming the folder beside the clone. Built from parts so this file does not match itself.
+# A relative path up and into it, a pathlib join from a parent, or its absolute path: any
+# way of naming the folder beside the clone. Built from parts so this file never matches itself.
 OUTSIDE = re.compile("|".join([
     re.escape("..") + r"[/\\]" + "shared",
     r"parents?(\[\d+\])?\s*/\s*[\"']" + "shared" + "[\"']",
@@ -37,6 +37,7 @@ def test_no_project_file_refers_to_the_shared_folder_beside_the_clone():
 
 
 def test_the_pattern_catches_each_way_of_naming_it():
-    for line in ('p = ROOT.parent / "shared" / "x"', "cat ../shared/x", "parents[2] / 'shared'"):
+    folder = "sha" + "red"
+    for line in (f'p = ROOT.parent / "{folder}" / "x"', f"cat ../{folder}/x", f"parents[2] / '{folder}'"):
         assert OUTSIDE.search(line), line
     assert not OUTSIDE.search('{"name": "shared", "mountPath": "/mnt"}')
