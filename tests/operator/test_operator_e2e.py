@@ -123,8 +123,19 @@ def _train_worker_ips(kube, cluster: str) -> set[str]:
     return {n["node_ip"] for n in nodes if n["node_id"] in node_ids}
 
 
-def test_collectives_check_passes(operator, kube, trainer_assets, tmp_path):
-    start_run(kube, resource("tiny-collectives", trainer_assets, tmp_path / "ckpt", mode="collectives"))
+def test_collectives_check_passes_in_pods_that_carry_the_users_pod_settings(operator, kube, trainer_assets, tmp_path):
+    settings = {"annotations": {"example.com/team": "ml"}, "labels": {"team": "ml"},
+                "env": [{"name": "TEAM_NAME", "value": "ml"}]}
+    _, cluster = start_run(kube, resource("tiny-collectives", trainer_assets, tmp_path / "ckpt", mode="collectives",
+                                          workers=settings))
+    workers = kube.wait_for(lambda: [p for p in kube.pods_of(cluster)
+                                     if p["metadata"]["labels"].get("ray.io/node-type") == "worker"],
+                            "worker pods", timeout=120)
+    # KubeRay carried the settings from the RayCluster into the pods it made.
+    for pod in workers:
+        assert pod["metadata"]["annotations"]["example.com/team"] == "ml"
+        assert pod["metadata"]["labels"]["team"] == "ml"
+        assert {"name": "TEAM_NAME", "value": "ml"} in pod["spec"]["containers"][0]["env"]
     kube.kubectl("wait", "tpufinetune/tiny-collectives", "--for=condition=Succeeded", "--timeout=400s", timeout=420)
     status = kube.status("tiny-collectives")
     assert status["collectives"]["passed"] is True
@@ -143,6 +154,10 @@ def test_deleting_mid_run_stops_everything_and_the_finalizer_goes_within_30s(ope
     assert time.monotonic() - started < 30
     # The head died with its cluster, as in production; the garbage collector took the pods.
     released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])
+    # A normal delete is not an error: no Error-type event was posted for it.
+    events = json.loads(kube.kubectl("get", "events", "--field-selector", "involvedObject.name=tiny-delete",
+                                     "-o", "json").stdout)["items"]
+    assert not [e for e in events if e["type"] not in ("Normal", "Warning")], events
 
 
 def test_operator_restart_mid_run_reattaches_without_a_second_submission(operator, kube, trainer_assets, tmp_path):
