@@ -11,12 +11,13 @@ each with its own defaults:
   tutorial's `Instruction: ...\\nResponse: ...` format (plus dolly's context), labels on
   every token (DataCollatorForLanguageModeling), batch 4 per device, constant learning
   rate, FSDP2 on each layer's MLP, a full state dict on rank 0 every epoch;
-- ours: `finetune.run` with its defaults (chat template, packed blocks, 2 blocks per
-  device, warmup + cosine, clipping, token-weighted loss, sharded checkpoints).
+- ours: `finetune.run` with its defaults (chat template, packed blocks, 1 block per
+  device, warmup + the peak held + a cosine decay over the last 20% of steps, clipping,
+  token-weighted loss, sharded checkpoints).
 
 The peak learning rate is the one thing set for both: the defaults (2e-5) suit a
-pretrained 2B model, while this model is a randomly initialised tiny Gemma 4, so both get
---lr (1e-3).
+pretrained 2B model, while this model is a tiny Gemma 4 pretrained here for a few hundred
+steps, so both get --lr (1e-3).
 
 The data is made here: dolly-format rows whose responses are a learnable function of
 the instruction and context (filter the even numbers, classify fruit and vegetables,

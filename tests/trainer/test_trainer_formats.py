@@ -8,10 +8,12 @@ import pytest
 from datasets import Dataset
 
 from tpufinetune.runevents import apply_event
+from tpufinetune_trainer.cli import build_parser
+from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.data import IGNORE_INDEX, detect_format, encode_rows, prepare, resolve_prompt_format
-from tpufinetune_trainer.errors import DataError
+from tpufinetune_trainer.errors import ConfigError, DataError
 from tpufinetune_trainer.model import load_tokenizer
-from tpufinetune_trainer.schedule import lr_table, warmup_steps
+from tpufinetune_trainer.schedule import decay_steps, lr_table, warmup_steps
 
 from trainer_helpers import write_jsonl
 
@@ -85,6 +87,28 @@ def test_warmup_then_cosine_decay_to_the_floor():
     linear = lr_table(1e-3, 100, 0, "linear", 0.0)
     assert linear[0] < 1e-3 and linear[-1] == pytest.approx(0.0)
     assert np.all(lr_table(1e-3, 10, 0, "constant", 0.1) == np.float32(1e-3))
+
+
+def test_warmup_then_the_peak_held_then_a_decay_over_the_last_steps():
+    warmup, decay = warmup_steps(100, 0.05), decay_steps(100, 5, 0.2)
+    assert (warmup, decay) == (5, 20)
+    table = lr_table(1e-3, 100, warmup, "cosine", 0.1, decay)
+    assert np.all(np.diff(table[:5]) > 0) and np.all(table[4:80] == np.float32(1e-3))
+    assert np.all(np.diff(table[80:]) < 0) and table[-1] == pytest.approx(1e-4)
+    # A decay over every step after the warmup is the classic schedule.
+    assert np.array_equal(lr_table(1e-3, 100, 10, "cosine", 0.1, decay_steps(100, 10, 1.0)),
+                          lr_table(1e-3, 100, 10, "cosine", 0.1))
+    # The decay never reaches into the warmup.
+    assert decay_steps(10, 8, 0.5) == 2 and decay_steps(10, 10, 0.5) == 0
+
+
+def test_the_default_schedule_holds_the_peak_and_decays_over_the_last_fifth():
+    cfg = FinetuneConfig(storage_path="/tmp/unused").validate()
+    parsed = build_parser().parse_args(["finetune"])
+    assert cfg.decay_ratio == parsed.decay_ratio == 0.2
+    assert (cfg.lr_schedule, cfg.warmup_ratio, cfg.min_lr_ratio) == ("cosine", 0.05, 0.1)
+    with pytest.raises(ConfigError, match="--decay-ratio"):
+        FinetuneConfig(storage_path="/tmp/unused", decay_ratio=0.0).validate()
 
 
 def test_progress_events_become_status_progress_with_a_time_left():

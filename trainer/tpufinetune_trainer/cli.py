@@ -13,8 +13,8 @@ import sys
 import traceback
 
 from .backends import COMPUTE_DTYPES
-from .config import (DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET, DEFAULT_MODEL, SCORE_ATTRIBUTES,
-                     CollectivesConfig, FinetuneConfig)
+from .config import (DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET, DEFAULT_DECAY_RATIO, DEFAULT_MODEL,
+                     SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig)
 from .data import DATASET_FORMATS, PROMPT_FORMATS
 from .schedule import SCHEDULES
 from .errors import TrainerError, UsageError
@@ -56,9 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--max-seq-len", type=int, default=512, help="tokens per packed block")
     ft.add_argument("--learning-rate", type=float, default=2e-5, help="peak AdamW learning rate")
     ft.add_argument("--lr-schedule", default="cosine", choices=list(SCHEDULES),
-                    help="after linear warmup: cosine or linear decay to --min-lr-ratio x peak, or constant")
+                    help="after linear warmup and the peak held: cosine or linear decay over the last "
+                         "--decay-ratio of steps to --min-lr-ratio x peak, or constant")
     ft.add_argument("--warmup-ratio", type=float, default=0.05, help="share of all optimizer steps spent warming up")
     ft.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak")
+    ft.add_argument("--decay-ratio", type=float, default=DEFAULT_DECAY_RATIO,
+                    help="share of all optimizer steps, at the end, over which the rate decays; the peak is "
+                         "held until then (1: decay over every step after the warmup)")
     ft.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
     ft.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0: epochs decide)")
     ft.add_argument("--weight-decay", type=float, default=0.01)
@@ -112,7 +116,8 @@ def _config(args: argparse.Namespace):
             num_epochs=args.num_epochs, batch_size_per_device=args.batch_size_per_device,
             global_batch_blocks=args.global_batch_blocks, storage_path=args.storage_path,
             max_seq_len=args.max_seq_len, learning_rate=args.learning_rate, lr_schedule=args.lr_schedule,
-            warmup_ratio=args.warmup_ratio, min_lr_ratio=args.min_lr_ratio, max_grad_norm=args.max_grad_norm,
+            warmup_ratio=args.warmup_ratio, min_lr_ratio=args.min_lr_ratio, decay_ratio=args.decay_ratio,
+            max_grad_norm=args.max_grad_norm,
             max_steps=args.max_steps, weight_decay=args.weight_decay, seed=args.seed,
             eval_fraction=args.eval_fraction, keep_checkpoints=args.keep_checkpoints,
             checkpoint_every_steps=args.checkpoint_every_steps,

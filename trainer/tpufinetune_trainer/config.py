@@ -20,6 +20,14 @@ DEFAULT_DATASET = "databricks/databricks-dolly-15k"
 # steps per epoch (16 devices: 16 blocks, 8192 tokens, ~270 steps per epoch of
 # dolly-15k) at a quarter of the compute, instead of 5x fewer, larger steps.
 DEFAULT_BATCH_SIZE_PER_DEVICE = 1
+# Share of all optimizer steps over which the learning rate decays, at the end; until then
+# it holds the peak (warmup-stable-decay). The default peak is the tutorial's constant
+# rate, and a fine-tune of a few dozen steps (dolly-15k[:1024] x 3 epochs on 16 devices)
+# learns in proportion to the rate it gets: a cosine over every step would give it about
+# half the tutorial's rate on average. Holding the peak and annealing over the last 20%
+# matches a full cosine at the same length (Hägele et al. 2024; MiniCPM), and 1.0 is the
+# classic schedule.
+DEFAULT_DECAY_RATIO = 0.2
 
 
 def default_run_name(model_id: str) -> str:
@@ -56,6 +64,7 @@ class FinetuneConfig(SliceConfig):
     lr_schedule: str = "cosine"
     warmup_ratio: float = 0.05
     min_lr_ratio: float = 0.1
+    decay_ratio: float = DEFAULT_DECAY_RATIO
     max_grad_norm: float = 1.0
     max_steps: int = 0  # 0: the epochs decide
     weight_decay: float = 0.01
@@ -89,6 +98,7 @@ class FinetuneConfig(SliceConfig):
             (self.lr_schedule in SCHEDULES, f"--lr-schedule must be one of {', '.join(SCHEDULES)}"),
             (0 <= self.warmup_ratio < 1, "--warmup-ratio must be in [0, 1)"),
             (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
+            (0 < self.decay_ratio <= 1, "--decay-ratio must be in (0, 1] (1: decay over every step after warmup)"),
             (self.max_grad_norm >= 0, "--max-grad-norm must not be negative (0 turns clipping off)"),
             (self.max_steps >= 0, "--max-steps must not be negative (0: the epochs decide)"),
             (self.checkpoint_every_steps >= 0, "--checkpoint-every-steps must not be negative"),

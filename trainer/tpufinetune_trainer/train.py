@@ -33,7 +33,7 @@ from .events import emit
 from .masks import MaskBuilder
 from .model import load_causal_lm, load_tokenizer
 from .parallelize import apply_fsdp, build_mesh
-from .schedule import lr_table, warmup_steps
+from .schedule import decay_steps, lr_table, warmup_steps
 
 
 def quiet_progress_bars() -> None:
@@ -131,7 +131,9 @@ class Trainer:
                                            capturable=capturable, foreach=capturable,
                                            fused=self.backend.fused_optimizer or None)
         self.warmup = warmup_steps(self.total_steps, cfg.warmup_ratio)
-        self.lr_host = lr_table(cfg.learning_rate, self.total_steps, self.warmup, cfg.lr_schedule, cfg.min_lr_ratio)
+        self.decay = decay_steps(self.total_steps, self.warmup, cfg.decay_ratio)
+        self.lr_host = lr_table(cfg.learning_rate, self.total_steps, self.warmup, cfg.lr_schedule, cfg.min_lr_ratio,
+                                self.decay)
         self.lr_table = torch.from_numpy(self.lr_host).to(lr_device)
         self.step_counter = torch.zeros(1, dtype=torch.int64, device=lr_device)
 
@@ -218,13 +220,20 @@ class Trainer:
         say(f"Plan: {plan.world} devices x {plan.per_device} blocks x {plan.accum} accumulation = "
             f"{plan.global_blocks} blocks ({plan.global_blocks * cfg.max_seq_len} tokens) per optimizer step; "
             f"{self.epoch_steps} steps per epoch, {self.total_steps} in all; lr {cfg.learning_rate:g} "
-            f"(warmup {self.warmup} steps, {cfg.lr_schedule} to {cfg.learning_rate * cfg.min_lr_ratio:g}); "
+            f"(warmup {self.warmup} steps, {self.schedule_words()}); "
             f"clip {cfg.max_grad_norm:g}; compute {str(self.dtype).removeprefix('torch.')}, master weights "
             f"float32; compile {'on' if self.compiled else 'off'}")
         emit("plan", global_batch_blocks=plan.global_blocks, global_batch_tokens=plan.global_blocks * cfg.max_seq_len,
              accumulation=plan.accum, steps_per_epoch=self.epoch_steps, total_steps=self.total_steps,
              warmup_steps=self.warmup, lr_schedule=cfg.lr_schedule, compute_dtype=str(self.dtype).split(".")[-1],
              compile=self.compiled)
+
+    def schedule_words(self) -> str:
+        cfg = self.cfg
+        if cfg.lr_schedule == "constant":
+            return "constant"
+        return (f"peak held for {self.total_steps - self.warmup - self.decay} steps, {cfg.lr_schedule} to "
+                f"{cfg.learning_rate * cfg.min_lr_ratio:g} over the last {self.decay}")
 
     def train_epoch(self) -> dict:
         """Steps of the current epoch from self.epoch_step on; checkpoints every
