@@ -77,7 +77,7 @@ for b in "${binaries[@]}"; do
   start=$SECONDS
   heartbeat "$b" &
   beat=$!
-  trap 'kill $beat 2>/dev/null' EXIT
+  trap 'kill $beat 2>/dev/null || true' EXIT
   go build -trimpath -buildvcs=false -p "$parallel" -ldflags "$ldflags" -o "$bin/.$b.tmp" "./cmd/$b" ||
     die "building $b failed (output above). Check that the Go module proxy is reachable (GOPROXY=$(go env GOPROXY)) and that 'go version' is 1.26 or newer, then run 'make controlplane' again."
   kill "$beat" 2>/dev/null; wait "$beat" 2>/dev/null || true

@@ -62,7 +62,7 @@ start=$SECONDS
 # A line a minute while the compile runs, so nobody takes it for a hang.
 (while sleep 60; do echo "helm: still building ($((SECONDS - start))s)"; done) &
 beat=$!
-trap 'kill $beat 2>/dev/null' EXIT
+trap 'kill $beat 2>/dev/null || true' EXIT
 CGO_ENABLED=0 go build -trimpath -p "$parallel" -ldflags "$ldflags" -o "$bin/.helm.tmp" helm.sh/helm/v3/cmd/helm ||
   die "building helm failed (output above). Check that the Go module proxy is reachable (GOPROXY=$(go env GOPROXY)) and that 'go version' is 1.26 or newer, then run 'make helm' again."
 mv -f "$bin/.helm.tmp" "$bin/helm"

@@ -41,7 +41,7 @@ echo "kuberay: building ray-operator $KUBERAY_VERSION from its Go module (first 
 start=$SECONDS
 (while sleep 60; do echo "kuberay: still building ray-operator ($((SECONDS - start))s)"; done) &
 beat=$!
-trap 'kill $beat 2>/dev/null' EXIT
+trap 'kill $beat 2>/dev/null || true' EXIT
 mkdir -p "$dest/bin"
 # GOFLAGS from the environment could carry -mod=vendor or similar: a module@version build
 # takes none of them.
