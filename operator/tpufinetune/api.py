@@ -121,12 +121,17 @@ class Training(_Model):
     learning_rate: float = Field(2e-5, gt=0, le=1,
                                  description="Peak AdamW learning rate.")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="After linear warmup: cosine or linear decay to "
-                              "minLrRatio x learningRate, or constant.")
+        "cosine", description="After linear warmup and the peak held: cosine or linear decay "
+                              "over the last decayRatio of steps to minLrRatio x learningRate, "
+                              "or constant.")
     warmup_ratio: float = Field(0.05, ge=0, lt=1,
                                 description="Share of all optimizer steps spent warming up.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1,
                                 description="Final learning rate as a fraction of the peak.")
+    decay_ratio: float = Field(0.2, gt=0, le=1,
+                               description="Share of all optimizer steps, at the end, over which the "
+                                           "rate decays; the peak is held until then (1: decay over "
+                                           "every step after the warmup).")
     max_grad_norm: float = Field(1.0, ge=0, le=1e6,
                                  description="Gradient clipping by global norm (0: off).")
     max_steps: int = Field(0, ge=0, le=10**9,

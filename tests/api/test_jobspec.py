@@ -35,7 +35,7 @@ def test_finetune_argv_carries_every_setting():
         "max-seq-len": "1024", "learning-rate": "0.0001", "weight-decay": "0.0", "seed": "7",
         "eval-fraction": "0.1", "storage-path": "gs://b/p", "keep-checkpoints": "2",
         "global-batch-blocks": "0", "lr-schedule": "cosine", "warmup-ratio": "0.05",
-        "min-lr-ratio": "0.1", "max-grad-norm": "1.0", "max-steps": "0", "prompt-format": "auto",
+        "min-lr-ratio": "0.1", "decay-ratio": "0.2", "max-grad-norm": "1.0", "max-steps": "0", "prompt-format": "auto",
         "dataset-format": "auto", "checkpoint-every-steps": "0", "compile": "auto",
         "max-failures": "0",
         "checkpoint-score-attribute": "eval_loss", "checkpoint-score-order": "min",

@@ -26,8 +26,6 @@ NOT_PASSED = {
     "--compute-dtype": "the backend decides (bfloat16 on TPU and GPU, float32 on the cpu stand-in)",
     "--progress-interval": "the trainer's default (30 s) applies",
     "--fail-at-step": "fault injection for the trainer's own tests",
-    "--decay-ratio": "the trainer's default (decay over the last 20% of steps) applies; spec.training has no "
-                     "field for it",
 }
 
 
