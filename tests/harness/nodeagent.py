@@ -222,21 +222,20 @@ def processes_marked(marker: str) -> list[int]:
 def kill_marked(marker: str, grace: float) -> int:
     """SIGTERM every process of `marker`, SIGKILL what is left after `grace` seconds."""
     pids = processes_marked(marker)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    _signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and _alive_any(pids):
         time.sleep(0.1)
-    left = processes_marked(marker)
-    for pid in left:
+    _signal_all(processes_marked(marker), signal.SIGKILL)
+    return len(pids)
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
-    return len(pids)
 
 
 def _alive_any(pids: list[int]) -> bool:
