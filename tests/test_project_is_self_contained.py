@@ -8,12 +8,11 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# A relative path up and into it, a pathlib join from a parent, or its absolute path: any
-# way of naming the folder beside the clone. Built from parts so this file never matches itself.
+# A relative path up and into it, or a pathlib join from a parent: the ways of naming the
+# folder beside the clone. Built from parts so this file never matches itself.
 OUTSIDE = re.compile("|".join([
     re.escape("..") + r"[/\\]" + "shared",
     r"parents?(\[\d+\])?\s*/\s*[\"']" + "shared" + "[\"']",
-    re.escape("/work/") + "shared",
 ]))
 
 
