@@ -17,10 +17,10 @@ Used by the end-to-end fixtures (`ground`), `make cluster` and `make demo`.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
+import ssl
 import subprocess
 import sys
 import time
@@ -32,7 +32,6 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from controlplane import (  # noqa: E402
-    ROOT,
     ControlPlane,
     ControlPlaneError,
     _free_ports,
@@ -46,7 +45,6 @@ from controlplane import (  # noqa: E402
 from nodeagent import kill_marked  # noqa: E402
 from nodepools import NodePool, default_pools, node_manifest, node_status  # noqa: E402
 
-KUBERAY_BUILD = ROOT / "tests" / "kuberay" / "build.sh"
 GC_CONTROLLERS = ",".join([
     "garbage-collector-controller",
     "namespace-controller",
@@ -136,41 +134,37 @@ class Ground:
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
         self.processes[name] = _spawn(argv, self.workdir / f"{name}.log", env=env)
 
-    def _start_scheduler(self) -> None:
+    def _start_kube_component(self, name: str, flags: list[str]) -> str:
+        """kube-scheduler or kube-controller-manager, as the admin, serving /healthz on a
+        free loopback port (returned)."""
         port, = _free_ports(1)
-        self._spawn("kube-scheduler", [
-            str(self.cp.bin_dir / "kube-scheduler"),
-            f"--kubeconfig={self.cp.kubeconfig}",
-            f"--authentication-kubeconfig={self.cp.kubeconfig}",
-            f"--authorization-kubeconfig={self.cp.kubeconfig}",
+        kubeconfig = self.cp.kubeconfig
+        self._spawn(name, [
+            str(self.cp.bin_dir / name),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
             "--leader-elect=false",
             "--bind-address=127.0.0.1",
             f"--secure-port={port}",
-            f"--cert-dir={self.workdir / 'scheduler-certs'}",
+            f"--cert-dir={self.workdir / (name + '-certs')}",
             "--v=1",
+            *flags,
         ])
-        self.scheduler_health = f"https://127.0.0.1:{port}/healthz"
+        return f"https://127.0.0.1:{port}/healthz"
+
+    def _start_scheduler(self) -> None:
+        self.scheduler_health = self._start_kube_component("kube-scheduler", [])
 
     def _start_controller_manager(self) -> None:
-        port, = _free_ports(1)
         pki = self.workdir / "pki"
-        self._spawn("kube-controller-manager", [
-            str(self.cp.bin_dir / "kube-controller-manager"),
-            f"--kubeconfig={self.cp.kubeconfig}",
-            f"--authentication-kubeconfig={self.cp.kubeconfig}",
-            f"--authorization-kubeconfig={self.cp.kubeconfig}",
-            "--leader-elect=false",
+        self.kcm_health = self._start_kube_component("kube-controller-manager", [
             # The node-lifecycle controller stays off: simulated nodes send no heartbeats.
             f"--controllers={GC_CONTROLLERS}",
             f"--service-account-private-key-file={pki / 'sa.key'}",
             f"--root-ca-file={pki / 'ca.crt'}",
             "--use-service-account-credentials=false",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={port}",
-            f"--cert-dir={self.workdir / 'kcm-certs'}",
-            "--v=1",
         ])
-        self.kcm_health = f"https://127.0.0.1:{port}/healthz"
 
     def _start_kuberay(self) -> None:
         metrics, probe = _free_ports(2)
@@ -197,39 +191,37 @@ class Ground:
         ], env=env)
 
     def _wait_component_health(self, timeout: float) -> None:
-        import ssl
-        insecure = ssl.create_default_context()
+        insecure = ssl.create_default_context()  # the components' self-signed serving certs
         insecure.check_hostname = False
         insecure.verify_mode = ssl.CERT_NONE
-        checks = {
-            "kube-scheduler": (self.scheduler_health, insecure),
-            "kube-controller-manager": (self.kcm_health, insecure),
-            "kuberay-operator": (self.kuberay_health, None),
+
+        def answers(url: str, context=None):
+            def check() -> bool:
+                try:
+                    with urllib.request.urlopen(url, context=context, timeout=2) as response:
+                        return response.status == 200
+                except OSError:
+                    return False
+            return check
+
+        pending = {
+            "kube-scheduler": answers(self.scheduler_health, insecure),
+            "kube-controller-manager": answers(self.kcm_health, insecure),
+            "kuberay-operator": answers(self.kuberay_health),
+            "node-agent": (self.workdir / "nodeagent.ready").exists,
         }
         deadline = time.monotonic() + timeout
-        pending = dict(checks)
         while pending:
-            for name in list(pending):
+            for name, ready in list(pending.items()):
                 proc = self.processes[name]
                 if proc.poll() is not None:
                     raise ControlPlaneError(f"{name} exited with {proc.returncode}; last log lines:\n"
                                             + _tail(self.workdir / f"{name}.log"))
-                url, ctx = pending[name]
-                try:
-                    with urllib.request.urlopen(url, context=ctx, timeout=2) as response:
-                        if response.status == 200:
-                            del pending[name]
-                except OSError:
-                    pass
-            if (self.workdir / "nodeagent.ready").exists() is False and self.processes["node-agent"].poll() is not None:
-                raise ControlPlaneError("node agent exited:\n" + _tail(self.workdir / "node-agent.log"))
-            if time.monotonic() > deadline:
+                if ready():
+                    del pending[name]
+            if pending and time.monotonic() > deadline:
                 raise ControlPlaneError(f"not healthy within {timeout:.0f}s: {', '.join(pending)}")
             time.sleep(0.3)
-        while not (self.workdir / "nodeagent.ready").exists():
-            if time.monotonic() > deadline:
-                raise ControlPlaneError("node agent not ready:\n" + _tail(self.workdir / "node-agent.log"))
-            time.sleep(0.2)
 
     # -- nodes
 
@@ -327,19 +319,3 @@ class Ground:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-    def describe(self) -> str:
-        return json.dumps({"timings_s": self.timings, "pids": self.pids}, indent=1)
-
-
-def build_all(out=sys.stderr) -> None:
-    """`make controlplane kuberay`, for callers outside make (prints nothing when built)."""
-    for script in (ROOT / "tests" / "controlplane" / "build.sh", KUBERAY_BUILD):
-        subprocess.run(["bash", str(script)], check=True, stdout=out, stderr=out)
-
-
-if __name__ == "__main__":  # a quick look by hand: start, print, stop
-    with Ground() as g:
-        print(g.describe())
-        print(g.kubectl("get", "nodes", "-L", "cloud.google.com/gke-nodepool").stdout)
-        shutil.copy(g.hosts_file, "/dev/stdout")

@@ -27,6 +27,7 @@ Where this differs from GKE is listed in tests/README.md. Run as a process by `G
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import logging
 import os
@@ -51,11 +52,10 @@ from kubernetes import client, config, watch  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
 from nodepools import SIMULATED_LABEL  # noqa: E402
+from tpufinetune.generations import ACCELERATOR_LABEL, GENERATIONS, TOPOLOGY_LABEL, chips_in  # noqa: E402
 
 log = logging.getLogger("nodeagent")
 
-ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
-TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 # Every process the agent starts carries this variable (Ray passes the environment down to
 # raylet, GCS and workers), so a sweep can find them all even after they re-parent.
 MARKER_ENV = "TPUFT_GROUND_POD"
@@ -140,8 +140,8 @@ def rewrite_ray_start(args: list[str], *, head: bool, ip: str, temp_dir: str,
     return own + kept
 
 
-def tpu_environment(node_labels: dict, topology: str, worker_id: int, slice_name: str,
-                    hostnames: list[str], ray_accelerator: str) -> dict[str, str]:
+def tpu_environment(topology: str, worker_id: int, slice_name: str, hostnames: list[str],
+                    ray_accelerator: str) -> dict[str, str]:
     """What GKE gives a pod on a TPU slice node, as Ray's TPU code reads it."""
     from ray._private.accelerators.tpu import infer_tpu_pod_type_from_topology
 
@@ -155,13 +155,8 @@ def tpu_environment(node_labels: dict, topology: str, worker_id: int, slice_name
     }
 
 
-RAY_ACCELERATOR_BY_LABEL = {
-    "tpu-v4-podslice": "TPU-V4",
-    "tpu-v5-lite-podslice": "TPU-V5LITEPOD",
-    "tpu-v5p-slice": "TPU-V5P",
-    "tpu-v6e-slice": "TPU-V6E",
-    "tpu7x": "TPU-V7X",
-}
+# The node label GKE puts on a slice's nodes -> Ray's accelerator type, from the one TPU table.
+RAY_ACCELERATOR_BY_LABEL = {g.accelerator_label: g.ray_accelerator_type for g in GENERATIONS if g.is_tpu}
 
 
 def hosts_file_text(entries: dict[str, str]) -> str:
@@ -284,8 +279,9 @@ class NodeAgent:
         self.runs: dict[str, PodRun] = {}  # by pod uid
         self.heads: dict[tuple[str, str], PodRun] = {}  # (namespace, cluster) -> head run
         self.slice_ids: dict[tuple[str, str, str], list[str]] = {}  # slice -> pod uids in order
-        self.nodes: dict[str, dict] = {}
-        self.node_chips: dict[str, int] = {}  # google.com/tpu allocatable per node
+        self.nodes: dict[str, tuple[dict, int]] = {}  # name -> (labels, google.com/tpu allocatable)
+        # Every pod, as the watch last delivered it: cluster DNS reads it, never re-lists.
+        self.pods: dict[str, object] = {}
         self.started = 0
         self.lock = threading.Lock()
         self.next_ip = 1
@@ -300,7 +296,8 @@ class NodeAgent:
             self.next_ip += 1
         return f"{self.ip_prefix}.{n // 250}.{n % 250 + 1}"
 
-    def node_labels(self, name: str) -> dict | None:
+    def node(self, name: str) -> tuple[dict, int] | None:
+        """A node's labels and TPU chips (read once: simulated nodes never change)."""
         if name not in self.nodes:
             try:
                 node = self.core.read_node(name)
@@ -308,17 +305,18 @@ class NodeAgent:
                 if error.status == 404:
                     return None
                 raise
-            self.nodes[name] = node.metadata.labels or {}
-            self.node_chips[name] = int((node.status.allocatable or {}).get("google.com/tpu", "0"))
+            chips = int((node.status.allocatable or {}).get("google.com/tpu", "0"))
+            self.nodes[name] = (node.metadata.labels or {}, chips)
         return self.nodes[name]
 
     def handle(self, pod) -> None:
         meta, spec = pod.metadata, pod.spec
         if not spec.node_name:
             return
-        labels = self.node_labels(spec.node_name)
-        if labels is None or labels.get(SIMULATED_LABEL) != "true":
+        node = self.node(spec.node_name)
+        if node is None or node[0].get(SIMULATED_LABEL) != "true":
             return
+        labels = node[0]
         run = self.runs.get(meta.uid)
         if meta.deletion_timestamp is not None:
             if run is not None and not run.stopping:
@@ -463,7 +461,6 @@ class NodeAgent:
                 ref = item.value_from.secret_key_ref
                 try:
                     secret = self.core.read_namespaced_secret(ref.name, run.namespace)
-                    import base64
                     env[item.name] = base64.b64decode((secret.data or {})[ref.key]).decode()
                 except (ApiException, KeyError):
                     if ref.optional:
@@ -480,10 +477,10 @@ class NodeAgent:
             members = self.slice_ids.setdefault(slice_key, [])
             members.append(run.uid)
             # GKE numbers the hosts of a slice 0..n-1; one slice per worker-group replica.
-            hosts = _hosts_per_slice(topology, self.node_chips.get(run.node, 0))
+            hosts = max(1, chips_in(topology) // max(1, self.nodes[run.node][1]))
             replica, worker_id = divmod(len(members) - 1, hosts)
             slice_name = f"{run.cluster}-{slice_key[2]}-{replica}"
-            env.update(tpu_environment(node_labels, topology, worker_id, slice_name,
+            env.update(tpu_environment(topology, worker_id, slice_name,
                                        [f"host-{i}" for i in range(hosts)],
                                        RAY_ACCELERATOR_BY_LABEL.get(accelerator, "")))
         return env
@@ -491,11 +488,7 @@ class NodeAgent:
     def terminate(self, run: PodRun, grace: float) -> None:
         with run.lock:
             run.stopping = True
-        if run.proc is not None and run.proc.poll() is None:
-            try:
-                os.killpg(run.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        _sigterm_main(run)
         kill_marked(run.marker, grace=max(1.0, min(grace, 30.0)))
         if run.proc is not None:
             try:
@@ -578,6 +571,7 @@ class NodeAgent:
             try:
                 if resource_version is None:
                     listing = self.core.list_pod_for_all_namespaces()
+                    self.pods = {pod.metadata.uid: pod for pod in listing.items}
                     for pod in listing.items:
                         self.handle(pod)
                     resource_version = listing.metadata.resource_version
@@ -587,11 +581,13 @@ class NodeAgent:
                     pod = event["object"]
                     resource_version = pod.metadata.resource_version
                     if event["type"] == "DELETED":
+                        self.pods.pop(pod.metadata.uid, None)
                         run = self.runs.get(pod.metadata.uid)
                         if run is not None and not run.stopping:
                             run.stopping = True
                             threading.Thread(target=self.terminate, args=(run, 0), daemon=True).start()
                         continue
+                    self.pods[pod.metadata.uid] = pod
                     self.handle(pod)
             except ApiException as error:
                 if error.status == 410:  # expired: list again
@@ -612,8 +608,7 @@ class NodeAgent:
         while not self.stop_event.is_set():
             try:
                 entries = service_endpoints(
-                    self.core.list_service_for_all_namespaces().items,
-                    self.core.list_pod_for_all_namespaces().items)
+                    self.core.list_service_for_all_namespaces().items, list(self.pods.values()))
                 text = hosts_file_text(entries)
                 if text != written:
                     # In place, never by rename: the file is bind-mounted over /etc/hosts.
@@ -630,21 +625,19 @@ class NodeAgent:
         self.stop_event.set()
         for run in list(self.runs.values()):
             run.stopping = True
-            if run.proc is not None and run.proc.poll() is None:
-                try:
-                    os.killpg(run.proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            _sigterm_main(run)
         kill_marked(self.ground_id, grace=10)
         for run in list(self.runs.values()):
             shutil.rmtree(run.temp_dir, ignore_errors=True)
 
 
-def _hosts_per_slice(topology: str, chips_per_host: int) -> int:
-    chips = 1
-    for d in topology.split("x"):
-        chips *= int(d)
-    return max(1, chips // max(1, chips_per_host))
+def _sigterm_main(run: PodRun) -> None:
+    """What a kubelet does first: SIGTERM the container's main process (its group)."""
+    if run.proc is not None and run.proc.poll() is None:
+        try:
+            os.killpg(run.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 def _expand(value: str, env: dict) -> str:
