@@ -94,15 +94,19 @@ class Run:
 
     async def _job_while_deleting(self, address: str, cluster: ClusterView | None):
         """The job, only to stop it politely; unknown (None) when the head is gone or does
-        not answer in time. Deletion never waits on Ray."""
+        not answer in time."""
         if not (address and self.status.get("jobId") and cluster is not None and cluster.exists and cluster.ready):
             return None
+        return await self._ray_while_deleting("reading the job", self.jobs.job, address, self.status["jobId"])
+
+    async def _ray_while_deleting(self, what: str, call, *args):
+        """Best effort and bounded: deletion never waits on Ray. A dead head, a refused
+        token or a timeout gives None, and deleting the cluster ends the job anyway."""
         try:
-            return await asyncio.wait_for(
-                asyncio.to_thread(self.jobs.job, address, self.status["jobId"]), DELETE_RAY_TIMEOUT)
-        except Exception as error:  # a dead head, a refused token, a timeout: release anyway
-            log.info("%s/%s: job state unknown while deleting (%s); releasing the cluster",
-                     self.ident.namespace, self.ident.name, error or type(error).__name__)
+            return await asyncio.wait_for(asyncio.to_thread(call, *args), DELETE_RAY_TIMEOUT)
+        except Exception as error:
+            log.info("%s/%s: %s failed while deleting (%s); releasing the cluster anyway",
+                     self.ident.namespace, self.ident.name, what, error or type(error).__name__)
             return None
 
     async def _new_events(self, address: str, job) -> tuple[dict, ...]:
@@ -187,14 +191,8 @@ class Run:
                 if action.attempt == 1:
                     metrics.job_submitted(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
             elif isinstance(action, phases.StopJob) and decision.phase == phases.DELETING:
-                # Best effort and bounded: the cluster's deletion below ends the job anyway.
-                try:
-                    await asyncio.wait_for(asyncio.to_thread(
-                        self.jobs.stop, self.status["dashboardURL"], action.submission_id), DELETE_RAY_TIMEOUT)
-                except Exception as error:
-                    log.info("%s/%s: could not stop job %s (%s); deleting the cluster ends it",
-                             self.ident.namespace, self.ident.name, action.submission_id,
-                             error or type(error).__name__)
+                await self._ray_while_deleting(f"stopping job {action.submission_id}", self.jobs.stop,
+                                               self.status["dashboardURL"], action.submission_id)
             elif isinstance(action, phases.StopJob):
                 await asyncio.to_thread(self.jobs.stop, self.status["dashboardURL"], action.submission_id)
         if decision.phase in phases.TERMINAL and self.follower is not None:

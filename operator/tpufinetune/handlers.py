@@ -96,7 +96,8 @@ async def spec_changed(body: kopf.Body, **_) -> None:
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
-    """Stop the job and delete the RayCluster; retry until both are gone."""
+    """Delete the RayCluster (asking its job to stop first, best effort); the finalizer
+    goes once the RayCluster is gone. Ray is never waited on."""
     key = (body["metadata"].get("namespace"), body["metadata"]["name"])
     run = RUNS.get(key) or Run(dict(body), memo.backend, memo.jobs, memo.settings)
     # Wait here for the garbage collector (seconds, normally): kopf would post a retry
