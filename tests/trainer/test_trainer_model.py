@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from tpufinetune_trainer.model import decoder_blocks, load_causal_lm, per_layer_embeddings
 from tpufinetune_trainer.parallelize import apply_fsdp, build_mesh
+from trainer_helpers import single_process_group
 
 
 @pytest.fixture
 def process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with single_process_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _train_step(model) -> float:

@@ -4,12 +4,10 @@ policy run on CPU, token-weighted loss, masks, no host reads, compile parity."""
 from __future__ import annotations
 
 import contextlib
-import socket
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
@@ -27,20 +25,15 @@ from tpufinetune_trainer.data import (
 from tpufinetune_trainer.masks import MaskBuilder
 from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
 from tpufinetune_trainer.train import Trainer
+from trainer_helpers import single_process_group
 
 LENGTH = 256
 
 
 @pytest.fixture(scope="module")
 def process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with single_process_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,10 @@ can never pick up another directory's conftest.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,3 +71,18 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@contextlib.contextmanager
+def single_process_group():
+    """A real one-rank gloo process group on a free loopback port (FSDP2 and DCP need one)."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
