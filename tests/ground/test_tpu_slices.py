@@ -5,9 +5,7 @@ hosts, up to the first call that needs a chip; and a pool too small for the slic
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 
 import pytest
 from kubernetes.utils import parse_quantity
@@ -34,14 +32,8 @@ def tpu_resource(name: str, generation: str, topology: str, assets, storage) -> 
 
 def ray_nodes(kube, cluster: str) -> list[dict]:
     """Ray's own view of its nodes (state API on the head), with their resources and labels."""
-    head = next(p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "head")
-    if not head["status"].get("podIP"):
-        return []
-    request = urllib.request.Request(f"http://{head['status']['podIP']}:8265/nodes?view=summary",
-                                     headers={"Authorization": f"Bearer {kube.ground.ray_token}"})
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            summary = json.loads(response.read())["data"]["summary"]
+        summary = kube.head_get(cluster, "/nodes?view=summary")["data"]["summary"]
     except OSError:  # the head is still starting
         return []
     return [n for n in summary if n.get("raylet", {}).get("state") == "ALIVE"]

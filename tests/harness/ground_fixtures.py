@@ -15,15 +15,16 @@ Tests that use them are marked `ground` (and `cluster`) automatically.
 from __future__ import annotations
 
 import json
-import re
-import secrets
 import socket
 import time
+import urllib.request
 
 import pytest
 import yaml
 
+from harness.controlplane import _tail
 from harness.ground import Ground
+from harness.k8s_fixtures import namespace_name
 from harness.service_account import refusals
 
 _GROUND_FIXTURES = {"ground", "operator", "ground_namespace", "kube"}
@@ -70,8 +71,7 @@ def operator(ground):
 
 @pytest.fixture
 def ground_namespace(request, ground):
-    stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
-    name = f"t-{stem}-{secrets.token_hex(3)}"
+    name = namespace_name(request)
     ground.kubectl("create", "namespace", name)
     yield name
     ground.kubectl("delete", "namespace", name, "--wait=false", check=False)
@@ -84,14 +84,7 @@ def _operator_log_on_failure(request):
     if report is not None and report.failed and "operator" in request.fixturenames:
         print("---- operator log tail ----\n" + request.getfixturevalue("operator").log_tail())
         ground = request.getfixturevalue("ground")
-        print("---- node agent log tail ----\n" + _tail(ground.workdir / "node-agent.log"))
-
-
-def _tail(path, n=40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
+        print("---- node agent log tail ----\n" + _tail(ground.workdir / "node-agent.log", 40))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -138,13 +131,30 @@ class Kube:
     def status(self, name: str) -> dict:
         return (self.get("tpufinetune", name) or {}).get("status") or {}
 
+    def head_dashboard(self, cluster: str) -> str | None:
+        """The cluster's Ray dashboard at its head pod's IP (None until the pod has one)."""
+        head = next((p for p in self.pods_of(cluster) if p["metadata"]["labels"].get("ray.io/node-type") == "head"), None)
+        ip = ((head or {}).get("status") or {}).get("podIP")
+        return f"http://{ip}:8265" if ip else None
+
+    def head_get(self, cluster: str, path: str) -> dict:
+        """GET a dashboard path on the cluster's head, authenticated (OSError if it does
+        not answer)."""
+        base = self.head_dashboard(cluster)
+        if base is None:
+            raise OSError(f"the head of {cluster} has no pod IP yet")
+        request = urllib.request.Request(base + path, headers=self.ray_headers())
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    def ray_headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.ground.ray_token}"}
+
     def head_job_client(self, cluster: str):
         """A Job API client on the cluster's head pod (by its pod IP), authenticated."""
         from ray.job_submission import JobSubmissionClient
 
-        head = next(p for p in self.pods_of(cluster) if p["metadata"]["labels"].get("ray.io/node-type") == "head")
-        return JobSubmissionClient(f"http://{head['status']['podIP']}:8265",
-                                   headers={"Authorization": f"Bearer {self.ground.ray_token}"})
+        return JobSubmissionClient(self.head_dashboard(cluster), headers=self.ray_headers())
 
 
 @pytest.fixture

@@ -78,12 +78,17 @@ def k8s_api(control_plane):
         api.close()
 
 
+def namespace_name(request) -> str:
+    """A fresh, valid namespace name that says which test made it."""
+    stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    return f"t-{stem}-{secrets.token_hex(3)}"
+
+
 @pytest.fixture
 def namespace(request, k8s_api):
     from kubernetes import client
 
-    stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
-    name = f"t-{stem}-{secrets.token_hex(3)}"
+    name = namespace_name(request)
     core = client.CoreV1Api(k8s_api)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
     try:

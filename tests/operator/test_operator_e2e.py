@@ -102,24 +102,15 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
 
 def _train_worker_ips(kube, cluster: str) -> set[str]:
     """Node IPs of the live Ray Train worker actors, from the head's state API."""
-    import urllib.request
-
-    head = next(p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "head")
-    base = f"http://{head['status']['podIP']}:8265"
-    auth = {"Authorization": f"Bearer {kube.ground.ray_token}"}
-
-    def fetch(path):
-        with urllib.request.urlopen(urllib.request.Request(base + path, headers=auth), timeout=10) as r:
-            return json.loads(r.read())
 
     def worker_nodes():
-        actors = fetch("/api/v0/actors?filter_keys=state&filter_predicates=%3D&filter_values=ALIVE&limit=1000")
+        actors = kube.head_get(cluster, "/api/v0/actors?filter_keys=state&filter_predicates=%3D&filter_values=ALIVE&limit=1000")
         ids = {a["node_id"] for a in actors["data"]["result"]["result"]
                if "TrainWorker" in (a.get("class_name") or "") or "RayTrainWorker" in (a.get("class_name") or "")}
         return ids
 
     node_ids = kube.wait_for(worker_nodes, "Ray Train worker actors", timeout=300, interval=1)
-    nodes = fetch("/api/v0/nodes?limit=100")["data"]["result"]["result"]
+    nodes = kube.head_get(cluster, "/api/v0/nodes?limit=100")["data"]["result"]["result"]
     return {n["node_ip"] for n in nodes if n["node_id"] in node_ids}
 
 
