@@ -32,7 +32,7 @@ def _render_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from .render import RenderError, load_documents, render
+    from .core.render import RenderError, load_documents, render
 
     source = "<stdin>" if args.file == "-" else args.file
     try:

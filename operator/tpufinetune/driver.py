@@ -10,14 +10,15 @@ import logging
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
-from tpufinetune import metrics, phases
-from tpufinetune.api import SpecError, parse_spec
-from tpufinetune.jobspec import job_submission
-from tpufinetune.phases import ClusterView, Decision, Identity, Observations, Plan
-from tpufinetune.rayjobs import LogFollower, RayJobs
+from tpufinetune.adapters import metrics
+from tpufinetune.core import phases
+from tpufinetune.core.api import SpecError, parse_spec
+from tpufinetune.core.jobspec import job_submission
+from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations, Plan
+from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.settings import Settings
-from tpufinetune.podtemplate import raycluster_with_pod_settings
-from tpufinetune.sizing import raycluster_name
+from tpufinetune.core.podtemplate import raycluster_with_pod_settings
+from tpufinetune.core.sizing import raycluster_name
 
 log = logging.getLogger(__name__)
 # While deleting, Ray gets this long to answer (the job's state, a stop request).

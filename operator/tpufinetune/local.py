@@ -14,10 +14,10 @@ from datetime import datetime
 
 import yaml
 
-from tpufinetune import phases
+from tpufinetune.core import phases
 from tpufinetune.driver import Run
-from tpufinetune.phases import ClusterView, Identity
-from tpufinetune.rayjobs import RayJobs
+from tpufinetune.core.phases import ClusterView, Identity
+from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.settings import Settings, SettingsError
 
 SHOWN = ("phase", "epochProgress", "loss", "evalLoss", "tokensPerSecond", "checkpointURI", "message")

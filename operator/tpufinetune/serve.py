@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from tpufinetune import handlers  # noqa: F401  (registers the handlers)
+    from tpufinetune.adapters import handlers  # noqa: F401  (registers the handlers)
 
     namespaces = args.namespace or ([os.environ["TPUFT_NAMESPACE"]] if os.environ.get("TPUFT_NAMESPACE") else [])
     kopf.configure(
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     metrics_port = args.metrics_port if args.metrics_port is not None else int(os.environ.get("TPUFT_METRICS_PORT") or 0)
     if metrics_port:
-        from tpufinetune import metrics
+        from tpufinetune.adapters import metrics
 
         metrics.serve(metrics_port)
     asyncio.run(kopf.operator(

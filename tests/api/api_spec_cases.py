@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
-from tpufinetune import validation
+from tpufinetune.core import validation
 
 IMAGE = "us-docker.pkg.dev/my-project/ray-torchtpu/ray-torchtpu:latest"
 V6E_VALID = "1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16"

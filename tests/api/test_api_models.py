@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 from api_spec_cases import INVALID, base_spec, spec_with
 
-from tpufinetune import api
-from tpufinetune.api import TPUFineTuneSpec, parse_spec
-from tpufinetune.errors import SpecError
-from tpufinetune.generations import ALL_GENERATION_NAMES
-from tpufinetune.status import TPUFineTuneStatus
+from tpufinetune.core import api
+from tpufinetune.core.api import TPUFineTuneSpec, parse_spec
+from tpufinetune.core.errors import SpecError
+from tpufinetune.core.generations import ALL_GENERATION_NAMES
+from tpufinetune.core.status import TPUFineTuneStatus
 
 
 def test_api_identity_constants():

@@ -7,8 +7,8 @@ from datetime import datetime, timezone
 import pytest
 from pydantic import ValidationError
 
-from tpufinetune import conditions
-from tpufinetune.status import Condition
+from tpufinetune.core import conditions
+from tpufinetune.core.status import Condition
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 T1 = datetime(2026, 1, 1, 0, 5, tzinfo=timezone.utc)

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from api_spec_cases import INVALID, base_spec, spec_with
 
-from tpufinetune.api import parse_spec
-from tpufinetune.podtemplate import raycluster_with_pod_settings
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.podtemplate import raycluster_with_pod_settings
 
 pytestmark = pytest.mark.cluster
 
@@ -135,7 +135,7 @@ def test_kubectl_get_all_and_the_category_list_the_runs(control_plane, namespace
 
 def test_render_output_applies_with_kubectl(control_plane, kuberay_crd, namespace):
     """tpufinetune render FILE | kubectl apply -f -: stdout holds only Kubernetes objects."""
-    from tpufinetune.render import render
+    from tpufinetune.core.render import render
 
     spec = spec_with(workers={"annotations": {"gke-gcsfuse/volumes": "true"}})
     resource = {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune",

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tpufinetune import crdgen
-from tpufinetune.generations import GENERATIONS
+from tpufinetune.core.generations import GENERATIONS
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / crdgen.CRD_FILENAME
 

@@ -8,8 +8,8 @@ import shlex
 import pytest
 from api_spec_cases import spec_with
 
-from tpufinetune.api import parse_spec
-from tpufinetune.jobspec import job_submission, run_name, submission_id, trainer_argv
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.jobspec import job_submission, run_name, submission_id, trainer_argv
 
 UID = "6f1c2a7e-0b1d-4c55-9a57-3c1e0d2b8f10"
 

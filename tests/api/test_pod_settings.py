@@ -8,9 +8,9 @@ import pytest
 import yaml
 from api_spec_cases import base_spec, spec_with
 
-from tpufinetune.api import parse_spec
-from tpufinetune.podtemplate import apply_pod_settings, raycluster_with_pod_settings
-from tpufinetune.sizing import render_raycluster
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.podtemplate import apply_pod_settings, raycluster_with_pod_settings
+from tpufinetune.core.sizing import render_raycluster
 
 SAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "samples"
 UID = "6f1c2a7e-0b1d-4c55-9a57-3c1e0d2b8f10"

@@ -8,7 +8,7 @@ import re
 import pytest
 from kubernetes.utils import parse_quantity as kubernetes_parse_quantity
 
-from tpufinetune.quantity import QUANTITY_PATTERN, normalize_quantity, parse_quantity
+from tpufinetune.core.quantity import QUANTITY_PATTERN, normalize_quantity, parse_quantity
 
 SAMPLES = ["0", "1", "4", "64", "500m", "1.5", "0.25", ".5", "100Gi", "16Gi", "200Gi", "1Ki",
            "3Mi", "7Ti", "1Pi", "2Ei", "1k", "5M", "9G", "1T", "1P", "1E", "250n", "4u",

@@ -11,7 +11,7 @@ from api_spec_cases import INVALID, base_spec, spec_with
 
 import tpufinetune
 from tpufinetune import cli
-from tpufinetune.render import PLACEHOLDER_UID
+from tpufinetune.core.render import PLACEHOLDER_UID
 
 UID = "6f1c2a7e-0b1d-4c55-9a57-3c1e0d2b8f10"
 

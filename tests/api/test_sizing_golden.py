@@ -9,8 +9,8 @@ from __future__ import annotations
 import yaml
 from api_spec_cases import IMAGE
 
-from tpufinetune.api import parse_spec
-from tpufinetune.sizing import render_raycluster
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.sizing import render_raycluster
 
 UID = "6f1c2a7e-0b1d-4c55-9a57-3c1e0d2b8f10"
 

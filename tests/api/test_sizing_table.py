@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from api_spec_cases import spec_with
 
-from tpufinetune import generations as g
-from tpufinetune.api import parse_spec
-from tpufinetune.errors import SpecError
-from tpufinetune.sizing import (MAX_CLUSTER_NAME, raycluster_name, render_raycluster,
+from tpufinetune.core import generations as g
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.errors import SpecError
+from tpufinetune.core.sizing import (MAX_CLUSTER_NAME, raycluster_name, render_raycluster,
                                 slice_shape, total_devices)
 
 # generation, topology, chipsPerHost, expected: hosts, google.com/tpu, group, machine,

@@ -9,9 +9,9 @@ import argparse
 import pytest
 from api_spec_cases import INVALID, base_spec, spec_with
 
-from tpufinetune.api import SCORE_ATTRIBUTES, Checkpoint, parse_spec
-from tpufinetune.errors import SpecError
-from tpufinetune.jobspec import trainer_argv
+from tpufinetune.core.api import SCORE_ATTRIBUTES, Checkpoint, parse_spec
+from tpufinetune.core.errors import SpecError
+from tpufinetune.core.jobspec import trainer_argv
 from tpufinetune_trainer import cli as trainer_cli
 from tpufinetune_trainer.errors import TrainerError
 

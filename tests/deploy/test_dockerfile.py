@@ -58,7 +58,8 @@ class Refuse(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {"torch", "transformers", "datasets", "safetensors", "tokenizers"}:
             raise ImportError(f"{name} is in the train extra")
 sys.meta_path.insert(0, Refuse())
-from tpufinetune import cli, handlers, metrics, serve  # noqa: F401
+from tpufinetune import cli, serve  # noqa: F401
+from tpufinetune.adapters import handlers, metrics  # noqa: F401
 cli.build_parser().parse_args(["operator", "--metrics-port=9090", "--json-logs"])
 print("ok")
 """

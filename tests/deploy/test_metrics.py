@@ -1,4 +1,4 @@
-"""operator/tpufinetune/metrics.py: what the driver reports becomes the right samples, and
+"""operator/tpufinetune/adapters/metrics.py: what the driver reports becomes the right samples, and
 the HTTP endpoint serves them (the end-to-end suite scrapes the running operator too)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 from prometheus_client import REGISTRY
 
-from tpufinetune import metrics
+from tpufinetune.adapters import metrics
 
 
 def value(name: str, **labels) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from manifests import DEPLOY, load
 
-from tpufinetune.api import parse_spec
+from tpufinetune.core.api import parse_spec
 
 SAMPLES = {
     "finetune-v6e-4x4.yaml": ("v6e", "4x4", "finetune"),

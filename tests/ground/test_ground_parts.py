@@ -17,8 +17,8 @@ from harness.nodepools import (
     reserved_millicores,
     tpu_pool,
 )
-from tpufinetune.generations import GENERATIONS, generation
-from tpufinetune.sizing import plan_resources
+from tpufinetune.core.generations import GENERATIONS, generation
+from tpufinetune.core.sizing import plan_resources
 
 
 def test_the_default_ground_has_one_pool_per_slice_plus_cpu_nodes():
@@ -64,7 +64,7 @@ def test_gke_reservations_follow_the_published_tiers():
 
 @pytest.mark.parametrize("gen", [g for g in GENERATIONS if g.is_tpu], ids=lambda g: g.name)
 def test_every_machine_in_the_table_has_a_sourced_size_that_fits_its_worker_pod(gen):
-    from tpufinetune.api import parse_spec
+    from tpufinetune.core.api import parse_spec
 
     for machine in gen.machines:
         assert machine.vcpus > 0 and machine.memory_gib > 0

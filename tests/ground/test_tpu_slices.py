@@ -11,7 +11,7 @@ import pytest
 from kubernetes.utils import parse_quantity
 
 from harness.nodepools import NODEPOOL_LABEL, tpu_pool
-from tpufinetune.generations import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
+from tpufinetune.core.generations import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 

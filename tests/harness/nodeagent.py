@@ -52,7 +52,7 @@ from kubernetes import client, config, watch  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
 from nodepools import SIMULATED_LABEL  # noqa: E402
-from tpufinetune.generations import ACCELERATOR_LABEL, GENERATIONS, TOPOLOGY_LABEL, chips_in  # noqa: E402
+from tpufinetune.core.generations import ACCELERATOR_LABEL, GENERATIONS, TOPOLOGY_LABEL, chips_in  # noqa: E402
 
 log = logging.getLogger("nodeagent")
 

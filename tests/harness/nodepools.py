@@ -1,7 +1,7 @@
 """GKE-shaped Node objects for the test ground: one node pool per TPU slice, plus CPU nodes.
 
 Each TPU node carries the labels and the taint GKE puts on a TPU slice node, and the
-capacity of its machine type from the one TPU table (`tpufinetune.generations`). What a
+capacity of its machine type from the one TPU table (`tpufinetune.core.generations`). What a
 pod may use is the allocatable GKE leaves after its system reservations, computed with
 GKE's published formula, so a worker pod that fits here fits the real machine.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpufinetune.generations import (
+from tpufinetune.core.generations import (
     ACCELERATOR_LABEL,
     TOPOLOGY_LABEL,
     TPU_RESOURCE,

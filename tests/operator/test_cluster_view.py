@@ -1,6 +1,6 @@
 """How KubeRay's RayCluster status is read: readiness, problems, ownership, dashboard URL."""
 
-from tpufinetune.kube import cluster_view
+from tpufinetune.adapters.kube import cluster_view
 from tpufinetune.settings import Settings
 
 
@@ -53,7 +53,7 @@ def test_token_file_becomes_a_bearer_header(tmp_path):
 
 
 def test_pod_problem_carries_the_schedulers_reason_and_the_kubelets_waiting_reason():
-    from tpufinetune.kube import pod_problem
+    from tpufinetune.adapters.kube import pod_problem
 
     unschedulable = {"metadata": {"name": "rc-worker-3"}, "status": {"conditions": [
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",

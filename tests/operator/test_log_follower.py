@@ -2,7 +2,7 @@
 what status already holds."""
 
 from tpufinetune.driver import status_patch
-from tpufinetune.rayjobs import LogFollower
+from tpufinetune.adapters.rayjobs import LogFollower
 from tpufinetune_trainer.events import format_event
 
 EPOCH1 = format_event("epoch", epoch=1, epochs=2, loss=3.0)
@@ -52,7 +52,7 @@ def test_the_last_line_without_a_newline_is_parsed_when_the_log_ends():
 
 
 def test_stray_ray_address_variables_never_redirect_a_run():
-    from tpufinetune.rayjobs import drop_address_overrides
+    from tpufinetune.adapters.rayjobs import drop_address_overrides
 
     environ = {"RAY_ADDRESS": "http://elsewhere:8265", "RAY_API_SERVER_ADDRESS": "http://elsewhere:8265", "HOME": "/"}
     assert drop_address_overrides(environ) == ["RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"]

@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
-from tpufinetune.api import parse_spec
-from tpufinetune.sizing import render_raycluster
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.sizing import render_raycluster
 
 
 @pytest.mark.cluster

@@ -4,9 +4,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from tpufinetune import conditions as cond
-from tpufinetune import phases
-from tpufinetune.phases import ClusterView, Identity, JobView, Observations, Plan
+from tpufinetune.core import conditions as cond
+from tpufinetune.core import phases
+from tpufinetune.core.phases import ClusterView, Identity, JobView, Observations, Plan
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
 IDENT = Identity("demo", "ns", "uid-1", generation=3)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from datasets import Dataset
 
-from tpufinetune.runevents import apply_event
+from tpufinetune.core.runevents import apply_event
 from tpufinetune_trainer.cli import build_parser
 from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.data import IGNORE_INDEX, detect_format, encode_rows, prepare, resolve_prompt_format
@@ -132,7 +132,7 @@ def test_progress_events_become_status_progress_with_a_time_left():
 
 
 def test_the_status_schema_keeps_progress():
-    from tpufinetune.status import TPUFineTuneStatus
+    from tpufinetune.core.status import TPUFineTuneStatus
 
     status: dict = {}
     apply_event(status, {"event": "progress", "epoch": 1, "epochs": 1, "step": 5, "total_steps": 10,

@@ -14,11 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 import kopf
 from kubernetes import client, config
 
-from tpufinetune import metrics, phases
-from tpufinetune.api import GROUP, PLURAL, VERSION
+from tpufinetune.adapters import metrics
+from tpufinetune.core import phases
+from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.driver import Run
-from tpufinetune.kube import RAY_GROUP, RAY_PLURAL, RAY_VERSION, KubeBackend
-from tpufinetune.rayjobs import RayJobs
+from tpufinetune.adapters.kube import RAY_GROUP, RAY_PLURAL, RAY_VERSION, KubeBackend
+from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,9 @@ import copy
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from tpufinetune import conditions as cond
-from tpufinetune.jobspec import submission_id
-from tpufinetune.runevents import apply_event
+from tpufinetune.core import conditions as cond
+from tpufinetune.core.jobspec import submission_id
+from tpufinetune.core.runevents import apply_event
 
 PENDING = "Pending"
 PROVISIONING = "Provisioning"

@@ -13,8 +13,8 @@ import kopf
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from tpufinetune.api import GROUP, PLURAL, VERSION
-from tpufinetune.phases import ClusterView, Identity
+from tpufinetune.core.api import GROUP, PLURAL, VERSION
+from tpufinetune.core.phases import ClusterView, Identity
 from tpufinetune.settings import Settings
 
 log = logging.getLogger(__name__)

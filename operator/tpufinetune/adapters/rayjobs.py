@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ray.job_submission import JobSubmissionClient
 
-from tpufinetune.phases import JobView
+from tpufinetune.core.phases import JobView
 from tpufinetune_trainer.events import parse_line
 
 log = logging.getLogger(__name__)
