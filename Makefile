@@ -50,10 +50,10 @@ test-fast: venv
 
 ## The test ground and the operator in the background; prints the two lines to paste.
 cluster: venv ground
-	@$(PYTHON) tests/harness/controlplane.py up
+	@$(PYTHON) tests/harness/supervisor.py up
 
 cluster-down: venv
-	@$(PYTHON) tests/harness/controlplane.py down
+	@$(PYTHON) tests/harness/supervisor.py down
 
 clean:
 	rm -rf .cache build dist *.egg-info

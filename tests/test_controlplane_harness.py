@@ -331,7 +331,7 @@ def test_killing_the_owner_stops_its_control_plane(tmp_path, sig):
 
 def test_cli_up_status_down(tmp_path):
     env = dict(os.environ, TPUFT_CLUSTER_DIR=str(tmp_path / "cluster"), TPUFT_CLUSTER_KIND="controlplane")
-    script = str(Path(cpmod.__file__))
+    script = str(Path(cpmod.__file__).with_name("supervisor.py"))
 
     def cli(cmd: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, script, cmd], env=env, capture_output=True,

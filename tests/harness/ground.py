@@ -34,15 +34,12 @@ if str(HERE) not in sys.path:
 from controlplane import (  # noqa: E402
     ControlPlane,
     ControlPlaneError,
-    _free_ports,
-    _spawn,
-    _stop_process,
-    _tail,
     kuberay_dir,
     kuberay_version,
     project_crd_files,
 )
 from nodeagent import kill_marked  # noqa: E402
+from processes import free_ports, spawn, stop_process, tail  # noqa: E402
 from nodepools import NodePool, default_pools, node_manifest, node_status  # noqa: E402
 
 GC_CONTROLLERS = ",".join([
@@ -132,12 +129,12 @@ class Ground:
         self.timings[what] = round(time.monotonic() - since, 1)
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> None:
-        self.processes[name] = _spawn(argv, self.workdir / f"{name}.log", env=env)
+        self.processes[name] = spawn(argv, self.workdir / f"{name}.log", env=env)
 
     def _start_kube_component(self, name: str, flags: list[str]) -> str:
         """kube-scheduler or kube-controller-manager, as the admin, serving /healthz on a
         free loopback port (returned)."""
-        port, = _free_ports(1)
+        port, = free_ports(1)
         kubeconfig = self.cp.kubeconfig
         self._spawn(name, [
             str(self.cp.bin_dir / name),
@@ -167,7 +164,7 @@ class Ground:
         ])
 
     def _start_kuberay(self) -> None:
-        metrics, probe = _free_ports(2)
+        metrics, probe = free_ports(2)
         env = dict(os.environ, KUBECONFIG=str(self.cp.kubeconfig))
         self._spawn("kuberay-operator", [
             str(kuberay_dir() / "bin" / "ray-operator"),
@@ -216,7 +213,7 @@ class Ground:
                 proc = self.processes[name]
                 if proc.poll() is not None:
                     raise ControlPlaneError(f"{name} exited with {proc.returncode}; last log lines:\n"
-                                            + _tail(self.workdir / f"{name}.log"))
+                                            + tail(self.workdir / f"{name}.log"))
                 if ready():
                     del pending[name]
             if pending and time.monotonic() > deadline:
@@ -304,14 +301,14 @@ class Ground:
         # The agent first: it stops every Ray process it started.
         agent = self.processes.pop("node-agent", None)
         if agent is not None:
-            _stop_process(agent, grace=20)
+            stop_process(agent, grace=20)
         kill_marked(self.ground_id, grace=5)  # whatever the agent could not reach
         for leftover in Path("/tmp").glob(f"tpuft-{self.ground_id}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
         for name in ("kuberay-operator", "kube-controller-manager", "kube-scheduler"):
             proc = self.processes.pop(name, None)
             if proc is not None:
-                _stop_process(proc)
+                stop_process(proc)
         self.cp.stop()
 
     def __enter__(self) -> "Ground":

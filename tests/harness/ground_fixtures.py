@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 import yaml
 
-from harness.controlplane import _tail
+from harness.processes import tail
 from harness.ground import Ground
 from harness.k8s_fixtures import namespace_name
 from harness.service_account import refusals
@@ -84,7 +84,7 @@ def _operator_log_on_failure(request):
     if report is not None and report.failed and "operator" in request.fixturenames:
         print("---- operator log tail ----\n" + request.getfixturevalue("operator").log_tail())
         ground = request.getfixturevalue("ground")
-        print("---- node agent log tail ----\n" + _tail(ground.workdir / "node-agent.log", 40))
+        print("---- node agent log tail ----\n" + tail(ground.workdir / "node-agent.log", 40))
 
 
 @pytest.hookimpl(hookwrapper=True)

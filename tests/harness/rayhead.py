@@ -33,6 +33,14 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from processes import alive  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
 STATE_FILE = REPO / ".cache" / "rayhead" / "state.json"
@@ -172,7 +180,7 @@ class RayHead:
         strays = self._stray_pids()
         for pid in strays:
             _kill(pid, signal.SIGTERM)
-        if strays and not _wait_gone(lambda: any(_alive(p) for p in strays), 5):
+        if strays and not _wait_gone(lambda: any(alive(p) for p in strays), 5):
             for pid in strays:
                 _kill(pid, signal.SIGKILL)
         if self.owns_temp_dir and self.temp_dir:
@@ -181,21 +189,18 @@ class RayHead:
     def _stray_pids(self) -> list[int]:
         """Processes whose command line names our temp dir, or whose RAY_ADDRESS points
         at our GCS port."""
-        marks = [self.temp_dir.encode()] if self.temp_dir else []
+        marks = [str(self.temp_dir)] if self.temp_dir else []
         # Ray hands drivers the node's own IP, not 127.0.0.1: match on the GCS port.
-        port = self.gcs_address.rsplit(":", 1)[-1].encode()
+        port = ":" + self.gcs_address.rsplit(":", 1)[-1]
         found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
+        for proc in psutil.process_iter(["pid", "cmdline", "environ"]):
+            if proc.pid == os.getpid():
                 continue
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-                environ = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:
-                continue
-            ours = any(v.startswith(b"RAY_ADDRESS=") and v.endswith(b":" + port) for v in environ.split(b"\0"))
+            environ = proc.info["environ"] or {}
+            cmdline = " ".join(proc.info["cmdline"] or ())
+            ours = environ.get("RAY_ADDRESS", "").endswith(port)
             if ours or any(m in cmdline for m in marks):
-                found.append(int(entry))
+                found.append(proc.pid)
         return found
 
     def to_json(self) -> str:
@@ -211,29 +216,13 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 def _group_alive(pgid: int) -> bool:
     """Any live (non-zombie) process left in the group? Zombies answer killpg(0) too."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for proc in psutil.process_iter(["status"]):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
+                return True
+        except (ProcessLookupError, PermissionError):
             continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
     return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    try:  # a zombie is gone for our purposes
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rfind(")") + 2:].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -13,7 +13,7 @@ import uuid
 
 from . import backends
 from .config import FinetuneConfig
-from .data import pad_id_of, prepare
+from .data import PreparedData, pad_id_of, prepare
 from .errors import ConfigError, StorageError
 from .model import check_local_model, load_config, load_tokenizer
 
@@ -62,21 +62,18 @@ def check_cluster_fits(backend: backends.Backend, num_workers: int, resources: d
         raise ConfigError(f"the Ray cluster cannot hold --num-workers {num_workers} ({detail})")
 
 
-def run(cfg: FinetuneConfig) -> int:
-    # Input checks come first, cheapest first (the training stack takes a while to import).
+def check(cfg: FinetuneConfig) -> None:
+    """Input checks, cheapest first (the training stack takes a while to import)."""
     cfg.validate()
     check_storage(cfg.storage_path, cfg.run_name)
     if cfg.resume_from:
         check_resume_from(cfg.resume_from)
     check_local_model(cfg.model_id)
 
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
-    from ray.train.torch import TorchTrainer
 
-    from .train import quiet_progress_bars, train_func
-
-    quiet_progress_bars()
+def prepare_data(cfg: FinetuneConfig) -> tuple[PreparedData, int]:
+    """Tokenize and pack the dataset once, on the driver; refuse data too small for one
+    global batch. Returns the data and the tokenizer's pad id."""
     load_config(cfg.model_id)
     tokenizer = load_tokenizer(cfg.model_id)
     data = prepare(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction, cfg.seed,
@@ -88,7 +85,18 @@ def run(cfg: FinetuneConfig) -> int:
                           f"({cfg.num_workers} workers x --batch-size-per-device {cfg.batch_size_per_device} x "
                           f"{plan.accum} accumulation); use more data, or lower --global-batch-blocks or "
                           f"--batch-size-per-device")
-    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+    return data, pad_id_of(tokenizer)
+
+
+def build_trainer(cfg: FinetuneConfig, data: PreparedData, pad_id: int):
+    """The Ray Train TorchTrainer for this cluster: backend and scaling from what the
+    cluster offers (refused when it cannot hold the workers), data shipped once by ref."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    from ray.train.torch import TorchTrainer
+
+    from .train import train_func
+
     backend = backends.resolve(cfg.device, ray.cluster_resources())
     scaling = backends.scaling_config(backend, cfg.num_workers, cfg.topology, cfg.accelerator_type)
     check_cluster_fits(backend, cfg.num_workers, ray.cluster_resources())
@@ -98,8 +106,8 @@ def run(cfg: FinetuneConfig) -> int:
           f"{len(data.eval) if data.eval else 0} blocks of {cfg.max_seq_len} tokens "
           f"({data.skipped_long_prompts} skipped for long prompts, {data.truncated} responses truncated); "
           f"dataset format {data.dataset_format}, prompt format {data.prompt_format}", flush=True)
-    data_ref = ray.put({"train": data.train, "eval": data.eval, "pad_id": pad_id_of(tokenizer)})
-    trainer = TorchTrainer(
+    data_ref = ray.put({"train": data.train, "eval": data.eval, "pad_id": pad_id})
+    return TorchTrainer(
         train_loop_per_worker=train_func,
         train_loop_config={"cfg": cfg.to_dict(), "backend": backend.name, "data": data_ref,
                            "prompt_format": data.prompt_format, "dataset_format": data.dataset_format},
@@ -116,7 +124,18 @@ def run(cfg: FinetuneConfig) -> int:
             failure_config=FailureConfig(max_failures=cfg.max_failures),
         ),
     )
-    result = trainer.fit()
+
+
+def run(cfg: FinetuneConfig) -> int:
+    check(cfg)
+    import ray
+
+    from .train import quiet_progress_bars
+
+    quiet_progress_bars()
+    data, pad_id = prepare_data(cfg)
+    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+    result = build_trainer(cfg, data, pad_id).fit()
     print(f"Training completed! Final metrics: {result.metrics}", flush=True)
     print(f"Saved checkpoint: {result.checkpoint}", flush=True)
     return 0
