@@ -122,3 +122,30 @@ class TPUFineTuneStatus(_Status):
     log_job_id: str | None = Field(None, description="The job whose log logCursor counts.")
     trainer_failure: TrainerFailure | None = Field(
         None, description="The trainer's failure event of the current attempt, if any.")
+
+
+class UndeclaredStatusKey(ValueError):
+    """A status key the CRD does not declare: the API server would prune it in silence."""
+
+
+def checked_status(status: dict) -> dict:
+    """`status` as the operator is about to write it, validated by the model; refused with
+    the key's path when a key (at any depth) is not declared."""
+    declared = TPUFineTuneStatus.model_validate(status).model_dump(by_alias=True, exclude_unset=True)
+    unknown = _undeclared(status, declared, "status")
+    if unknown:
+        raise UndeclaredStatusKey(f"undeclared status keys (the API server would drop them): "
+                                  f"{', '.join(unknown)}")
+    return status
+
+
+def _undeclared(given, declared, path: str) -> list[str]:
+    if isinstance(given, dict):
+        declared = declared if isinstance(declared, dict) else {}
+        found = [f"{path}.{key}" for key in given if key not in declared]
+        for key in given.keys() & declared.keys():
+            found += _undeclared(given[key], declared[key], f"{path}.{key}")
+        return found
+    if isinstance(given, list) and isinstance(declared, list):
+        return [k for i, (g, d) in enumerate(zip(given, declared)) for k in _undeclared(g, d, f"{path}[{i}]")]
+    return []

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from . import generations as g
 from .errors import SpecError
 from .quantity import parse_quantity
-from .sizing import plan_resources
+from .sizing import plan_resources, slice_shape
 
 if TYPE_CHECKING:
     from .api import PodGroup, ResourceRequirements, TPUFineTuneSpec
@@ -26,6 +26,9 @@ STORAGE_MESSAGE = ("is required when mode is finetune: a gs:// bucket path or a 
 EVAL_SCORE_MESSAGE = ("eval_loss needs training.evalFraction greater than 0: with no "
                       "evaluation no epoch reports eval_loss; set training.evalFraction "
                       "(e.g. 0.05) or rank checkpoints by loss")
+GLOBAL_BATCH_MESSAGE = ("must be 0 (no gradient accumulation) or a multiple of the slice's "
+                        "devices x training.batchSizePerDevice, the factor being the "
+                        "accumulation steps")
 TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host); "
                         "remove it from the overrides")
 
@@ -133,6 +136,35 @@ def tpu_rules() -> list[dict]:
     return rules
 
 
+def _devices_per_slice_map() -> str:
+    """CEL map 'generation/topology' -> devices of one slice, every alias and valid
+    topology of every TPU generation (the trainer's world size, from the table)."""
+    entries = [f"'{alias}/{topology}': {g.chips_in(topology) * gen.devices_per_chip}"
+               for gen in g.GENERATIONS if gen.is_tpu
+               for alias in gen.aliases for topology in gen.valid_topologies()]
+    return "{" + ", ".join(entries) + "}"
+
+
+def _global_batch_rule(is_collectives: str) -> dict:
+    key = "self.tpu.generation + '/' + self.tpu.topology"
+    devices_map = _devices_per_slice_map()
+    is_cpu = "(self.tpu.generation == 'cpu' && self.tpu.topology.matches('^[0-9]{1,3}$'))"
+    known = f"({is_cpu} || {key} in {devices_map})"
+    devices = f"({is_cpu} ? int(self.tpu.topology) : {devices_map}[{key}])"
+    per_device = ("(has(self.training.batchSizePerDevice) ? "
+                  "self.training.batchSizePerDevice : 1)")
+    micro = f"({devices} * {per_device})"
+    return {
+        "rule": (f"{is_collectives} || !has(self.training) || "
+                 "!has(self.training.globalBatchBlocks) || self.training.globalBatchBlocks == 0 || "
+                 f"!{known} || self.training.globalBatchBlocks % {micro} == 0"),
+        # No messageExpression: string(<int>) is unbounded for the CRD cost estimator.
+        "message": GLOBAL_BATCH_MESSAGE,
+        "fieldPath": ".training.globalBatchBlocks",
+        "reason": "FieldValueInvalid",
+    }
+
+
 def spec_rules() -> list[dict]:
     """CEL rules on `spec` (cross-object: mode against tpu and checkpoint)."""
     is_collectives = "(has(self.mode) && self.mode == 'collectives')"
@@ -161,6 +193,7 @@ def spec_rules() -> list[dict]:
             "fieldPath": ".checkpoint.scoreAttribute",
             "reason": "FieldValueInvalid",
         },
+        _global_batch_rule(is_collectives),
     ]
 
 
@@ -238,12 +271,24 @@ def check_spec(spec: TPUFineTuneSpec) -> None:
             raise SpecError("spec.checkpoint.storagePath", STORAGE_MESSAGE)
         if spec.checkpoint.score_attribute == "eval_loss" and spec.training.eval_fraction == 0:
             raise SpecError("spec.checkpoint.scoreAttribute", EVAL_SCORE_MESSAGE)
+        _check_global_batch(spec)
     for group in ("head", "workers"):
         resources = getattr(spec, group).resources
         if resources is not None:
             _check_overrides(f"spec.{group}.resources", resources)
         _check_pod_group(f"spec.{group}", getattr(spec, group))
     _check_merged_resources(spec)
+
+
+def _check_global_batch(spec: TPUFineTuneSpec) -> None:
+    """The trainer's batch plan: global batch = devices x batch size x accumulation."""
+    wanted = spec.training.global_batch_blocks
+    devices = slice_shape(spec).devices_per_slice
+    micro = devices * spec.training.batch_size_per_device
+    if wanted and wanted % micro:
+        raise SpecError("spec.training.globalBatchBlocks",
+                        f"{GLOBAL_BATCH_MESSAGE}: {wanted} is not a multiple of {devices} devices x "
+                        f"{spec.training.batch_size_per_device} = {micro}")
 
 
 def _check_unique(path: str, keys: list[str], what: str) -> None:

@@ -1,0 +1,31 @@
+"""Status goes through the status model before it is written: a key the CRD does not
+declare (the API server would prune it in silence) is refused with its path."""
+from __future__ import annotations
+
+import pytest
+
+from tpufinetune.core.status import UndeclaredStatusKey, checked_status
+
+FULL = {
+    "phase": "Running", "attempt": 1, "rayClusterName": "tft-demo", "jobId": "tft-u-1",
+    "dashboardURL": "http://tft-demo-head-svc.ns.svc:8265", "epoch": 1, "epochs": 3,
+    "checkpointURI": "gs://b/run/checkpoint_000001", "logCursor": 120, "message": "epoch 1/3",
+    "conditions": [{"type": "Running", "status": "True", "reason": "JobRunning", "message": "",
+                    "lastTransitionTime": "2026-11-30T10:00:00Z"}],
+    "history": [{"epoch": 1, "loss": 1.5}],
+}
+
+
+def test_a_status_the_operator_writes_passes():
+    assert checked_status(FULL) is FULL
+
+
+@pytest.mark.parametrize("misspelt, path", [
+    ({"checkpointUri": "gs://b/x"}, "status.checkpointUri"),
+    ({"conditions": [dict(FULL["conditions"][0], lastTransition="2026-11-30T10:00:00Z")]},
+     "status.conditions[0].lastTransition"),
+    ({"history": [{"epoch": 1, "evalLos": 1.2}]}, "status.history[0].evalLos"),
+])
+def test_an_undeclared_key_is_refused_with_its_path(misspelt, path):
+    with pytest.raises(UndeclaredStatusKey, match=path.replace("[", r"\[").replace("]", r"\]")):
+        checked_status(dict(FULL, **misspelt))
