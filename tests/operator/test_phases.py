@@ -241,3 +241,23 @@ def test_a_spec_made_invalid_before_submission_fails_and_releases():
     d = step(status, cluster=ClusterView(exists=True), spec_error="spec.tpu.slices: must be 1 for finetune")
     assert d.phase == phases.FAILED
     assert phases.DeleteCluster("demo-rc") in d.actions
+
+
+def test_a_long_suspend_then_resume_gets_the_whole_provisioning_timeout():
+    """Fault 4: the provisioning timer starts when Provisioning is entered, not when
+    ClusterReady last flipped (it stays False through the suspend)."""
+    suspended = Plan(cluster_name="demo-rc", epochs=2, suspended=True)
+    provisioning = step(step({}).status).status
+    d = step(provisioning, plan=suspended, now=T0 + timedelta(minutes=1), cluster=ClusterView(exists=True))
+    assert d.phase == phases.PENDING
+    resumed_at = T0 + timedelta(hours=5)
+    d = step(d.status, now=resumed_at, cluster=ClusterView(exists=False))
+    assert d.phase == phases.PROVISIONING
+    assert d.status["phaseTransitionTime"] == cond.timestamp(resumed_at)
+    waiting = ClusterView(exists=True, ready=False)
+    d = step(d.status, now=resumed_at + timedelta(minutes=1), cluster=waiting)
+    assert d.phase == phases.PROVISIONING
+    # ... and the timeout still applies, counted from the resume
+    d = step(d.status, now=resumed_at + timedelta(minutes=31), cluster=waiting)
+    assert d.phase == phases.FAILED
+    assert cond.find(d.status, cond.FAILED)["reason"] == "ProvisioningTimeout"

@@ -151,6 +151,9 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
         _suspended(ident, new, obs, decision)
     else:
         STEPS.get(phase, _start)(ident, plan, new, obs, decision)
+    if new.get("phase") != phase:
+        # Timers of a phase (provisioning timeout, no-progress) count from here.
+        new["phaseTransitionTime"] = cond.timestamp(obs.now)
     new["observedGeneration"] = ident.generation
     return decision
 
@@ -197,7 +200,7 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
         s["dashboardURL"] = cluster.dashboard_url
         _enter(s, d, SUBMITTING, "ClusterReady", f"RayCluster {name} is ready")
         return
-    waited_since = cond.since(s, cond.CLUSTER_READY) or obs.now
+    waited_since = cond.parse_time(s.get("phaseTransitionTime")) or obs.now
     if obs.now - waited_since > plan.provision_timeout:
         minutes = int(plan.provision_timeout.total_seconds() // 60)
         detail = f": {cluster.problem}" if cluster.problem else ""

@@ -115,6 +115,10 @@ class TPUFineTuneStatus(_Status):
     completion_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
                                         description="When the run finished.")
     message: str | None = Field(None, description="What is happening, or why it failed.")
+    phase_transition_time: str | None = Field(
+        None, json_schema_extra={"format": "date-time"},
+        description="When the current phase was entered (the provisioning timeout counts "
+                    "from it).")
     log_cursor: int | None = Field(None, ge=0,
                                    description="Bytes of the job log already parsed.")
     collectives: CollectivesResult | None = Field(None, description="Result of mode "
