@@ -26,6 +26,9 @@ STORAGE_MESSAGE = ("is required when mode is finetune: a gs:// bucket path or a 
 EVAL_SCORE_MESSAGE = ("eval_loss needs training.evalFraction greater than 0: with no "
                       "evaluation no epoch reports eval_loss; set training.evalFraction "
                       "(e.g. 0.05) or rank checkpoints by loss")
+MIN_NO_PROGRESS_TIMEOUT = 60
+NO_PROGRESS_MESSAGE = (f"must be 0 (off) or at least {MIN_NO_PROGRESS_TIMEOUT} seconds: "
+                       "the trainer reports progress about every 30 s")
 TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host); "
                         "remove it from the overrides")
 
@@ -161,6 +164,13 @@ def spec_rules() -> list[dict]:
             "fieldPath": ".checkpoint.scoreAttribute",
             "reason": "FieldValueInvalid",
         },
+        {
+            "rule": ("!has(self.noProgressTimeoutSeconds) || self.noProgressTimeoutSeconds == 0 "
+                     f"|| self.noProgressTimeoutSeconds >= {MIN_NO_PROGRESS_TIMEOUT}"),
+            "message": NO_PROGRESS_MESSAGE,
+            "fieldPath": ".noProgressTimeoutSeconds",
+            "reason": "FieldValueInvalid",
+        },
     ]
 
 
@@ -238,6 +248,8 @@ def check_spec(spec: TPUFineTuneSpec) -> None:
             raise SpecError("spec.checkpoint.storagePath", STORAGE_MESSAGE)
         if spec.checkpoint.score_attribute == "eval_loss" and spec.training.eval_fraction == 0:
             raise SpecError("spec.checkpoint.scoreAttribute", EVAL_SCORE_MESSAGE)
+    if 0 < spec.no_progress_timeout_seconds < MIN_NO_PROGRESS_TIMEOUT:
+        raise SpecError("spec.noProgressTimeoutSeconds", NO_PROGRESS_MESSAGE)
     for group in ("head", "workers"):
         resources = getattr(spec, group).resources
         if resources is not None:
