@@ -11,6 +11,11 @@ scheduler binds to simulated nodes, by running each pod as a real local Ray proc
   descendant included) before the agent confirms the deletion, as a kubelet does. A process
   that dies on its own is reported as a terminated container (restarted when the pod's
   restartPolicy asks for it), so KubeRay sees it.
+- Faults a kubelet reports, on request, so the operator's pod-level reasons are tested end
+  to end: an image on a registry under the reserved `.invalid` top-level domain (RFC 2606:
+  it never resolves) fails to pull (ErrImagePull, then ImagePullBackOff, retried with
+  back-off, as a kubelet does); a pod annotated `ground.tpufinetune.dev/exit-code: "N"`
+  runs a container that exits N at once, restarted with back-off (CrashLoopBackOff).
 - Workers on TPU nodes get the environment GKE gives TPU pods (TPU_WORKER_ID, TPU_NAME,
   TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY, TPU_WORKER_HOSTNAMES), so Ray's own TPU code advertises
   the slice head resource and the slice labels; the TPU count is the `TPU` resource KubeRay
@@ -60,6 +65,8 @@ log = logging.getLogger("nodeagent")
 # raylet, GCS and workers), so a sweep can find them all even after they re-parent.
 MARKER_ENV = "TPUFT_GROUND_POD"
 DASHBOARD_PORT = 8265
+UNRESOLVABLE_DOMAIN = ".invalid"  # RFC 2606: no registry there ever resolves
+EXIT_CODE_ANNOTATION = "ground.tpufinetune.dev/exit-code"
 OBJECT_STORE_BYTES = 100 * 1024 * 1024  # Ray's default (30% of RAM per node) is for real hosts
 
 # `ray start` flags the agent decides itself: addresses and ports (every pod shares this
@@ -157,6 +164,12 @@ def tpu_environment(topology: str, worker_id: int, slice_name: str, hostnames: l
 
 # The node label GKE puts on a slice's nodes -> Ray's accelerator type, from the one TPU table.
 RAY_ACCELERATOR_BY_LABEL = {g.accelerator_label: g.ray_accelerator_type for g in GENERATIONS if g.is_tpu}
+
+
+def registry_host(image: str) -> str:
+    """The registry an image reference names ('' for Docker Hub's short names)."""
+    first, _, rest = image.partition("/")
+    return first if rest and ("." in first or ":" in first or first == "localhost") else ""
 
 
 def hosts_file_text(entries: dict[str, str]) -> str:
@@ -360,10 +373,14 @@ class NodeAgent:
         container = pod.spec.containers[0]
         started_at = now()
         self.patch_status(run, self.pending_status(run, pod, started_at))
+        if registry_host(container.image).endswith(UNRESOLVABLE_DOMAIN):
+            self.fail_pull(run, pod, started_at)
+            return
         env = self.environment(run, pod, container, node_labels)
         if env is None:
             return
         args = ray_start_args(client.ApiClient().sanitize_for_serialization(container))
+        exit_code = (pod.metadata.annotations or {}).get(EXIT_CODE_ANNOTATION)
         while not run.stopping:
             if not run.head:
                 head = self.wait_for_head(run)
@@ -379,6 +396,8 @@ class NodeAgent:
             argv = [str(Path(sys.executable).parent / "ray"), "start",
                     *rewrite_ray_start(args, head=run.head, ip=run.ip, temp_dir=str(run.temp_dir),
                                        gcs_address=run.gcs_address, ports=ports)]
+            if exit_code is not None:  # asked to crash: the container's command fails at once
+                argv = [sys.executable, "-c", f"import sys; print('asked to exit {int(exit_code)}'); sys.exit({int(exit_code)})"]
             run.log_path.parent.mkdir(parents=True, exist_ok=True)
             with run.lock:
                 if run.stopping:
@@ -407,6 +426,23 @@ class NodeAgent:
                 return
             run.restarts += 1
             time.sleep(min(10, 2 ** run.restarts))  # the kubelet's crash-loop back-off, shortened
+
+    def fail_pull(self, run: PodRun, pod, started_at: str) -> None:
+        """What a kubelet reports for an image it cannot pull: ErrImagePull, then
+        ImagePullBackOff until the next try, with a growing back-off (shortened here)."""
+        image = pod.spec.containers[0].image
+        host = registry_host(image)
+        tries = 0
+        while not run.stopping and not self.stop_event.is_set():
+            tries += 1
+            self.patch_status(run, self.waiting_status(run, pod, started_at, "ErrImagePull", (
+                f'failed to pull and unpack image "{image}": failed to resolve reference "{image}": '
+                f"dial tcp: lookup {host}: no such host")))
+            if self.stop_event.wait(1) or run.stopping:
+                return
+            self.patch_status(run, self.waiting_status(run, pod, started_at, "ImagePullBackOff",
+                                                       f'Back-off pulling image "{image}"'))
+            self.stop_event.wait(min(10, 2 ** tries))
 
     def wait_for_head(self, run: PodRun) -> PodRun | None:
         while not run.stopping and not self.stop_event.is_set():
@@ -534,6 +570,13 @@ class NodeAgent:
         status = self._base(run, pod, started_at)
         status.update(phase="Pending", conditions=_conditions(started_at, initialized=True, ready=False),
                       containerStatuses=[_container(c, False, {"waiting": {"reason": "ContainerCreating"}}, 0)
+                                         for c in pod.spec.containers])
+        return {"status": status}
+
+    def waiting_status(self, run: PodRun, pod, started_at: str, reason: str, message: str) -> dict:
+        status = self._base(run, pod, started_at)
+        status.update(phase="Pending", conditions=_conditions(started_at, initialized=True, ready=False),
+                      containerStatuses=[_container(c, False, {"waiting": {"reason": reason, "message": message}}, 0)
                                          for c in pod.spec.containers])
         return {"status": status}
 
