@@ -75,6 +75,11 @@ def test_a_suspend_stops_the_deadlines_clock_and_a_resume_restarts_it():
     assert d.phase == phases.SUBMITTING
 
 
+def test_a_job_that_succeeded_before_the_deadline_was_seen_keeps_its_result():
+    d = step(running(DEADLINE), plan=DEADLINE, now=T0 + timedelta(hours=3), cluster=READY, job=JobView("SUCCEEDED"))
+    assert d.phase == phases.SUCCEEDED
+
+
 def test_no_deadline_by_default():
     plan = Plan(cluster_name="demo-rc", epochs=2)
     d = step(running(plan), plan=plan, now=T0 + timedelta(days=30), cluster=READY, job=JobView("RUNNING"))

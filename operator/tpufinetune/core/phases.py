@@ -359,8 +359,11 @@ def _silent_for(s: dict, obs: Observations) -> timedelta:
 
 
 def _past_deadline(plan: Plan, s: dict, obs: Observations) -> bool:
+    """spec.activeDeadlineSeconds has passed (a job that already succeeded keeps its result)."""
     started = cond.parse_time(s.get("startTime"))
-    return plan.active_deadline is not None and started is not None and obs.now - started > plan.active_deadline
+    if plan.active_deadline is None or started is None or (obs.job is not None and obs.job.status == "SUCCEEDED"):
+        return False
+    return obs.now - started > plan.active_deadline
 
 
 def _stop_and_fail(plan: Plan, s: dict, obs: Observations, d: Decision, reason: str, message: str) -> None:
