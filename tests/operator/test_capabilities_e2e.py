@@ -102,3 +102,35 @@ def test_provisioning_names_the_worst_pod_state_and_the_hosts_ready(operator, ku
     assert any(e["reason"] in reasons and e["type"] == "Warning" for e in events)
     kube.kubectl("delete", "tpufinetune", "tiny-stuck", "--wait=true", "--timeout=60s", timeout=70)
     kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released", timeout=60)
+
+
+def test_a_retry_after_an_edit_that_changes_the_slice_runs_on_a_rebuilt_cluster(operator, kube, trainer_assets, tmp_path):
+    """Fault 11 on real parts: the edit waits for the next attempt, which runs on a
+    RayCluster built from the edited spec, never on the old one."""
+    manifest = resource("tiny-rebuild", trainer_assets, tmp_path / "ckpt", epochs=200, maxRetries=1,
+                        tpu={"generation": "cpu", "topology": "1"})
+    uid, cluster = start_run(kube, manifest)
+    kube.wait_for(lambda: kube.status("tiny-rebuild").get("phase") == "Running", "phase Running", timeout=300)
+    old = kube.get("raycluster", cluster)
+    kube.kubectl("patch", "tpufinetune", "tiny-rebuild", "--type=merge", "-p",
+                 '{"spec": {"tpu": {"generation": "cpu", "topology": "2"}}}')
+    time.sleep(3)
+    status = kube.status("tiny-rebuild")
+    assert status["phase"] == "Running" and status["observedGeneration"] == 1  # not applied yet
+    # The attempt ends (stopped outside the operator): the retry rebuilds the cluster first.
+    kube.head_job_client(cluster).stop_job(status["jobId"])
+
+    def rebuilt():
+        body = kube.get("raycluster", cluster)
+        return body if body and body["metadata"]["uid"] != old["metadata"]["uid"] else None
+
+    new = kube.wait_for(rebuilt, "a new RayCluster", timeout=120)
+    assert new["spec"]["workerGroupSpecs"][0]["numOfHosts"] == 2
+    status = kube.wait_for(lambda: (s := kube.status("tiny-rebuild")).get("phase") == "Running"
+                           and s["attempt"] == 2 and s, "attempt 2 Running", timeout=300)
+    assert status["retries"] == 1 and status["observedGeneration"] == 2
+    assert status["jobId"] == f"tft-{uid}-2"
+    # The job runs on the rebuilt cluster (its head knows it), and it alone.
+    jobs = [j.submission_id for j in kube.head_job_client(cluster).list_jobs()]
+    assert jobs == [f"tft-{uid}-2"]
+    kube.kubectl("delete", "tpufinetune", "tiny-rebuild", "--wait=true", "--timeout=60s", timeout=70)
