@@ -269,6 +269,7 @@ class PodRun:
     node: str
     head: bool
     cluster: str
+    cluster_uid: str  # the RayCluster object: a rebuilt cluster keeps its name, not its uid
     marker: str
     temp_dir: Path
     log_path: Path
@@ -290,8 +291,8 @@ class NodeAgent:
         self.ip_prefix = ip_prefix  # "127.N": pods get 127.N.x.y
         self.ground_id = ground_id
         self.runs: dict[str, PodRun] = {}  # by pod uid
-        self.heads: dict[tuple[str, str], PodRun] = {}  # (namespace, cluster) -> head run
-        self.slice_ids: dict[tuple[str, str, str], list[str]] = {}  # slice -> pod uids in order
+        self.heads: dict[str, PodRun] = {}  # RayCluster uid -> head run
+        self.slice_ids: dict[tuple[str, str], list[str]] = {}  # (cluster uid, group) -> pod uids in order
         self.nodes: dict[str, tuple[dict, int]] = {}  # name -> (labels, google.com/tpu allocatable)
         # Every pod, as the watch last delivered it: cluster DNS reads it, never re-lists.
         self.pods: dict[str, object] = {}
@@ -354,13 +355,14 @@ class NodeAgent:
         run = PodRun(
             namespace=meta.namespace, name=meta.name, uid=meta.uid, ip=self.allocate_ip(),
             node=spec.node_name, head=head, cluster=cluster,
+            cluster_uid=next((ref.uid for ref in meta.owner_references or [] if ref.controller), f"{meta.namespace}/{cluster}"),
             marker=f"{self.ground_id}/{meta.uid}", temp_dir=temp_dir,
             log_path=self.workdir / "pods" / f"{meta.namespace}_{meta.name}.log",
             restart_policy=spec.restart_policy or "Always",
         )
         self.runs[meta.uid] = run
         if head:
-            self.heads[(meta.namespace, cluster)] = run
+            self.heads[run.cluster_uid] = run
         threading.Thread(target=self.supervise, args=(run, pod, node_labels), daemon=True).start()
 
     def supervise(self, run: PodRun, pod, node_labels: dict) -> None:
@@ -446,7 +448,7 @@ class NodeAgent:
 
     def wait_for_head(self, run: PodRun) -> PodRun | None:
         while not run.stopping and not self.stop_event.is_set():
-            head = self.heads.get((run.namespace, run.cluster))
+            head = self.heads.get(run.cluster_uid)
             if head is not None and head.ready and head.gcs_address:
                 return head
             time.sleep(0.5)
@@ -509,13 +511,13 @@ class NodeAgent:
         accelerator = node_labels.get(ACCELERATOR_LABEL)
         if accelerator and not run.head:
             topology = node_labels.get(TOPOLOGY_LABEL, "")
-            slice_key = (run.namespace, run.cluster, pod.metadata.labels.get("ray.io/group", ""))
+            slice_key = (run.cluster_uid, pod.metadata.labels.get("ray.io/group", ""))
             members = self.slice_ids.setdefault(slice_key, [])
             members.append(run.uid)
             # GKE numbers the hosts of a slice 0..n-1; one slice per worker-group replica.
             hosts = max(1, chips_in(topology) // max(1, self.nodes[run.node][1]))
             replica, worker_id = divmod(len(members) - 1, hosts)
-            slice_name = f"{run.cluster}-{slice_key[2]}-{replica}"
+            slice_name = f"{run.cluster}-{slice_key[1]}-{replica}"
             env.update(tpu_environment(topology, worker_id, slice_name,
                                        [f"host-{i}" for i in range(hosts)],
                                        RAY_ACCELERATOR_BY_LABEL.get(accelerator, "")))
@@ -536,8 +538,8 @@ class NodeAgent:
         shutil.rmtree(run.temp_dir, ignore_errors=True)
         self.confirm_deletion(run.namespace, run.name, run.uid)
         self.runs.pop(run.uid, None)
-        if self.heads.get((run.namespace, run.cluster)) is run:
-            del self.heads[(run.namespace, run.cluster)]
+        if self.heads.get(run.cluster_uid) is run:
+            del self.heads[run.cluster_uid]
 
     def confirm_deletion(self, namespace: str, name: str, uid: str) -> None:
         try:
