@@ -14,11 +14,10 @@ from tpufinetune.adapters import metrics
 from tpufinetune.core import phases
 from tpufinetune.core.api import SpecError, parse_spec
 from tpufinetune.core.jobspec import job_submission
-from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations, Plan
+from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.settings import Settings
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
-from tpufinetune.core.sizing import raycluster_name
 
 log = logging.getLogger(__name__)
 # While deleting, Ray gets this long to answer (the job's state, a stop request).
@@ -68,13 +67,7 @@ class Run:
             self.spec = parse_spec(dict(self.body.get("spec") or {}))
         except SpecError as error:
             self.spec_error = str(error)
-        self.plan = Plan(
-            cluster_name=raycluster_name(self.ident.name),
-            epochs=int(self.spec.training.epochs) if self.spec else 0,
-            max_retries=self.spec.max_retries if self.spec else 0,
-            provision_timeout=timedelta(seconds=self.settings.provision_timeout),
-            suspended=bool(self.spec and self.spec.suspend),
-        )
+        self.plan = phases.plan_for(self.ident, self.spec, timedelta(seconds=self.settings.provision_timeout))
 
     # ---- observations ----------------------------------------------------------------
 
@@ -214,11 +207,20 @@ class Run:
                 log.warning("%s/%s: step failed, retrying: %s", self.ident.namespace, self.ident.name, error)
                 await self._sleep(stopped, self.settings.poll_interval)
                 continue
-            if decision.phase in phases.TERMINAL and not decision.actions:
+            if decision.phase in phases.TERMINAL and not decision.actions and decision.wake_at is None:
                 return
             if decision.phase != before:
                 continue  # a transition: take the next step at once
-            await self._sleep(stopped, self.settings.poll_interval)
+            await self._sleep(stopped, self._pause(decision))
+
+    def _pause(self, decision: Decision) -> float:
+        """Until the next poll, or the wake-up the decision asks for. A finished run that
+        keeps its cluster (spec.ttlSecondsAfterFinished) has nothing to poll: it sleeps
+        until the release (a change to the RayCluster still wakes it)."""
+        if decision.wake_at is None:
+            return self.settings.poll_interval
+        until = max(0.0, (decision.wake_at - datetime.now(timezone.utc)).total_seconds())
+        return until if decision.phase in phases.TERMINAL else min(until, self.settings.poll_interval)
 
     async def _sleep(self, stopped, seconds: float) -> None:
         self.wake.clear()

@@ -37,6 +37,8 @@ def test_minimal_spec_gets_the_defaults():
         1, "auto", "min")
     assert spec.ray_version == "2.60.0"
     assert spec.max_retries == 0 and spec.suspend is False
+    assert spec.active_deadline_seconds is None and spec.ttl_seconds_after_finished == 0
+    assert spec.no_progress_timeout_seconds == 3600
 
 
 @pytest.mark.parametrize("name", ALL_GENERATION_NAMES)

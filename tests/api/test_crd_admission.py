@@ -26,6 +26,8 @@ VALID = [
               model={"tokenSecret": {"name": "hf-secret", "key": "hf_api_token"}}),
     spec_with(mode="collectives", checkpoint=None,
               tpu={"generation": "tpu7x", "topology": "4x4x4", "slices": 4}),
+    spec_with(activeDeadlineSeconds=86400, ttlSecondsAfterFinished=600, noProgressTimeoutSeconds=0),
+    spec_with(noProgressTimeoutSeconds=60),
     spec_with(tpu={"generation": "cpu", "topology": "3"}, serviceAccountName="trainer",
               workers={"resources": {"requests": {"cpu": "500m"}, "limits": {"cpu": 1}}}),
     spec_with(head={"serviceAccountName": "head-sa", "priorityClassName": "high",

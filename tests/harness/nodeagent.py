@@ -11,6 +11,11 @@ scheduler binds to simulated nodes, by running each pod as a real local Ray proc
   descendant included) before the agent confirms the deletion, as a kubelet does. A process
   that dies on its own is reported as a terminated container (restarted when the pod's
   restartPolicy asks for it), so KubeRay sees it.
+- Faults a kubelet reports, on request, so the operator's pod-level reasons are tested end
+  to end: an image on a registry under the reserved `.invalid` top-level domain (RFC 2606:
+  it never resolves) fails to pull (ErrImagePull, then ImagePullBackOff, retried with
+  back-off, as a kubelet does); a pod annotated `ground.tpufinetune.dev/exit-code: "N"`
+  runs a container that exits N at once, restarted with back-off (CrashLoopBackOff).
 - Workers on TPU nodes get the environment GKE gives TPU pods (TPU_WORKER_ID, TPU_NAME,
   TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY, TPU_WORKER_HOSTNAMES), so Ray's own TPU code advertises
   the slice head resource and the slice labels; the TPU count is the `TPU` resource KubeRay
@@ -60,6 +65,8 @@ log = logging.getLogger("nodeagent")
 # raylet, GCS and workers), so a sweep can find them all even after they re-parent.
 MARKER_ENV = "TPUFT_GROUND_POD"
 DASHBOARD_PORT = 8265
+UNRESOLVABLE_DOMAIN = ".invalid"  # RFC 2606: no registry there ever resolves
+EXIT_CODE_ANNOTATION = "ground.tpufinetune.dev/exit-code"
 OBJECT_STORE_BYTES = 100 * 1024 * 1024  # Ray's default (30% of RAM per node) is for real hosts
 
 # `ray start` flags the agent decides itself: addresses and ports (every pod shares this
@@ -159,6 +166,12 @@ def tpu_environment(topology: str, worker_id: int, slice_name: str, hostnames: l
 RAY_ACCELERATOR_BY_LABEL = {g.accelerator_label: g.ray_accelerator_type for g in GENERATIONS if g.is_tpu}
 
 
+def registry_host(image: str) -> str:
+    """The registry an image reference names ('' for Docker Hub's short names)."""
+    first, _, rest = image.partition("/")
+    return first if rest and ("." in first or ":" in first or first == "localhost") else ""
+
+
 def hosts_file_text(entries: dict[str, str]) -> str:
     lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
     by_ip: dict[str, list[str]] = {}
@@ -256,6 +269,7 @@ class PodRun:
     node: str
     head: bool
     cluster: str
+    cluster_uid: str  # the RayCluster object: a rebuilt cluster keeps its name, not its uid
     marker: str
     temp_dir: Path
     log_path: Path
@@ -277,8 +291,8 @@ class NodeAgent:
         self.ip_prefix = ip_prefix  # "127.N": pods get 127.N.x.y
         self.ground_id = ground_id
         self.runs: dict[str, PodRun] = {}  # by pod uid
-        self.heads: dict[tuple[str, str], PodRun] = {}  # (namespace, cluster) -> head run
-        self.slice_ids: dict[tuple[str, str, str], list[str]] = {}  # slice -> pod uids in order
+        self.heads: dict[str, PodRun] = {}  # RayCluster uid -> head run
+        self.slice_ids: dict[tuple[str, str], list[str]] = {}  # (cluster uid, group) -> pod uids in order
         self.nodes: dict[str, tuple[dict, int]] = {}  # name -> (labels, google.com/tpu allocatable)
         # Every pod, as the watch last delivered it: cluster DNS reads it, never re-lists.
         self.pods: dict[str, object] = {}
@@ -341,13 +355,14 @@ class NodeAgent:
         run = PodRun(
             namespace=meta.namespace, name=meta.name, uid=meta.uid, ip=self.allocate_ip(),
             node=spec.node_name, head=head, cluster=cluster,
+            cluster_uid=next((ref.uid for ref in meta.owner_references or [] if ref.controller), f"{meta.namespace}/{cluster}"),
             marker=f"{self.ground_id}/{meta.uid}", temp_dir=temp_dir,
             log_path=self.workdir / "pods" / f"{meta.namespace}_{meta.name}.log",
             restart_policy=spec.restart_policy or "Always",
         )
         self.runs[meta.uid] = run
         if head:
-            self.heads[(meta.namespace, cluster)] = run
+            self.heads[run.cluster_uid] = run
         threading.Thread(target=self.supervise, args=(run, pod, node_labels), daemon=True).start()
 
     def supervise(self, run: PodRun, pod, node_labels: dict) -> None:
@@ -360,10 +375,14 @@ class NodeAgent:
         container = pod.spec.containers[0]
         started_at = now()
         self.patch_status(run, self.pending_status(run, pod, started_at))
+        if registry_host(container.image).endswith(UNRESOLVABLE_DOMAIN):
+            self.fail_pull(run, pod, started_at)
+            return
         env = self.environment(run, pod, container, node_labels)
         if env is None:
             return
         args = ray_start_args(client.ApiClient().sanitize_for_serialization(container))
+        exit_code = (pod.metadata.annotations or {}).get(EXIT_CODE_ANNOTATION)
         while not run.stopping:
             if not run.head:
                 head = self.wait_for_head(run)
@@ -379,6 +398,8 @@ class NodeAgent:
             argv = [str(Path(sys.executable).parent / "ray"), "start",
                     *rewrite_ray_start(args, head=run.head, ip=run.ip, temp_dir=str(run.temp_dir),
                                        gcs_address=run.gcs_address, ports=ports)]
+            if exit_code is not None:  # asked to crash: the container's command fails at once
+                argv = [sys.executable, "-c", f"import sys; print('asked to exit {int(exit_code)}'); sys.exit({int(exit_code)})"]
             run.log_path.parent.mkdir(parents=True, exist_ok=True)
             with run.lock:
                 if run.stopping:
@@ -408,9 +429,26 @@ class NodeAgent:
             run.restarts += 1
             time.sleep(min(10, 2 ** run.restarts))  # the kubelet's crash-loop back-off, shortened
 
+    def fail_pull(self, run: PodRun, pod, started_at: str) -> None:
+        """What a kubelet reports for an image it cannot pull: ErrImagePull, then
+        ImagePullBackOff until the next try, with a growing back-off (shortened here)."""
+        image = pod.spec.containers[0].image
+        host = registry_host(image)
+        tries = 0
+        while not run.stopping and not self.stop_event.is_set():
+            tries += 1
+            self.patch_status(run, self.waiting_status(run, pod, started_at, "ErrImagePull", (
+                f'failed to pull and unpack image "{image}": failed to resolve reference "{image}": '
+                f"dial tcp: lookup {host}: no such host")))
+            if self.stop_event.wait(1) or run.stopping:
+                return
+            self.patch_status(run, self.waiting_status(run, pod, started_at, "ImagePullBackOff",
+                                                       f'Back-off pulling image "{image}"'))
+            self.stop_event.wait(min(10, 2 ** tries))
+
     def wait_for_head(self, run: PodRun) -> PodRun | None:
         while not run.stopping and not self.stop_event.is_set():
-            head = self.heads.get((run.namespace, run.cluster))
+            head = self.heads.get(run.cluster_uid)
             if head is not None and head.ready and head.gcs_address:
                 return head
             time.sleep(0.5)
@@ -473,13 +511,13 @@ class NodeAgent:
         accelerator = node_labels.get(ACCELERATOR_LABEL)
         if accelerator and not run.head:
             topology = node_labels.get(TOPOLOGY_LABEL, "")
-            slice_key = (run.namespace, run.cluster, pod.metadata.labels.get("ray.io/group", ""))
+            slice_key = (run.cluster_uid, pod.metadata.labels.get("ray.io/group", ""))
             members = self.slice_ids.setdefault(slice_key, [])
             members.append(run.uid)
             # GKE numbers the hosts of a slice 0..n-1; one slice per worker-group replica.
             hosts = max(1, chips_in(topology) // max(1, self.nodes[run.node][1]))
             replica, worker_id = divmod(len(members) - 1, hosts)
-            slice_name = f"{run.cluster}-{slice_key[2]}-{replica}"
+            slice_name = f"{run.cluster}-{slice_key[1]}-{replica}"
             env.update(tpu_environment(topology, worker_id, slice_name,
                                        [f"host-{i}" for i in range(hosts)],
                                        RAY_ACCELERATOR_BY_LABEL.get(accelerator, "")))
@@ -500,8 +538,8 @@ class NodeAgent:
         shutil.rmtree(run.temp_dir, ignore_errors=True)
         self.confirm_deletion(run.namespace, run.name, run.uid)
         self.runs.pop(run.uid, None)
-        if self.heads.get((run.namespace, run.cluster)) is run:
-            del self.heads[(run.namespace, run.cluster)]
+        if self.heads.get(run.cluster_uid) is run:
+            del self.heads[run.cluster_uid]
 
     def confirm_deletion(self, namespace: str, name: str, uid: str) -> None:
         try:
@@ -534,6 +572,13 @@ class NodeAgent:
         status = self._base(run, pod, started_at)
         status.update(phase="Pending", conditions=_conditions(started_at, initialized=True, ready=False),
                       containerStatuses=[_container(c, False, {"waiting": {"reason": "ContainerCreating"}}, 0)
+                                         for c in pod.spec.containers])
+        return {"status": status}
+
+    def waiting_status(self, run: PodRun, pod, started_at: str, reason: str, message: str) -> dict:
+        status = self._base(run, pod, started_at)
+        status.update(phase="Pending", conditions=_conditions(started_at, initialized=True, ready=False),
+                      containerStatuses=[_container(c, False, {"waiting": {"reason": reason, "message": message}}, 0)
                                          for c in pod.spec.containers])
         return {"status": status}
 

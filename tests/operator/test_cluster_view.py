@@ -51,19 +51,3 @@ def test_token_file_becomes_a_bearer_header(tmp_path):
     assert settings.ray_headers() == {"Authorization": "Bearer s3cret"}
     assert Settings.from_env({}).ray_headers() == {}
 
-
-def test_pod_problem_carries_the_schedulers_reason_and_the_kubelets_waiting_reason():
-    from tpufinetune.adapters.kube import pod_problem
-
-    unschedulable = {"metadata": {"name": "rc-worker-3"}, "status": {"conditions": [
-        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-         "message": "0/12 nodes are available: 3 Insufficient google.com/tpu."}]}}
-    missing_secret = {"metadata": {"name": "rc-head"}, "status": {"containerStatuses": [
-        {"name": "ray-head", "state": {"waiting": {"reason": "CreateContainerConfigError",
-                                                   "message": 'secret "hf" not found'}}}]}}
-    creating = {"metadata": {"name": "rc-a"}, "status": {"containerStatuses": [
-        {"name": "ray-head", "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
-    assert pod_problem([creating]) == ""
-    assert pod_problem([creating, unschedulable]) == (
-        "pod rc-worker-3 is Unschedulable: 0/12 nodes are available: 3 Insufficient google.com/tpu.")
-    assert pod_problem([missing_secret]) == 'pod rc-head: CreateContainerConfigError: secret "hf" not found'

@@ -241,3 +241,123 @@ def test_a_spec_made_invalid_before_submission_fails_and_releases():
     d = step(status, cluster=ClusterView(exists=True), spec_error="spec.tpu.slices: must be 1 for finetune")
     assert d.phase == phases.FAILED
     assert phases.DeleteCluster("demo-rc") in d.actions
+
+
+def test_a_long_suspend_then_resume_gets_the_whole_provisioning_timeout():
+    """Fault 4: the provisioning timer starts when Provisioning is entered, not when
+    ClusterReady last flipped (it stays False through the suspend)."""
+    suspended = Plan(cluster_name="demo-rc", epochs=2, suspended=True)
+    provisioning = step(step({}).status).status
+    d = step(provisioning, plan=suspended, now=T0 + timedelta(minutes=1), cluster=ClusterView(exists=True))
+    assert d.phase == phases.PENDING
+    resumed_at = T0 + timedelta(hours=5)
+    d = step(d.status, now=resumed_at, cluster=ClusterView(exists=False))
+    assert d.phase == phases.PROVISIONING
+    assert d.status["phaseTransitionTime"] == cond.timestamp(resumed_at)
+    waiting = ClusterView(exists=True, ready=False)
+    d = step(d.status, now=resumed_at + timedelta(minutes=1), cluster=waiting)
+    assert d.phase == phases.PROVISIONING
+    # ... and the timeout still applies, counted from the resume
+    d = step(d.status, now=resumed_at + timedelta(minutes=31), cluster=waiting)
+    assert d.phase == phases.FAILED
+    assert cond.find(d.status, cond.FAILED)["reason"] == "ProvisioningTimeout"
+
+
+# ---- fault 11: suspend and spec edits ------------------------------------------------------
+
+RETRY_ONCE = Plan(cluster_name="demo-rc", epochs=2, max_retries=1, cluster_hash="slice-a")
+SUSPENDED_RETRY_ONCE = Plan(cluster_name="demo-rc", epochs=2, max_retries=1, cluster_hash="slice-a", suspended=True)
+FAILURE = ({"event": "failure", "type": "RuntimeError", "message": "preempted"},)
+
+
+def running_with(plan):
+    d = step({}, plan=plan)
+    d = step(d.status, plan=plan)
+    d = step(d.status, plan=plan, cluster=READY)
+    d = step(d.status, plan=plan, cluster=READY, job=JobView("PENDING"))
+    assert d.phase == phases.RUNNING
+    return d.status
+
+
+def resume(status, plan):
+    """Suspend mid-run, resume, and run the next attempt."""
+    d = step(status, plan=SUSPENDED_RETRY_ONCE, cluster=READY, job=JobView("RUNNING"))
+    d = step(d.status, plan=plan, cluster=ClusterView(exists=False))
+    d = step(d.status, plan=plan, cluster=READY)
+    d = step(d.status, plan=plan, cluster=READY, job=JobView("RUNNING"))
+    assert d.phase == phases.RUNNING
+    return d.status
+
+
+def test_a_suspend_uses_up_no_retry():
+    status = resume(running_with(RETRY_ONCE), RETRY_ONCE)
+    assert status["attempt"] == 2
+    d = step(status, plan=RETRY_ONCE, cluster=READY, job=JobView("FAILED"), events=FAILURE)
+    assert d.phase == phases.SUBMITTING, d.status["message"]
+    assert d.status["retries"] == 1 and d.status["attempt"] == 3
+
+
+def test_a_suspend_clears_the_stopped_attempts_trainer_failure():
+    status = running_with(RETRY_ONCE)
+    # The trainer reported a failure as the suspend's stop reached it.
+    d = step(status, plan=SUSPENDED_RETRY_ONCE, cluster=READY, job=JobView("RUNNING"),
+             events=({"event": "failure", "type": "KeyboardInterrupt", "message": "stopped"},))
+    assert "trainerFailure" not in d.status
+    d = step(d.status, plan=RETRY_ONCE, cluster=ClusterView(exists=False))
+    d = step(d.status, plan=RETRY_ONCE, cluster=READY)
+    d = step(d.status, plan=RETRY_ONCE, cluster=READY, job=JobView("RUNNING"))
+    # The next attempt's end is judged on its own log, not on the stopped attempt's report.
+    d = step(d.status, plan=RETRY_ONCE, cluster=READY, job=JobView("FAILED", "exit 1"))
+    assert d.actions == [phases.ReadLogTail("tft-uid-1-2")]
+
+
+def test_a_retry_after_an_edit_that_changes_the_slice_rebuilds_the_cluster():
+    status = running_with(RETRY_ONCE)
+    assert status["clusterHash"] == "slice-a"
+    edited = Plan(cluster_name="demo-rc", epochs=2, max_retries=1, cluster_hash="slice-b")
+    d = step(status, plan=edited, cluster=READY, job=JobView("FAILED"), events=FAILURE)
+    assert d.phase == phases.SUBMITTING
+    # the next attempt is not submitted to the old cluster ...
+    d = step(d.status, plan=edited, cluster=READY, job=None)
+    assert d.phase == phases.PENDING
+    assert not any(isinstance(a, phases.SubmitJob) for a in d.actions)
+    assert phases.DeleteCluster("demo-rc") in d.actions
+    assert cond.find(d.status, cond.CLUSTER_READY)["reason"] == "Rebuilding"
+    # ... no new one is created while the old one is still going ...
+    d = step(d.status, plan=edited, cluster=READY)
+    assert d.phase == phases.PENDING and d.actions == [phases.DeleteCluster("demo-rc")]
+    # ... then it is built from the edited spec, and the attempt runs on it
+    d = step(d.status, plan=edited, cluster=ClusterView(exists=False))
+    assert d.phase == phases.PROVISIONING and phases.CreateCluster("demo-rc") in d.actions
+    assert d.status["clusterHash"] == "slice-b"
+    d = step(d.status, plan=edited, cluster=READY)
+    d = step(d.status, plan=edited, cluster=READY, job=None)
+    assert d.actions == [phases.SubmitJob("tft-uid-1-2", 2)]
+
+
+def test_a_retry_after_an_edit_that_keeps_the_slice_reuses_the_cluster():
+    status = running_with(RETRY_ONCE)
+    d = step(status, plan=RETRY_ONCE, cluster=READY, job=JobView("FAILED"), events=FAILURE)
+    d = step(d.status, plan=RETRY_ONCE, cluster=READY, job=None)
+    assert d.actions == [phases.SubmitJob("tft-uid-1-2", 2)]
+
+
+def test_observed_generation_names_only_an_applied_generation():
+    status = running_with(RETRY_ONCE)
+    assert status["observedGeneration"] == 3
+    edited = Identity("demo", "ns", "uid-1", generation=4)
+    # An edit while the job runs applies to the next attempt: not observed yet.
+    d = phases.transition(edited, RETRY_ONCE, status, Observations(now=T0, cluster=READY, job=JobView("RUNNING")))
+    assert d.status["observedGeneration"] == 3
+    assert all(c["observedGeneration"] == 3 for c in d.status["conditions"])
+    d = phases.transition(edited, RETRY_ONCE, d.status,
+                          Observations(now=T0, cluster=READY, job=JobView("FAILED"), events=FAILURE))
+    assert d.status["observedGeneration"] == 3
+    # the retry submits with generation 4: now it is applied
+    d = phases.transition(edited, RETRY_ONCE, d.status, Observations(now=T0, cluster=READY, job=None))
+    assert d.actions == [phases.SubmitJob("tft-uid-1-2", 2)]
+    assert d.status["observedGeneration"] == 4
+    # a suspend is applied at once
+    d = phases.transition(Identity("demo", "ns", "uid-1", generation=5), SUSPENDED_RETRY_ONCE, running_with(RETRY_ONCE),
+                          Observations(now=T0, cluster=READY, job=JobView("RUNNING")))
+    assert d.status["observedGeneration"] == 5

@@ -13,6 +13,7 @@ import kopf
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from tpufinetune.core import podstatus
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.phases import ClusterView, Identity
 from tpufinetune.settings import Settings
@@ -47,28 +48,6 @@ def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> Clust
     return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url)
 
 
-# Waiting reasons a kubelet reports while a container is being set up as usual.
-_ROUTINE_WAITING = frozenset({"ContainerCreating", "PodInitializing"})
-
-
-def pod_problem(pods: list[dict]) -> str:
-    """Why a cluster's pods are not running yet, in the words of whoever knows: the
-    scheduler (Unschedulable: "0/12 nodes are available: 3 Insufficient google.com/tpu …")
-    or the kubelet (a missing Secret, an image that cannot be pulled). Pure; '' if none."""
-    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
-        name = (pod.get("metadata") or {}).get("name", "")
-        status = pod.get("status") or {}
-        for condition in status.get("conditions") or []:
-            if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
-                reason = condition.get("reason") or "Unschedulable"
-                return f"pod {name} is {reason}: {condition.get('message') or 'not scheduled'}"
-        for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
-            waiting = (container.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") and waiting["reason"] not in _ROUTINE_WAITING:
-                return f"pod {name}: {waiting['reason']}: {waiting.get('message') or ''}".rstrip(": ")
-    return ""
-
-
 class KubeBackend:
     def __init__(self, api: client.ApiClient, settings: Settings):
         self.objects = client.CustomObjectsApi(api)
@@ -78,11 +57,10 @@ class KubeBackend:
     async def observe(self, ident: Identity, name: str) -> ClusterView:
         body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
         view = cluster_view(body, ident.uid, self.settings)
-        if view.exists and view.owned and not view.ready and not view.problem:
+        if view.exists and view.owned and not view.ready:
             pods = await asyncio.to_thread(self._cluster_pods, ident.namespace, name)
-            problem = pod_problem(pods)
-            if problem:
-                view = dataclasses.replace(view, problem=problem)
+            view = dataclasses.replace(view, pod_problem=podstatus.worst_problem(pods),
+                                       hosts_ready=podstatus.hosts_ready(pods))
         return view
 
     def _cluster_pods(self, namespace: str, name: str) -> list[dict]:

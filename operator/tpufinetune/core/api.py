@@ -28,6 +28,11 @@ DEFAULT_MODEL_ID = "google/gemma-4-E2B-it"
 DEFAULT_DATASET_ID = "databricks/databricks-dolly-15k"
 SCORE_ATTRIBUTES = ("auto", "loss", "eval_loss", "tokens_per_s", "epoch")
 DEFAULT_RAY_VERSION = "2.60.0"
+INT32_MAX = 2**31 - 1  # Kubernetes' int32 seconds fields (a Job's ttlSecondsAfterFinished)
+# An hour without a single trainer event: far past any healthy silence (a first XLA
+# compile, a large checkpoint, an evaluation pass), and a hung slice costs at most that.
+DEFAULT_NO_PROGRESS_TIMEOUT = 3600
+MIN_NO_PROGRESS_TIMEOUT = validation.MIN_NO_PROGRESS_TIMEOUT
 
 # DNS-1123 subdomain (object, Secret and ServiceAccount names).
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -370,7 +375,29 @@ class TPUFineTuneSpec(_Model):
                              description="Times a failed job is resubmitted; a retry "
                                          "resumes from the latest checkpoint.")
     suspend: bool = Field(False, description="When true, no RayCluster exists: the slice is "
-                                             "released and nothing runs until false.")
+                                             "released and nothing runs until false. A "
+                                             "suspend uses up no retry.")
+    active_deadline_seconds: int | None = Field(
+        None, ge=1, le=INT32_MAX,
+        description="Seconds the run may be active, counted from status.startTime (a "
+                    "suspend stops the clock and a resume restarts it, as for a Job). When "
+                    "it passes, the job is stopped, the run ends Failed with reason "
+                    "DeadlineExceeded and the RayCluster is released. Unset: no deadline.")
+    ttl_seconds_after_finished: int = Field(
+        0, ge=0, le=INT32_MAX,
+        description="Keep the RayCluster this many seconds after the run ends (Succeeded "
+                    "or Failed), e.g. to debug on its Ray dashboard; "
+                    "status.rayClusterReleaseTime says when it goes. 0: released at once. "
+                    "Deleting the TPUFineTune releases it at once.")
+    no_progress_timeout_seconds: int = Field(
+        DEFAULT_NO_PROGRESS_TIMEOUT, ge=0, le=INT32_MAX,
+        description="No-progress watchdog: when the trainer reports nothing (no progress, "
+                    "epoch or checkpoint event) for this many seconds while Running, e.g. "
+                    "a hung collective, the job is stopped and the run ends Failed with "
+                    "reason NoProgress. While it trains the trainer reports progress about "
+                    "every 30 s (once a step, when a step takes longer); the default leaves "
+                    "room for a long compile, model download, checkpoint or evaluation. 0 "
+                    f"turns it off; otherwise at least {MIN_NO_PROGRESS_TIMEOUT}.")
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> TPUFineTuneSpec:

@@ -65,9 +65,12 @@ def set_condition(
     )
 
 
-def since(status: dict, type_: str) -> datetime | None:
-    condition = find(status, type_)
-    if not condition or "lastTransitionTime" not in condition:
+def parse_time(text: str | None) -> datetime | None:
+    """A timestamp() string back to a datetime; None for None."""
+    if not text:
         return None
-    parsed = datetime.strptime(condition["lastTransitionTime"], "%Y-%m-%dT%H:%M:%SZ")
-    return parsed.replace(tzinfo=timezone.utc)
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+def since(status: dict, type_: str) -> datetime | None:
+    return parse_time((find(status, type_) or {}).get("lastTransitionTime"))

@@ -16,12 +16,18 @@ so repeating a step is harmless.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.jobspec import submission_id
+from tpufinetune.core.api import TPUFineTuneSpec
+from tpufinetune.core.podstatus import PodProblem
+from tpufinetune.core.podtemplate import raycluster_with_pod_settings
 from tpufinetune.core.runevents import apply_event
+from tpufinetune.core.sizing import raycluster_name, slice_shape
 
 PENDING = "Pending"
 PROVISIONING = "Provisioning"
@@ -48,13 +54,51 @@ class Identity:
 
 @dataclass(frozen=True)
 class Plan:
-    """What the spec asks for, as the transition needs it (derived by the driver)."""
+    """What the spec asks for, as the transition needs it (plan_for derives it)."""
 
     cluster_name: str
     epochs: int
     max_retries: int = 0
     provision_timeout: timedelta = timedelta(minutes=30)
     suspended: bool = False
+    cluster_hash: str = ""  # cluster_fingerprint() of the RayCluster the spec renders
+    hosts: int = 0  # worker pods of the slice(s), for "hosts ready 3/4"
+    active_deadline: timedelta | None = None  # spec.activeDeadlineSeconds
+    ttl_after_finished: timedelta = timedelta(0)  # spec.ttlSecondsAfterFinished
+    no_progress_timeout: timedelta | None = None  # spec.noProgressTimeoutSeconds (None: off)
+
+
+def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: timedelta) -> Plan:
+    """The Plan of a spec (None: the spec is invalid, and only the names are known)."""
+    name = raycluster_name(ident.name)
+    if spec is None:
+        return Plan(cluster_name=name, epochs=0, provision_timeout=provision_timeout)
+    raycluster = raycluster_with_pod_settings(ident.name, ident.namespace, ident.uid, spec)
+    return Plan(
+        cluster_name=name,
+        epochs=spec.training.epochs,
+        max_retries=spec.max_retries,
+        provision_timeout=provision_timeout,
+        suspended=spec.suspend,
+        cluster_hash=cluster_fingerprint(raycluster),
+        hosts=slice_shape(spec).hosts * spec.tpu.slices,
+        active_deadline=_seconds(spec.active_deadline_seconds),
+        ttl_after_finished=timedelta(seconds=spec.ttl_seconds_after_finished),
+        no_progress_timeout=_seconds(spec.no_progress_timeout_seconds),
+    )
+
+
+def _seconds(value: int | None) -> timedelta | None:
+    """A spec's seconds field; unset or 0 turns the timer off."""
+    return timedelta(seconds=value) if value else None
+
+
+def cluster_fingerprint(raycluster: dict) -> str:
+    """What identifies the RayCluster a spec renders (slice, image, pod settings): a retry
+    rebuilds the cluster when the spec's fingerprint no longer matches the one it was
+    created from."""
+    text = json.dumps(raycluster["spec"], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -64,6 +108,8 @@ class ClusterView:
     ready: bool = False
     problem: str = ""  # e.g. KubeRay's ReplicaFailure message: shown, not fatal
     dashboard_url: str = ""
+    pod_problem: PodProblem | None = None  # the worst pod state while not ready
+    hosts_ready: int | None = None  # worker pods Ready; None: pods not looked at
 
 
 @dataclass(frozen=True)
@@ -125,6 +171,9 @@ class RecordEvent:
 class Decision:
     status: dict
     actions: list = field(default_factory=list)
+    # Step again by then at the latest, even with nothing to do now (a RayCluster kept by
+    # spec.ttlSecondsAfterFinished is released then).
+    wake_at: datetime | None = None
 
     @property
     def phase(self) -> str:
@@ -139,25 +188,35 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
     decision = Decision(new)
     for event in obs.events:
         apply_event(new, event)
+    if obs.events:
+        new["lastEventTime"] = cond.timestamp(obs.now)
     phase = new.get("phase") or ""
     if obs.deleting:
         _deleting(ident, new, obs, decision)
     elif phase in TERMINAL:
-        _terminal(new, obs, decision)
+        _terminal(plan, new, obs, decision)
     elif obs.spec_error and phase in (PENDING, PROVISIONING, SUBMITTING):
         # An edit made the spec invalid before the job started: nothing to run.
-        _fail(new, obs, decision, ident, "InvalidSpec", obs.spec_error)
+        _applied(new, ident)
+        _fail(plan, new, obs, decision, "InvalidSpec", obs.spec_error)
     elif plan.suspended and phase:
         _suspended(ident, new, obs, decision)
+    elif phase and _past_deadline(plan, new, obs):
+        seconds = int(plan.active_deadline.total_seconds())
+        _stop_and_fail(plan, new, obs, decision, "DeadlineExceeded",
+                       f"spec.activeDeadlineSeconds ({seconds} s) passed; the job was stopped")
     else:
         STEPS.get(phase, _start)(ident, plan, new, obs, decision)
-    new["observedGeneration"] = ident.generation
+    if new.get("phase") != phase:
+        # Timers of a phase (provisioning timeout, no-progress) count from here.
+        new["phaseTransitionTime"] = cond.timestamp(obs.now)
     return decision
 
 
 def _start(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    _applied(s, ident)
     if obs.spec_error:
-        _fail(s, obs, d, ident, "InvalidSpec", obs.spec_error)
+        _fail(plan, s, obs, d, "InvalidSpec", obs.spec_error)
         return
     attempt = int(s.get("attempt") or 1)
     s.update(
@@ -172,9 +231,19 @@ def _start(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision)
 
 
 def _pending(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
-    d.actions.append(CreateCluster(s["rayClusterName"]))
-    cond.set_condition(s, cond.CLUSTER_READY, False, "Creating", "creating the RayCluster", obs.now, ident.generation)
-    _enter(s, d, PROVISIONING, "CreatingCluster", f"creating RayCluster {s['rayClusterName']}")
+    name = s["rayClusterName"]
+    cluster = obs.cluster
+    if cluster is not None and cluster.exists and cluster.owned:
+        # The previous RayCluster (suspended, or built from an older spec) is still going:
+        # a new one is created only once it is gone, never adopted half-deleted.
+        d.actions.append(DeleteCluster(name))
+        s["message"] = f"waiting for the previous RayCluster {name} to be deleted"
+        return
+    # A resume restarts the clock of spec.activeDeadlineSeconds, as for a Job.
+    s.setdefault("startTime", cond.timestamp(obs.now))
+    _create_cluster(ident, plan, s, d)
+    _set(s, obs, cond.CLUSTER_READY, False, "Creating", "creating the RayCluster")
+    _enter(s, d, PROVISIONING, "CreatingCluster", f"creating RayCluster {name}")
 
 
 def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
@@ -183,77 +252,142 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
         return
     name = s["rayClusterName"]
     if not cluster.exists:
-        d.actions.append(CreateCluster(name))
+        _create_cluster(ident, plan, s, d)
         return
     if not cluster.owned:
         message = (
             f"RayCluster {name} exists but is not owned by this TPUFineTune; "
             "delete it or rename the TPUFineTune"
         )
-        _note(s, d, obs, ident, cond.CLUSTER_READY, "NotOwned", message, warn=True)
+        _note(s, d, obs, cond.CLUSTER_READY, "NotOwned", message, warn=True)
         return
     if cluster.ready:
-        cond.set_condition(s, cond.CLUSTER_READY, True, "Ready", f"RayCluster {name} is ready", obs.now, ident.generation)
+        _set(s, obs, cond.CLUSTER_READY, True, "Ready", f"RayCluster {name} is ready")
         s["dashboardURL"] = cluster.dashboard_url
         _enter(s, d, SUBMITTING, "ClusterReady", f"RayCluster {name} is ready")
         return
-    waited_since = cond.since(s, cond.CLUSTER_READY) or obs.now
+    waited_since = cond.parse_time(s.get("phaseTransitionTime")) or obs.now
+    hosts = f"hosts ready {cluster.hosts_ready}/{plan.hosts}" if cluster.hosts_ready is not None and plan.hosts else ""
     if obs.now - waited_since > plan.provision_timeout:
         minutes = int(plan.provision_timeout.total_seconds() // 60)
-        detail = f": {cluster.problem}" if cluster.problem else ""
-        _fail(s, obs, d, ident, "ProvisioningTimeout", f"RayCluster {name} not ready after {minutes} min{detail}")
+        detail = "; ".join(filter(None, [hosts, cluster.pod_problem and cluster.pod_problem.message, cluster.problem]))
+        _fail(plan, s, obs, d, "ProvisioningTimeout",
+              f"RayCluster {name} not ready after {minutes} min" + (f": {detail}" if detail else ""))
         return
-    if cluster.problem:
-        _note(s, d, obs, ident, cond.CLUSTER_READY, "Waiting", cluster.problem, warn=True)
+    if cluster.pod_problem:
+        # The worst pod state, as the condition's reason (Unschedulable, ErrImagePull,
+        # CrashLoopBackOff ...); an Event only when that reason changes, not with every
+        # count the scheduler or the kubelet updates.
+        problem = cluster.pod_problem
+        message = "; ".join(filter(None, [hosts, problem.message]))
+        previous = cond.find(s, cond.CLUSTER_READY) or {}
+        _set(s, obs, cond.CLUSTER_READY, False, problem.reason, message)
+        s["message"] = message[: cond.MESSAGE_LIMIT]
+        if previous.get("reason") != problem.reason:
+            d.actions.append(RecordEvent("Warning", problem.reason, message[: cond.MESSAGE_LIMIT]))
+    elif cluster.problem:
+        _note(s, d, obs, cond.CLUSTER_READY, "Waiting", cluster.problem, warn=True)
     else:
-        s["message"] = f"waiting for RayCluster {name} to be ready"
+        s["message"] = f"waiting for RayCluster {name} to be ready" + (f": {hosts}" if hosts else "")
+        if hosts:
+            _set(s, obs, cond.CLUSTER_READY, False, "Waiting", s["message"])
 
 
 def _submitting(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
     job_id = s["jobId"]
     if obs.job is None:
+        if plan.cluster_hash and s.get("clusterHash") not in (None, plan.cluster_hash):
+            _rebuild(s, obs, d)
+            return
+        _applied(s, ident)
         d.actions.append(SubmitJob(job_id, int(s["attempt"])))
         return
-    cond.set_condition(s, cond.JOB_SUBMITTED, True, "Submitted", f"Ray job {job_id}", obs.now, ident.generation)
-    cond.set_condition(s, cond.RUNNING, True, "JobRunning", f"Ray job {job_id} is {obs.job.status}", obs.now, ident.generation)
+    _set(s, obs, cond.JOB_SUBMITTED, True, "Submitted", f"Ray job {job_id}")
+    _set(s, obs, cond.RUNNING, True, "JobRunning", f"Ray job {job_id} is {obs.job.status}")
     _enter(s, d, RUNNING, "JobSubmitted", f"Ray job {job_id} submitted (attempt {s['attempt']})")
+
+
+def _rebuild(s: dict, obs: Observations, d: Decision) -> None:
+    """The spec was edited in a way that changes the RayCluster (slice, image, pod
+    settings): the next attempt runs on a cluster built from it."""
+    name = s["rayClusterName"]
+    message = f"the spec changed the RayCluster; rebuilding {name} before the next attempt"
+    _set(s, obs, cond.CLUSTER_READY, False, "Rebuilding", message)
+    s.pop("dashboardURL", None)
+    d.actions.append(DeleteCluster(name))
+    _enter(s, d, PENDING, "Rebuilding", message)
 
 
 def _running(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
     job = obs.job
     if job is not None and job.status in JOB_ACTIVE:
+        silent = _silent_for(s, obs)
+        if plan.no_progress_timeout is not None and silent > plan.no_progress_timeout:
+            minutes = int(silent.total_seconds() // 60)
+            _stop_and_fail(plan, s, obs, d, "NoProgress",
+                           f"no trainer event for {minutes} min (spec.noProgressTimeoutSeconds: "
+                           f"{int(plan.no_progress_timeout.total_seconds())}); a hung collective "
+                           "or a stuck host? The job was stopped")
+            return
         if not s.get("message", "").startswith("epoch"):
             s["message"] = f"Ray job {s['jobId']} is {job.status.lower()}"
         return
     if job is not None and job.status == "SUCCEEDED":
-        cond.set_condition(s, cond.RUNNING, False, "Completed", "the job finished", obs.now, ident.generation)
-        cond.set_condition(s, cond.SUCCEEDED, True, "JobSucceeded", _success_message(s), obs.now, ident.generation)
+        _set(s, obs, cond.RUNNING, False, "Completed", "the job finished")
+        _set(s, obs, cond.SUCCEEDED, True, "JobSucceeded", _success_message(s))
         s["completionTime"] = cond.timestamp(obs.now)
         _enter(s, d, SUCCEEDED, "Succeeded", _success_message(s))
-        d.actions.append(DeleteCluster(s["rayClusterName"]))
+        _release(plan, s, obs, d)
         return
     reason, message = _job_failure(s, job, obs)
     if not message:
         d.actions.append(ReadLogTail(s["jobId"]))
         return
-    if int(s["attempt"]) <= plan.max_retries:
+    retries = int(s.get("retries") or 0)
+    if retries < plan.max_retries:
+        s["retries"] = retries + 1
         s.pop("trainerFailure", None)
         _retry(ident, s, obs, d, message)
         return
-    _fail(s, obs, d, ident, reason, message)
+    _fail(plan, s, obs, d, reason, message)
+
+
+def _silent_for(s: dict, obs: Observations) -> timedelta:
+    """How long the trainer has said nothing in this attempt."""
+    since = [cond.parse_time(s.get("phaseTransitionTime")), cond.parse_time(s.get("lastEventTime"))]
+    return obs.now - max((t for t in since if t is not None), default=obs.now)
+
+
+def _past_deadline(plan: Plan, s: dict, obs: Observations) -> bool:
+    """spec.activeDeadlineSeconds has passed (a job that already succeeded keeps its result)."""
+    started = cond.parse_time(s.get("startTime"))
+    if plan.active_deadline is None or started is None or (obs.job is not None and obs.job.status == "SUCCEEDED"):
+        return False
+    return obs.now - started > plan.active_deadline
+
+
+def _stop_and_fail(plan: Plan, s: dict, obs: Observations, d: Decision, reason: str, message: str) -> None:
+    if s.get("phase") in (SUBMITTING, RUNNING) and obs.job is not None and obs.job.status in JOB_ACTIVE:
+        d.actions.append(StopJob(s["jobId"]))
+    _fail(plan, s, obs, d, reason, message)
 
 
 def _retry(ident: Identity, s: dict, obs: Observations, d: Decision, message: str) -> None:
     attempt = int(s["attempt"]) + 1
     s["attempt"] = attempt
     s["jobId"] = submission_id(ident.uid, attempt)
-    cond.set_condition(s, cond.RUNNING, False, "Retrying", message, obs.now, ident.generation)
+    _set(s, obs, cond.RUNNING, False, "Retrying", message)
     _enter(s, d, SUBMITTING, "Retrying", f"attempt {attempt - 1} failed ({message}); resubmitting as {s['jobId']}", warn=True)
 
 
 def _suspended(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
     """spec.suspend: no RayCluster exists while it is true. A running job is stopped and
-    the next attempt (resuming from the last checkpoint) starts once it is false again."""
+    the next attempt (resuming from the last checkpoint) starts once it is false again.
+    A suspend is not a failure: it uses up no retry, and the stopped attempt's failure
+    report (if any) goes with it."""
+    _applied(s, ident)
+    s.pop("trainerFailure", None)
+    s.pop("startTime", None)  # the deadline's clock stops, and restarts on resume
     if s["phase"] in (SUBMITTING, RUNNING):
         if obs.job is not None and obs.job.status in JOB_ACTIVE:
             d.actions.append(StopJob(s["jobId"]))
@@ -261,9 +395,9 @@ def _suspended(ident: Identity, s: dict, obs: Observations, d: Decision) -> None
         s.update(attempt=attempt, jobId=submission_id(ident.uid, attempt))
         for type_ in (cond.JOB_SUBMITTED, cond.RUNNING):
             if cond.find(s, type_):
-                cond.set_condition(s, type_, False, "Suspended", "spec.suspend is true", obs.now, ident.generation)
+                _set(s, obs, type_, False, "Suspended", "spec.suspend is true")
     if s["phase"] != PENDING:
-        cond.set_condition(s, cond.CLUSTER_READY, False, "Suspended", "spec.suspend is true", obs.now, ident.generation)
+        _set(s, obs, cond.CLUSTER_READY, False, "Suspended", "spec.suspend is true")
         _enter(s, d, PENDING, "Suspended", "suspended: the slice is released until spec.suspend is false")
     else:
         s["message"] = "suspended: no RayCluster is created until spec.suspend is false"
@@ -271,10 +405,24 @@ def _suspended(ident: Identity, s: dict, obs: Observations, d: Decision) -> None
         d.actions.append(DeleteCluster(s["rayClusterName"]))
 
 
-def _terminal(s: dict, obs: Observations, d: Decision) -> None:
+def _terminal(plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
     # Nothing expensive is left running: keep asking until the slice is released.
     if obs.cluster is not None and obs.cluster.exists and obs.cluster.owned:
-        d.actions.append(DeleteCluster(s["rayClusterName"]))
+        _release(plan, s, obs, d)
+
+
+def _release(plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    """Delete the RayCluster of a finished run, or keep it until spec.ttlSecondsAfterFinished
+    has passed (status.rayClusterReleaseTime says when) and ask to be woken then."""
+    if not s.get("rayClusterName"):
+        return
+    if plan.ttl_after_finished:
+        release_at = (cond.parse_time(s.get("completionTime")) or obs.now) + plan.ttl_after_finished
+        s["rayClusterReleaseTime"] = cond.timestamp(release_at)
+        if obs.now < release_at:
+            d.wake_at = release_at
+            return
+    d.actions.append(DeleteCluster(s["rayClusterName"]))
 
 
 def _deleting(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
@@ -326,14 +474,32 @@ def _success_message(s: dict) -> str:
     return ", ".join(parts)
 
 
-def _fail(s: dict, obs: Observations, d: Decision, ident: Identity, reason: str, message: str) -> None:
-    cond.set_condition(s, cond.FAILED, True, reason, message, obs.now, ident.generation)
+def _fail(plan: Plan, s: dict, obs: Observations, d: Decision, reason: str, message: str) -> None:
+    _set(s, obs, cond.FAILED, True, reason, message)
     if cond.find(s, cond.RUNNING):
-        cond.set_condition(s, cond.RUNNING, False, reason, message, obs.now, ident.generation)
+        _set(s, obs, cond.RUNNING, False, reason, message)
     s["completionTime"] = cond.timestamp(obs.now)
     _enter(s, d, FAILED, reason, message, warn=True)
-    if s.get("rayClusterName"):
-        d.actions.append(DeleteCluster(s["rayClusterName"]))
+    _release(plan, s, obs, d)
+
+
+def _create_cluster(ident: Identity, plan: Plan, s: dict, d: Decision) -> None:
+    """The RayCluster is built from the current spec: that generation is now applied."""
+    _applied(s, ident)
+    if plan.cluster_hash:
+        s["clusterHash"] = plan.cluster_hash
+    d.actions.append(CreateCluster(s["rayClusterName"]))
+
+
+def _applied(s: dict, ident: Identity) -> None:
+    """status.observedGeneration names only a generation acted on: the one a RayCluster
+    was created from, a job submitted with, or a suspend applied for. An edit to a running
+    job applies to the next attempt, and the status says so by not claiming it yet."""
+    s["observedGeneration"] = ident.generation
+
+
+def _set(s: dict, obs: Observations, type_: str, value: bool, reason: str, message: str) -> None:
+    cond.set_condition(s, type_, value, reason, message, obs.now, s.get("observedGeneration"))
 
 
 def _enter(s: dict, d: Decision, phase: str, reason: str, message: str, warn: bool = False) -> None:
@@ -342,10 +508,10 @@ def _enter(s: dict, d: Decision, phase: str, reason: str, message: str, warn: bo
     d.actions.append(RecordEvent("Warning" if warn else "Normal", reason, message[: cond.MESSAGE_LIMIT]))
 
 
-def _note(s, d, obs, ident, type_, reason, message, warn=False) -> None:
+def _note(s, d, obs, type_, reason, message, warn=False) -> None:
     """Update a condition; emit an Event only when the message changes (no event storms)."""
     previous = cond.find(s, type_) or {}
-    cond.set_condition(s, type_, False, reason, message, obs.now, ident.generation)
+    _set(s, obs, type_, False, reason, message)
     s["message"] = message[: cond.MESSAGE_LIMIT]
     if previous.get("message") != message[: cond.MESSAGE_LIMIT]:
         d.actions.append(RecordEvent("Warning" if warn else "Normal", reason, message[: cond.MESSAGE_LIMIT]))

@@ -89,7 +89,11 @@ class TPUFineTuneStatus(_Status):
         None, max_length=16, description="Standard conditions.",
         json_schema_extra={"x-kubernetes-list-type": "map",
                            "x-kubernetes-list-map-keys": ["type"]})
-    observed_generation: int | None = Field(None, description="Spec generation last acted on.")
+    observed_generation: int | None = Field(
+        None, description="The spec generation applied: the one the RayCluster was created "
+                          "from, the current attempt submitted with, or a suspend applied "
+                          "for. An edit to a running job applies to the next attempt, and "
+                          "shows here only then.")
     ray_cluster_name: str | None = Field(None, description="The owned RayCluster.")
     job_id: str | None = Field(None, description="Ray job submission id of this attempt.")
     dashboard_url: str | None = Field(None, alias="dashboardURL",
@@ -111,10 +115,31 @@ class TPUFineTuneStatus(_Status):
     exported_model_uri: str | None = Field(None, alias="exportedModelURI",
                                            description="Exported model weights, if any.")
     start_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
-                                   description="When the job was first submitted.")
+                                   description="When the run started (reset on resume after "
+                                               "a suspend; spec.activeDeadlineSeconds counts "
+                                               "from it).")
     completion_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
                                         description="When the run finished.")
     message: str | None = Field(None, description="What is happening, or why it failed.")
+    phase_transition_time: str | None = Field(
+        None, json_schema_extra={"format": "date-time"},
+        description="When the current phase was entered (the provisioning timeout counts "
+                    "from it).")
+    last_event_time: str | None = Field(
+        None, json_schema_extra={"format": "date-time"},
+        description="When the trainer last reported an event (the no-progress watchdog "
+                    "counts from it, or from entering Running).")
+    ray_cluster_release_time: str | None = Field(
+        None, json_schema_extra={"format": "date-time"},
+        description="When the finished run's RayCluster is (or was) released: "
+                    "completionTime + spec.ttlSecondsAfterFinished.")
+    retries: int | None = Field(None, ge=0, description="Failed attempts resubmitted so far "
+                                                        "(spec.maxRetries caps it; a suspend "
+                                                        "is not one).")
+    cluster_hash: str | None = Field(None, description="Fingerprint of the spec's RayCluster "
+                                                       "when it was created; a new attempt "
+                                                       "rebuilds the cluster when the spec's "
+                                                       "differs.")
     log_cursor: int | None = Field(None, ge=0,
                                    description="Bytes of the job log already parsed.")
     collectives: CollectivesResult | None = Field(None, description="Result of mode "

@@ -29,6 +29,9 @@ EVAL_SCORE_MESSAGE = ("eval_loss needs training.evalFraction greater than 0: wit
 GLOBAL_BATCH_MESSAGE = ("must be 0 (no gradient accumulation) or a multiple of the slice's "
                         "devices x training.batchSizePerDevice, the factor being the "
                         "accumulation steps")
+MIN_NO_PROGRESS_TIMEOUT = 60
+NO_PROGRESS_MESSAGE = (f"must be 0 (off) or at least {MIN_NO_PROGRESS_TIMEOUT} seconds: "
+                       "the trainer reports progress about every 30 s")
 TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host); "
                         "remove it from the overrides")
 
@@ -194,6 +197,13 @@ def spec_rules() -> list[dict]:
             "reason": "FieldValueInvalid",
         },
         _global_batch_rule(is_collectives),
+        {
+            "rule": ("!has(self.noProgressTimeoutSeconds) || self.noProgressTimeoutSeconds == 0 "
+                     f"|| self.noProgressTimeoutSeconds >= {MIN_NO_PROGRESS_TIMEOUT}"),
+            "message": NO_PROGRESS_MESSAGE,
+            "fieldPath": ".noProgressTimeoutSeconds",
+            "reason": "FieldValueInvalid",
+        },
     ]
 
 
@@ -272,6 +282,8 @@ def check_spec(spec: TPUFineTuneSpec) -> None:
         if spec.checkpoint.score_attribute == "eval_loss" and spec.training.eval_fraction == 0:
             raise SpecError("spec.checkpoint.scoreAttribute", EVAL_SCORE_MESSAGE)
         _check_global_batch(spec)
+    if 0 < spec.no_progress_timeout_seconds < MIN_NO_PROGRESS_TIMEOUT:
+        raise SpecError("spec.noProgressTimeoutSeconds", NO_PROGRESS_MESSAGE)
     for group in ("head", "workers"):
         resources = getattr(spec, group).resources
         if resources is not None:

@@ -1,0 +1,136 @@
+"""The new capabilities on the test ground, on real parts: a deadline that stops a real job
+and releases a real slice, a TTL that keeps a real RayCluster and then deletes it with no
+event to wake the operator, and pod-level reasons (an image that cannot be pulled, a crash
+loop) read from the pods the real KubeRay made."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+import pytest
+from test_operator_e2e import released, resource, start_run
+
+pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.ground]
+
+
+def parse_time(text: str) -> datetime:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+def failed_reason(status: dict) -> str:
+    return next((c["reason"] for c in status.get("conditions") or [] if c["type"] == "Failed"), "")
+
+
+def ready_condition(status: dict) -> dict:
+    return next((c for c in status.get("conditions") or [] if c["type"] == "ClusterReady"), {})
+
+
+def test_the_deadline_stops_the_job_and_the_ttl_keeps_then_releases_the_slice(operator, ground, kube, trainer_assets, tmp_path):
+    manifest = resource("tiny-deadline", trainer_assets, tmp_path / "ckpt", epochs=200, ttlSecondsAfterFinished=3600)
+    uid, cluster = start_run(kube, manifest)
+    kube.wait_for(lambda: kube.status("tiny-deadline").get("phase") == "Running", "phase Running", timeout=300)
+    job_id = kube.status("tiny-deadline")["jobId"]
+    # A deadline a few seconds from now, set on the running job: it applies at once.
+    started = parse_time(kube.status("tiny-deadline")["startTime"])
+    deadline = int((datetime.now(timezone.utc) - started).total_seconds()) + 5
+    kube.kubectl("patch", "tpufinetune", "tiny-deadline", "--type=merge", "-p",
+                 f'{{"spec": {{"activeDeadlineSeconds": {deadline}}}}}')
+
+    status = kube.wait_for(lambda: (s := kube.status("tiny-deadline")).get("phase") == "Failed" and s,
+                           "phase Failed", timeout=60)
+    assert failed_reason(status) == "DeadlineExceeded", status["message"]
+    assert f"spec.activeDeadlineSeconds ({deadline} s)" in status["message"]
+    # The TTL keeps the cluster for debugging: its head still answers, and the job on it
+    # was stopped by the operator.
+    assert kube.get("raycluster", cluster) is not None
+    assert status["rayClusterReleaseTime"] > status["completionTime"]
+    client = kube.head_job_client(cluster)
+    kube.wait_for(lambda: client.get_job_status(job_id).value == "STOPPED", "the job STOPPED", timeout=30)
+    pods = kube.pods_of(cluster)
+    assert len(pods) == 3
+
+    # A TTL of 0 releases it at once: the edit wakes the finished run.
+    kube.kubectl("patch", "tpufinetune", "tiny-deadline", "--type=merge", "-p",
+                 '{"spec": {"ttlSecondsAfterFinished": 0}}')
+    released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])
+    assert kube.status("tiny-deadline")["phase"] == "Failed"
+
+
+def test_the_ttl_keeps_the_raycluster_then_the_operator_wakes_up_to_release_it(operator, ground, kube, trainer_assets, tmp_path):
+    ttl = 20
+    manifest = resource("tiny-ttl", trainer_assets, tmp_path / "ckpt", mode="collectives", ttlSecondsAfterFinished=ttl)
+    _, cluster = start_run(kube, manifest)
+    kube.kubectl("wait", "tpufinetune/tiny-ttl", "--for=condition=Succeeded", "--timeout=400s", timeout=420)
+    status = kube.status("tiny-ttl")
+    completed, release = parse_time(status["completionTime"]), parse_time(status["rayClusterReleaseTime"])
+    assert (release - completed).total_seconds() == ttl
+    pods = kube.pods_of(cluster)
+    # Kept until then (a second of slack for the clock's resolution) ...
+    while (release - datetime.now(timezone.utc)).total_seconds() > 1:
+        body = kube.get("raycluster", cluster)
+        assert body is not None and not body["metadata"].get("deletionTimestamp"), "released before the TTL"
+        time.sleep(1)
+    # ... then released with nothing else happening to wake the operator: it woke itself.
+    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released after the TTL", timeout=30)
+    assert datetime.now(timezone.utc) >= release
+    released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])
+
+
+@pytest.mark.parametrize("fault,reasons,detail", [
+    ({"image": "registry.tpufinetune.invalid/trainer:1"}, ("ErrImagePull", "ImagePullBackOff"),
+     "registry.tpufinetune.invalid"),
+    ({"head": {"annotations": {"ground.tpufinetune.dev/exit-code": "3"}}}, ("CrashLoopBackOff",), "exited 3"),
+], ids=["image-pull", "crash-loop"])
+def test_provisioning_names_the_worst_pod_state_and_the_hosts_ready(operator, kube, trainer_assets, tmp_path,
+                                                                   fault, reasons, detail):
+    manifest = resource("tiny-stuck", trainer_assets, tmp_path / "ckpt", mode="collectives", **fault)
+    _, cluster = start_run(kube, manifest)
+
+    def named():
+        status = kube.status("tiny-stuck")
+        return ready_condition(status).get("reason") in reasons and status
+
+    status = kube.wait_for(named, f"ClusterReady reason in {reasons}", timeout=120)
+    assert status["phase"] == "Provisioning"
+    condition = ready_condition(status)
+    assert condition["status"] == "False"
+    assert status["message"] == condition["message"]
+    assert status["message"].startswith("hosts ready 0/2; pod "), status["message"]
+    assert detail in status["message"]
+    events = kube.items("events", "--field-selector", "involvedObject.name=tiny-stuck")
+    assert any(e["reason"] in reasons and e["type"] == "Warning" for e in events)
+    kube.kubectl("delete", "tpufinetune", "tiny-stuck", "--wait=true", "--timeout=60s", timeout=70)
+    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released", timeout=60)
+
+
+def test_a_retry_after_an_edit_that_changes_the_slice_runs_on_a_rebuilt_cluster(operator, kube, trainer_assets, tmp_path):
+    """Fault 11 on real parts: the edit waits for the next attempt, which runs on a
+    RayCluster built from the edited spec, never on the old one."""
+    manifest = resource("tiny-rebuild", trainer_assets, tmp_path / "ckpt", epochs=200, maxRetries=1,
+                        tpu={"generation": "cpu", "topology": "1"})
+    uid, cluster = start_run(kube, manifest)
+    kube.wait_for(lambda: kube.status("tiny-rebuild").get("phase") == "Running", "phase Running", timeout=300)
+    old = kube.get("raycluster", cluster)
+    kube.kubectl("patch", "tpufinetune", "tiny-rebuild", "--type=merge", "-p",
+                 '{"spec": {"tpu": {"generation": "cpu", "topology": "2"}}}')
+    time.sleep(3)
+    status = kube.status("tiny-rebuild")
+    assert status["phase"] == "Running" and status["observedGeneration"] == 1  # not applied yet
+    # The attempt ends (stopped outside the operator): the retry rebuilds the cluster first.
+    kube.head_job_client(cluster).stop_job(status["jobId"])
+
+    def rebuilt():
+        body = kube.get("raycluster", cluster)
+        return body if body and body["metadata"]["uid"] != old["metadata"]["uid"] else None
+
+    new = kube.wait_for(rebuilt, "a new RayCluster", timeout=120)
+    assert new["spec"]["workerGroupSpecs"][0]["numOfHosts"] == 2
+    status = kube.wait_for(lambda: (s := kube.status("tiny-rebuild")).get("phase") == "Running"
+                           and s["attempt"] == 2 and s, "attempt 2 Running", timeout=300)
+    assert status["retries"] == 1 and status["observedGeneration"] == 2
+    assert status["jobId"] == f"tft-{uid}-2"
+    # The job runs on the rebuilt cluster (its head knows it), and it alone.
+    jobs = [j.submission_id for j in kube.head_job_client(cluster).list_jobs()]
+    assert jobs == [f"tft-{uid}-2"]
+    kube.kubectl("delete", "tpufinetune", "tiny-rebuild", "--wait=true", "--timeout=60s", timeout=70)
