@@ -41,7 +41,7 @@ def _load_kube_config() -> client.ApiClient:
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     memo.settings = Settings.from_env()
     memo.backend = KubeBackend(_load_kube_config(), memo.settings)
-    memo.jobs = RayJobs(headers=memo.settings.ray_headers())
+    memo.jobs = RayJobs(headers=memo.settings.ray_headers(), timeout=memo.settings.ray_timeout)
     settings.persistence.finalizer = FINALIZER
     # kopf's bookkeeping goes into status, never into metadata.annotations: the object
     # users and Argo CD compare stays exactly what they applied.

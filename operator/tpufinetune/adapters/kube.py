@@ -36,7 +36,10 @@ def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> Clust
 
     ready = status.get("state") == "ready" or (true("HeadPodReady") and true("RayClusterProvisioned"))
     problem = ""
-    if true("RayClusterReplicaFailure"):
+    if meta.get("deletionTimestamp"):
+        # Going away (a suspend, someone's delete): its head is no place for a job.
+        ready, problem = False, f"RayCluster {meta.get('name', '')} is being deleted"
+    elif true("RayClusterReplicaFailure"):
         failure = conditions["RayClusterReplicaFailure"]
         problem = failure.get("message") or failure.get("reason") or "a replica failed"
     elif status.get("reason"):
@@ -133,6 +136,17 @@ class KubeBackend:
             self.objects.patch_namespaced_custom_object_status,
             GROUP, VERSION, ident.namespace, PLURAL, ident.name, {"status": patch},
         )
+
+    async def read_status(self, ident: Identity) -> dict | None:
+        """The object's status as the API server holds it now; None if it is gone."""
+        try:
+            body = await asyncio.to_thread(self.objects.get_namespaced_custom_object,
+                                           GROUP, VERSION, ident.namespace, PLURAL, ident.name)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return dict(body.get("status") or {})
 
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None:
         body = {
