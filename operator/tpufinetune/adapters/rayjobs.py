@@ -205,7 +205,7 @@ class LogFollower:
             self._feed(b"", final=True)
             self._finished = True
             return
-        log.warning("log stream of %s did not end cleanly within %ss of the job's end; reading the rest",
+        log.warning("log stream of %s was cut or still open %ss after the job ended; reading the rest",
                     self.submission_id, timeout)
         await self.close()
         text = await asyncio.to_thread(self.jobs.client(self.address).get_job_logs, self.submission_id)
