@@ -90,6 +90,17 @@ def test_a_job_is_lost_only_when_the_head_answers_404(ray_head, tmp_path):
     jobs.stop(ray_head.dashboard_url, "tft-never-submitted-1")  # stopping an unknown job: done
 
 
+def test_the_log_tail_of_a_failed_job_is_cut_on_the_head(ray_head, tmp_path):
+    text = tmp_path / "long.txt"
+    text.write_text("".join(f"line {i}\n" for i in range(5000)))
+    client = ray_head.job_client()
+    job_id = client.submit_job(entrypoint=f"cat {shlex.quote(str(text))} && exit 3")
+    assert wait_job(client, job_id) == "FAILED"
+    tail = RayJobs(headers=ray_head.headers(), timeout=10).log_tail(ray_head.dashboard_url, job_id)
+    assert tail.split(" | ")[-1] == "line 4999"
+    assert "line 4990" not in tail and len(tail.split(" | ")) <= 8
+
+
 def test_a_refused_token_is_an_error_never_a_lost_job(ray_head):
     jobs = RayJobs(headers={"Authorization": "Bearer wrong"}, timeout=10)
     with pytest.raises(AuthenticationError):

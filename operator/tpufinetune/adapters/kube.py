@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 
 import kopf
 from kubernetes import client
@@ -72,21 +73,61 @@ def pod_problem(pods: list[dict]) -> str:
     return ""
 
 
+class WatchedClusters:
+    """Our RayClusters as the operator's watch last delivered them: observing a run reads
+    this instead of a GET every tick. A miss (not delivered yet, or deleted) is a GET."""
+
+    def __init__(self):
+        self._bodies: dict[tuple[str, str], dict] = {}
+
+    def seen(self, body: dict, deleted: bool = False) -> None:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        if deleted:
+            self._bodies.pop(key, None)
+        else:
+            self._bodies[key] = body
+
+    def get(self, namespace: str, name: str) -> dict | None:
+        return self._bodies.get((namespace, name))
+
+
+# A cluster that waits for capacity has its pods listed at most this often (its problem,
+# such as the scheduler's message, changes slowly); a change of the RayCluster re-lists.
+POD_RECHECK_S = 30.0
+
+
 class KubeBackend:
     def __init__(self, api: client.ApiClient, settings: Settings):
         self.objects = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.settings = settings
+        self.watched = WatchedClusters()
+        self._pod_checks: dict[str, tuple[str, float, str]] = {}  # cluster uid -> (version, when, problem)
 
     async def observe(self, ident: Identity, name: str) -> ClusterView:
-        body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
+        body = self.watched.get(ident.namespace, name)
+        if body is None:
+            body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
         view = cluster_view(body, ident.uid, self.settings)
         if view.exists and view.owned and not view.ready and not view.problem:
-            pods = await asyncio.to_thread(self._cluster_pods, ident.namespace, name)
-            problem = pod_problem(pods)
+            problem = await self._pod_problem(ident.namespace, name, body["metadata"])
             if problem:
                 view = dataclasses.replace(view, problem=problem)
         return view
+
+    async def _pod_problem(self, namespace: str, name: str, meta: dict) -> str:
+        version, now = meta.get("resourceVersion", ""), time.monotonic()
+        last = self._pod_checks.get(meta.get("uid", ""))
+        if last is not None and last[0] == version and now - last[1] < POD_RECHECK_S:
+            return last[2]
+        pods = await asyncio.to_thread(self._cluster_pods, namespace, name)
+        problem = pod_problem(pods)
+        self._pod_checks[meta.get("uid", "")] = (version, now, problem)
+        return problem
+
+    def forget(self, cluster_uid: str) -> None:
+        self._pod_checks.pop(cluster_uid, None)
 
     def _cluster_pods(self, namespace: str, name: str) -> list[dict]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={name}")

@@ -19,6 +19,7 @@ from tpufinetune_trainer.events import parse_line
 
 log = logging.getLogger(__name__)
 LOG_TAIL_CHARS = 2000
+LOG_TAIL_LINES = 8
 
 
 # Ray's JobSubmissionClient replaces the address it is given with either of these when
@@ -57,6 +58,15 @@ class TimedJobClient(JobSubmissionClient):
         if response.status_code != 200:
             self._raise_error(response)
         return response.json()
+
+    def last_lines(self, submission_id: str, lines: int) -> str:
+        """The last lines of the job's driver log, cut on the head (the state API's log
+        endpoint): a multi-megabyte log is never downloaded to keep its tail."""
+        response = self._do_request("GET", "/api/v0/logs/file",
+                                    params={"submission_id": submission_id, "lines": lines})
+        if response.status_code != 200:
+            self._raise_error(response)
+        return response.text
 
     def stop_if_exists(self, submission_id: str) -> None:
         response = self._do_request("POST", f"/api/jobs/{submission_id}/stop")
@@ -108,9 +118,9 @@ class RayJobs:
 
     def log_tail(self, address: str, submission_id: str) -> str:
         """Last lines of the log, read once when a job failed without a failure event."""
-        text = self.client(address).get_job_logs(submission_id)
+        text = self.client(address).last_lines(submission_id, LOG_TAIL_LINES)
         tail = text[-LOG_TAIL_CHARS:]
-        return " | ".join(line.strip() for line in tail.splitlines()[-8:] if line.strip())
+        return " | ".join(line.strip() for line in tail.splitlines()[-LOG_TAIL_LINES:] if line.strip())
 
 
 @dataclass
