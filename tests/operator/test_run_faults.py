@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import socket
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -167,6 +170,42 @@ async def test_a_black_holed_head_costs_one_bounded_call_not_a_stalled_run():
     finally:
         hole.close()
     assert run.status["phase"] == phases.RUNNING
+
+
+class TroubledHead(BaseHTTPRequestHandler):
+    """A dashboard in trouble: it answers its version, then 500 to everything, with "does
+    not exist" in the body (as a head whose GCS is restarting may). No real head can be
+    made to answer exactly this on demand, hence this small stand-in."""
+
+    def do_GET(self):
+        if self.path == "/api/version":
+            self._answer(200, json.dumps({"version": "4", "ray_version": "2.60.0", "ray_commit": ""}))
+        else:
+            self._answer(500, "job tft-uid-1-1 does not exist in the GCS yet")
+
+    do_POST = do_GET
+
+    def _answer(self, code: int, text: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        self.wfile.write(text.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_only_a_404_means_the_job_is_gone_an_error_body_never_does():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), TroubledHead)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(RuntimeError, match="500"):
+            RayJobs(timeout=5).job(address, "tft-uid-1-1")
+        with pytest.raises(RuntimeError, match="500"):
+            RayJobs(timeout=5).stop(address, "tft-uid-1-1")
+    finally:
+        server.shutdown()
 
 
 def test_a_raycluster_being_deleted_is_never_ready():

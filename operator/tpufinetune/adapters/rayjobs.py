@@ -62,8 +62,11 @@ class TimedJobClient(JobSubmissionClient):
     def last_lines(self, submission_id: str, lines: int) -> str:
         """The last lines of the job's driver log, cut on the head (the state API's log
         endpoint): a multi-megabyte log is never downloaded to keep its tail."""
-        response = self._do_request("GET", "/api/v0/logs/file",
-                                    params={"submission_id": submission_id, "lines": lines})
+        info = self.job_or_none(submission_id) or {}
+        params = {"submission_id": submission_id, "lines": lines}
+        if info.get("driver_node_id"):  # the endpoint needs the node the driver ran on
+            params["node_id"] = info["driver_node_id"]
+        response = self._do_request("GET", "/api/v0/logs/file", params=params)
         if response.status_code != 200:
             self._raise_error(response)
         return response.text
