@@ -212,6 +212,44 @@ def test_a_clean_close_of_the_log_stream_mid_run_loses_no_later_event(ray_head, 
 # ---- retries: one job at a time, no follower left ---------------------------------------
 
 
+def test_a_retry_stops_the_previous_attempt_before_it_submits(ray_head, trainer_assets, tmp_path):
+    body = resource(trainer_assets, tmp_path / "ckpt", mode="collectives", maxRetries=1)
+    uid = body["metadata"]["uid"]
+    client = ray_head.job_client()
+    # Attempt 1 is still running on the head (the operator's view said it was lost).
+    client.submit_job(entrypoint="sleep 600", submission_id=f"tft-{uid}-1")
+    body["status"] = {"phase": phases.SUBMITTING, "rayClusterName": "tft-x", "attempt": 2, "jobId": f"tft-{uid}-2",
+                      "dashboardURL": ray_head.dashboard_url, "epochs": 0}
+
+    def ours():
+        return {j.submission_id: str(j.status.value) for j in client.list_jobs()
+                if (j.submission_id or "").startswith(f"tft-{uid}-")}
+
+    async def scenario():
+        run = local_run(ray_head, body)
+        with pytest.raises(RuntimeError, match="still RUNNING"):
+            await run.step()
+        held = ours()
+        decision = None
+        for _ in range(60):  # the stop takes effect; then attempt 2 goes in
+            try:
+                decision = await run.step()
+            except RuntimeError:
+                await asyncio.sleep(1)
+                continue
+            if decision.phase == phases.RUNNING:
+                break
+        await run.close()
+        return held, decision
+
+    held, decision = asyncio.run(scenario())
+    assert f"tft-{uid}-2" not in held  # nothing was submitted while attempt 1 ran
+    jobs = ours()
+    assert jobs[f"tft-{uid}-1"] == "STOPPED"
+    assert decision is not None and decision.phase == phases.RUNNING and f"tft-{uid}-2" in jobs
+    client.stop_job(f"tft-{uid}-2")
+
+
 @pytest.mark.slow
 def test_a_retry_never_overlaps_its_previous_attempt_and_leaves_no_task_behind(ray_head, trainer_assets, tmp_path):
     body = resource(trainer_assets, tmp_path / "ckpt", maxRetries=1)

@@ -52,8 +52,14 @@ class MemoryCluster:
         self.calls: list[str] = []
         self.status: dict = {}
         self.create_gate: asyncio.Event | None = None
+        self.lose_next_answer = False
+        self.events: list[str] = []
+        self.cancel_next_observe = False
 
     async def observe(self, ident, name):
+        if self.cancel_next_observe:  # a cancelled inner future, not a cancellation of the run
+            self.cancel_next_observe = False
+            raise asyncio.CancelledError()
         return ClusterView(exists=self.exists, owned=True, ready=self.exists, dashboard_url=self.dashboard_url)
 
     async def create(self, ident, manifest):
@@ -69,12 +75,15 @@ class MemoryCluster:
     async def write_status(self, ident, patch, new):
         self.calls.append(f"status:{new.get('phase')}")
         self.status = new
+        if self.lose_next_answer:  # the write landed, but its answer was lost (a timeout)
+            self.lose_next_answer = False
+            raise TimeoutError("the API server did not answer in time")
 
     async def read_status(self, ident):
         return dict(self.status)
 
     def record(self, ident, type_, reason, message):
-        pass
+        self.events.append(reason)
 
 
 def body(status: dict | None = None, **meta) -> dict:
@@ -206,6 +215,31 @@ def test_only_a_404_means_the_job_is_gone_an_error_body_never_does():
             RayJobs(timeout=5).stop(address, "tft-uid-1-1")
     finally:
         server.shutdown()
+
+
+@in_loop
+async def test_after_a_write_whose_answer_was_lost_the_next_decision_starts_from_the_servers_status():
+    cluster = MemoryCluster()
+    run = Run(body(), cluster, RayJobs(), settings())
+    await run.step()  # Pending
+    cluster.lose_next_answer = True
+    with pytest.raises(TimeoutError):
+        await run.step()  # Provisioning written, but the run could not know
+    assert cluster.status["phase"] == phases.PROVISIONING
+    decision = await run.step()
+    assert decision.phase == phases.PROVISIONING
+    assert cluster.events.count("CreatingCluster") == 0  # not announced again from a stale Pending
+    assert cluster.calls.count("create") == 1
+
+
+@in_loop
+async def test_a_stray_cancellation_inside_a_step_does_not_end_the_daemon():
+    cluster = MemoryCluster()
+    cluster.exists = True
+    run = Run(body({"phase": phases.FAILED, "rayClusterName": "tft-demo"}), cluster, RayJobs(), settings())
+    cluster.cancel_next_observe = True
+    await asyncio.wait_for(run.run(asyncio.Event()), 10)  # used to end with CancelledError
+    assert cluster.calls[-1] == "delete" and not cluster.exists
 
 
 def test_a_raycluster_being_deleted_is_never_ready():
