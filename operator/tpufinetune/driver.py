@@ -18,7 +18,8 @@ from tpufinetune.core.phases import ClusterView, Decision, Identity, Observation
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.settings import Settings
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
-from tpufinetune.core.sizing import raycluster_name
+from tpufinetune.core.generations import generation
+from tpufinetune.core.sizing import raycluster_name, total_devices
 
 log = logging.getLogger(__name__)
 # While deleting, Ray gets this long to answer (the job's state, a stop request).
@@ -61,6 +62,7 @@ class Run:
         self.unwritten: list[dict] = []
         self.status_stale = False  # a write failed: re-read the object before deciding
         self.ray_down_since: datetime | None = None
+        self.retry_waiting_since: tuple[int, datetime] | None = None  # (attempt, since)
         # The kopf daemon and on.delete share this Run; one step at a time.
         self.lock = asyncio.Lock()
 
@@ -261,8 +263,26 @@ class Run:
         job = await asyncio.to_thread(self.jobs.job, address, previous)
         if job is not None and job.status in phases.JOB_ACTIVE:
             await asyncio.to_thread(self.jobs.stop, address, previous)
-            raise PreviousAttemptActive(f"attempt {attempt - 1} ({previous}) is still {job.status}; "
-                                        f"stopping it before attempt {attempt} is submitted")
+            raise RetryNotReady(f"attempt {attempt - 1} ({previous}) is still {job.status}; "
+                                f"stopping it before attempt {attempt} is submitted")
+        await self._workers_back(address, attempt)
+
+    async def _workers_back(self, address: str, attempt: int) -> None:
+        """A retry after a lost head goes in once the workers have rejoined the new head
+        (their raylets outlive the old one for a while): submitted earlier, the trainer
+        would find no room and fail at once. Bounded: after TPUFT_RAY_UNREACHABLE_TIMEOUT
+        the retry is submitted anyway and the trainer says what is missing."""
+        now = datetime.now(timezone.utc)
+        if self.retry_waiting_since is None or self.retry_waiting_since[0] != attempt:
+            self.retry_waiting_since = (attempt, now)
+        if (now - self.retry_waiting_since[1]).total_seconds() > self.settings.ray_unreachable_timeout:
+            return
+        need = {("TPU" if generation(self.spec.tpu.generation).is_tpu else "CPU"): float(total_devices(self.spec))}
+        have = await asyncio.to_thread(self.jobs.alive_resources, address)
+        short = {k: have.get(k, 0.0) for k, v in need.items() if have.get(k, 0.0) < v}
+        if short:
+            detail = ", ".join(f"{k} {have_:g}/{need[k]:g}" for k, have_ in short.items())
+            raise RetryNotReady(f"attempt {attempt} waits for the cluster's workers to rejoin Ray ({detail})")
 
     async def _close_follower(self) -> None:
         if self.follower is not None:
@@ -310,5 +330,6 @@ class Run:
         await self._close_follower()
 
 
-class PreviousAttemptActive(RuntimeError):
-    """The previous attempt's job is still active; the next one is not submitted yet."""
+class RetryNotReady(RuntimeError):
+    """The next attempt is not submitted yet: the previous one is still active, or the
+    cluster's workers have not rejoined Ray."""

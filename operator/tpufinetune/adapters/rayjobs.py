@@ -71,6 +71,18 @@ class TimedJobClient(JobSubmissionClient):
             self._raise_error(response)
         return response.text
 
+    def alive_resources(self) -> dict[str, float]:
+        """Ray resources of the cluster's alive nodes (the state API's node list)."""
+        response = self._do_request("GET", "/api/v0/nodes", params={"limit": 10000, "detail": "true"})
+        if response.status_code != 200:
+            self._raise_error(response)
+        total: dict[str, float] = {}
+        for node in response.json()["data"]["result"]["result"]:
+            if node.get("state") == "ALIVE":
+                for key, value in (node.get("resources_total") or {}).items():
+                    total[key] = total.get(key, 0.0) + float(value)
+        return total
+
     def stop_if_exists(self, submission_id: str) -> None:
         response = self._do_request("POST", f"/api/jobs/{submission_id}/stop")
         if response.status_code not in (200, 404):
@@ -114,6 +126,9 @@ class RayJobs:
             if "already exists" not in str(error):
                 raise
             log.info("job %s already submitted; attaching", submission_id)
+
+    def alive_resources(self, address: str) -> dict[str, float]:
+        return self.client(address).alive_resources()
 
     def stop(self, address: str, submission_id: str) -> None:
         """Ask the job to stop; a job the head does not know (404) is already stopped."""
