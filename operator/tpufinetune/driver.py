@@ -107,9 +107,9 @@ class Run:
                             events=tuple(self.unwritten), ray_unreachable=unreachable)
 
     async def _job(self, now: datetime, address: str):
-        """The job as Ray reports it, and '' ; or, once the head has not answered for
-        `ray_unreachable_timeout`, (None, why). Before that a failure is transient and
-        the step is retried."""
+        """(the job as Ray reports it, ""); or, once the head has not answered for
+        `ray_unreachable_timeout`, (None, why). Until then a failure is transient: the
+        step fails and is retried."""
         try:
             job = await asyncio.to_thread(self.jobs.job, address, self.status["jobId"])
         except Exception as error:

@@ -128,6 +128,22 @@ def test_finish_after_the_stream_was_cancelled_reads_the_rest_instead_of_raising
     assert [e["event"] for e in events] == ["epoch", "epoch", "result"]
 
 
+def test_the_follower_of_a_job_the_head_does_not_know_ends_by_itself(ray_head):
+    async def scenario():
+        follower = LogFollower(RayJobs(headers=ray_head.headers(), timeout=10), ray_head.dashboard_url,
+                               "tft-lost-with-its-head-1")
+        follower.start()
+        for _ in range(100):  # used to reconnect for ever
+            if not follower.running:
+                break
+            await asyncio.sleep(0.1)
+        running = follower.running
+        await follower.close()
+        return running
+
+    assert asyncio.run(scenario()) is False
+
+
 class ClosingProxy:
     """A reverse proxy in front of the head, as an ingress or an agent restart would be:
     HTTP passes through; the first log stream is closed cleanly (code 1000) after its

@@ -178,6 +178,8 @@ class LogFollower:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the head may be briefly unreachable
+                if not await self._still_running():
+                    return  # the job is gone (a new head) or ended: nothing more to follow
                 log.warning("log stream of %s interrupted: %s; reconnecting", self.submission_id, error)
                 await asyncio.sleep(2)
             self._replay_from_start()
