@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tpufinetune.adapters.kube import cluster_view
-from tpufinetune.adapters.rayjobs import RayJobs
+from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.core import phases
 from tpufinetune.core.phases import ClusterView
 from tpufinetune.driver import Run
@@ -240,6 +240,25 @@ async def test_a_stray_cancellation_inside_a_step_does_not_end_the_daemon():
     cluster.cancel_next_observe = True
     await asyncio.wait_for(run.run(asyncio.Event()), 10)  # used to end with CancelledError
     assert cluster.calls[-1] == "delete" and not cluster.exists
+
+
+@in_loop
+async def test_no_log_follower_is_left_running_once_the_phase_leaves_running():
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    address = f"http://127.0.0.1:{closed.getsockname()[1]}"  # the old head is gone: its stream retries
+    run = Run(body(), MemoryCluster(address), RayJobs(timeout=0.5), settings())
+    await run.step()  # Pending
+    run.follower = LogFollower(run.jobs, address, "tft-uid-1-1")  # a previous attempt's stream
+    run.follower.start()
+    stream = run.follower
+    await asyncio.sleep(0.1)
+    assert stream.running
+    decision = await run.step()  # Pending -> Provisioning (e.g. after a suspend)
+    closed.close()
+    assert decision.phase == phases.PROVISIONING
+    assert not stream.running and run.follower is None
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
 
 
 def test_a_raycluster_being_deleted_is_never_ready():
