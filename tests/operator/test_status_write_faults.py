@@ -45,6 +45,16 @@ def refuse_status_writes(namespace: str) -> list[dict]:
     ]
 
 
+class Backend(KubeBackend):
+    """The operator's KubeBackend; its Events go to a list, since kopf posts them only
+    from inside a running operator (and they are not what this test is about)."""
+
+    events: list[str] = []
+
+    def record(self, ident, type_, reason, message):
+        self.events.append(reason)
+
+
 def test_refused_status_writes_around_the_job_end_lose_no_epoch_and_no_result(
         control_plane, kuberay_crd, k8s_api, namespace, ray_head, trainer_assets, tmp_path):
     kubectl = control_plane.kubectl
@@ -58,7 +68,7 @@ def test_refused_status_writes_around_the_job_end_lose_no_epoch_and_no_result(
     kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump(manifest))
     body = json.loads(kubectl("-n", namespace, "get", "tpufinetune", "refused", "-o", "json").stdout)
     settings = Settings(dashboard_url=ray_head.dashboard_url, poll_interval=1, ray_token=ray_head.token or "")
-    run = Run(body, KubeBackend(k8s_api, settings), RayJobs(settings.ray_headers(), settings.ray_timeout), settings)
+    run = Run(body, Backend(k8s_api, settings), RayJobs(settings.ray_headers(), settings.ray_timeout), settings)
     policy = yaml.safe_dump_all(refuse_status_writes(namespace))
     jobs = ray_head.job_client()
 
