@@ -13,11 +13,13 @@ from typing import Protocol
 from tpufinetune.adapters import metrics
 from tpufinetune.core import phases
 from tpufinetune.core.api import SpecError, parse_spec
-from tpufinetune.core.jobspec import job_submission
+from tpufinetune.core.jobspec import job_submission, submission_id
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.settings import Settings
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
+from tpufinetune.core.generations import generation
+from tpufinetune.core.sizing import total_devices
 
 log = logging.getLogger(__name__)
 # While deleting, Ray gets this long to answer (the job's state, a stop request).
@@ -29,6 +31,7 @@ class ClusterBackend(Protocol):
     async def create(self, ident: Identity, manifest: dict) -> None: ...
     async def delete(self, ident: Identity, name: str) -> None: ...
     async def write_status(self, ident: Identity, patch: dict, new: dict) -> None: ...
+    async def read_status(self, ident: Identity) -> dict | None: ...
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None: ...
 
 
@@ -54,6 +57,14 @@ class Run:
         self._refresh_spec()
         self.follower: LogFollower | None = None
         self.wake = asyncio.Event()
+        # Events drained from the follower but not yet in a written status: applied
+        # again on the next step, so a failed write loses none.
+        self.unwritten: list[dict] = []
+        self.status_stale = False  # a write failed: re-read the object before deciding
+        self.ray_down_since: datetime | None = None
+        self.retry_waiting_since: tuple[int, datetime] | None = None  # (attempt, since)
+        # The kopf daemon and on.delete share this Run; one step at a time.
+        self.lock = asyncio.Lock()
 
     def _refresh_spec(self) -> None:
         meta = self.body["metadata"]
@@ -81,10 +92,29 @@ class Run:
         if deleting:
             job = await self._job_while_deleting(address, cluster)
             return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, deleting=True)
+        unreachable = ""
         if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId"):
-            job = await asyncio.to_thread(self.jobs.job, address, self.status["jobId"])
+            job, unreachable = await self._job(now, address)
         events = await self._new_events(address, job)
-        return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, events=events, deleting=deleting)
+        self.unwritten.extend(events)
+        return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job,
+                            events=tuple(self.unwritten), ray_unreachable=unreachable)
+
+    async def _job(self, now: datetime, address: str):
+        """(the job as Ray reports it, ""); or, once the head has not answered for
+        `ray_unreachable_timeout`, (None, why). Until then a failure is transient: the
+        step fails and is retried."""
+        try:
+            job = await asyncio.to_thread(self.jobs.job, address, self.status["jobId"])
+        except Exception as error:
+            self.ray_down_since = self.ray_down_since or now
+            down = (now - self.ray_down_since).total_seconds()
+            if down < self.settings.ray_unreachable_timeout:
+                raise
+            detail = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+            return None, f"the Ray head at {address} has not answered for {int(down)} s: {detail}"
+        self.ray_down_since = None
+        return job, ""
 
     async def _job_while_deleting(self, address: str, cluster: ClusterView | None):
         """The job, only to stop it politely; unknown (None) when the head is gone or does
@@ -108,6 +138,7 @@ class Run:
             return ()
         job_id = self.status["jobId"]
         if self.follower is None or self.follower.submission_id != job_id:
+            await self._close_follower()  # the previous attempt's stream
             skip = int(self.status.get("logCursor") or 0) if self.status.get("logJobId") == job_id else 0
             self.follower = LogFollower(self.jobs, address, job_id, skip=skip, wake=self.wake)
             self.follower.start()
@@ -129,19 +160,29 @@ class Run:
 
     # ---- one step ---------------------------------------------------------------------
 
+    def being_deleted(self) -> bool:
+        return bool(self.body["metadata"].get("deletionTimestamp"))
+
     async def step(self, deleting: bool = False) -> Decision:
-        before = self.status.get("phase", "")
-        try:
-            decision = await self._step(deleting)
-        except Exception:
-            metrics.step_failed(before)
-            raise
+        """One step. Once the object is being deleted every step is a deleting one,
+        whoever takes it: Deleting never goes back to Pending, and nothing is created
+        after a delete."""
+        async with self.lock:
+            deleting = deleting or self.being_deleted() or self.status.get("phase") == phases.DELETING
+            before = self.status.get("phase", "")
+            try:
+                decision = await self._step(deleting)
+            except Exception:
+                metrics.step_failed(before)
+                raise
         recorded = [(a.type, a.reason) for a in decision.actions if isinstance(a, phases.RecordEvent)]
         metrics.stepped(before, decision.phase, recorded)
         return decision
 
     async def _step(self, deleting: bool) -> Decision:
         self._refresh_spec()
+        if self.status_stale:
+            await self._reread_status()
         obs = await self.observe(deleting)
         decision = phases.transition(self.ident, self.plan, self.status, obs)
         # A failed job without a failure event: read the log tail once, then decide.
@@ -153,13 +194,26 @@ class Run:
         self._log_cursor(decision.status)
         # Status first: identities are persisted before the actions that depend on them.
         await self._write(decision.status)
+        self.unwritten.clear()
         await self._perform(decision)
         return decision
+
+    async def _reread_status(self) -> None:
+        """After a failed write our copy may not be what the object holds (the write may
+        even have landed): decide from what the API server says."""
+        status = await self.backend.read_status(self.ident)
+        if status is not None:
+            self.status = {k: v for k, v in status.items() if k != "kopf"}
+        self.status_stale = False
 
     async def _write(self, new: dict) -> None:
         patch = status_patch(self.status, new)
         if patch:
-            await self.backend.write_status(self.ident, patch, new)
+            try:
+                await self.backend.write_status(self.ident, patch, new)
+            except BaseException:
+                self.status_stale = True
+                raise
         self.status = new
 
     async def _perform(self, decision: Decision) -> None:
@@ -173,6 +227,7 @@ class Run:
             elif isinstance(action, phases.DeleteCluster):
                 await self.backend.delete(self.ident, action.name)
             elif isinstance(action, phases.SubmitJob):
+                await self._previous_attempt_ended(action.attempt)
                 # A retry resumes from the last checkpoint the previous attempt reported.
                 resume = self.status.get("checkpointURI") if action.attempt > 1 else None
                 submission = job_submission(
@@ -189,7 +244,42 @@ class Run:
                                                self.status["dashboardURL"], action.submission_id)
             elif isinstance(action, phases.StopJob):
                 await asyncio.to_thread(self.jobs.stop, self.status["dashboardURL"], action.submission_id)
-        if decision.phase in phases.TERMINAL and self.follower is not None:
+        if decision.phase != phases.RUNNING:
+            await self._close_follower()
+
+    async def _previous_attempt_ended(self, attempt: int) -> None:
+        """Never two trainers on one slice: before attempt N is submitted, attempt N-1 must
+        be unknown to the head (404: a new head) or ended; an active one is asked to stop
+        and the submit waits for a later step."""
+        if attempt <= 1:
+            return
+        address, previous = self.status["dashboardURL"], submission_id(self.ident.uid, attempt - 1)
+        job = await asyncio.to_thread(self.jobs.job, address, previous)
+        if job is not None and job.status in phases.JOB_ACTIVE:
+            await asyncio.to_thread(self.jobs.stop, address, previous)
+            raise RetryNotReady(f"attempt {attempt - 1} ({previous}) is still {job.status}; "
+                                f"stopping it before attempt {attempt} is submitted")
+        await self._workers_back(address, attempt)
+
+    async def _workers_back(self, address: str, attempt: int) -> None:
+        """A retry after a lost head goes in once the workers have rejoined the new head
+        (their raylets outlive the old one for a while): submitted earlier, the trainer
+        would find no room and fail at once. Bounded: after TPUFT_RAY_UNREACHABLE_TIMEOUT
+        the retry is submitted anyway and the trainer says what is missing."""
+        now = datetime.now(timezone.utc)
+        if self.retry_waiting_since is None or self.retry_waiting_since[0] != attempt:
+            self.retry_waiting_since = (attempt, now)
+        if (now - self.retry_waiting_since[1]).total_seconds() > self.settings.ray_unreachable_timeout:
+            return
+        need = {("TPU" if generation(self.spec.tpu.generation).is_tpu else "CPU"): float(total_devices(self.spec))}
+        have = await asyncio.to_thread(self.jobs.alive_resources, address)
+        short = {k: have.get(k, 0.0) for k, v in need.items() if have.get(k, 0.0) < v}
+        if short:
+            detail = ", ".join(f"{k} {have_:g}/{need[k]:g}" for k, have_ in short.items())
+            raise RetryNotReady(f"attempt {attempt} waits for the cluster's workers to rejoin Ray ({detail})")
+
+    async def _close_follower(self) -> None:
+        if self.follower is not None:
             await self.follower.close()
             self.follower = None
 
@@ -197,12 +287,22 @@ class Run:
 
     async def run(self, stopped) -> None:
         """Step until terminal and released; wait on new log events or the poll interval.
+        Returns when the object is being deleted: on.delete takes it from there.
 
-        `stopped` is anything with `is_set()` (kopf's DaemonStopped, an asyncio.Event)."""
-        while not stopped.is_set():
+        `stopped` is anything with `is_set()` (kopf's DaemonStopped, an asyncio.Event).
+        Never ends on an error: kopf does not restart a daemon that returned or raised."""
+        while not stopped.is_set() and not self.being_deleted():
             before = self.status.get("phase")
             try:
                 decision = await self.step()
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # we are being stopped
+                # A cancellation that was not aimed at this loop (a stream task's) is
+                # just a failed step.
+                log.warning("%s/%s: step cancelled from within, retrying", self.ident.namespace, self.ident.name)
+                await self._sleep(stopped, self.settings.poll_interval)
+                continue
             except Exception as error:  # transient: API or Ray briefly unreachable
                 log.warning("%s/%s: step failed, retrying: %s", self.ident.namespace, self.ident.name, error)
                 await self._sleep(stopped, self.settings.poll_interval)
@@ -230,5 +330,9 @@ class Run:
             pass
 
     async def close(self) -> None:
-        if self.follower is not None:
-            await self.follower.close()
+        await self._close_follower()
+
+
+class RetryNotReady(RuntimeError):
+    """The next attempt is not submitted yet: the previous one is still active, or the
+    cluster's workers have not rejoined Ray."""

@@ -51,6 +51,9 @@ class LocalBackend:
         if changed:
             self._say("  ".join(f"{k}={new[k]}" for k in changed))
 
+    async def read_status(self, ident: Identity) -> dict | None:
+        return None  # printing never fails half-way: the run's own copy is the status
+
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None:
         self._say(f"event {type_} {reason}: {message}")
 
@@ -68,7 +71,7 @@ def load_resource(path: str) -> dict:
 
 
 async def run_local(body: dict, address: str, settings: Settings, out=sys.stdout) -> dict:
-    run = Run(body, LocalBackend(address, out), RayJobs(headers=settings.ray_headers()), settings)
+    run = Run(body, LocalBackend(address, out), RayJobs(headers=settings.ray_headers(), timeout=settings.ray_timeout), settings)
     try:
         await run.run(asyncio.Event())
     except asyncio.CancelledError:

@@ -7,6 +7,8 @@
 | TPUFT_RAY_TOKEN | (none) | the token itself, when a file is not practical |
 | TPUFT_POLL_INTERVAL | 5 | seconds between looks at a running job (new log lines wake the loop sooner) |
 | TPUFT_PROVISION_TIMEOUT | 1800 | seconds to wait for a RayCluster to become ready before failing and releasing it |
+| TPUFT_RAY_TIMEOUT | 10 | seconds any one call to a Ray head may take (connect and answer); a head that accepts connections and never answers costs no more |
+| TPUFT_RAY_UNREACHABLE_TIMEOUT | 600 | seconds a submitting or running job's head may stay unreachable (down, crash-looping, refusing the token, its RayCluster deleted) before the run ends Failed with reason RayUnreachable and the slice is released |
 | TPUFT_NAMESPACE | (all) | watch only this namespace |
 """
 
@@ -34,6 +36,8 @@ class Settings(BaseModel):
     ray_token: str = Field("", repr=False)
     poll_interval: float = Field(5.0, gt=0, le=3600)
     provision_timeout: float = Field(1800.0, gt=0)
+    ray_timeout: float = Field(10.0, gt=0, le=300)
+    ray_unreachable_timeout: float = Field(600.0, gt=0)
     namespace: str = ""
 
     @classmethod

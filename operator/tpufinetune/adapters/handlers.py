@@ -41,7 +41,7 @@ def _load_kube_config() -> client.ApiClient:
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     memo.settings = Settings.from_env()
     memo.backend = KubeBackend(_load_kube_config(), memo.settings)
-    memo.jobs = RayJobs(headers=memo.settings.ray_headers())
+    memo.jobs = RayJobs(headers=memo.settings.ray_headers(), timeout=memo.settings.ray_timeout)
     settings.persistence.finalizer = FINALIZER
     # kopf's bookkeeping goes into status, never into metadata.annotations: the object
     # users and Argo CD compare stays exactly what they applied.
@@ -70,7 +70,11 @@ async def follow_run(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopp
 
 
 @kopf.on.event(RAY_GROUP, RAY_VERSION, RAY_PLURAL, labels={OWNER_LABEL: kopf.PRESENT})
-async def raycluster_changed(body: kopf.Body, **_) -> None:
+async def raycluster_changed(type: str, body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    deleted = type == "DELETED"
+    memo.backend.watched.seen(dict(body), deleted=deleted)
+    if deleted:
+        memo.backend.forget(body.get("metadata", {}).get("uid", ""))
     owner = (body.get("metadata", {}).get("labels") or {}).get(OWNER_LABEL)
     run = RUNS.get((body.get("metadata", {}).get("namespace"), owner))
     if run is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 
 import kopf
 from kubernetes import client
@@ -37,7 +38,10 @@ def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> Clust
 
     ready = status.get("state") == "ready" or (true("HeadPodReady") and true("RayClusterProvisioned"))
     problem = ""
-    if true("RayClusterReplicaFailure"):
+    if meta.get("deletionTimestamp"):
+        # Going away (a suspend, someone's delete): its head is no place for a job.
+        ready, problem = False, f"RayCluster {meta.get('name', '')} is being deleted"
+    elif true("RayClusterReplicaFailure"):
         failure = conditions["RayClusterReplicaFailure"]
         problem = failure.get("message") or failure.get("reason") or "a replica failed"
     elif status.get("reason"):
@@ -48,20 +52,62 @@ def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> Clust
     return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url)
 
 
+class WatchedClusters:
+    """Our RayClusters as the operator's watch last delivered them: observing a run reads
+    this instead of a GET every tick. A miss (not delivered yet, or deleted) is a GET."""
+
+    def __init__(self):
+        self._bodies: dict[tuple[str, str], dict] = {}
+
+    def seen(self, body: dict, deleted: bool = False) -> None:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        if deleted:
+            self._bodies.pop(key, None)
+        else:
+            self._bodies[key] = body
+
+    def get(self, namespace: str, name: str) -> dict | None:
+        return self._bodies.get((namespace, name))
+
+
+# A cluster that waits for capacity has its pods listed at most this often (its problem,
+# such as the scheduler's message, changes slowly); a change of the RayCluster re-lists.
+POD_RECHECK_S = 30.0
+
+
 class KubeBackend:
     def __init__(self, api: client.ApiClient, settings: Settings):
         self.objects = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.settings = settings
+        self.watched = WatchedClusters()
+        self._pod_checks: dict[str, tuple[str, float, tuple]] = {}  # cluster uid -> (version, when, state)
 
     async def observe(self, ident: Identity, name: str) -> ClusterView:
-        body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
+        body = self.watched.get(ident.namespace, name)
+        if body is None:
+            body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
         view = cluster_view(body, ident.uid, self.settings)
         if view.exists and view.owned and not view.ready:
-            pods = await asyncio.to_thread(self._cluster_pods, ident.namespace, name)
-            view = dataclasses.replace(view, pod_problem=podstatus.worst_problem(pods),
-                                       hosts_ready=podstatus.hosts_ready(pods))
+            problem, hosts = await self._pod_state(ident.namespace, name, body["metadata"])
+            view = dataclasses.replace(view, pod_problem=problem, hosts_ready=hosts)
         return view
+
+    async def _pod_state(self, namespace: str, name: str, meta: dict):
+        """The worst pod problem and the hosts-ready count of a cluster that is not ready,
+        from a pod list at most every POD_RECHECK_S unless the RayCluster changed."""
+        version, now = meta.get("resourceVersion", ""), time.monotonic()
+        last = self._pod_checks.get(meta.get("uid", ""))
+        if last is not None and last[0] == version and now - last[1] < POD_RECHECK_S:
+            return last[2]
+        pods = await asyncio.to_thread(self._cluster_pods, namespace, name)
+        state = (podstatus.worst_problem(pods), podstatus.hosts_ready(pods))
+        self._pod_checks[meta.get("uid", "")] = (version, now, state)
+        return state
+
+    def forget(self, cluster_uid: str) -> None:
+        self._pod_checks.pop(cluster_uid, None)
 
     def _cluster_pods(self, namespace: str, name: str) -> list[dict]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={name}")
@@ -111,6 +157,17 @@ class KubeBackend:
             self.objects.patch_namespaced_custom_object_status,
             GROUP, VERSION, ident.namespace, PLURAL, ident.name, {"status": patch},
         )
+
+    async def read_status(self, ident: Identity) -> dict | None:
+        """The object's status as the API server holds it now; None if it is gone."""
+        try:
+            body = await asyncio.to_thread(self.objects.get_namespaced_custom_object,
+                                           GROUP, VERSION, ident.namespace, PLURAL, ident.name)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return dict(body.get("status") or {})
 
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None:
         body = {

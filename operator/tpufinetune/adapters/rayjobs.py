@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 from ray.job_submission import JobSubmissionClient
 
-from tpufinetune.core.phases import JobView
+from tpufinetune.core.phases import JOB_ACTIVE, JobView
 from tpufinetune_trainer.events import parse_line
 
 log = logging.getLogger(__name__)
 LOG_TAIL_CHARS = 2000
+LOG_TAIL_LINES = 8
 
 
 # Ray's JobSubmissionClient replaces the address it is given with either of these when
@@ -35,30 +36,81 @@ def drop_address_overrides(environ=os.environ) -> list[str]:
     return removed
 
 
-class RayJobs:
-    """One JobSubmissionClient per dashboard address, created on first use."""
+class TimedJobClient(JobSubmissionClient):
+    """Ray's Job API client with a timeout on every HTTP request, connect and read: a head
+    that accepts connections and never answers holds one thread for `timeout` seconds, not
+    for ever (the client is synchronous; each call runs in a worker thread)."""
 
-    def __init__(self, headers: dict | None = None):
+    def __init__(self, address: str, headers: dict, timeout: float):
+        self._timeout = timeout
+        super().__init__(address, headers=headers)  # its version check already times out
+
+    def _do_request(self, method: str, endpoint: str, **kwargs):
+        kwargs.setdefault("timeout", self._timeout)
+        return super()._do_request(method, endpoint, **kwargs)
+
+    def job_or_none(self, submission_id: str):
+        """The job's details, or None only when the head answers 404: a job lost is
+        decided on the status code, never on words in an error body."""
+        response = self._do_request("GET", f"/api/jobs/{submission_id}")
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            self._raise_error(response)
+        return response.json()
+
+    def last_lines(self, submission_id: str, lines: int) -> str:
+        """The last lines of the job's driver log, cut on the head (the state API's log
+        endpoint): a multi-megabyte log is never downloaded to keep its tail."""
+        info = self.job_or_none(submission_id) or {}
+        params = {"submission_id": submission_id, "lines": lines}
+        if info.get("driver_node_id"):  # the endpoint needs the node the driver ran on
+            params["node_id"] = info["driver_node_id"]
+        response = self._do_request("GET", "/api/v0/logs/file", params=params)
+        if response.status_code != 200:
+            self._raise_error(response)
+        return response.text
+
+    def alive_resources(self) -> dict[str, float]:
+        """Ray resources of the cluster's alive nodes (the state API's node list)."""
+        response = self._do_request("GET", "/api/v0/nodes", params={"limit": 10000, "detail": "true"})
+        if response.status_code != 200:
+            self._raise_error(response)
+        total: dict[str, float] = {}
+        for node in response.json()["data"]["result"]["result"]:
+            if node.get("state") == "ALIVE":
+                for key, value in (node.get("resources_total") or {}).items():
+                    total[key] = total.get(key, 0.0) + float(value)
+        return total
+
+    def stop_if_exists(self, submission_id: str) -> None:
+        response = self._do_request("POST", f"/api/jobs/{submission_id}/stop")
+        if response.status_code not in (200, 404):
+            self._raise_error(response)
+
+
+class RayJobs:
+    """One Job API client per dashboard address, created on first use."""
+
+    def __init__(self, headers: dict | None = None, timeout: float = 10.0):
         drop_address_overrides()
         self._headers = headers or {}
-        self._clients: dict[str, JobSubmissionClient] = {}
+        self.timeout = timeout
+        self._clients: dict[str, TimedJobClient] = {}
 
-    def client(self, address: str) -> JobSubmissionClient:
+    def client(self, address: str) -> TimedJobClient:
         if address not in self._clients:
-            self._clients[address] = JobSubmissionClient(address, headers=self._headers)
+            self._clients[address] = TimedJobClient(address, self._headers, self.timeout)
         return self._clients[address]
 
     def forget(self, address: str) -> None:
         self._clients.pop(address, None)
 
     def job(self, address: str, submission_id: str) -> JobView | None:
-        try:
-            info = self.client(address).get_job_info(submission_id)
-        except RuntimeError as error:
-            if "404" in str(error) or "does not exist" in str(error):
-                return None
-            raise
-        return JobView(status=str(info.status), message=info.message or "")
+        info = self.client(address).job_or_none(submission_id)
+        if info is None:
+            return None
+        return JobView(status=str(info.get("status")), message=info.get("message") or "")
 
     def submit(self, address: str, submission_id: str, entrypoint: str, runtime_env: dict, metadata: dict) -> None:
         """Submit once. Ray refuses a second job with the same submission id; that refusal
@@ -75,18 +127,18 @@ class RayJobs:
                 raise
             log.info("job %s already submitted; attaching", submission_id)
 
+    def alive_resources(self, address: str) -> dict[str, float]:
+        return self.client(address).alive_resources()
+
     def stop(self, address: str, submission_id: str) -> None:
-        try:
-            self.client(address).stop_job(submission_id)
-        except RuntimeError as error:
-            if "404" not in str(error) and "does not exist" not in str(error):
-                raise
+        """Ask the job to stop; a job the head does not know (404) is already stopped."""
+        self.client(address).stop_if_exists(submission_id)
 
     def log_tail(self, address: str, submission_id: str) -> str:
         """Last lines of the log, read once when a job failed without a failure event."""
-        text = self.client(address).get_job_logs(submission_id)
+        text = self.client(address).last_lines(submission_id, LOG_TAIL_LINES)
         tail = text[-LOG_TAIL_CHARS:]
-        return " | ".join(line.strip() for line in tail.splitlines()[-8:] if line.strip())
+        return " | ".join(line.strip() for line in tail.splitlines()[-LOG_TAIL_LINES:] if line.strip())
 
 
 @dataclass
@@ -106,6 +158,7 @@ class LogFollower:
     _partial: bytes = b""
     _pending: list = field(default_factory=list)
     _task: asyncio.Task | None = None
+    _finished: bool = False
 
     def start(self) -> None:
         if self._task is None:
@@ -117,14 +170,31 @@ class LogFollower:
                 client = await asyncio.to_thread(self.jobs.client, self.address)
                 async for chunk in client.tail_job_logs(self.submission_id):
                     self._feed(chunk)
-                return  # the job ended and the stream closed
+                if not await self._still_running():
+                    return  # the job ended and Ray closed the stream: every line came
+                # A clean close while the job runs (a proxy, a restarting agent): the
+                # lines after it come only on a new stream, which replays from the start.
+                log.info("log stream of %s closed while the job runs; reconnecting", self.submission_id)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the head may be briefly unreachable
+                if not await self._still_running():
+                    return  # the job is gone (a new head) or ended: nothing more to follow
                 log.warning("log stream of %s interrupted: %s; reconnecting", self.submission_id, error)
-                self.skip = max(self.skip, self.cursor)
-                self.cursor, self._partial = 0, b""
                 await asyncio.sleep(2)
+            self._replay_from_start()
+
+    async def _still_running(self) -> bool:
+        try:
+            job = await asyncio.to_thread(self.jobs.job, self.address, self.submission_id)
+        except Exception:
+            return True  # unknown: reconnect rather than risk missing lines
+        return job is not None and job.status in JOB_ACTIVE
+
+    def _replay_from_start(self) -> None:
+        """A new stream starts at byte 0: skip what was parsed (a partial line is read again)."""
+        self.skip = max(self.skip, self.cursor)
+        self.cursor, self._partial = 0, b""
 
     def _feed(self, chunk: str | bytes, final: bool = False) -> None:
         """Parse complete lines only; a partial line waits for the next chunk, so the
@@ -155,28 +225,34 @@ class LogFollower:
 
     async def finish(self, timeout: float = 15.0) -> None:
         """The job has ended: let the stream deliver its last lines (Ray closes it when
-        the job ends). If it does not close in time, read the rest once from the full
-        log, from the cursor on, so no final event (result, failure) is ever missed."""
-        if self._task is None:
+        the job ends). If it does not close in time, or was cancelled, read the rest once
+        from the full log, from the cursor on, so no final event (result, failure) is
+        ever missed. Never raises the stream's own error or cancellation."""
+        if self._task is None or self._finished:
             return
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        done, _ = await asyncio.wait({self._task}, timeout=timeout)
+        if done and not self._task.cancelled() and self._task.exception() is None:
             self._feed(b"", final=True)
+            self._finished = True
             return
-        except asyncio.TimeoutError:
-            log.warning("log stream of %s still open %ss after the job ended; reading the rest", self.submission_id, timeout)
+        log.warning("log stream of %s was cut or still open %ss after the job ended; reading the rest",
+                    self.submission_id, timeout)
         await self.close()
         text = await asyncio.to_thread(self.jobs.client(self.address).get_job_logs, self.submission_id)
         self._partial = b""
         self._feed(text.encode()[self.cursor :], final=True)
+        self._finished = True
 
     async def close(self) -> None:
-        if self._task is not None:
+        """Stop following. Waits for the stream task without swallowing a cancellation of
+        the caller itself."""
+        if self._task is not None and not self._task.done():
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await asyncio.wait({self._task})
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
 
 
 def event_dict(event) -> dict:

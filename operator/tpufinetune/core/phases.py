@@ -127,6 +127,7 @@ class Observations:
     events: tuple[dict, ...] = ()  # new trainer events, in order
     log_tail: str = ""  # last lines of the job log, read only once a job failed
     deleting: bool = False
+    ray_unreachable: str = ""  # why, once the job's head has not answered for too long
 
 
 # ---- actions (performed by the driver) -------------------------------------------------
@@ -195,6 +196,8 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
         _deleting(ident, new, obs, decision)
     elif phase in TERMINAL:
         _terminal(plan, new, obs, decision)
+    elif obs.ray_unreachable and phase in (SUBMITTING, RUNNING):
+        _fail(plan, new, obs, decision, "RayUnreachable", obs.ray_unreachable)
     elif obs.spec_error and phase in (PENDING, PROVISIONING, SUBMITTING):
         # An edit made the spec invalid before the job started: nothing to run.
         _applied(new, ident)

@@ -1,0 +1,341 @@
+"""The driver (Run) against a real local Ray head under faults: a 404 versus other
+errors, a refused token, a log stream a proxy closes cleanly mid-run, a stream cancelled
+under the follower, retries (never two jobs at once, no follower left behind) and one
+black-holed head beside a healthy run.
+
+Kubernetes plays no part here: `run --local`'s LocalBackend stands in for the RayCluster
+(the local head is the cluster). The Ray side is all real: the head, its Job API, the
+trainer's jobs, aiohttp for the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import shlex
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import pytest
+from aiohttp import web
+from ray.exceptions import AuthenticationError
+
+from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
+from tpufinetune.core import phases
+from tpufinetune.driver import Run
+from tpufinetune.local import LocalBackend
+from tpufinetune.settings import Settings
+from tpufinetune_trainer.events import format_event
+
+pytestmark = [pytest.mark.ray]
+
+
+def resource(assets, storage, mode: str = "finetune", **extra) -> dict:
+    spec = {
+        "tpu": {"generation": "cpu", "topology": "2"}, "mode": mode,
+        "image": "registry.example/tpufinetune-trainer:test",
+        "model": {"id": str(assets.model)}, "dataset": {"id": str(assets.data), "split": "train"},
+        "training": {"epochs": 2, "batchSizePerDevice": 4, "maxSeqLen": 128},
+        "checkpoint": {"storagePath": str(storage)},
+        **extra,
+    }
+    name = f"r{uuid.uuid4().hex[:8]}"
+    return {"metadata": {"name": name, "namespace": "default", "uid": str(uuid.uuid4()), "generation": 1},
+            "spec": spec}
+
+
+def settings(ray_head, **values) -> Settings:
+    return Settings(poll_interval=1, ray_timeout=5, ray_token=ray_head.token or "", **values)
+
+
+def local_run(ray_head, body: dict, address: str | None = None, jobs: RayJobs | None = None) -> Run:
+    s = settings(ray_head)
+    return Run(body, LocalBackend(address or ray_head.dashboard_url, out=io.StringIO()),
+               jobs or RayJobs(headers=s.ray_headers(), timeout=s.ray_timeout), s)
+
+
+def wait_job(client, job_id: str, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = str(client.get_job_status(job_id).value)
+        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            return status
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} did not end in {timeout}s")
+
+
+def printing_job(ray_head, tmp_path, lines: list[str]) -> str:
+    """A real job whose log is `lines` (trainer event lines among them); they come from a
+    file, since Ray's log repeats the entrypoint's command line."""
+    text = tmp_path / "log.txt"
+    text.write_text("".join(line + "\n" for line in lines))
+    client = ray_head.job_client()
+    job_id = client.submit_job(entrypoint=shlex.join(["cat", str(text)]))
+    assert wait_job(client, job_id) == "SUCCEEDED"
+    return job_id
+
+
+# ---- the Job API adapter ---------------------------------------------------------------
+
+
+def test_a_job_is_lost_only_when_the_head_answers_404(ray_head, tmp_path):
+    jobs = RayJobs(headers=ray_head.headers(), timeout=10)
+    assert jobs.job(ray_head.dashboard_url, "tft-never-submitted-1") is None  # the head's real 404
+    job_id = printing_job(ray_head, tmp_path, ["hello"])
+    assert jobs.job(ray_head.dashboard_url, job_id).status == "SUCCEEDED"
+    jobs.stop(ray_head.dashboard_url, "tft-never-submitted-1")  # stopping an unknown job: done
+
+
+def test_the_log_tail_of_a_failed_job_is_cut_on_the_head(ray_head, tmp_path):
+    text = tmp_path / "long.txt"
+    text.write_text("".join(f"line {i}\n" for i in range(5000)))
+    client = ray_head.job_client()
+    job_id = client.submit_job(entrypoint=f"cat {shlex.quote(str(text))} && exit 3")
+    assert wait_job(client, job_id) == "FAILED"
+    tail = RayJobs(headers=ray_head.headers(), timeout=10).log_tail(ray_head.dashboard_url, job_id)
+    assert tail.split(" | ")[-1] == "line 4999"
+    assert "line 4990" not in tail and len(tail.split(" | ")) <= 8
+
+
+def test_a_refused_token_is_an_error_never_a_lost_job(ray_head):
+    jobs = RayJobs(headers={"Authorization": "Bearer wrong"}, timeout=10)
+    with pytest.raises(AuthenticationError):
+        jobs.job(ray_head.dashboard_url, "tft-never-submitted-1")
+
+
+# ---- the log follower ------------------------------------------------------------------
+
+
+EVENTS = [format_event("epoch", epoch=1, epochs=2, loss=3.0), format_event("epoch", epoch=2, epochs=2, loss=2.0),
+          format_event("result", best_checkpoint_uri="/ckpt/best", exported_model_uri="/ckpt/model")]
+
+
+def test_finish_after_the_stream_was_cancelled_reads_the_rest_instead_of_raising(ray_head, tmp_path):
+    job_id = printing_job(ray_head, tmp_path, ["starting", *EVENTS])
+
+    async def scenario():
+        follower = LogFollower(RayJobs(headers=ray_head.headers(), timeout=10), ray_head.dashboard_url, job_id)
+        follower.start()
+        await follower.close()  # the stream task is cancelled (a restart of the attempt, a shutdown)
+        await follower.finish()  # used to re-raise that CancelledError and end the daemon
+        return follower.drain()
+
+    events = asyncio.run(scenario())
+    assert [e["event"] for e in events] == ["epoch", "epoch", "result"]
+
+
+def test_the_follower_of_a_job_the_head_does_not_know_ends_by_itself(ray_head):
+    async def scenario():
+        follower = LogFollower(RayJobs(headers=ray_head.headers(), timeout=10), ray_head.dashboard_url,
+                               "tft-lost-with-its-head-1")
+        follower.start()
+        for _ in range(100):  # used to reconnect for ever
+            if not follower.running:
+                break
+            await asyncio.sleep(0.1)
+        running = follower.running
+        await follower.close()
+        return running
+
+    assert asyncio.run(scenario()) is False
+
+
+class ClosingProxy:
+    """A reverse proxy in front of the head, as an ingress or an agent restart would be:
+    HTTP passes through; the first log stream is closed cleanly (code 1000) after its
+    first chunk, while the job runs; later streams pass through."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream
+        self.closes_left = 1
+        self.before_close = ""
+        self.session: aiohttp.ClientSession | None = None
+        self.runner: web.AppRunner | None = None
+        self.address = ""
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = _free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.address = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+        await self.session.close()
+
+    def _headers(self, request) -> dict:
+        return {k: v for k, v in request.headers.items() if k.lower() == "authorization" or k.lower() == "content-type"}
+
+    async def handle(self, request: web.Request):
+        if request.path.endswith("/logs/tail"):
+            return await self.tail(request)
+        async with self.session.request(request.method, self.upstream + request.path_qs,
+                                        headers=self._headers(request), data=await request.read()) as upstream:
+            return web.Response(status=upstream.status, body=await upstream.read(),
+                                content_type=upstream.content_type)
+
+    async def tail(self, request: web.Request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        closing = self.closes_left > 0
+        self.closes_left -= 1
+        async with self.session.ws_connect(self.upstream + request.path_qs, headers=self._headers(request)) as up:
+            async for message in up:
+                if message.type != aiohttp.WSMsgType.TEXT:
+                    break
+                await ws.send_str(message.data)
+                if closing:
+                    self.before_close += message.data
+                    break
+        await ws.close()  # a clean close, mid-run for the first stream
+        return ws
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_clean_close_of_the_log_stream_mid_run_loses_no_later_event(ray_head, trainer_assets, tmp_path):
+    async def scenario():
+        proxy = ClosingProxy(ray_head.dashboard_url)
+        await proxy.start()
+        try:
+            run = local_run(ray_head, resource(trainer_assets, tmp_path / "ckpt"), address=proxy.address)
+            await asyncio.wait_for(run.run(asyncio.Event()), 600)
+            return run.status, proxy
+        finally:
+            await proxy.stop()
+
+    status, proxy = asyncio.run(scenario())
+    assert proxy.closes_left < 0, "the proxy never closed a stream"
+    assert "exported_model_uri" not in proxy.before_close  # the close came before the end
+    assert status["phase"] == phases.SUCCEEDED, status.get("message")
+    assert [entry["epoch"] for entry in status["history"]] == [1, 2]
+    assert status["checkpointURI"] and status["exportedModelURI"]
+
+
+# ---- retries: one job at a time, no follower left ---------------------------------------
+
+
+def test_a_retry_stops_the_previous_attempt_before_it_submits(ray_head, trainer_assets, tmp_path):
+    body = resource(trainer_assets, tmp_path / "ckpt", mode="collectives", maxRetries=1)
+    uid = body["metadata"]["uid"]
+    client = ray_head.job_client()
+    # Attempt 1 is still running on the head (the operator's view said it was lost).
+    client.submit_job(entrypoint="sleep 600", submission_id=f"tft-{uid}-1")
+    body["status"] = {"phase": phases.SUBMITTING, "rayClusterName": "tft-x", "attempt": 2, "jobId": f"tft-{uid}-2",
+                      "dashboardURL": ray_head.dashboard_url, "epochs": 0}
+
+    def ours():
+        return {j.submission_id: str(j.status.value) for j in client.list_jobs()
+                if (j.submission_id or "").startswith(f"tft-{uid}-")}
+
+    async def scenario():
+        run = local_run(ray_head, body)
+        with pytest.raises(RuntimeError, match="is still (PENDING|RUNNING); stopping it"):
+            await run.step()
+        held = ours()
+        decision = None
+        for _ in range(60):  # the stop takes effect; then attempt 2 goes in
+            try:
+                decision = await run.step()
+            except RuntimeError:
+                await asyncio.sleep(1)
+                continue
+            if decision.phase == phases.RUNNING:
+                break
+        await run.close()
+        return held, decision
+
+    held, decision = asyncio.run(scenario())
+    assert f"tft-{uid}-2" not in held  # nothing was submitted while attempt 1 ran
+    jobs = ours()
+    assert jobs[f"tft-{uid}-1"] == "STOPPED"
+    assert decision is not None and decision.phase == phases.RUNNING and f"tft-{uid}-2" in jobs
+    client.stop_job(f"tft-{uid}-2")
+
+
+@pytest.mark.slow
+def test_a_retry_never_overlaps_its_previous_attempt_and_leaves_no_task_behind(ray_head, trainer_assets, tmp_path):
+    body = resource(trainer_assets, tmp_path / "ckpt", maxRetries=1)
+    body["spec"]["dataset"] = {"id": str(tmp_path / "missing.jsonl"), "split": "train"}  # every attempt fails
+    uid = body["metadata"]["uid"]
+    client = ray_head.job_client()
+    most_jobs_active, most_streams = 0, 0
+
+    async def scenario():
+        nonlocal most_jobs_active, most_streams
+        run = local_run(ray_head, body)
+        done = asyncio.create_task(run.run(asyncio.Event()))
+        while not done.done():
+            ours = await asyncio.to_thread(client.list_jobs)
+            active = [j for j in ours if (j.submission_id or "").startswith(f"tft-{uid}-")
+                      and str(j.status.value) in phases.JOB_ACTIVE]
+            streams = [t for t in asyncio.all_tasks() if t.get_name().startswith("logs-") and not t.done()]
+            most_jobs_active = max(most_jobs_active, len(active))
+            most_streams = max(most_streams, len(streams))
+            await asyncio.wait({done}, timeout=0.3)
+        await done
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return run.status, left
+
+    status, left = asyncio.run(scenario())
+    assert status["phase"] == phases.FAILED and status["attempt"] == 2
+    assert "missing.jsonl" in status["message"]
+    assert most_jobs_active <= 1
+    assert most_streams <= 1  # attempt 1's follower was closed before attempt 2's started
+    assert left == []  # nothing runs on after a terminal phase
+
+
+# ---- one black-holed head beside a healthy run ------------------------------------------
+
+
+@pytest.mark.slow
+def test_black_holed_heads_stall_no_other_run_and_hold_threads_only_briefly(ray_head, trainer_assets, tmp_path):
+    holes = []
+    for _ in range(6):
+        hole = socket.socket()
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(64)  # accepts connections, never answers
+        holes.append(hole)
+
+    async def scenario():
+        # A small pool, so that threads held for ever by black holes would starve the healthy run.
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=4))
+        jobs = RayJobs(headers=ray_head.headers(), timeout=2)
+        healthy = local_run(ray_head, resource(trainer_assets, tmp_path / "ckpt", mode="collectives"), jobs=jobs)
+        stuck = []
+        for hole in holes:
+            address = f"http://127.0.0.1:{hole.getsockname()[1]}"
+            body = resource(trainer_assets, tmp_path / "x")
+            body["status"] = {"phase": phases.RUNNING, "rayClusterName": "tft-x", "jobId": "tft-x-1", "attempt": 1,
+                              "dashboardURL": address, "epochs": 2}
+            stuck.append(local_run(ray_head, body, address=address, jobs=jobs))
+        stop = asyncio.Event()
+        stuck_loops = [asyncio.create_task(run.run(stop)) for run in stuck]
+        await asyncio.wait_for(healthy.run(asyncio.Event()), 400)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*stuck_loops), 60)
+        return healthy.status, [run.status["phase"] for run in stuck]
+
+    threads_before = threading.active_count()
+    try:
+        status, stuck_phases = asyncio.run(scenario())
+    finally:
+        for hole in holes:
+            hole.close()
+    assert status["phase"] == phases.SUCCEEDED, status.get("message")
+    assert status["collectives"]["passed"] is True
+    assert stuck_phases == [phases.RUNNING] * len(holes)  # still waiting, within TPUFT_RAY_UNREACHABLE_TIMEOUT
+    assert threading.active_count() <= threads_before + 4
