@@ -18,6 +18,7 @@ from tpufinetune.core.phases import ClusterView, Decision, Identity, Observation
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.settings import Settings
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
+from tpufinetune.core.status import checked_status
 from tpufinetune.core.generations import generation
 from tpufinetune.core.sizing import total_devices
 
@@ -207,6 +208,7 @@ class Run:
         self.status_stale = False
 
     async def _write(self, new: dict) -> None:
+        checked_status(new)  # a misspelt key fails here, not in silence at the API server
         patch = status_patch(self.status, new)
         if patch:
             try:

@@ -156,8 +156,9 @@ class UndeclaredStatusKey(ValueError):
 def checked_status(status: dict) -> dict:
     """`status` as the operator is about to write it, validated by the model; refused with
     the key's path when a key (at any depth) is not declared."""
-    declared = TPUFineTuneStatus.model_validate(status).model_dump(by_alias=True, exclude_unset=True)
-    unknown = _undeclared(status, declared, "status")
+    ours = {key: value for key, value in status.items() if key != "kopf"}  # kopf's own bookkeeping
+    declared = TPUFineTuneStatus.model_validate(ours).model_dump(by_alias=True, exclude_unset=True)
+    unknown = _undeclared(ours, declared, "status")
     if unknown:
         raise UndeclaredStatusKey(f"undeclared status keys (the API server would drop them): "
                                   f"{', '.join(unknown)}")
