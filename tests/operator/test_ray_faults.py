@@ -96,7 +96,14 @@ def test_the_log_tail_of_a_failed_job_is_cut_on_the_head(ray_head, tmp_path):
     client = ray_head.job_client()
     job_id = client.submit_job(entrypoint=f"cat {shlex.quote(str(text))} && exit 3")
     assert wait_job(client, job_id) == "FAILED"
-    tail = RayJobs(headers=ray_head.headers(), timeout=10).log_tail(ray_head.dashboard_url, job_id)
+    jobs = RayJobs(headers=ray_head.headers(), timeout=10)
+    # The head writes the driver's log file asynchronously: under load its last lines land
+    # a moment after the job is FAILED.
+    deadline = time.monotonic() + 20
+    tail = jobs.log_tail(ray_head.dashboard_url, job_id)
+    while tail.split(" | ")[-1] != "line 4999" and time.monotonic() < deadline:
+        time.sleep(0.5)
+        tail = jobs.log_tail(ray_head.dashboard_url, job_id)
     assert tail.split(" | ")[-1] == "line 4999"
     assert "line 4990" not in tail and len(tail.split(" | ")) <= 8
 
@@ -218,7 +225,10 @@ def test_a_clean_close_of_the_log_stream_mid_run_loses_no_later_event(ray_head, 
             await proxy.stop()
 
     status, proxy = asyncio.run(scenario())
-    assert proxy.closes_left < 0, "the proxy never closed a stream"
+    # The first stream was closed mid-run. Whether the job was still running when the
+    # follower saw the close (it reconnects) or had just ended (it reads the rest once)
+    # depends on the machine's load; either way no later event may be lost.
+    assert proxy.closes_left <= 0, "the proxy never closed a stream"
     assert "exported_model_uri" not in proxy.before_close  # the close came before the end
     assert status["phase"] == phases.SUCCEEDED, status.get("message")
     assert [entry["epoch"] for entry in status["history"]] == [1, 2]

@@ -10,7 +10,6 @@ The operator imports this module without torch or Ray installed: keep it pure.
 
 from __future__ import annotations
 
-import codecs
 import json
 import math
 import re
@@ -21,9 +20,9 @@ PREFIX = "TPUFT-EVENT "
 VERSION = 1
 KINDS = frozenset({"start", "plan", "progress", "epoch", "checkpoint", "result", "failure", "collectives"})
 
-# A line longer than this without a newline is not one of ours; drop it rather than
-# buffer a runaway log line forever.
-MAX_LINE_CHARS = 1 << 20
+# A line longer than this (in bytes) without a newline is not one of ours; drop it rather
+# than buffer a runaway log line forever.
+MAX_LINE_BYTES = 1 << 20
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _DECODER = json.JSONDecoder()
@@ -88,45 +87,45 @@ class EventStream:
     """Incremental parser over arbitrary chunks of a log (str or bytes).
 
     ``feed`` returns the events completed by this chunk; a partial last line waits in
-    the buffer for the next chunk (or for ``close``). Bytes may split a UTF-8 sequence.
+    the buffer for the next chunk (or for ``close``). Lines are split on bytes, so a chunk
+    may end inside a UTF-8 sequence. ``offset`` is the byte offset where the unfinished
+    line starts (a resume point on a line boundary, e.g. the operator's log cursor); the
+    lines that start before ``skip`` were read by an earlier reader and are not parsed.
     """
 
-    def __init__(self) -> None:
-        self._buffer = ""
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._discarding = False
+    def __init__(self, skip: int = 0) -> None:
+        self.skip = skip
+        self.offset = 0
         self.lines_seen = 0
+        self._buffer = b""
+        self._dropped = 0  # bytes of an over-long line thrown away so far
 
     def feed(self, chunk: str | bytes) -> list[Event]:
-        if isinstance(chunk, bytes):
-            chunk = self._decoder.decode(chunk)
-        return list(self._consume(chunk))
+        if isinstance(chunk, str):
+            chunk = chunk.encode()
+        *lines, self._buffer = (self._buffer + chunk).split(b"\n")
+        events = [e for e in (self._line(line, len(line) + 1) for line in lines) if e is not None]
+        if len(self._buffer) > MAX_LINE_BYTES:
+            self._dropped += len(self._buffer)
+            self._buffer = b""
+        return events
 
     def close(self) -> list[Event]:
         """Parse whatever is left (a final line without a newline)."""
-        rest = self._buffer + self._decoder.decode(b"", final=True)
-        self._buffer = ""
-        if self._discarding:
-            self._discarding = False
+        rest, self._buffer = self._buffer, b""
+        if not rest and not self._dropped:
             return []
-        event = parse_line(rest) if rest else None
+        event = self._line(rest, len(rest))
         return [event] if event is not None else []
 
-    def _consume(self, chunk: str) -> Iterator[Event]:
-        data = self._buffer + chunk
-        lines = data.split("\n")
-        self._buffer = lines.pop()
-        for line in lines:
-            self.lines_seen += 1
-            if self._discarding:
-                self._discarding = False  # the tail of an over-long line
-                continue
-            event = parse_line(line)
-            if event is not None:
-                yield event
-        if len(self._buffer) > MAX_LINE_CHARS:
-            self._buffer = ""
-            self._discarding = True
+    def _line(self, line: bytes, size: int) -> Event | None:
+        start, dropped = self.offset, self._dropped
+        self.offset += size + dropped
+        self.lines_seen += 1
+        self._dropped = 0
+        if dropped or start < self.skip:  # the tail of an over-long line, or already read
+            return None
+        return parse_line(line.decode("utf-8", errors="replace"))
 
 
 def parse_text(text: str | bytes) -> list[Event]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ray.job_submission import JobSubmissionClient
 
 from tpufinetune.core.phases import JOB_ACTIVE, JobView
-from tpufinetune_trainer.events import parse_line
+from tpufinetune_trainer.events import EventStream
 
 log = logging.getLogger(__name__)
 LOG_TAIL_CHARS = 2000
@@ -154,8 +154,7 @@ class LogFollower:
     submission_id: str
     skip: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    cursor: int = 0
-    _partial: bytes = b""
+    _stream: EventStream | None = None
     _pending: list = field(default_factory=list)
     _task: asyncio.Task | None = None
     _finished: bool = False
@@ -191,29 +190,26 @@ class LogFollower:
             return True  # unknown: reconnect rather than risk missing lines
         return job is not None and job.status in JOB_ACTIVE
 
+    def __post_init__(self) -> None:
+        self._stream = EventStream(skip=self.skip)
+
     def _replay_from_start(self) -> None:
         """A new stream starts at byte 0: skip what was parsed (a partial line is read again)."""
         self.skip = max(self.skip, self.cursor)
-        self.cursor, self._partial = 0, b""
+        self._stream = EventStream(skip=self.skip)
 
     def _feed(self, chunk: str | bytes, final: bool = False) -> None:
-        """Parse complete lines only; a partial line waits for the next chunk, so the
-        cursor saved in status always sits on a line boundary."""
-        self._partial += chunk.encode() if isinstance(chunk, str) else chunk
-        *lines, self._partial = self._partial.split(b"\n")
-        if final and self._partial:
-            lines.append(self._partial)
-            self._partial = b""
-        for line in lines:
-            start = self.cursor
-            self.cursor += len(line) + 1
-            if start < self.skip:
-                continue
-            event = parse_line(line.decode(errors="replace"))
-            if event is not None:
-                self._pending.append(event_dict(event))
+        """Parse complete lines only (the trainer's own parser); a partial line waits for
+        the next chunk, so the cursor saved in status always sits on a line boundary."""
+        events = self._stream.feed(chunk) + (self._stream.close() if final else [])
+        self._pending.extend(event_dict(event) for event in events)
         if self._pending:
             self.wake.set()
+
+    @property
+    def cursor(self) -> int:
+        """Bytes of the log read up to the last complete line."""
+        return self._stream.offset
 
     @property
     def parsed_bytes(self) -> int:
@@ -239,8 +235,8 @@ class LogFollower:
                     self.submission_id, timeout)
         await self.close()
         text = await asyncio.to_thread(self.jobs.client(self.address).get_job_logs, self.submission_id)
-        self._partial = b""
-        self._feed(text.encode()[self.cursor :], final=True)
+        self._replay_from_start()  # the whole log, from byte 0: what was read is skipped
+        self._feed(text, final=True)
         self._finished = True
 
     async def close(self) -> None:
