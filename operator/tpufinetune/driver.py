@@ -74,6 +74,7 @@ class Run:
             max_retries=self.spec.max_retries if self.spec else 0,
             provision_timeout=timedelta(seconds=self.settings.provision_timeout),
             suspended=bool(self.spec and self.spec.suspend),
+            queue=(self.spec.queue_name or "") if self.spec else "",
         )
 
     # ---- observations ----------------------------------------------------------------
@@ -88,8 +89,13 @@ class Run:
         if deleting:
             job = await self._job_while_deleting(address, cluster)
             return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, deleting=True)
-        if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId"):
+        kueue_holds = cluster is not None and cluster.suspended  # its head is gone or going
+        if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId") and not kueue_holds:
             job = await asyncio.to_thread(self.jobs.job, address, self.status["jobId"])
+            if self.plan.queue and (job is None or job.status not in phases.JOB_ACTIVE):
+                # An eviction ends the job: Kueue suspends the RayCluster before KubeRay
+                # deletes its pods, so a cluster read after the job shows why it ended.
+                cluster = await self.backend.observe(self.ident, self.status["rayClusterName"])
         events = await self._new_events(address, job)
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, events=events, deleting=deleting)
 

@@ -14,12 +14,16 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
-from tpufinetune.core.phases import ClusterView, Identity
+from tpufinetune.core.phases import ClusterView, Identity, QueueView
+from tpufinetune.core.sizing import QUEUE_NAME_LABEL
 from tpufinetune.settings import Settings
 
 log = logging.getLogger(__name__)
 
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
+KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
+# Kueue labels each Workload with the uid of the job (here the RayCluster) it stands for.
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
 
 def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> ClusterView:
@@ -44,7 +48,34 @@ def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> Clust
     name = meta.get("name", "")
     service = (status.get("head") or {}).get("serviceName") or f"{name}-head-svc"
     url = settings.dashboard_for(cluster=name, namespace=meta.get("namespace", ""), service=service)
-    return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url)
+    suspended = (body.get("spec") or {}).get("suspend") is True
+    return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url,
+                       suspended=suspended)
+
+
+NO_KUEUE = QueueView(reason="KueueNotInstalled",
+                     message="Kueue is not installed (no workloads.kueue.x-k8s.io API): "
+                             "nothing will admit the RayCluster")
+
+
+def queue_view(workloads: list[dict], cluster_uid: str) -> QueueView:
+    """What Kueue says about the RayCluster `cluster_uid` in its Workload's conditions. Pure.
+
+    Waiting: QuotaReserved False (reason Pending, or Inadmissible: no such LocalQueue, ...)
+    with Kueue's message. Evicted True: the reason (Preempted, ...) and message."""
+    owned = [w for w in workloads
+             if any(ref.get("uid") == cluster_uid for ref in (w.get("metadata") or {}).get("ownerReferences") or [])]
+    if not owned:
+        return QueueView()
+    conditions = {c.get("type"): c for c in (owned[0].get("status") or {}).get("conditions") or []}
+    evicted = ""
+    eviction = conditions.get("Evicted") or {}
+    if eviction.get("status") == "True":
+        evicted = f"{eviction.get('reason') or 'Evicted'}: {eviction.get('message') or ''}".rstrip(": ")
+    waiting = conditions.get("QuotaReserved") or {}
+    if waiting.get("status") == "False" and waiting.get("message"):
+        return QueueView(reason=waiting.get("reason") or "Pending", message=waiting["message"], evicted=evicted)
+    return QueueView(reason="Evicted" if evicted else "", message=evicted, evicted=evicted)
 
 
 # Waiting reasons a kubelet reports while a container is being set up as usual.
@@ -78,6 +109,10 @@ class KubeBackend:
     async def observe(self, ident: Identity, name: str) -> ClusterView:
         body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
         view = cluster_view(body, ident.uid, self.settings)
+        if view.exists and view.owned and view.suspended and QUEUE_NAME_LABEL in body["metadata"].get("labels", {}):
+            workloads = await asyncio.to_thread(self._workloads, ident.namespace, body["metadata"]["uid"])
+            queue = NO_KUEUE if workloads is None else queue_view(workloads, body["metadata"]["uid"])
+            return dataclasses.replace(view, queue=queue)
         if view.exists and view.owned and not view.ready and not view.problem:
             pods = await asyncio.to_thread(self._cluster_pods, ident.namespace, name)
             problem = pod_problem(pods)
@@ -88,6 +123,18 @@ class KubeBackend:
     def _cluster_pods(self, namespace: str, name: str) -> list[dict]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={name}")
         return [self.core.api_client.sanitize_for_serialization(p) for p in pods.items]
+
+    def _workloads(self, namespace: str, cluster_uid: str) -> list[dict] | None:
+        """Kueue's Workloads of one RayCluster (RBAC: list workloads, nothing more); None
+        when the API has no Workloads (Kueue is not installed)."""
+        try:
+            found = self.objects.list_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, label_selector=f"{JOB_UID_LABEL}={cluster_uid}")
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return found.get("items") or []
 
     def _get_cluster(self, namespace: str, name: str) -> dict | None:
         try:

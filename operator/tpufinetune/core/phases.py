@@ -6,6 +6,11 @@ actions and writes the status in one place.
        │            │              ▲            │
        └────────────┴──► Failed ◄──┴─(retry)────┘          any ─► Deleting
 
+With spec.queueName the RayCluster is created suspended and Kueue admits it:
+Provisioning ─► Queued ─(admitted)─► Provisioning; an eviction (preemption) in Submitting or
+Running goes back to Queued, and the next admission runs a new attempt that resumes from
+the last checkpoint and does not count against maxRetries.
+
 Identities (RayCluster name, submission id, attempt) are written into status in
 Pending, before anything exists, so a crash between two steps resumes instead of
 duplicating. Every phase is level-based: it looks at what exists and asks for what is
@@ -25,6 +30,7 @@ from tpufinetune.core.runevents import apply_event
 
 PENDING = "Pending"
 PROVISIONING = "Provisioning"
+QUEUED = "Queued"
 SUBMITTING = "Submitting"
 RUNNING = "Running"
 SUCCEEDED = "Succeeded"
@@ -55,6 +61,16 @@ class Plan:
     max_retries: int = 0
     provision_timeout: timedelta = timedelta(minutes=30)
     suspended: bool = False
+    queue: str = ""  # spec.queueName: Kueue admits the RayCluster
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """Kueue's Workload for a suspended RayCluster: why it waits, or why it was evicted."""
+
+    reason: str = ""  # e.g. Pending, Inadmissible
+    message: str = ""  # Kueue's own words, e.g. "couldn't assign flavors to pod set ..."
+    evicted: str = ""  # the eviction's reason and message while it is evicted
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,8 @@ class ClusterView:
     ready: bool = False
     problem: str = ""  # e.g. KubeRay's ReplicaFailure message: shown, not fatal
     dashboard_url: str = ""
+    suspended: bool = False  # spec.suspend: Kueue has not admitted it (or evicted it)
+    queue: QueueView | None = None  # read only for a suspended cluster with a queue
 
 
 @dataclass(frozen=True)
@@ -144,11 +162,13 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
         _deleting(ident, new, obs, decision)
     elif phase in TERMINAL:
         _terminal(new, obs, decision)
-    elif obs.spec_error and phase in (PENDING, PROVISIONING, SUBMITTING):
+    elif obs.spec_error and phase in (PENDING, QUEUED, PROVISIONING, SUBMITTING):
         # An edit made the spec invalid before the job started: nothing to run.
         _fail(new, obs, decision, ident, "InvalidSpec", obs.spec_error)
     elif plan.suspended and phase:
         _suspended(ident, new, obs, decision)
+    elif plan.queue and phase in (PROVISIONING, SUBMITTING, RUNNING) and _held_by_kueue(obs):
+        _to_queue(ident, plan, new, obs, decision)
     else:
         STEPS.get(phase, _start)(ident, plan, new, obs, decision)
     new["observedGeneration"] = ident.generation
@@ -197,7 +217,7 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
         s["dashboardURL"] = cluster.dashboard_url
         _enter(s, d, SUBMITTING, "ClusterReady", f"RayCluster {name} is ready")
         return
-    waited_since = cond.since(s, cond.CLUSTER_READY) or obs.now
+    waited_since = _provisioning_since(s) or obs.now
     if obs.now - waited_since > plan.provision_timeout:
         minutes = int(plan.provision_timeout.total_seconds() // 60)
         detail = f": {cluster.problem}" if cluster.problem else ""
@@ -236,7 +256,7 @@ def _running(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decisio
     if not message:
         d.actions.append(ReadLogTail(s["jobId"]))
         return
-    if int(s["attempt"]) <= plan.max_retries:
+    if int(s["attempt"]) - int(s.get("evictions") or 0) <= plan.max_retries:
         s.pop("trainerFailure", None)
         _retry(ident, s, obs, d, message)
         return
@@ -269,6 +289,83 @@ def _suspended(ident: Identity, s: dict, obs: Observations, d: Decision) -> None
         s["message"] = "suspended: no RayCluster is created until spec.suspend is false"
     if obs.cluster is not None and obs.cluster.exists and obs.cluster.owned:
         d.actions.append(DeleteCluster(s["rayClusterName"]))
+
+
+# ---- Kueue (spec.queueName) ------------------------------------------------------------
+
+
+def _held_by_kueue(obs: Observations) -> bool:
+    cluster = obs.cluster
+    return cluster is not None and cluster.exists and cluster.owned and cluster.suspended
+
+
+def _to_queue(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    """The RayCluster is suspended: not admitted yet, or evicted. A job that was submitted
+    has lost its cluster: the next admission runs a new attempt (resuming from the last
+    checkpoint) that is not counted as a failure."""
+    queue = obs.cluster.queue or QueueView()
+    if s["phase"] in (SUBMITTING, RUNNING):
+        if obs.job is not None and obs.job.status in JOB_ACTIVE:
+            d.actions.append(StopJob(s["jobId"]))
+        attempt = int(s["attempt"]) + 1
+        s.update(attempt=attempt, jobId=submission_id(ident.uid, attempt),
+                 evictions=int(s.get("evictions") or 0) + 1)
+        s.pop("trainerFailure", None)  # the workers died with the eviction, not of their own
+        why = f"evicted by Kueue ({queue.evicted or 'the RayCluster was suspended'})"
+        for type_ in (cond.CLUSTER_READY, cond.JOB_SUBMITTED, cond.RUNNING):
+            if cond.find(s, type_):
+                cond.set_condition(s, type_, False, "Evicted", why, obs.now, ident.generation)
+        message = f"{why}; attempt {attempt} resumes from the last checkpoint once admitted again"
+        _admission(s, obs, ident, "Evicted", why)
+        _enter(s, d, QUEUED, "Evicted", message, warn=True)
+        return
+    message = _queued_message(plan, s["rayClusterName"], queue)
+    _admission(s, obs, ident, queue.reason or "Pending", message)
+    cond.set_condition(s, cond.CLUSTER_READY, False, "Queued", message, obs.now, ident.generation)
+    _enter(s, d, QUEUED, "Queued", message)
+
+
+def _queued(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    """Wait for Kueue; once it unsuspends the RayCluster (or the cluster is gone), go on
+    provisioning, with the provisioning timeout counted from the admission."""
+    cluster = obs.cluster
+    if cluster is None:
+        return
+    if _held_by_kueue(obs):
+        message = _queued_message(plan, s["rayClusterName"], cluster.queue or QueueView())
+        reason = (cluster.queue.reason if cluster.queue else "") or "Pending"
+        previous = (cond.find(s, cond.ADMITTED) or {}).get("message")
+        _admission(s, obs, ident, reason, message)
+        if previous != message:
+            s["message"] = message[: cond.MESSAGE_LIMIT]
+            d.actions.append(RecordEvent("Normal", "Queued", message[: cond.MESSAGE_LIMIT]))
+        return
+    if cluster.exists and cluster.owned:
+        message = f"Kueue admitted RayCluster {s['rayClusterName']}"
+        cond.set_condition(s, cond.ADMITTED, True, "Admitted", message, obs.now, ident.generation)
+        cond.set_condition(s, cond.CLUSTER_READY, False, "Creating", "admitted: the pods are starting",
+                           obs.now, ident.generation)
+        _enter(s, d, PROVISIONING, "Admitted", message)
+        return
+    _enter(s, d, PROVISIONING, "CreatingCluster", f"creating RayCluster {s['rayClusterName']}")
+
+
+def _queued_message(plan: Plan, cluster: str, queue: QueueView) -> str:
+    if queue.message:
+        return f"queued in {plan.queue}: {queue.message}"
+    return f"queued in {plan.queue}: waiting for Kueue to admit RayCluster {cluster}"
+
+
+def _admission(s: dict, obs: Observations, ident: Identity, reason: str, message: str) -> None:
+    cond.set_condition(s, cond.ADMITTED, False, reason, message, obs.now, ident.generation)
+
+
+def _provisioning_since(s: dict) -> datetime | None:
+    """When the wait for a ready cluster began: time spent queued does not count."""
+    times = [cond.since(s, cond.CLUSTER_READY)]
+    if cond.is_true(s, cond.ADMITTED):
+        times.append(cond.since(s, cond.ADMITTED))
+    return max((t for t in times if t is not None), default=None)
 
 
 def _terminal(s: dict, obs: Observations, d: Decision) -> None:
@@ -358,6 +455,7 @@ def _copy(status: dict) -> dict:
 
 STEPS = {
     PENDING: _pending,
+    QUEUED: _queued,
     PROVISIONING: _provisioning,
     SUBMITTING: _submitting,
     RUNNING: _running,

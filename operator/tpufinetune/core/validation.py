@@ -29,6 +29,8 @@ EVAL_SCORE_MESSAGE = ("eval_loss needs training.evalFraction greater than 0: wit
 GLOBAL_BATCH_MESSAGE = ("must be 0 (no gradient accumulation) or a multiple of the slice's "
                         "devices x training.batchSizePerDevice, the factor being the "
                         "accumulation steps")
+PRIORITY_QUEUE_MESSAGE = ("is a Kueue WorkloadPriorityClass and needs queueName: set "
+                          "spec.queueName to a LocalQueue, or remove it")
 TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host); "
                         "remove it from the overrides")
 
@@ -194,6 +196,12 @@ def spec_rules() -> list[dict]:
             "reason": "FieldValueInvalid",
         },
         _global_batch_rule(is_collectives),
+        {
+            "rule": "!has(self.workloadPriorityClassName) || has(self.queueName)",
+            "message": PRIORITY_QUEUE_MESSAGE,
+            "fieldPath": ".workloadPriorityClassName",
+            "reason": "FieldValueRequired",
+        },
     ]
 
 
@@ -272,6 +280,8 @@ def check_spec(spec: TPUFineTuneSpec) -> None:
         if spec.checkpoint.score_attribute == "eval_loss" and spec.training.eval_fraction == 0:
             raise SpecError("spec.checkpoint.scoreAttribute", EVAL_SCORE_MESSAGE)
         _check_global_batch(spec)
+    if spec.workload_priority_class_name and not spec.queue_name:
+        raise SpecError("spec.workloadPriorityClassName", PRIORITY_QUEUE_MESSAGE)
     for group in ("head", "workers"):
         resources = getattr(spec, group).resources
         if resources is not None:
