@@ -157,3 +157,12 @@ def test_terminal_and_deleted_queued_runs_release_the_cluster():
 def test_a_queued_run_made_invalid_fails_and_releases():
     d = qstep(queued(), cluster=HELD, spec_error="spec.tpu.topology: bad")
     assert d.phase == phases.FAILED and phases.DeleteCluster("demo-rc") in d.actions
+
+
+def test_a_cluster_admitted_before_it_was_seen_queued_is_marked_admitted():
+    d = qstep(provisioning(), cluster=ADMITTED)
+    assert d.phase == phases.PROVISIONING
+    assert cond.is_true(d.status, cond.ADMITTED)
+    assert kinds(d) == ["RecordEvent"]
+    again = qstep(d.status, cluster=ADMITTED)
+    assert kinds(again) == []

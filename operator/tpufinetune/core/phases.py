@@ -212,6 +212,10 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
         )
         _note(s, d, obs, ident, cond.CLUSTER_READY, "NotOwned", message, warn=True)
         return
+    if plan.queue and not cond.is_true(s, cond.ADMITTED):  # admitted before we saw it queued
+        message = f"Kueue admitted RayCluster {name}"
+        cond.set_condition(s, cond.ADMITTED, True, "Admitted", message, obs.now, ident.generation)
+        d.actions.append(RecordEvent("Normal", "Admitted", message))
     if cluster.ready:
         cond.set_condition(s, cond.CLUSTER_READY, True, "Ready", f"RayCluster {name} is ready", obs.now, ident.generation)
         s["dashboardURL"] = cluster.dashboard_url
