@@ -13,15 +13,19 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
+from pathlib import Path
 
 import pytest
 from kubernetes.utils import parse_quantity
 
+from harness.argocd_health import health
 from harness.kueue import CPU_QUEUE, TPU_QUEUE, V6E_4X4_TPU
 from tpufinetune.core.generations import TPU_RESOURCE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
+ARGOCD_CAPTURE = Path(__file__).resolve().parents[1] / "deploy" / "testdata" / "argocd" / "queued.json"
 
 
 def tpu_run(name: str, assets, storage, **spec) -> dict:
@@ -96,6 +100,18 @@ class TPUPodWatch:
         self._thread.join(10)
 
 
+def capture_for_argocd(obj: dict, scrub: dict[str, str]) -> None:
+    """TPUFT_CAPTURE_ARGOCD=1: keep the live Queued object as the Lua health test's data
+    (tests/deploy/test_argocd.py), machine paths scrubbed, like the deploy end-to-end test."""
+    if os.environ.get("TPUFT_CAPTURE_ARGOCD") != "1":
+        return
+    obj = {**obj, "metadata": {k: v for k, v in obj["metadata"].items() if k != "managedFields"}}
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    for real, placeholder in scrub.items():
+        text = text.replace(real, placeholder)
+    ARGOCD_CAPTURE.write_text(text)
+
+
 def cluster_queue_usage(kube, name: str) -> dict:
     """The ClusterQueue's reserved quota by resource, and its admitted/pending counts."""
     body = json.loads(kube.cp.kubectl("get", "clusterqueue", name, "-o", "json").stdout)
@@ -129,6 +145,10 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
         assert not kube.pods_of(second_cluster)
         table = kube.kubectl("get", "tpufinetunes").stdout
         assert any(line.split()[0] == "second" and "Queued" in line.split() for line in table.splitlines()), table
+        live = kube.get("tpufinetune", "second")
+        assert health(live) == {"status": "Progressing", "message": f"Queued: {live['status']['message']}"}
+        capture_for_argocd(live, {str(trainer_assets.root): "/assets", str(tmp_path): "/mnt/shared",
+                                  kube.ns: "ml-team"})
 
         # The first runs (its job reaches the trainer, which stops for want of a chip) and ends.
         kube.kubectl("wait", "tpufinetune/first", "--for=condition=Failed", "--timeout=500s", timeout=520)
