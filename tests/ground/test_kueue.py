@@ -69,12 +69,15 @@ def phase_is(kube, name: str, *phases: str):
 
 
 class TPUPodWatch:
-    """Polls the namespace's pods and remembers the most google.com/tpu that existed at once
-    (pods in any state count: a Pending pod holds its request)."""
+    """Polls the namespace's pods and remembers the most google.com/tpu that existed at once.
+    A Pending pod counts (it holds its request); a pod being deleted does not: Kueue returns
+    the quota when the RayCluster is deleted, so at the hand-over the next cluster's pods may
+    be created while the last one's are still terminating (`most_with_terminating`)."""
 
     def __init__(self, kube):
         self.kube = kube
         self.most = 0
+        self.most_with_terminating = 0
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -83,11 +86,10 @@ class TPUPodWatch:
         while not self._stop.is_set():
             result = self.kube.kubectl("get", "pods", "-o", "json", check=False)
             if result.returncode == 0:
-                total = 0
-                for pod in json.loads(result.stdout)["items"]:
-                    for container in pod["spec"]["containers"]:
-                        total += int(parse_quantity((container.get("resources", {}).get("requests") or {}).get(TPU_RESOURCE, 0)))
-                self.most = max(self.most, total)
+                pods = json.loads(result.stdout)["items"]
+                live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+                self.most = max(self.most, tpu_of(live))
+                self.most_with_terminating = max(self.most_with_terminating, tpu_of(pods))
                 self.samples += 1
             self._stop.wait(0.5)
 
@@ -98,6 +100,11 @@ class TPUPodWatch:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+def tpu_of(pods: list[dict]) -> int:
+    return sum(int(parse_quantity((c.get("resources", {}).get("requests") or {}).get(TPU_RESOURCE, 0)))
+               for pod in pods for c in pod["spec"]["containers"])
 
 
 def capture_for_argocd(obj: dict, scrub: dict[str, str]) -> None:
@@ -167,6 +174,7 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
         kube.wait_for(lambda: kube.get("raycluster", second_cluster) is None, "second's RayCluster released", 60)
     assert watch.samples > 10
     assert watch.most == V6E_4X4_TPU, f"at most {watch.most} google.com/tpu of pods at once"
+    print(f"google.com/tpu of pods at once: {watch.most}, terminating ones included: {watch.most_with_terminating}")
     kube.wait_for(lambda: cluster_queue_usage(kube, "tpu-v6e")["reserving"] == 0, "quota released", timeout=60)
 
 
@@ -174,8 +182,9 @@ def test_a_queued_run_deleted_leaves_nothing_and_takes_no_quota(operator, kueue,
                                                                  trainer_assets, tmp_path):
     kube.apply(tpu_run("holder", trainer_assets, tmp_path / "holder"))
     kube.wait_for(lambda: condition(kube.status("holder"), "Admitted").get("status") == "True", "holder admitted", 120)
-    before = cluster_queue_usage(kube, "tpu-v6e")
-    assert before["usage"].get(TPU_RESOURCE) == str(V6E_4X4_TPU), before
+    # Kueue writes the ClusterQueue's usage a moment after the admission.
+    before = kube.wait_for(lambda: (u := cluster_queue_usage(kube, "tpu-v6e"))["usage"].get(TPU_RESOURCE)
+                           == str(V6E_4X4_TPU) and u, "16 google.com/tpu reserved", 60)
 
     kube.apply(tpu_run("waiting", trainer_assets, tmp_path / "waiting"))
     status = kube.wait_for(phase_is(kube, "waiting", "Queued"), "waiting Queued", timeout=60)
