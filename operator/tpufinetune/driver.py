@@ -89,7 +89,7 @@ class Run:
         if deleting:
             job = await self._job_while_deleting(address, cluster)
             return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, deleting=True)
-        kueue_holds = cluster is not None and cluster.suspended  # its head is gone or going
+        kueue_holds = bool(self.plan.queue) and cluster is not None and cluster.suspended  # head gone or going
         if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId") and not kueue_holds:
             job = await asyncio.to_thread(self.jobs.job, address, self.status["jobId"])
             if self.plan.queue and (job is None or job.status not in phases.JOB_ACTIVE):
