@@ -41,7 +41,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from controlplane import ROOT, ControlPlaneError, _free_ports, _spawn, _stop_process, _tail  # noqa: E402
+from controlplane import ROOT, ControlPlaneError  # noqa: E402
+from processes import free_ports, spawn, stop_process, tail  # noqa: E402
 
 KUEUE_BUILD = ROOT / "tests" / "kueue" / "build.sh"
 KUEUE_NAMESPACE = "kueue-system"
@@ -141,7 +142,7 @@ class Kueue:
         config = self._write_files()
         env = dict(os.environ, KUBECONFIG=str(self.ground.cp.kubeconfig))
         argv = private_etc_argv(self.dir / "etc", [str(kueue_dir() / "bin" / "kueue"), f"--config={config}"])
-        self.proc = _spawn(argv, self.ground.workdir / "kueue.log", env=env)
+        self.proc = spawn(argv, self.ground.workdir / "kueue.log", env=env)
         self._wait_ready(timeout)
         self.ground.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(QUEUE_OBJECTS))
         return self
@@ -156,7 +157,7 @@ class Kueue:
             folder.mkdir(parents=True, exist_ok=True)
             shutil.copy(pki / "apiserver.crt", folder / "tls.crt")
             shutil.copy(pki / "apiserver.key", folder / "tls.key")
-        probe, webhook = _free_ports(2)
+        probe, webhook = free_ports(2)
         self.ready_url = f"http://127.0.0.1:{probe}/readyz"
         config = {
             "apiVersion": "config.kueue.x-k8s.io/v1beta2",
@@ -181,7 +182,7 @@ class Kueue:
         while True:
             if self.proc.poll() is not None:
                 raise ControlPlaneError(f"kueue exited with {self.proc.returncode}; last log lines:\n"
-                                        + _tail(self.ground.workdir / "kueue.log"))
+                                        + tail(self.ground.workdir / "kueue.log"))
             try:
                 with urllib.request.urlopen(self.ready_url, timeout=2) as response:
                     if response.status == 200:
@@ -190,7 +191,7 @@ class Kueue:
                 pass
             if time.monotonic() > deadline:
                 raise ControlPlaneError(f"kueue not ready within {timeout:.0f}s; last log lines:\n"
-                                        + _tail(self.ground.workdir / "kueue.log"))
+                                        + tail(self.ground.workdir / "kueue.log"))
             time.sleep(0.5)
 
     def add_local_queues(self, namespace: str) -> None:
@@ -198,5 +199,5 @@ class Kueue:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop_process(self.proc)
+            stop_process(self.proc)
             self.proc = None
