@@ -166,3 +166,15 @@ def test_a_cluster_admitted_before_it_was_seen_queued_is_marked_admitted():
     assert kinds(d) == ["RecordEvent"]
     again = qstep(d.status, cluster=ADMITTED)
     assert kinds(again) == []
+
+
+def test_the_evicted_attempts_last_checkpoint_is_taken_while_queued():
+    status = running(queued())
+    d = qstep(status, cluster=ClusterView(exists=True, suspended=True, queue=PREEMPTED))
+    late = ({"event": "checkpoint", "uri": "/ckpt/step_0000010", "epoch": 1, "epoch_end": False},
+            {"event": "failure", "type": "JobStopped", "message": "stopped"})
+    d = qstep(d.status, cluster=ClusterView(exists=True, suspended=True, queue=PREEMPTED), events=late)
+    assert d.phase == phases.QUEUED and d.status["checkpointURI"] == "/ckpt/step_0000010"
+    # Admitted again: the stopped attempt's failure line is not the next attempt's.
+    d = qstep(d.status, cluster=ADMITTED)
+    assert d.phase == phases.PROVISIONING and "trainerFailure" not in d.status

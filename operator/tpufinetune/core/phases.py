@@ -345,6 +345,7 @@ def _queued(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision
             d.actions.append(RecordEvent("Normal", "Queued", message[: cond.MESSAGE_LIMIT]))
         return
     if cluster.exists and cluster.owned:
+        s.pop("trainerFailure", None)  # a late line of an evicted attempt is not this one's
         message = f"Kueue admitted RayCluster {s['rayClusterName']}"
         cond.set_condition(s, cond.ADMITTED, True, "Admitted", message, obs.now, ident.generation)
         cond.set_condition(s, cond.CLUSTER_READY, False, "Creating", "admitted: the pods are starting",
