@@ -221,14 +221,18 @@ def test_a_higher_priority_run_evicts_a_running_one_which_resumes_from_its_check
 
     kube.kubectl("wait", "tpufinetune/high", "--for=condition=Succeeded", "--timeout=400s", timeout=420)
     # The high run's cluster is released, Kueue admits the low one again, and attempt 2 is
-    # submitted with --resume-from the checkpoint attempt 1 reported; the trainer resumes.
+    # submitted with --resume-from the newest checkpoint attempt 1 reported (its last lines,
+    # read after the eviction, may name a newer one than status had then); the trainer resumes.
     uid = kube.get("tpufinetune", "low")["metadata"]["uid"]
     resumed = kube.wait_for(lambda: (s := kube.status("low")).get("phase") == "Running" and s,
                             "low admitted again and running", timeout=300, interval=1)
     assert resumed["jobId"] == f"tft-{uid}-2"
     assert condition(resumed, "Admitted")["status"] == "True"
     client = kube.head_job_client(resumed["rayClusterName"])
-    assert f"--resume-from={evicted['checkpointURI']}" in client.get_job_info(resumed["jobId"]).entrypoint
+    entrypoint = client.get_job_info(resumed["jobId"]).entrypoint
+    resume_from = next(arg.split("=", 1)[1] for arg in entrypoint.split() if arg.startswith("--resume-from="))
+    assert resume_from.startswith(str(tmp_path / "low")), entrypoint
+    assert resume_from >= evicted["checkpointURI"], (resume_from, evicted["checkpointURI"])  # step_NNNNNNN
     kube.wait_for(lambda: "Resumed from" in client.get_job_logs(resumed["jobId"]), "the trainer's resume line",
                   timeout=300, interval=2)
 
