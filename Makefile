@@ -4,7 +4,7 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 PIP_STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv controlplane kuberay ground helm test test-fast crds demo cluster cluster-down bench lint clean
+.PHONY: venv controlplane kuberay kueue ground helm test test-fast crds demo cluster cluster-down bench lint clean
 
 ## Python environment: pinned stack from pyproject.toml (pip's cache keeps re-runs fast).
 $(PIP_STAMP): pyproject.toml
@@ -23,8 +23,13 @@ controlplane:
 kuberay:
 	@bash tests/kuberay/build.sh
 
-## Everything the test ground runs (control plane, scheduler, controller-manager, KubeRay).
-ground: controlplane kuberay
+## Kueue's controller manager and its CRDs, from the pinned sigs.k8s.io/kueue module (its own
+## build); the ground starts it only for the tests that queue RayClusters.
+kueue:
+	@bash tests/kueue/build.sh
+
+## Everything the test ground runs (control plane, scheduler, controller-manager, KubeRay, Kueue).
+ground: controlplane kuberay kueue
 
 ## helm, for the chart tests (tests/deploy), built from Go modules (rebuilt only when the pin changes).
 helm:

@@ -2,4 +2,5 @@
 
 `tests/` is on sys.path (pytest's rootdir-relative import), so `harness` imports directly.
 """
-pytest_plugins = ["harness.k8s_fixtures", "harness.ray_fixtures", "harness.ground_fixtures"]
+pytest_plugins = ["harness.k8s_fixtures", "harness.ray_fixtures", "harness.ground_fixtures",
+                  "harness.kueue_fixtures"]

@@ -1,8 +1,9 @@
 -- Argo CD resource health for tpufinetune.dev/TPUFineTune (argocd-cm key
 -- resource.customizations.health.tpufinetune.dev_TPUFineTune; see argocd-cm.yaml).
 --   Succeeded                                       -> Healthy
---   Pending, Provisioning, Submitting, Running,
---   Deleting, or no status yet                      -> Progressing
+--   Pending, Queued (waiting for Kueue's quota, or
+--   evicted and waiting again), Provisioning,
+--   Submitting, Running, Deleting, or no status yet -> Progressing
 --   Pending with spec.suspend (slice released)      -> Suspended
 --   Failed                                          -> Degraded
 -- The message is status.message, prefixed with the phase.
@@ -35,7 +36,7 @@ elseif phase == "Failed" then
 elseif phase == "Pending" and spec.suspend == true then
   hs.status = "Suspended"
   hs.message = described("suspended")
-elseif phase == "Pending" or phase == "Provisioning" or phase == "Submitting"
+elseif phase == "Pending" or phase == "Queued" or phase == "Provisioning" or phase == "Submitting"
     or phase == "Running" or phase == "Deleting" then
   hs.status = "Progressing"
   hs.message = described(phase)

@@ -93,9 +93,16 @@ class Run:
         if deleting:
             job = await self._job_while_deleting(address, cluster)
             return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, deleting=True)
+        kueue_holds = bool(self.plan.queue) and cluster is not None and cluster.suspended  # head gone or going
+        if kueue_holds or (phase == phases.QUEUED and self.follower is not None):
+            return await self._observe_evicted(now, address, cluster, phase)
         unreachable = ""
         if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId"):
             job, unreachable = await self._job(now, address)
+            if self.plan.queue and (job is None or job.status not in phases.JOB_ACTIVE):
+                # An eviction ends the job: Kueue suspends the RayCluster before KubeRay
+                # deletes its pods, so a cluster read after the job shows why it ended.
+                cluster = await self.backend.observe(self.ident, self.status["rayClusterName"])
         events = await self._new_events(address, job)
         self.unwritten.extend(events)
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job,
@@ -117,6 +124,21 @@ class Run:
         self.ray_down_since = None
         return job, ""
 
+    async def _observe_evicted(self, now, address: str, cluster: ClusterView, phase: str) -> Observations:
+        """Kueue suspended the cluster (an eviction): its head may answer for a moment, so
+        the job is read only to stop it, and the events already streamed are kept. Once
+        Queued, the evicted attempt's last events (a checkpoint it reported before it
+        stopped) are taken and its log stream closed."""
+        job = None
+        if phase in (phases.SUBMITTING, phases.RUNNING) and address and self.status.get("jobId"):
+            job = await self._ray_while_deleting("reading the evicted job", self.jobs.job, address, self.status["jobId"])
+        if self.follower is not None:
+            self.unwritten.extend(self.follower.drain())
+            if phase == phases.QUEUED:
+                await self._close_follower()
+        return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job,
+                            events=tuple(self.unwritten))
+
     async def _job_while_deleting(self, address: str, cluster: ClusterView | None):
         """The job, only to stop it politely; unknown (None) when the head is gone or does
         not answer in time."""
@@ -125,12 +147,13 @@ class Run:
         return await self._ray_while_deleting("reading the job", self.jobs.job, address, self.status["jobId"])
 
     async def _ray_while_deleting(self, what: str, call, *args):
-        """Best effort and bounded: deletion never waits on Ray. A dead head, a refused
-        token or a timeout gives None, and deleting the cluster ends the job anyway."""
+        """Best effort and bounded: deletion (and an eviction) never waits on Ray. A dead
+        head, a refused token or a timeout gives None, and losing the cluster ends the job
+        anyway."""
         try:
             return await asyncio.wait_for(asyncio.to_thread(call, *args), DELETE_RAY_TIMEOUT)
         except Exception as error:
-            log.info("%s/%s: %s failed while deleting (%s); releasing the cluster anyway",
+            log.info("%s/%s: %s failed (%s); the cluster is going, and the job with it",
                      self.ident.namespace, self.ident.name, what, error or type(error).__name__)
             return None
 
@@ -241,13 +264,17 @@ class Run:
                 )
                 if action.attempt == 1:
                     metrics.job_submitted(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
-            elif isinstance(action, phases.StopJob) and decision.phase == phases.DELETING:
+            elif isinstance(action, phases.StopJob) and decision.phase in (phases.DELETING, phases.QUEUED):
                 await self._ray_while_deleting(f"stopping job {action.submission_id}", self.jobs.stop,
                                                self.status["dashboardURL"], action.submission_id)
+                if decision.phase == phases.QUEUED and self.follower is not None:
+                    await self._last_lines_of_evicted_job()
             elif isinstance(action, phases.StopJob):
                 await asyncio.to_thread(self.jobs.stop, self.status["dashboardURL"], action.submission_id)
         if decision.phase != phases.RUNNING:
-            await self._close_follower()
+            # An evicted attempt's last lines (its newest checkpoint) are applied on the
+            # next step; any other stream's are not this run's any more.
+            await self._close_follower(keep_events=decision.phase == phases.QUEUED)
 
     async def _previous_attempt_ended(self, attempt: int) -> None:
         """Never two trainers on one slice: before attempt N is submitted, attempt N-1 must
@@ -280,9 +307,11 @@ class Run:
             detail = ", ".join(f"{k} {have_:g}/{need[k]:g}" for k, have_ in short.items())
             raise RetryNotReady(f"attempt {attempt} waits for the cluster's workers to rejoin Ray ({detail})")
 
-    async def _close_follower(self) -> None:
+    async def _close_follower(self, keep_events: bool = False) -> None:
         if self.follower is not None:
             await self.follower.close()
+            if keep_events:
+                self.unwritten.extend(self.follower.drain())
             self.follower = None
 
     # ---- the loop ---------------------------------------------------------------------
@@ -330,6 +359,15 @@ class Run:
             await asyncio.wait_for(self.wake.wait(), timeout=seconds)
         except asyncio.TimeoutError:
             pass
+
+    async def _last_lines_of_evicted_job(self) -> None:
+        """The stopped job's last lines (a checkpoint it reported) are read before the next
+        step takes them; bounded, and a head already gone only ends the stream."""
+        try:
+            await asyncio.wait_for(self.follower.finish(timeout=DELETE_RAY_TIMEOUT), 2 * DELETE_RAY_TIMEOUT)
+        except Exception as error:
+            log.info("%s/%s: the evicted job's log could not be read to its end (%s)",
+                     self.ident.namespace, self.ident.name, error or type(error).__name__)
 
     async def close(self) -> None:
         await self._close_follower()

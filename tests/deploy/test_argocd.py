@@ -20,6 +20,8 @@ EXPECTED = {
     "pending": "Progressing", "provisioning": "Progressing", "submitting": "Progressing",
     "running": "Progressing", "deleting": "Progressing", "succeeded": "Healthy",
     "failed": "Degraded", "suspended": "Suspended",
+    # Waiting for Kueue's quota (tests/ground/test_kueue.py captures it): not Degraded.
+    "queued": "Progressing",
 }
 
 

@@ -23,6 +23,7 @@ EXPECTED_RULES = [
     {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes/status"], "verbs": ["patch"]},
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
 ]

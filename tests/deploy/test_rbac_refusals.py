@@ -9,6 +9,7 @@ import copy
 import time
 
 import pytest
+import yaml
 
 from harness.operator_process import OperatorProcess
 from harness.service_account import rbac_objects, refusals, service_account_kubeconfig
@@ -45,4 +46,29 @@ def test_a_rule_taken_away_shows_up_as_a_refusal_in_the_operator_log(control_pla
             assert time.monotonic() < deadline, process.log_tail()
             time.sleep(0.5)
     finally:
+        process.stop()
+
+
+def test_without_the_workloads_rule_a_queued_run_is_refused_reading_kueues_workload(
+        control_plane, kuberay_crd, namespace, tmp_path):
+    """The Kueue rule (list workloads) is used, and only by a queued run: with it taken away,
+    a TPUFineTune with spec.queueName makes the operator's Workload read refused. Kueue need
+    not run: the operator creates the RayCluster suspended and asks why it waits."""
+    rbac = narrowed(rbac_objects(control_plane), without="workloads")
+    env = control_plane.env()
+    env.update(KUBECONFIG=str(service_account_kubeconfig(control_plane, tmp_path / "kubeconfig", rbac)),
+               TPUFT_NAMESPACE=namespace)
+    process = OperatorProcess(env, tmp_path / "operator.log")
+    process.start()
+    try:
+        control_plane.kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump({
+            "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": "queued"},
+            "spec": {"tpu": {"generation": "cpu", "topology": "1"}, "image": "example/trainer:1",
+                     "checkpoint": {"storagePath": "/tmp/never"}, "queueName": "tpu-queue"}}))
+        deadline = time.monotonic() + 60
+        while not any("workloads" in line for line in refusals(process.log_path)):
+            assert time.monotonic() < deadline, process.log_tail()
+            time.sleep(0.5)
+    finally:
+        control_plane.kubectl("-n", namespace, "delete", "tpufinetune", "queued", "--wait=false", check=False)
         process.stop()

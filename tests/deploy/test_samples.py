@@ -1,5 +1,6 @@
 """deploy/samples/: the tutorial's two jobs, the interconnect check on both slices, the
-CPU rehearsal (pod-local and on a ReadWriteMany claim) and the v6e job on GCS FUSE; each validates as the operator validates, and the real API server (schema
+CPU rehearsal (pod-local and on a ReadWriteMany claim), the v6e job on GCS FUSE and queued in
+Kueue; each validates as the operator validates, and the real API server (schema
 and CEL rules of the generated CRD) accepts it in a server-side dry run."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ SAMPLES = {
     "cpu-rehearsal.yaml": ("cpu", "2", "finetune"),
     "cpu-rehearsal-pvc.yaml": ("cpu", "2", "finetune"),
     "finetune-v6e-4x4-gcsfuse.yaml": ("v6e", "4x4", "finetune"),
+    "finetune-v6e-4x4-queued.yaml": ("v6e", "4x4", "finetune"),
 }
 
 

@@ -8,6 +8,8 @@
     node agent                     runs each bound pod as a real local Ray process (nodeagent.py)
     the operator (optional)        as deploy/'s ServiceAccount, resolving Service names through
                                    the agent's hosts file in a mount namespace of its own
+    Kueue (opt-in)                 (tests/kueue, harness/kueue.py) started by `start_kueue()`
+                                   for the tests that queue RayClusters (the `kueue` fixture)
 
 The API server runs with the ExtendedResourceToleration admission plugin, so a pod that
 requests google.com/tpu tolerates the TPU taint, as GKE arranges.
@@ -79,6 +81,7 @@ class Ground:
         self.ip_prefix = f"127.{secrets.randbelow(200) + 20}"
         self.processes: dict[str, subprocess.Popen] = {}
         self.operator = None
+        self.kueue = None
         self.timings: dict[str, float] = {}
 
     # -- paths
@@ -278,6 +281,19 @@ class Ground:
         self.operator.start()
         return self.operator
 
+    # -- Kueue (opt-in)
+
+    def start_kueue(self):
+        """Kueue with its queues (harness/kueue.py); once per ground, then left running: it
+        touches only RayClusters that carry its queue label."""
+        from kueue import Kueue
+
+        if self.kueue is None:
+            t = time.monotonic()
+            self.kueue = Kueue(self).start()
+            self._mark("kueue", t)
+        return self.kueue
+
     # -- inspection
 
     def ray_processes(self, pod_uid: str | None = None) -> list[int]:
@@ -293,11 +309,14 @@ class Ground:
     @property
     def pids(self) -> dict[str, int]:
         return {**self.cp.pids, **{n: p.pid for n, p in self.processes.items()},
+                **({"kueue": self.kueue.proc.pid} if self.kueue and self.kueue.proc else {}),
                 **({"operator": self.operator.proc.pid} if self.operator and self.operator.proc else {})}
 
     def stop(self) -> None:
         if self.operator is not None:
             self.operator.stop()
+        if self.kueue is not None:
+            self.kueue.stop()
         # The agent first: it stops every Ray process it started.
         agent = self.processes.pop("node-agent", None)
         if agent is not None:

@@ -16,12 +16,16 @@ from kubernetes.client.rest import ApiException
 
 from tpufinetune.core import podstatus
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
-from tpufinetune.core.phases import ClusterView, Identity
+from tpufinetune.core.phases import ClusterView, Identity, QueueView
+from tpufinetune.core.sizing import QUEUE_NAME_LABEL
 from tpufinetune.settings import Settings
 
 log = logging.getLogger(__name__)
 
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
+KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
+# Kueue labels each Workload with the uid of the job (here the RayCluster) it stands for.
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
 
 def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> ClusterView:
@@ -49,7 +53,34 @@ def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> Clust
     name = meta.get("name", "")
     service = (status.get("head") or {}).get("serviceName") or f"{name}-head-svc"
     url = settings.dashboard_for(cluster=name, namespace=meta.get("namespace", ""), service=service)
-    return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url)
+    suspended = (body.get("spec") or {}).get("suspend") is True
+    return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url,
+                       suspended=suspended)
+
+
+NO_KUEUE = QueueView(reason="KueueNotInstalled",
+                     message="Kueue is not installed (no workloads.kueue.x-k8s.io API): "
+                             "nothing will admit the RayCluster")
+
+
+def queue_view(workloads: list[dict], cluster_uid: str) -> QueueView:
+    """What Kueue says about the RayCluster `cluster_uid` in its Workload's conditions. Pure.
+
+    Waiting: QuotaReserved False (reason Pending, or Inadmissible: no such LocalQueue, ...)
+    with Kueue's message. Evicted True: the reason (Preempted, ...) and message."""
+    owned = [w for w in workloads
+             if any(ref.get("uid") == cluster_uid for ref in (w.get("metadata") or {}).get("ownerReferences") or [])]
+    if not owned:
+        return QueueView()
+    conditions = {c.get("type"): c for c in (owned[0].get("status") or {}).get("conditions") or []}
+    evicted = ""
+    eviction = conditions.get("Evicted") or {}
+    if eviction.get("status") == "True":
+        evicted = f"{eviction.get('reason') or 'Evicted'}: {eviction.get('message') or ''}".rstrip(": ")
+    waiting = conditions.get("QuotaReserved") or {}
+    if waiting.get("status") == "False" and waiting.get("message"):
+        return QueueView(reason=waiting.get("reason") or "Pending", message=waiting["message"], evicted=evicted)
+    return QueueView(reason="Evicted" if evicted else "", message=evicted, evicted=evicted)
 
 
 class WatchedClusters:
@@ -71,9 +102,10 @@ class WatchedClusters:
         return self._bodies.get((namespace, name))
 
 
-# A cluster that waits for capacity has its pods listed at most this often (its problem,
-# such as the scheduler's message, changes slowly); a change of the RayCluster re-lists.
-POD_RECHECK_S = 30.0
+# A cluster that waits (for capacity, for Kueue) has its pods or its Workload read at most
+# this often (the scheduler's or Kueue's message changes slowly); a change of the
+# RayCluster reads again.
+RECHECK_S = 30.0
 
 
 class KubeBackend:
@@ -82,36 +114,64 @@ class KubeBackend:
         self.core = client.CoreV1Api(api)
         self.settings = settings
         self.watched = WatchedClusters()
-        self._pod_checks: dict[str, tuple[str, float, tuple]] = {}  # cluster uid -> (version, when, state)
+        self._checks: dict[tuple[str, str], tuple] = {}  # (kind, cluster uid) -> (version, when, value)
 
     async def observe(self, ident: Identity, name: str) -> ClusterView:
         body = self.watched.get(ident.namespace, name)
         if body is None:
             body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
         view = cluster_view(body, ident.uid, self.settings)
+        if view.exists and view.owned and view.suspended and QUEUE_NAME_LABEL in body["metadata"].get("labels", {}):
+            # Not kept until Kueue has said something: its Workload appears just after the cluster.
+            queue = await self._every(("workloads", body["metadata"]), lambda: self._queue_view(ident.namespace, body["metadata"]["uid"]),
+                                      keep=lambda queue: bool(queue.message))
+            return dataclasses.replace(view, queue=queue)
         if view.exists and view.owned and not view.ready:
-            problem, hosts = await self._pod_state(ident.namespace, name, body["metadata"])
+            problem, hosts = await self._every(("pods", body["metadata"]), lambda: self._pod_state(ident.namespace, name))
             view = dataclasses.replace(view, pod_problem=problem, hosts_ready=hosts)
         return view
 
-    async def _pod_state(self, namespace: str, name: str, meta: dict):
-        """The worst pod problem and the hosts-ready count of a cluster that is not ready,
-        from a pod list at most every POD_RECHECK_S unless the RayCluster changed."""
-        version, now = meta.get("resourceVersion", ""), time.monotonic()
-        last = self._pod_checks.get(meta.get("uid", ""))
-        if last is not None and last[0] == version and now - last[1] < POD_RECHECK_S:
+    async def _every(self, what: tuple[str, dict], read, keep=lambda value: True):
+        """`read()` (blocking, run in a thread) at most every RECHECK_S for one version of
+        a RayCluster: the pods or the Workload of a cluster that waits change slowly, and a
+        change of the RayCluster itself reads again."""
+        kind, meta = what
+        key, version, now = (kind, meta.get("uid", "")), meta.get("resourceVersion", ""), time.monotonic()
+        last = self._checks.get(key)
+        if last is not None and last[0] == version and now - last[1] < RECHECK_S:
             return last[2]
-        pods = await asyncio.to_thread(self._cluster_pods, namespace, name)
-        state = (podstatus.worst_problem(pods), podstatus.hosts_ready(pods))
-        self._pod_checks[meta.get("uid", "")] = (version, now, state)
-        return state
+        value = await asyncio.to_thread(read)
+        if keep(value):
+            self._checks[key] = (version, now, value)
+        return value
+
+    def _pod_state(self, namespace: str, name: str) -> tuple:
+        pods = self._cluster_pods(namespace, name)
+        return podstatus.worst_problem(pods), podstatus.hosts_ready(pods)
+
+    def _queue_view(self, namespace: str, cluster_uid: str) -> QueueView:
+        workloads = self._workloads(namespace, cluster_uid)
+        return NO_KUEUE if workloads is None else queue_view(workloads, cluster_uid)
 
     def forget(self, cluster_uid: str) -> None:
-        self._pod_checks.pop(cluster_uid, None)
+        for kind in ("pods", "workloads"):
+            self._checks.pop((kind, cluster_uid), None)
 
     def _cluster_pods(self, namespace: str, name: str) -> list[dict]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={name}")
         return [self.core.api_client.sanitize_for_serialization(p) for p in pods.items]
+
+    def _workloads(self, namespace: str, cluster_uid: str) -> list[dict] | None:
+        """Kueue's Workloads of one RayCluster (RBAC: list workloads, nothing more); None
+        when the API has no Workloads (Kueue is not installed)."""
+        try:
+            found = self.objects.list_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, label_selector=f"{JOB_UID_LABEL}={cluster_uid}")
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return found.get("items") or []
 
     def _get_cluster(self, namespace: str, name: str) -> dict | None:
         try:

@@ -25,7 +25,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, s
 from prometheus_client.core import GaugeMetricFamily
 
 NEW = "New"
-PHASES = ("Pending", "Provisioning", "Submitting", "Running", "Succeeded", "Failed", "Deleting")
+PHASES = ("Pending", "Queued", "Provisioning", "Submitting", "Running", "Succeeded", "Failed",
+          "Deleting")
 LATENCY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 
 RECONCILES = Counter("tpufinetune_reconciles", "Reconcile steps, by the phase the resource was in.", ["phase"])

@@ -398,6 +398,16 @@ class TPUFineTuneSpec(_Model):
                     "every 30 s (once a step, when a step takes longer); the default leaves "
                     "room for a long compile, model download, checkpoint or evaluation. 0 "
                     f"turns it off; otherwise at least {MIN_NO_PROGRESS_TIMEOUT}.")
+    queue_name: str | None = Field(
+        None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="Kueue LocalQueue of this namespace to queue the slice in. The RayCluster "
+                    "is created suspended with the kueue.x-k8s.io/queue-name label and starts "
+                    "once Kueue admits it; the run shows phase Queued until then.")
+    workload_priority_class_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="Kueue WorkloadPriorityClass of the queued RayCluster (label "
+                    "kueue.x-k8s.io/priority-class): a higher one may preempt lower ones. "
+                    "Needs queueName.")
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> TPUFineTuneSpec:

@@ -11,13 +11,14 @@ from datetime import datetime, timezone
 from .status import Condition
 
 # Condition types the operator maintains.
+ADMITTED = "Admitted"  # only with spec.queueName: Kueue admitted the RayCluster
 CLUSTER_READY = "ClusterReady"
 JOB_SUBMITTED = "JobSubmitted"
 RUNNING = "Running"
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 
-ALL_TYPES = (CLUSTER_READY, JOB_SUBMITTED, RUNNING, SUCCEEDED, FAILED)
+ALL_TYPES = (ADMITTED, CLUSTER_READY, JOB_SUBMITTED, RUNNING, SUCCEEDED, FAILED)
 MESSAGE_LIMIT = 1024
 
 

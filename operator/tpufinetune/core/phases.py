@@ -6,6 +6,11 @@ actions and writes the status in one place.
        │            │              ▲            │
        └────────────┴──► Failed ◄──┴─(retry)────┘          any ─► Deleting
 
+With spec.queueName the RayCluster is created suspended and Kueue admits it:
+Provisioning ─► Queued ─(admitted)─► Provisioning; an eviction (preemption) in Submitting or
+Running goes back to Queued, and the next admission runs a new attempt that resumes from
+the last checkpoint and does not count against maxRetries.
+
 Identities (RayCluster name, submission id, attempt) are written into status in
 Pending, before anything exists, so a crash between two steps resumes instead of
 duplicating. Every phase is level-based: it looks at what exists and asks for what is
@@ -31,6 +36,7 @@ from tpufinetune.core.sizing import raycluster_name, slice_shape
 
 PENDING = "Pending"
 PROVISIONING = "Provisioning"
+QUEUED = "Queued"
 SUBMITTING = "Submitting"
 RUNNING = "Running"
 SUCCEEDED = "Succeeded"
@@ -66,6 +72,7 @@ class Plan:
     active_deadline: timedelta | None = None  # spec.activeDeadlineSeconds
     ttl_after_finished: timedelta = timedelta(0)  # spec.ttlSecondsAfterFinished
     no_progress_timeout: timedelta | None = None  # spec.noProgressTimeoutSeconds (None: off)
+    queue: str = ""  # spec.queueName: Kueue admits the RayCluster
 
 
 def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: timedelta) -> Plan:
@@ -85,6 +92,7 @@ def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: t
         active_deadline=_seconds(spec.active_deadline_seconds),
         ttl_after_finished=timedelta(seconds=spec.ttl_seconds_after_finished),
         no_progress_timeout=_seconds(spec.no_progress_timeout_seconds),
+        queue=spec.queue_name or "",
     )
 
 
@@ -102,6 +110,15 @@ def cluster_fingerprint(raycluster: dict) -> str:
 
 
 @dataclass(frozen=True)
+class QueueView:
+    """Kueue's Workload for a suspended RayCluster: why it waits, or why it was evicted."""
+
+    reason: str = ""  # e.g. Pending, Inadmissible
+    message: str = ""  # Kueue's own words, e.g. "couldn't assign flavors to pod set ..."
+    evicted: str = ""  # the eviction's reason and message while it is evicted
+
+
+@dataclass(frozen=True)
 class ClusterView:
     exists: bool
     owned: bool = True
@@ -110,6 +127,8 @@ class ClusterView:
     dashboard_url: str = ""
     pod_problem: PodProblem | None = None  # the worst pod state while not ready
     hosts_ready: int | None = None  # worker pods Ready; None: pods not looked at
+    suspended: bool = False  # spec.suspend: Kueue has not admitted it (or evicted it)
+    queue: QueueView | None = None  # read only for a suspended cluster with a queue
 
 
 @dataclass(frozen=True)
@@ -196,9 +215,7 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
         _deleting(ident, new, obs, decision)
     elif phase in TERMINAL:
         _terminal(plan, new, obs, decision)
-    elif obs.ray_unreachable and phase in (SUBMITTING, RUNNING):
-        _fail(plan, new, obs, decision, "RayUnreachable", obs.ray_unreachable)
-    elif obs.spec_error and phase in (PENDING, PROVISIONING, SUBMITTING):
+    elif obs.spec_error and phase in (PENDING, QUEUED, PROVISIONING, SUBMITTING):
         # An edit made the spec invalid before the job started: nothing to run.
         _applied(new, ident)
         _fail(plan, new, obs, decision, "InvalidSpec", obs.spec_error)
@@ -208,6 +225,10 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
         seconds = int(plan.active_deadline.total_seconds())
         _stop_and_fail(plan, new, obs, decision, "DeadlineExceeded",
                        f"spec.activeDeadlineSeconds ({seconds} s) passed; the job was stopped")
+    elif plan.queue and phase in (PROVISIONING, SUBMITTING, RUNNING) and _held_by_kueue(obs):
+        _to_queue(ident, plan, new, obs, decision)
+    elif obs.ray_unreachable and phase in (SUBMITTING, RUNNING):
+        _fail(plan, new, obs, decision, "RayUnreachable", obs.ray_unreachable)
     else:
         STEPS.get(phase, _start)(ident, plan, new, obs, decision)
     if new.get("phase") != phase:
@@ -264,6 +285,10 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
         )
         _note(s, d, obs, cond.CLUSTER_READY, "NotOwned", message, warn=True)
         return
+    if plan.queue and not cond.is_true(s, cond.ADMITTED):  # admitted before we saw it queued
+        message = f"Kueue admitted RayCluster {name}"
+        _set(s, obs, cond.ADMITTED, True, "Admitted", message)
+        d.actions.append(RecordEvent("Normal", "Admitted", message))
     if cluster.ready:
         _set(s, obs, cond.CLUSTER_READY, True, "Ready", f"RayCluster {name} is ready")
         s["dashboardURL"] = cluster.dashboard_url
@@ -408,6 +433,76 @@ def _suspended(ident: Identity, s: dict, obs: Observations, d: Decision) -> None
         d.actions.append(DeleteCluster(s["rayClusterName"]))
 
 
+# ---- Kueue (spec.queueName) ------------------------------------------------------------
+
+
+def _held_by_kueue(obs: Observations) -> bool:
+    cluster = obs.cluster
+    return cluster is not None and cluster.exists and cluster.owned and cluster.suspended
+
+
+def _to_queue(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    """The RayCluster is suspended: not admitted yet, or evicted. A job that was submitted
+    has lost its cluster: the next admission runs a new attempt (resuming from the last
+    checkpoint) that is not counted as a failure."""
+    queue = obs.cluster.queue or QueueView()
+    if s["phase"] in (SUBMITTING, RUNNING):
+        if obs.job is not None and obs.job.status in JOB_ACTIVE:
+            d.actions.append(StopJob(s["jobId"]))
+        attempt = int(s["attempt"]) + 1
+        s.update(attempt=attempt, jobId=submission_id(ident.uid, attempt),
+                 evictions=int(s.get("evictions") or 0) + 1)
+        s.pop("trainerFailure", None)  # the workers died with the eviction, not of their own
+        s.pop("startTime", None)  # as for a suspend: the deadline's clock restarts on admission
+        why = f"evicted by Kueue ({queue.evicted or 'the RayCluster was suspended'})"
+        for type_ in (cond.CLUSTER_READY, cond.JOB_SUBMITTED, cond.RUNNING):
+            if cond.find(s, type_):
+                _set(s, obs, type_, False, "Evicted", why)
+        message = f"{why}; attempt {attempt} resumes from the last checkpoint once admitted again"
+        _admission(s, obs, ident, "Evicted", why)
+        _enter(s, d, QUEUED, "Evicted", message, warn=True)
+        return
+    message = _queued_message(plan, s["rayClusterName"], queue)
+    _admission(s, obs, ident, queue.reason or "Pending", message)
+    _set(s, obs, cond.CLUSTER_READY, False, "Queued", message)
+    _enter(s, d, QUEUED, "Queued", message)
+
+
+def _queued(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    """Wait for Kueue; once it unsuspends the RayCluster (or the cluster is gone), go on
+    provisioning, with the provisioning timeout counted from the admission."""
+    cluster = obs.cluster
+    if cluster is None:
+        return
+    if _held_by_kueue(obs):
+        message = _queued_message(plan, s["rayClusterName"], cluster.queue or QueueView())
+        reason = (cluster.queue.reason if cluster.queue else "") or "Pending"
+        previous = (cond.find(s, cond.ADMITTED) or {}).get("message")
+        _admission(s, obs, ident, reason, message)
+        if previous != message:
+            s["message"] = message[: cond.MESSAGE_LIMIT]
+            d.actions.append(RecordEvent("Normal", "Queued", message[: cond.MESSAGE_LIMIT]))
+        return
+    if cluster.exists and cluster.owned:
+        s.pop("trainerFailure", None)  # a late line of an evicted attempt is not this one's
+        message = f"Kueue admitted RayCluster {s['rayClusterName']}"
+        _set(s, obs, cond.ADMITTED, True, "Admitted", message)
+        _set(s, obs, cond.CLUSTER_READY, False, "Creating", "admitted: the pods are starting")
+        _enter(s, d, PROVISIONING, "Admitted", message)
+        return
+    _enter(s, d, PROVISIONING, "CreatingCluster", f"creating RayCluster {s['rayClusterName']}")
+
+
+def _queued_message(plan: Plan, cluster: str, queue: QueueView) -> str:
+    if queue.message:
+        return f"queued in {plan.queue}: {queue.message}"
+    return f"queued in {plan.queue}: waiting for Kueue to admit RayCluster {cluster}"
+
+
+def _admission(s: dict, obs: Observations, ident: Identity, reason: str, message: str) -> None:
+    _set(s, obs, cond.ADMITTED, False, reason, message)
+
+
 def _terminal(plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
     # Nothing expensive is left running: keep asking until the slice is released.
     if obs.cluster is not None and obs.cluster.exists and obs.cluster.owned:
@@ -527,6 +622,7 @@ def _copy(status: dict) -> dict:
 
 STEPS = {
     PENDING: _pending,
+    QUEUED: _queued,
     PROVISIONING: _provisioning,
     SUBMITTING: _submitting,
     RUNNING: _running,

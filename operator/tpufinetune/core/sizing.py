@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # sizing reads the models, never imports them: api -> validat
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "tpufinetune"
 NAME_LABEL = "tpufinetune.dev/name"
+# Kueue's labels on a job it manages (its ray.io/raycluster integration).
+QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 
 HEAD_CPU, HEAD_MEMORY = "4", "16Gi"
 CPU_HEAD_CPU, CPU_HEAD_MEMORY = "1", "2Gi"
@@ -131,7 +134,7 @@ def render_raycluster(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec
         worker_group["resources"] = {
             "TPU": str(shape.chips_per_host * shape.generation.devices_per_chip)}
     worker_group["template"] = {"spec": _worker_pod(spec, shape, env, resources["workers"])}
-    return {
+    raycluster = {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
         "metadata": {
@@ -150,6 +153,19 @@ def render_raycluster(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec
             "workerGroupSpecs": [worker_group],
         },
     }
+    if spec.queue_name:
+        _queue_in_kueue(raycluster, spec)
+    return raycluster
+
+
+def _queue_in_kueue(raycluster: dict, spec: TPUFineTuneSpec) -> None:
+    """Created suspended with Kueue's queue label: Kueue admits it (unsuspends it) when the
+    quota allows. Suspended by us, not by Kueue's webhook, so nothing depends on it."""
+    labels = raycluster["metadata"]["labels"]
+    labels[QUEUE_NAME_LABEL] = spec.queue_name
+    if spec.workload_priority_class_name:
+        labels[PRIORITY_CLASS_LABEL] = spec.workload_priority_class_name
+    raycluster["spec"]["suspend"] = True
 
 
 def _common_env(spec: TPUFineTuneSpec, shape: SliceShape) -> list[dict]:

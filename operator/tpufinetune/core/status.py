@@ -9,8 +9,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-Phase = Literal["Pending", "Provisioning", "Submitting", "Running", "Succeeded", "Failed",
-                "Deleting"]
+Phase = Literal["Pending", "Queued", "Provisioning", "Submitting", "Running", "Succeeded",
+                "Failed", "Deleting"]
 PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
 
 
@@ -83,8 +83,10 @@ class TrainerFailure(_Status):
 class TPUFineTuneStatus(_Status):
     """Observed state of a TPUFineTune."""
 
-    phase: Phase | None = Field(None, description="Pending, Provisioning, Submitting, "
-                                                  "Running, Succeeded, Failed or Deleting.")
+    phase: Phase | None = Field(None, description="Pending, Queued (waiting for Kueue to "
+                                                  "admit the RayCluster), Provisioning, "
+                                                  "Submitting, Running, Succeeded, Failed or "
+                                                  "Deleting.")
     conditions: list[Condition] | None = Field(
         None, max_length=16, description="Standard conditions.",
         json_schema_extra={"x-kubernetes-list-type": "map",
@@ -99,6 +101,10 @@ class TPUFineTuneStatus(_Status):
     dashboard_url: str | None = Field(None, alias="dashboardURL",
                                       description="Ray dashboard address.")
     attempt: int | None = Field(None, ge=0, description="Submission attempt, from 1.")
+    evictions: int | None = Field(None, ge=0,
+                                  description="Attempts that ended because Kueue evicted the "
+                                              "RayCluster (preemption); they do not count "
+                                              "against maxRetries.")
     epoch: int | None = Field(None, ge=0, description="Last completed epoch.")
     epochs: int | None = Field(None, ge=0, description="Epochs planned.")
     epoch_progress: str | None = Field(None, description="epoch/epochs, e.g. 2/3.")

@@ -32,6 +32,8 @@ GLOBAL_BATCH_MESSAGE = ("must be 0 (no gradient accumulation) or a multiple of t
 MIN_NO_PROGRESS_TIMEOUT = 60
 NO_PROGRESS_MESSAGE = (f"must be 0 (off) or at least {MIN_NO_PROGRESS_TIMEOUT} seconds: "
                        "the trainer reports progress about every 30 s")
+PRIORITY_QUEUE_MESSAGE = ("is a Kueue WorkloadPriorityClass and needs queueName: set "
+                          "spec.queueName to a LocalQueue, or remove it")
 TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host); "
                         "remove it from the overrides")
 
@@ -204,6 +206,12 @@ def spec_rules() -> list[dict]:
             "fieldPath": ".noProgressTimeoutSeconds",
             "reason": "FieldValueInvalid",
         },
+        {
+            "rule": "!has(self.workloadPriorityClassName) || has(self.queueName)",
+            "message": PRIORITY_QUEUE_MESSAGE,
+            "fieldPath": ".workloadPriorityClassName",
+            "reason": "FieldValueRequired",
+        },
     ]
 
 
@@ -284,6 +292,8 @@ def check_spec(spec: TPUFineTuneSpec) -> None:
         _check_global_batch(spec)
     if 0 < spec.no_progress_timeout_seconds < MIN_NO_PROGRESS_TIMEOUT:
         raise SpecError("spec.noProgressTimeoutSeconds", NO_PROGRESS_MESSAGE)
+    if spec.workload_priority_class_name and not spec.queue_name:
+        raise SpecError("spec.workloadPriorityClassName", PRIORITY_QUEUE_MESSAGE)
     for group in ("head", "workers"):
         resources = getattr(spec, group).resources
         if resources is not None:

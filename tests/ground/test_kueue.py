@@ -1,0 +1,246 @@
+"""Queueing on TPU quota with the real Kueue (harness/kueue.py) on the test ground.
+
+- Two v6e 4x4 runs in one queue with the quota of one slice: the first runs, the second is
+  Queued with Kueue's message and is admitted when the first ends; at no time do more than
+  16 google.com/tpu of pods exist.
+- A Queued run deleted leaves nothing behind and takes nothing from the quota.
+- Preemption: a higher-priority run evicts a running one, which goes back to Queued and,
+  admitted again, resumes from its checkpoint as a new attempt that is not a failure. On the
+  ground TPU workers stop for want of a chip, so this one uses cpu runs, which really train
+  and checkpoint, in a ClusterQueue whose CPU quota holds one such run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from kubernetes.utils import parse_quantity
+
+from harness.argocd_health import health
+from harness.kueue import CPU_QUEUE, TPU_QUEUE, V6E_4X4_TPU
+from tpufinetune.core.generations import TPU_RESOURCE
+
+pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
+ARGOCD_CAPTURE = Path(__file__).resolve().parents[1] / "deploy" / "testdata" / "argocd" / "queued.json"
+
+
+def tpu_run(name: str, assets, storage, **spec) -> dict:
+    return {
+        "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": name},
+        "spec": {
+            "tpu": {"generation": "v6e", "topology": "4x4"},
+            "image": "registry.example/tpufinetune-trainer:test",
+            "model": {"id": str(assets.model)},
+            "dataset": {"id": str(assets.data), "split": "train[:64]"},
+            "training": {"epochs": 1, "batchSizePerDevice": 1, "maxSeqLen": 64},
+            "checkpoint": {"storagePath": str(storage)},
+            "queueName": TPU_QUEUE,
+            **spec,
+        },
+    }
+
+
+def cpu_run(name: str, assets, storage, training: dict, **spec) -> dict:
+    return {
+        "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": name},
+        "spec": {
+            "tpu": {"generation": "cpu", "topology": "1"},
+            "image": "registry.example/tpufinetune-trainer:test",
+            "model": {"id": str(assets.model)},
+            "dataset": {"id": str(assets.data), "split": "train"},
+            "training": {"batchSizePerDevice": 4, "maxSeqLen": 128, **training},
+            "checkpoint": {"storagePath": str(storage)},
+            "queueName": CPU_QUEUE,
+            **spec,
+        },
+    }
+
+
+def condition(status: dict, type_: str) -> dict:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+def phase_is(kube, name: str, *phases: str):
+    return lambda: kube.status(name) if kube.status(name).get("phase") in phases else None
+
+
+class TPUPodWatch:
+    """Polls the namespace's pods and remembers the most google.com/tpu that existed at once.
+    A Pending pod counts (it holds its request); a pod being deleted does not: Kueue returns
+    the quota when the RayCluster is deleted, so at the hand-over the next cluster's pods may
+    be created while the last one's are still terminating (`most_with_terminating`)."""
+
+    def __init__(self, kube):
+        self.kube = kube
+        self.most = 0
+        self.most_with_terminating = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            result = self.kube.kubectl("get", "pods", "-o", "json", check=False)
+            if result.returncode == 0:
+                pods = json.loads(result.stdout)["items"]
+                live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+                self.most = max(self.most, tpu_of(live))
+                self.most_with_terminating = max(self.most_with_terminating, tpu_of(pods))
+                self.samples += 1
+            self._stop.wait(0.5)
+
+    def __enter__(self) -> "TPUPodWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def tpu_of(pods: list[dict]) -> int:
+    return sum(int(parse_quantity((c.get("resources", {}).get("requests") or {}).get(TPU_RESOURCE, 0)))
+               for pod in pods for c in pod["spec"]["containers"])
+
+
+def capture_for_argocd(obj: dict, scrub: dict[str, str]) -> None:
+    """TPUFT_CAPTURE_ARGOCD=1: keep the live Queued object as the Lua health test's data
+    (tests/deploy/test_argocd.py), machine paths scrubbed, like the deploy end-to-end test."""
+    if os.environ.get("TPUFT_CAPTURE_ARGOCD") != "1":
+        return
+    obj = {**obj, "metadata": {k: v for k, v in obj["metadata"].items() if k != "managedFields"}}
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    for real, placeholder in scrub.items():
+        text = text.replace(real, placeholder)
+    ARGOCD_CAPTURE.write_text(text)
+
+
+def cluster_queue_usage(kube, name: str) -> dict:
+    """The ClusterQueue's reserved quota by resource, and its admitted/pending counts."""
+    body = json.loads(kube.cp.kubectl("get", "clusterqueue", name, "-o", "json").stdout)
+    status = body.get("status") or {}
+    usage = {r["name"]: str(r["total"]) for flavor in status.get("flavorsReservation") or []
+             for r in flavor.get("resources") or []}
+    return {"usage": usage, "admitted": status.get("admittedWorkloads", 0),
+            "pending": status.get("pendingWorkloads", 0), "reserving": status.get("reservingWorkloads", 0)}
+
+
+def workloads_of(kube, cluster_uid: str) -> list[dict]:
+    return kube.items("workloads.kueue.x-k8s.io", "-l", f"kueue.x-k8s.io/job-uid={cluster_uid}")
+
+
+def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, queued_namespace, kube, ground,
+                                                             trainer_assets, tmp_path):
+    with TPUPodWatch(kube) as watch:
+        kube.apply(tpu_run("first", trainer_assets, tmp_path / "first"))
+        # The operator created the RayCluster suspended, and Kueue (not its webhook) admitted it.
+        kube.wait_for(lambda: condition(kube.status("first"), "Admitted").get("status") == "True",
+                      "first admitted", timeout=120)
+        kube.apply(tpu_run("second", trainer_assets, tmp_path / "second"))
+        queued = kube.wait_for(phase_is(kube, "second", "Queued"), "second Queued", timeout=60)
+        second_cluster = queued["rayClusterName"]
+        kube.wait_for(lambda: "google.com/tpu" in kube.status("second").get("message", ""),
+                      "Kueue's quota message on second", timeout=60)
+        status = kube.status("second")
+        assert status["message"].startswith(f"queued in {TPU_QUEUE}: "), status["message"]
+        assert condition(status, "Admitted")["status"] == "False"
+        assert kube.get("raycluster", second_cluster)["spec"]["suspend"] is True
+        assert not kube.pods_of(second_cluster)
+        table = kube.kubectl("get", "tpufinetunes").stdout
+        assert any(line.split()[0] == "second" and "Queued" in line.split() for line in table.splitlines()), table
+        live = kube.get("tpufinetune", "second")
+        assert health(live) == {"status": "Progressing", "message": f"Queued: {live['status']['message']}"}
+        capture_for_argocd(live, {str(trainer_assets.root): "/assets", str(tmp_path): "/mnt/shared",
+                                  kube.ns: "ml-team"})
+
+        # The first runs (its job reaches the trainer, which stops for want of a chip) and ends.
+        kube.kubectl("wait", "tpufinetune/first", "--for=condition=Failed", "--timeout=500s", timeout=520)
+        first = kube.status("first")
+        assert condition(first, "JobSubmitted").get("status") == "True"
+        assert "no TPU device" in first["message"], first["message"]
+
+        # The quota came back with the first's RayCluster: the second is admitted and runs.
+        kube.wait_for(lambda: condition(kube.status("second"), "Admitted").get("status") == "True",
+                      "second admitted after the first ended", timeout=180)
+        kube.kubectl("wait", "tpufinetune/second", "--for=condition=Failed", "--timeout=500s", timeout=520)
+        second = kube.status("second")
+        assert condition(second, "JobSubmitted").get("status") == "True"
+        assert "no TPU device" in second["message"], second["message"]
+        assert condition(second, "Admitted")["lastTransitionTime"] >= first["completionTime"]
+        kube.wait_for(lambda: kube.get("raycluster", second_cluster) is None, "second's RayCluster released", 60)
+    assert watch.samples > 10
+    assert watch.most == V6E_4X4_TPU, f"at most {watch.most} google.com/tpu of pods at once"
+    print(f"google.com/tpu of pods at once: {watch.most}, terminating ones included: {watch.most_with_terminating}")
+    kube.wait_for(lambda: cluster_queue_usage(kube, "tpu-v6e")["reserving"] == 0, "quota released", timeout=60)
+
+
+def test_a_queued_run_deleted_leaves_nothing_and_takes_no_quota(operator, kueue, queued_namespace, kube,
+                                                                 trainer_assets, tmp_path):
+    kube.apply(tpu_run("holder", trainer_assets, tmp_path / "holder"))
+    kube.wait_for(lambda: condition(kube.status("holder"), "Admitted").get("status") == "True", "holder admitted", 120)
+    # Kueue writes the ClusterQueue's usage a moment after the admission.
+    before = kube.wait_for(lambda: (u := cluster_queue_usage(kube, "tpu-v6e"))["usage"].get(TPU_RESOURCE)
+                           == str(V6E_4X4_TPU) and u, "16 google.com/tpu reserved", 60)
+
+    kube.apply(tpu_run("waiting", trainer_assets, tmp_path / "waiting"))
+    status = kube.wait_for(phase_is(kube, "waiting", "Queued"), "waiting Queued", timeout=60)
+    cluster = status["rayClusterName"]
+    cluster_uid = kube.get("raycluster", cluster)["metadata"]["uid"]
+    kube.wait_for(lambda: workloads_of(kube, cluster_uid), "Kueue's Workload for the queued cluster", 60)
+    kube.wait_for(lambda: cluster_queue_usage(kube, "tpu-v6e")["pending"] == 1, "one pending workload", 60)
+
+    kube.kubectl("delete", "tpufinetune", "waiting", "--timeout=60s", timeout=70)
+    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "queued RayCluster deleted", 60)
+    kube.wait_for(lambda: not workloads_of(kube, cluster_uid), "its Workload gone", 90)
+    assert not kube.pods_of(cluster)
+    after = kube.wait_for(lambda: (u := cluster_queue_usage(kube, "tpu-v6e"))["pending"] == 0 and u, "no pending", 60)
+    assert after["usage"] == before["usage"] and after["admitted"] == before["admitted"], (before, after)
+    assert condition(kube.status("holder"), "Admitted")["status"] == "True"
+
+    # Deleting the admitted run releases the quota as well.
+    kube.kubectl("delete", "tpufinetune", "holder", "--timeout=60s", timeout=70)
+    kube.wait_for(lambda: cluster_queue_usage(kube, "tpu-v6e")["reserving"] == 0, "quota released", timeout=90)
+
+
+def test_a_higher_priority_run_evicts_a_running_one_which_resumes_from_its_checkpoint(
+        operator, kueue, queued_namespace, kube, trainer_assets, tmp_path):
+    slow = {"epochs": 2, "checkpointEverySteps": 2}
+    kube.apply(cpu_run("low", trainer_assets, tmp_path / "low", slow, workloadPriorityClassName="low"))
+    # Running, with a checkpoint reported: there is something to resume from.
+    kube.wait_for(lambda: kube.status("low").get("phase") == "Running" and kube.status("low").get("checkpointURI"),
+                  "low running with a checkpoint", timeout=400, interval=1)
+
+    kube.apply(cpu_run("high", trainer_assets, tmp_path / "high", {"epochs": 1}, workloadPriorityClassName="high"))
+    evicted = kube.wait_for(phase_is(kube, "low", "Queued"), "low evicted back to Queued", timeout=120)
+    assert evicted["attempt"] == 2 and evicted["evictions"] == 1
+    assert condition(evicted, "Failed").get("status") != "True"
+
+    kube.kubectl("wait", "tpufinetune/high", "--for=condition=Succeeded", "--timeout=400s", timeout=420)
+    # The high run's cluster is released, Kueue admits the low one again, and attempt 2 is
+    # submitted with --resume-from the newest checkpoint attempt 1 reported (its last lines,
+    # read after the eviction, may name a newer one than status had then); the trainer resumes.
+    uid = kube.get("tpufinetune", "low")["metadata"]["uid"]
+    resumed = kube.wait_for(lambda: (s := kube.status("low")).get("phase") == "Running" and s,
+                            "low admitted again and running", timeout=300, interval=1)
+    assert resumed["jobId"] == f"tft-{uid}-2"
+    assert condition(resumed, "Admitted")["status"] == "True"
+    client = kube.head_job_client(resumed["rayClusterName"])
+    entrypoint = client.get_job_info(resumed["jobId"]).entrypoint
+    resume_from = next(arg.split("=", 1)[1] for arg in entrypoint.split() if arg.startswith("--resume-from="))
+    assert resume_from.startswith(str(tmp_path / "low")), entrypoint
+    # The trainer checks that it is a checkpoint (it refuses one that is gone), then resumes.
+    kube.wait_for(lambda: "Resumed from" in client.get_job_logs(resumed["jobId"]), "the trainer's resume line",
+                  timeout=300, interval=2)
+
+    kube.kubectl("wait", "tpufinetune/low", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
+    low = kube.status("low")
+    assert low["attempt"] == 2 and low["evictions"] == 1
+    assert [entry["epoch"] for entry in low["history"]] == [1, 2]
+    events = json.loads(kube.kubectl("get", "events", "--field-selector", "involvedObject.name=low", "-o", "json").stdout)
+    evictions = [item["message"] for item in events["items"] if item["reason"] == "Evicted"]
+    assert len(evictions) == 1 and "Preempted" in evictions[0], evictions
+    assert "Admitted" in {item["reason"] for item in events["items"]}
