@@ -141,6 +141,10 @@ class RayJobs:
         return " | ".join(line.strip() for line in tail.splitlines()[-LOG_TAIL_LINES:] if line.strip())
 
 
+# The trainer's closing events: after one of them the log holds nothing more for us.
+LAST_EVENTS = frozenset({"result", "failure", "collectives"})
+
+
 @dataclass
 class LogFollower:
     """Follows one job's log over the Job API websocket and parses trainer events.
@@ -158,6 +162,7 @@ class LogFollower:
     _pending: list = field(default_factory=list)
     _task: asyncio.Task | None = None
     _finished: bool = False
+    _saw_last_event: bool = False  # the trainer's result, failure or collectives line came
 
     def start(self) -> None:
         if self._task is None:
@@ -201,8 +206,9 @@ class LogFollower:
     def _feed(self, chunk: str | bytes, final: bool = False) -> None:
         """Parse complete lines only (the trainer's own parser); a partial line waits for
         the next chunk, so the cursor saved in status always sits on a line boundary."""
-        events = self._stream.feed(chunk) + (self._stream.close() if final else [])
-        self._pending.extend(event_dict(event) for event in events)
+        events = [event_dict(e) for e in self._stream.feed(chunk) + (self._stream.close() if final else [])]
+        self._saw_last_event = self._saw_last_event or any(e.get("event") in LAST_EVENTS for e in events)
+        self._pending.extend(events)
         if self._pending:
             self.wake.set()
 
@@ -227,10 +233,13 @@ class LogFollower:
         if self._task is None or self._finished:
             return
         done, _ = await asyncio.wait({self._task}, timeout=timeout)
+        # A stream that ended by itself delivered every line only if the trainer's last
+        # event came: a proxy may close it cleanly just before the job ends.
         if done and not self._task.cancelled() and self._task.exception() is None:
             self._feed(b"", final=True)
-            self._finished = True
-            return
+            if self._saw_last_event:
+                self._finished = True
+                return
         log.warning("log stream of %s was cut or still open %ss after the job ended; reading the rest",
                     self.submission_id, timeout)
         await self.close()
