@@ -42,6 +42,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from controlplane import ROOT, ControlPlaneError  # noqa: E402
+from processes import in_private_mount_namespace  # noqa: E402
 from processes import free_ports, spawn, stop_process, tail  # noqa: E402
 
 KUEUE_BUILD = ROOT / "tests" / "kueue" / "build.sh"
@@ -117,14 +118,9 @@ def local_queues(namespace: str) -> list[dict]:
 
 
 def private_etc_argv(etc_extra: Path, argv: list[str]) -> list[str]:
-    """argv in a mount namespace of its own where /etc is the machine's /etc with `etc_extra`
-    laid over it (read-only overlay): files at fixed /etc paths for this one process."""
-    namespace = ["unshare", "--mount", "--propagation", "private"]
-    if os.geteuid() != 0:
-        namespace.insert(1, "--map-root-user")
-    # The folder and argv travel as positional parameters, never inside the script.
-    script = 'mount -t overlay overlay -o "lowerdir=$1:/etc" /etc && shift && exec "$@"'
-    return [*namespace, "--", "sh", "-c", script, "sh", str(etc_extra), *argv]
+    """argv where /etc is the machine's /etc with `etc_extra` laid over it (read-only
+    overlay): files at fixed /etc paths for this one process."""
+    return in_private_mount_namespace('mount -t overlay overlay -o "lowerdir=$1:/etc" /etc', etc_extra, argv)
 
 
 class Kueue:

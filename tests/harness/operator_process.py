@@ -13,6 +13,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from processes import in_private_mount_namespace  # noqa: E402
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -21,15 +27,8 @@ def _free_port() -> int:
 
 
 def private_hosts_argv(hosts_file: Path, argv: list[str]) -> list[str]:
-    """argv run in a mount namespace of its own where `hosts_file` is /etc/hosts: the
-    ground's cluster DNS for this one process, nothing else on the machine sees it.
-    As root, a plain mount namespace; otherwise a user namespace maps us to root in it."""
-    namespace = ["unshare", "--mount", "--propagation", "private"]
-    if os.geteuid() != 0:
-        namespace.insert(1, "--map-root-user")
-    # The hosts path and argv travel as positional parameters, never inside the script.
-    script = 'mount --bind "$1" /etc/hosts && shift && exec "$@"'
-    return [*namespace, "--", "sh", "-c", script, "sh", str(hosts_file), *argv]
+    """argv where `hosts_file` is /etc/hosts: the ground's cluster DNS for this one process."""
+    return in_private_mount_namespace('mount --bind "$1" /etc/hosts', hosts_file, argv)
 
 
 class OperatorProcess:

@@ -96,3 +96,14 @@ def tail(path: Path, n: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return "(no log)"
+
+
+def in_private_mount_namespace(mount: str, path: Path, argv: list[str]) -> list[str]:
+    """argv run in a mount namespace of its own, after the shell command `mount` (which
+    reads `path` as $1) has changed what this one process sees; nothing else on the
+    machine sees it. As root, a plain mount namespace; otherwise a user namespace maps us
+    to root in it. `path` and argv travel as positional parameters, never inside the script."""
+    namespace = ["unshare", "--mount", "--propagation", "private"]
+    if os.geteuid() != 0:
+        namespace.insert(1, "--map-root-user")
+    return [*namespace, "--", "sh", "-c", f"{mount} && shift && exec \"$@\"", "sh", str(path), *argv]
