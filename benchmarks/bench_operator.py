@@ -89,6 +89,15 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+
+def print_table(rows: list[tuple[str, str, str]], value_width: int) -> None:
+    """The benchmark's result: measure | value | target, one row each."""
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'measure'.ljust(width)} | {'value'.ljust(value_width)} | target")
+    print(f"{'-' * width}-|-{'-' * value_width}-|---------")
+    for measure, value, target in rows:
+        print(f"{measure.ljust(width)} | {value.ljust(value_width)} | {target}")
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--single", type=int, default=20)
@@ -147,11 +156,7 @@ def main() -> int:
             ("operator RSS, peak", f"{max(peak):.0f} MB", "< 200 MB"),
             ("operator RSS, end", f"{rss_mb(operator.proc.pid):.0f} MB", ""),
         ]
-        width = max(len(r[0]) for r in rows)
-        print(f"\n{'measure'.ljust(width)} | value      | target")
-        print(f"{'-' * width}-|------------|---------")
-        for measure, value, target in rows:
-            print(f"{measure.ljust(width)} | {value.ljust(10)} | {target}")
+        print_table(rows, value_width=10)
         return 0
     finally:
         if operator is not None:

@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from harness.controlplane import start_with_crds  # noqa: E402
 from harness.operator_process import OperatorProcess  # noqa: E402
 from harness.rayhead import RayHead  # noqa: E402
+from bench_operator import print_table  # noqa: E402
 
 REQUEST = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<count>[0-9.e+]+)$')
 LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -155,11 +156,7 @@ def main() -> int:
             ("operator RSS, peak", f"{peak['rss'] / 1024:.0f} MB", "< 300 MB"),
             ("phases at the end", ", ".join(f"{k} {v}" for k, v in sorted(final.items())), ""),
         ]
-        width = max(len(r[0]) for r in rows)
-        print(f"\n{'measure'.ljust(width)} | {'value'.ljust(24)} | target")
-        print(f"{'-' * width}-|-{'-' * 24}-|---------")
-        for measure, value, target in rows:
-            print(f"{measure.ljust(width)} | {value.ljust(24)} | {target}")
+        print_table(rows, value_width=24)
         return 0
     finally:
         if operator is not None:
