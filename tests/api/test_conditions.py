@@ -28,10 +28,10 @@ def test_the_transition_time_moves_only_when_the_status_flips():
     status: dict = {}
     conditions.set_condition(status, conditions.RUNNING, True, "JobRunning", "", T0, None)
     conditions.set_condition(status, conditions.RUNNING, True, "JobRunning", "later", T1, None)
-    assert conditions.since(status, conditions.RUNNING) == T0
+    assert conditions.parse_time(conditions.find(status, conditions.RUNNING)["lastTransitionTime"]) == T0
     assert "observedGeneration" not in status["conditions"][0]
     conditions.set_condition(status, conditions.RUNNING, False, "JobEnded", "", T1, None)
-    assert conditions.since(status, conditions.RUNNING) == T1
+    assert conditions.parse_time(conditions.find(status, conditions.RUNNING)["lastTransitionTime"]) == T1
 
 
 def test_a_value_the_crd_refuses_fails_when_the_condition_is_built():

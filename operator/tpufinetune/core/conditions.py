@@ -73,5 +73,3 @@ def parse_time(text: str | None) -> datetime | None:
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
 
 
-def since(status: dict, type_: str) -> datetime | None:
-    return parse_time((find(status, type_) or {}).get("lastTransitionTime"))

@@ -459,11 +459,11 @@ def _to_queue(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decisi
             if cond.find(s, type_):
                 _set(s, obs, type_, False, "Evicted", why)
         message = f"{why}; attempt {attempt} resumes from the last checkpoint once admitted again"
-        _admission(s, obs, ident, "Evicted", why)
+        _set(s, obs, cond.ADMITTED, False, "Evicted", why)
         _enter(s, d, QUEUED, "Evicted", message, warn=True)
         return
     message = _queued_message(plan, s["rayClusterName"], queue)
-    _admission(s, obs, ident, queue.reason or "Pending", message)
+    _set(s, obs, cond.ADMITTED, False, queue.reason or "Pending", message)
     _set(s, obs, cond.CLUSTER_READY, False, "Queued", message)
     _enter(s, d, QUEUED, "Queued", message)
 
@@ -478,7 +478,7 @@ def _queued(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision
         message = _queued_message(plan, s["rayClusterName"], cluster.queue or QueueView())
         reason = (cluster.queue.reason if cluster.queue else "") or "Pending"
         previous = (cond.find(s, cond.ADMITTED) or {}).get("message")
-        _admission(s, obs, ident, reason, message)
+        _set(s, obs, cond.ADMITTED, False, reason, message)
         if previous != message:
             s["message"] = message[: cond.MESSAGE_LIMIT]
             d.actions.append(RecordEvent("Normal", "Queued", message[: cond.MESSAGE_LIMIT]))
@@ -497,10 +497,6 @@ def _queued_message(plan: Plan, cluster: str, queue: QueueView) -> str:
     if queue.message:
         return f"queued in {plan.queue}: {queue.message}"
     return f"queued in {plan.queue}: waiting for Kueue to admit RayCluster {cluster}"
-
-
-def _admission(s: dict, obs: Observations, ident: Identity, reason: str, message: str) -> None:
-    _set(s, obs, cond.ADMITTED, False, reason, message)
 
 
 def _terminal(plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
