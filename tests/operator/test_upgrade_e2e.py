@@ -18,11 +18,16 @@ operator refusing a newer one's status keys could never release them).
 The supported skew is one release either way (docs/architecture.md, "Upgrades and
 version skew"). ROLLBACK_OUTCOME says what happens to a run the newer operator made when
 the previous release takes it over; it is asserted, so a change to it is a decision.
+v0.2.0 predates skew tolerance: before the rollback the test asks v0.2.0's own code
+whether it can read run B. A status key it does not declare makes each of its steps fail
+(logged; nothing is stopped or deleted): the job keeps running on Ray, and the test redoes
+the upgrade, which must finish the run. A spec field it does not know is not supported.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -83,6 +88,32 @@ def previous_release(tmp_path_factory) -> Path:
 
 def _pythonpath(tree: Path) -> str:
     return f"{tree}/operator:{tree}/trainer"
+
+
+REFUSAL_CHECK = """
+import json, sys
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.status import checked_status
+body = json.load(sys.stdin)
+try:
+    parse_spec(body["spec"])
+except ValueError as error:
+    print("spec", error)
+    sys.exit()
+try:
+    checked_status(body.get("status") or {})
+except ValueError as error:
+    print("status", error)
+"""
+
+
+def previous_release_refusal(tree: Path, body: dict) -> tuple[str, str]:
+    """What the previous release's own checks (the ones each of its steps makes) say about
+    `body`: ("", "") when it can drive it, else ("spec" | "status", its message)."""
+    out = subprocess.run([sys.executable, "-c", REFUSAL_CHECK], input=json.dumps(body), text=True,
+                         env=dict(os.environ, PYTHONPATH=_pythonpath(tree)), capture_output=True, check=True).stdout
+    kind, _, message = out.strip().partition(" ")
+    return kind, message
 
 
 class Operators:
@@ -168,7 +199,16 @@ def test_runs_in_flight_survive_an_upgrade_and_a_rollback(ground, kube, operator
 
     # The rollback, mid-run (of B at least; A may have finished under this version).
     assert kube.status("made-by-current")["phase"] == "Running"
+    refused, refusal = previous_release_refusal(operators.previous, kube.get("tpufinetune", "made-by-current"))
+    assert refused != "spec", (f"{PREVIOUS_RELEASE} cannot read this release's spec ({refusal}): a rollback "
+                               "to it is not supported; see docs/architecture.md, 'Upgrades and version skew'")
     operators.replace(PREVIOUS_RELEASE)
+    if refused == "status":
+        # It leaves B alone: every step is refused before anything is written or done.
+        kube.wait_for(lambda: "undeclared status keys" in operators.process.log_tail(400),
+                      f"{PREVIOUS_RELEASE} refusing B's status ({refusal})", timeout=60)
+        assert kube.status("made-by-current")["phase"] == "Running"
+        operators.replace("current")  # the upgrade, redone, finishes it
 
     a = finished(kube, "made-by-previous")
     assert a["phase"] == "Succeeded", a.get("message")
@@ -184,10 +224,12 @@ def test_runs_in_flight_survive_an_upgrade_and_a_rollback(ground, kube, operator
     else:
         assert next(c for c in b["conditions"] if c["type"] == "Failed")["reason"] == reason
 
-    # The rolled-back operator releases what either version made.
+    # The operator now running (the rolled-back one, unless it had to be upgraded again)
+    # releases what either version made.
     for name, cluster in (("made-by-previous", cluster_a), ("made-by-current", cluster_b)):
         kube.kubectl("delete", "tpufinetune", name, "--wait=false")
     for name, cluster in (("made-by-previous", cluster_a), ("made-by-current", cluster_b)):
         kube.wait_for(lambda name=name: kube.get("tpufinetune", name) is None, f"{name}'s finalizer removed", timeout=60)
         kube.wait_for(lambda cluster=cluster: kube.get("raycluster", cluster) is None, f"{cluster} deleted", timeout=60)
-    assert operators.running == PREVIOUS_RELEASE and operators.process.proc.poll() is None
+    assert operators.running == ("current" if refused else PREVIOUS_RELEASE)
+    assert operators.process.proc.poll() is None
