@@ -203,6 +203,7 @@ def _undeclared(given, declared, previous, path: str) -> list[str]:
 def _same_item(item, previous: list, index: int):
     """The item of the previous list that `item` carries: itself when unchanged (a list
     may be reordered around it), else the one at the same index."""
-    if item in previous:
+    at_index = previous[index] if index < len(previous) else None
+    if at_index != item and item in previous:  # the index first: a long history is appended to
         return item
-    return previous[index] if index < len(previous) else None
+    return at_index
