@@ -12,13 +12,14 @@ from typing import Protocol
 
 from tpufinetune.adapters import metrics
 from tpufinetune.core import phases
-from tpufinetune.core.api import SpecError, parse_spec
+from tpufinetune.core.api import SpecError, parse_stored_spec
 from tpufinetune.core.jobspec import job_submission, submission_id
+from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.settings import Settings
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
-from tpufinetune.core.status import checked_status
+from tpufinetune.core.status import STATUS_KEYS, checked_status
 from tpufinetune.core.generations import generation
 from tpufinetune.core.sizing import total_devices
 
@@ -37,9 +38,11 @@ class ClusterBackend(Protocol):
 
 
 def status_patch(old: dict, new: dict) -> dict:
-    """JSON merge patch from old to new status: changed keys, and None for removed ones."""
+    """JSON merge patch from old to new status: changed keys, and None for removed ones.
+    Only keys this version declares are ever removed: one a newer operator wrote (read
+    back after a rollback) is not ours to delete, and stays for when it returns."""
     patch = {k: v for k, v in new.items() if old.get(k) != v}
-    patch.update({k: None for k in old if k not in new and k != "kopf"})
+    patch.update({k: None for k in old if k not in new and k in STATUS_KEYS})
     return patch
 
 
@@ -74,9 +77,10 @@ class Run:
             return
         self.generation = generation
         self.ident = Identity(meta["name"], meta.get("namespace", "default"), meta["uid"], generation)
-        self.spec, self.spec_error = None, ""
+        self.spec, self.spec_error, self.ignored_fields = None, "", ()
         try:
-            self.spec = parse_spec(dict(self.body.get("spec") or {}))
+            # Fields a newer CRD has and this version lacks are ignored, and reported.
+            self.spec, self.ignored_fields = parse_stored_spec(dict(self.body.get("spec") or {}))
         except SpecError as error:
             self.spec_error = str(error)
         self.plan = phases.plan_for(self.ident, self.spec, timedelta(seconds=self.settings.provision_timeout))
@@ -215,6 +219,7 @@ class Run:
             text = await asyncio.to_thread(self.jobs.log_tail, self.status["dashboardURL"], tail[0].submission_id)
             obs = Observations(**{**obs.__dict__, "log_tail": text or "(empty log)"})
             decision = phases.transition(self.ident, self.plan, self.status, obs)
+        report_ignored_fields(decision, self.ignored_fields, obs.now, self.ident.generation)
         self._log_cursor(decision.status)
         # Status first: identities are persisted before the actions that depend on them.
         await self._write(decision.status)
@@ -231,7 +236,9 @@ class Run:
         self.status_stale = False
 
     async def _write(self, new: dict) -> None:
-        checked_status(new)  # a misspelt key fails here, not in silence at the API server
+        # A misspelt key fails here, not in silence at the API server; keys read back
+        # (a newer operator's) are carried, not checked.
+        checked_status(new, self.status)
         patch = status_patch(self.status, new)
         if patch:
             try:

@@ -6,6 +6,7 @@ and the `x-kubernetes-validations` attached to the models are the admission-time
 """
 from __future__ import annotations
 
+import copy
 import re
 from typing import Annotated, Any, Literal
 
@@ -416,13 +417,49 @@ class TPUFineTuneSpec(_Model):
 
 
 def parse_spec(spec: dict) -> TPUFineTuneSpec:
-    """Validate a TPUFineTune `spec` exactly as the operator does; SpecError if invalid."""
+    """Validate a TPUFineTune `spec` as admission does (an unknown field is refused);
+    SpecError if invalid. The CLI and `run --local` check what a user wrote with it."""
+    return _parse(spec, ignore_unknown=False)[0]
+
+
+def parse_stored_spec(spec: dict) -> tuple[TPUFineTuneSpec, tuple[str, ...]]:
+    """A spec as the API server stored it, the operator's view: (the model, the paths of
+    the fields this version does not know, which were ignored). Everything else is
+    validated as `parse_spec` does; SpecError if invalid.
+
+    Admission refuses unknown fields, so the operator meets one only when the installed
+    CRD is newer than the operator (an operator rollback, or the CRDs upgraded first):
+    the run then proceeds with what this version understands, and says which fields it
+    ignored, rather than failing a valid object. The models stay `extra="forbid"`: they
+    are the CRD's source, and the CRD keeps refusing unknown fields."""
+    return _parse(spec, ignore_unknown=True)
+
+
+def _parse(spec: dict, ignore_unknown: bool) -> tuple[TPUFineTuneSpec, tuple[str, ...]]:
     if not isinstance(spec, dict):
         raise SpecError("spec", "must be a mapping")
-    try:
-        return TPUFineTuneSpec.model_validate(spec)
-    except ValidationError as exc:
-        raise _spec_error(exc) from None
+    ignored: list[str] = []
+    known = spec
+    while True:
+        try:
+            return TPUFineTuneSpec.model_validate(known), tuple(sorted(ignored))
+        except ValidationError as exc:
+            unknown = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
+            if not ignore_unknown or not unknown:
+                raise _spec_error(exc) from None
+            if known is spec:
+                known = copy.deepcopy(spec)
+            for loc in unknown:
+                _drop(known, loc)
+                ignored.append(_field_path(loc))
+
+
+def _drop(spec: dict, loc: tuple) -> None:
+    """Remove the value at pydantic's location `loc` (keys and list indexes) from `spec`."""
+    parent = spec
+    for part in loc[:-1]:
+        parent = parent[part]
+    del parent[loc[-1]]
 
 
 def _spec_error(exc: ValidationError) -> SpecError:

@@ -17,8 +17,10 @@ JOB_SUBMITTED = "JobSubmitted"
 RUNNING = "Running"
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
+# Only once the spec had a field this operator version does not know (a newer CRD).
+SPEC_FIELDS_IGNORED = "SpecFieldsIgnored"
 
-ALL_TYPES = (ADMITTED, CLUSTER_READY, JOB_SUBMITTED, RUNNING, SUCCEEDED, FAILED)
+ALL_TYPES = (ADMITTED, CLUSTER_READY, JOB_SUBMITTED, RUNNING, SUCCEEDED, FAILED, SPEC_FIELDS_IGNORED)
 MESSAGE_LIMIT = 1024
 
 

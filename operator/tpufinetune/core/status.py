@@ -159,25 +159,51 @@ class UndeclaredStatusKey(ValueError):
     """A status key the CRD does not declare: the API server would prune it in silence."""
 
 
-def checked_status(status: dict) -> dict:
+# The top-level status keys this version declares (and so owns): the only ones it may
+# remove. A key a newer version wrote is kept as it is (docs/architecture.md, "Upgrades").
+STATUS_KEYS = frozenset(field.alias or name for name, field in TPUFineTuneStatus.model_fields.items())
+_ABSENT = object()
+
+
+def checked_status(status: dict, previous: dict | None = None) -> dict:
     """`status` as the operator is about to write it, validated by the model; refused with
-    the key's path when a key (at any depth) is not declared."""
-    ours = {key: value for key, value in status.items() if key != "kopf"}  # kopf's own bookkeeping
-    declared = TPUFineTuneStatus.model_validate(ours).model_dump(by_alias=True, exclude_unset=True)
-    unknown = _undeclared(ours, declared, "status")
+    the key's path when a key (at any depth) is not declared.
+
+    Only what this version writes is checked: a key whose value is the one in `previous`
+    (the status read back from the API server) is carried, not written. So a key a newer
+    operator wrote (its CRD declares it; after a rollback this version does not) passes,
+    while a misspelt key this version adds or changes is still refused."""
+    previous = previous or {}
+    written = {key: value for key, value in status.items()
+               if key != "kopf" and previous.get(key, _ABSENT) != value}  # kopf's own bookkeeping
+    declared = TPUFineTuneStatus.model_validate(written).model_dump(by_alias=True, exclude_unset=True)
+    unknown = _undeclared(written, declared, previous, "status")
     if unknown:
         raise UndeclaredStatusKey(f"undeclared status keys (the API server would drop them): "
                                   f"{', '.join(unknown)}")
     return status
 
 
-def _undeclared(given, declared, path: str) -> list[str]:
+def _undeclared(given, declared, previous, path: str) -> list[str]:
     if isinstance(given, dict):
         declared = declared if isinstance(declared, dict) else {}
-        found = [f"{path}.{key}" for key in given if key not in declared]
+        previous = previous if isinstance(previous, dict) else {}
+        found = [f"{path}.{key}" for key in given
+                 if key not in declared and previous.get(key, _ABSENT) != given[key]]
         for key in given.keys() & declared.keys():
-            found += _undeclared(given[key], declared[key], f"{path}.{key}")
+            found += _undeclared(given[key], declared[key], previous.get(key), f"{path}.{key}")
         return found
     if isinstance(given, list) and isinstance(declared, list):
-        return [k for i, (g, d) in enumerate(zip(given, declared)) for k in _undeclared(g, d, f"{path}[{i}]")]
+        previous = previous if isinstance(previous, list) else []
+        return [k for i, (g, d) in enumerate(zip(given, declared))
+                for k in _undeclared(g, d, _same_item(g, previous, i), f"{path}[{i}]")]
     return []
+
+
+def _same_item(item, previous: list, index: int):
+    """The item of the previous list that `item` carries: itself when unchanged (a list
+    may be reordered around it), else the one at the same index."""
+    at_index = previous[index] if index < len(previous) else None
+    if at_index != item and item in previous:  # the index first: a long history is appended to
+        return item
+    return at_index
