@@ -15,6 +15,7 @@ import yaml
 from kubernetes import client, watch
 
 from harness import controlplane as cpmod
+from harness.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -239,14 +240,9 @@ def test_non_admin_is_forbidden_until_a_role_grants_access(control_plane, widget
     control_plane.kubectl("apply", "-f", "-", input=grant)
 
     # The authorizer learns of new bindings through its informers: allow it a moment.
-    deadline = time.monotonic() + 15
-    while True:
-        allowed = control_plane.kubectl("get", "widgets", "-n", namespace, kubeconfig=user_kc,
-                                        check=False)
-        if allowed.returncode == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert allowed.returncode == 0, allowed.stderr
+    wait_for(lambda: control_plane.kubectl("get", "widgets", "-n", namespace, kubeconfig=user_kc,
+                                           check=False).returncode == 0,
+             15, "the non-admin user allowed to get widgets", interval=0.2)
 
     # Only what the Role says: no writes here, nothing in another namespace.
     can = control_plane.kubectl("auth", "can-i", "create", f"widgets.{GROUP}", "-n", namespace,

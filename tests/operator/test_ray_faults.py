@@ -15,7 +15,6 @@ import io
 import shlex
 import socket
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +23,8 @@ import pytest
 from aiohttp import web
 from ray.exceptions import AuthenticationError
 
+from harness.ports import free_port
+from harness.waiting import wait_for
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
@@ -59,13 +60,11 @@ def local_run(ray_head, body: dict, address: str | None = None, jobs: RayJobs | 
 
 
 def wait_job(client, job_id: str, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """The job's final status, once it ended."""
+    def ended():
         status = str(client.get_job_status(job_id).value)
-        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
-            return status
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} did not end in {timeout}s")
+        return status if status in ("SUCCEEDED", "FAILED", "STOPPED") else None
+    return wait_for(ended, timeout, f"job {job_id} to end")
 
 
 def printing_job(ray_head, tmp_path, lines: list[str]) -> str:
@@ -99,12 +98,8 @@ def test_the_log_tail_of_a_failed_job_is_cut_on_the_head(ray_head, tmp_path):
     jobs = RayJobs(headers=ray_head.headers(), timeout=10)
     # The head writes the driver's log file asynchronously: under load its last lines land
     # a moment after the job is FAILED.
-    deadline = time.monotonic() + 20
-    tail = jobs.log_tail(ray_head.dashboard_url, job_id)
-    while tail.split(" | ")[-1] != "line 4999" and time.monotonic() < deadline:
-        time.sleep(0.5)
-        tail = jobs.log_tail(ray_head.dashboard_url, job_id)
-    assert tail.split(" | ")[-1] == "line 4999"
+    tail = wait_for(lambda: (t := jobs.log_tail(ray_head.dashboard_url, job_id)).split(" | ")[-1] == "line 4999" and t,
+                    20, "the log's last line, line 4999, in the tail")
     assert "line 4990" not in tail and len(tail.split(" | ")) <= 8
 
 
@@ -170,7 +165,7 @@ class ClosingProxy:
         app.router.add_route("*", "/{path:.*}", self.handle)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(self.runner, "127.0.0.1", port).start()
         self.address = f"http://127.0.0.1:{port}"
 
@@ -204,12 +199,6 @@ class ClosingProxy:
                     break
         await ws.close()  # a clean close, mid-run for the first stream
         return ws
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
