@@ -350,8 +350,8 @@ def test_cli_up_status_down(tmp_path):
         kenv = dict(os.environ, KUBECONFIG=kubeconfig, KUBECACHEDIR=str(tmp_path / "kc"))
         crds = subprocess.run([str(Path(bin_dir, "kubectl")), "get", "crd", "-o", "name"],
                               env=kenv, capture_output=True, text=True, check=True).stdout
-        if cpmod.KUBERAY_CRD.is_file():
-            assert "customresourcedefinition.apiextensions.k8s.io/rayclusters.ray.io" in crds
+        assert cpmod.KUBERAY_CRD.is_file(), f"KubeRay CRD not found at {cpmod.KUBERAY_CRD_DISPLAY}"
+        assert "customresourcedefinition.apiextensions.k8s.io/rayclusters.ray.io" in crds
         for f in cpmod.project_crd_files():
             for doc in yaml.safe_load_all(f.read_text()):
                 if doc and doc.get("kind") == "CustomResourceDefinition":

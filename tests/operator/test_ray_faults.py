@@ -105,7 +105,7 @@ def test_the_log_tail_of_a_failed_job_is_cut_on_the_head(ray_head, tmp_path):
 
 def test_a_refused_token_is_an_error_never_a_lost_job(ray_head):
     jobs = RayJobs(headers={"Authorization": "Bearer wrong"}, timeout=10)
-    with pytest.raises(AuthenticationError):
+    with pytest.raises(AuthenticationError, match="^Authentication failed: "):  # 403: a token, not this one
         jobs.job(ray_head.dashboard_url, "tft-never-submitted-1")
 
 
