@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from kubernetes.utils import parse_quantity
 
 from harness.argocd_health import health
 from harness.kueue import CPU_QUEUE, TPU_QUEUE, V6E_4X4_TPU
+from harness.podwatch import PodWatch
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.generations import TPU_RESOURCE
 
@@ -65,43 +65,17 @@ def phase_is(kube, name: str, *phases: str):
     return lambda: kube.status(name) if kube.status(name).get("phase") in phases else None
 
 
-class TPUPodWatch:
-    """Polls the namespace's pods and remembers the most google.com/tpu that existed at once.
-    A Pending pod counts (it holds its request); a pod being deleted does not: Kueue returns
-    the quota when the RayCluster is deleted, so at the hand-over the next cluster's pods may
-    be created while the last one's are still terminating (`most_with_terminating`)."""
-
-    def __init__(self, kube):
-        self.kube = kube
-        self.most = 0
-        self.most_with_terminating = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            result = self.kube.kubectl("get", "pods", "-o", "json", check=False)
-            if result.returncode == 0:
-                pods = json.loads(result.stdout)["items"]
-                live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-                self.most = max(self.most, tpu_of(live))
-                self.most_with_terminating = max(self.most_with_terminating, tpu_of(pods))
-                self.samples += 1
-            self._stop.wait(0.5)
-
-    def __enter__(self) -> "TPUPodWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-
 def tpu_of(pods: list[dict]) -> int:
     return sum(int(parse_quantity((c.get("resources", {}).get("requests") or {}).get(TPU_RESOURCE, 0)))
                for pod in pods for c in pod["spec"]["containers"])
+
+
+def live_tpu_of(pods: list[dict]) -> int:
+    """google.com/tpu of the pods not being deleted. A Pending pod counts (it holds its
+    request); a pod being deleted does not: Kueue returns the quota when the RayCluster is
+    deleted, so at the hand-over the next cluster's pods may be created while the last
+    one's are still terminating."""
+    return tpu_of([p for p in pods if not p["metadata"].get("deletionTimestamp")])
 
 
 def capture_for_argocd(obj: dict, scrub: dict[str, str]) -> None:
@@ -132,7 +106,7 @@ def workloads_of(kube, cluster_uid: str) -> list[dict]:
 
 def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, queued_namespace, kube, ground,
                                                              trainer_assets, tmp_path):
-    with TPUPodWatch(kube) as watch:
+    with PodWatch(kube.cp.kubeconfig, kube.ns, live=live_tpu_of, with_terminating=tpu_of) as watch:
         kube.apply(tpu_run("first", trainer_assets, tmp_path / "first"))
         # The operator created the RayCluster suspended, and Kueue (not its webhook) admitted it.
         kube.wait_for(lambda: cond.is_true(kube.status("first"), cond.ADMITTED),
@@ -169,9 +143,10 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
         assert "no TPU device" in second["message"], second["message"]
         assert cond.find(second, cond.ADMITTED)["lastTransitionTime"] >= first["completionTime"]
         kube.wait_for(lambda: kube.get("raycluster", second_cluster) is None, "second's RayCluster released", 60)
-    assert watch.samples > 10
-    assert watch.most == V6E_4X4_TPU, f"at most {watch.most} google.com/tpu of pods at once"
-    print(f"google.com/tpu of pods at once: {watch.most}, terminating ones included: {watch.most_with_terminating}")
+    assert watch.events > 10  # every pod of both runs came and went under the watch
+    assert watch.most["live"] == V6E_4X4_TPU, f"at most {watch.most['live']} google.com/tpu of pods at once"
+    print(f"google.com/tpu of pods at once: {watch.most['live']}, terminating ones included: "
+          f"{watch.most['with_terminating']}")
     kube.wait_for(lambda: cluster_queue_usage(kube, "tpu-v6e")["reserving"] == 0, "quota released", timeout=60)
 
 
