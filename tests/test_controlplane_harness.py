@@ -15,6 +15,7 @@ import yaml
 from kubernetes import client, watch
 
 from harness import controlplane as cpmod
+from harness.kubewatch import KubeWatch
 from harness.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -202,6 +203,24 @@ def test_kubectl_get_prints_printer_columns(control_plane, widget_crd, objects, 
     out = control_plane.kubectl("get", "widgets", "-n", namespace).stdout.splitlines()
     assert out[0].split() == ["NAME", "SIZE", "PHASE"]
     assert out[1].split()[:3] == ["shown", "7", "Done"]
+
+
+def test_the_watch_sees_an_overlap_shorter_than_any_poll(control_plane, k8s_api, namespace):
+    """Two pods that exist together for a few milliseconds: kubewatch's measure sees both
+    (a poll every half second would almost never)."""
+    api = client.CoreV1Api(k8s_api)
+
+    def pod(name: str) -> dict:
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                "spec": {"containers": [{"name": "c", "image": "registry.example/none:1"}]}}
+
+    with KubeWatch(control_plane.kubeconfig, namespace, at_once=len) as seen:
+        for name in ("first", "second"):
+            api.create_namespaced_pod(namespace, pod(name))
+        for name in ("first", "second"):  # no node, no kubelet: a delete removes the pod at once
+            api.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+        wait_for(lambda: seen.events >= 4, 30, "the two creations and the two deletions")
+    assert seen.most["at_once"] == 2
 
 
 # ---------------------------------------------------------------- RBAC

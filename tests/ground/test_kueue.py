@@ -21,7 +21,7 @@ from kubernetes.utils import parse_quantity
 
 from harness.argocd_health import health
 from harness.kueue import CPU_QUEUE, TPU_QUEUE, V6E_4X4_TPU
-from harness.podwatch import PodWatch
+from harness.kubewatch import KubeWatch
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.generations import TPU_RESOURCE
 
@@ -106,7 +106,7 @@ def workloads_of(kube, cluster_uid: str) -> list[dict]:
 
 def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, queued_namespace, kube, ground,
                                                              trainer_assets, tmp_path):
-    with PodWatch(kube.cp.kubeconfig, kube.ns, live=live_tpu_of, with_terminating=tpu_of) as watch:
+    with KubeWatch(kube.cp.kubeconfig, kube.ns, live=live_tpu_of, with_terminating=tpu_of) as watch:
         kube.apply(tpu_run("first", trainer_assets, tmp_path / "first"))
         # The operator created the RayCluster suspended, and Kueue (not its webhook) admitted it.
         kube.wait_for(lambda: cond.is_true(kube.status("first"), cond.ADMITTED),

@@ -6,11 +6,11 @@ loop) read from the pods the real KubeRay made."""
 from __future__ import annotations
 
 import json
-import time
 from datetime import datetime, timezone
 
 import pytest
 
+from harness.kubewatch import KubeWatch
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.conditions import parse_time
 
@@ -65,13 +65,21 @@ def test_the_ttl_keeps_the_raycluster_then_the_operator_wakes_up_to_release_it(o
     completed, release = parse_time(status["completionTime"]), parse_time(status["rayClusterReleaseTime"])
     assert (release - completed).total_seconds() == ttl
     pods = kube.pods_of(cluster)
-    # Kept until then (a second of slack for the clock's resolution) ...
-    while (release - datetime.now(timezone.utc)).total_seconds() > 1:
-        body = kube.get("raycluster", cluster)
-        assert body is not None and not body["metadata"].get("deletionTimestamp"), "released before the TTL"
-        time.sleep(1)
-    # ... then released with nothing else happening to wake the operator: it woke itself.
-    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released after the TTL", timeout=30)
+
+    def released_early(clusters: list[dict]) -> int:
+        """1 if, at this event, the RayCluster is gone or being deleted before the TTL (a
+        second of slack for the clock's resolution)."""
+        ours = [c for c in clusters if c["metadata"]["name"] == cluster]
+        gone = not ours or any(c["metadata"].get("deletionTimestamp") for c in ours)
+        return int(gone and (release - datetime.now(timezone.utc)).total_seconds() > 1)
+
+    # Kept until then (every change to it is seen by the watch) ...
+    with KubeWatch(kube.cp.kubeconfig, kube.ns, resource=("ray.io", "v1", "rayclusters"), early=released_early) as seen:
+        # ... then released with nothing else happening to wake the operator: it woke itself.
+        left = (release - datetime.now(timezone.utc)).total_seconds()
+        kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released after the TTL",
+                      timeout=max(left, 0) + 30)
+    assert seen.most["early"] == 0, "released before the TTL"
     assert datetime.now(timezone.utc) >= release
     released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,7 +46,9 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
     assert status["history"][-1]["loss"] < status["history"][0]["loss"]
     assert status["epochProgress"] == "2/2"
     assert status["checkpointURI"] and str(tmp_path / "ckpt") in status["checkpointURI"]
-    assert status.get("exportedModelURI")
+    export = Path(status["exportedModelURI"])  # the trainer's export, where the spec's storage is
+    assert export.parent.parent == tmp_path / "ckpt" and export.name == "export", export
+    assert {"config.json", "model.safetensors"} <= {p.name for p in export.iterdir()}
     assert status["jobId"] == f"tft-{uid}-1"
     assert status["observedGeneration"] == 1
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
