@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -100,13 +99,10 @@ def _gone(pid: int) -> bool:
     return True
 
 
-def _wait_gone(pids, timeout: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    left = list(pids)
-    while left and time.monotonic() < deadline:
-        left = [p for p in left if not _gone(p)]
-        time.sleep(0.1)
-    return left
+def _wait_gone(pids, timeout: float = 15.0) -> None:
+    pids = list(pids)
+    wait_for(lambda: all(_gone(p) for p in pids), timeout, f"processes {pids} to be gone", interval=0.1,
+             details=lambda: f"still there: {[p for p in pids if not _gone(p)]}")
 
 
 # ---------------------------------------------------------------- basics
@@ -303,7 +299,7 @@ def test_stopped_instance_leaves_no_process(tmp_path):
         workdir = cp.workdir
     finally:
         cp.stop()
-    assert _wait_gone(pids.values(), timeout=1) == []
+    _wait_gone(pids.values(), timeout=1)
     assert not workdir.exists()
 
 
@@ -337,7 +333,7 @@ def test_killing_the_owner_stops_its_control_plane(tmp_path, sig):
         assert all(not _gone(p) for p in pids.values())
         proc.send_signal(sig)
         proc.wait(30)
-        assert _wait_gone(pids.values()) == []
+        _wait_gone(pids.values())
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -382,5 +378,5 @@ def test_cli_up_status_down(tmp_path):
     finally:
         down = cli("down")
     assert down.returncode == 0, down.stderr
-    assert _wait_gone(pids) == []
+    _wait_gone(pids)
     assert cli("status").returncode == 1
