@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,8 @@ import yaml
 from kubernetes import client, watch
 
 from harness import controlplane as cpmod
+from harness.kubewatch import KubeWatch
+from harness.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -98,13 +99,10 @@ def _gone(pid: int) -> bool:
     return True
 
 
-def _wait_gone(pids, timeout: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    left = list(pids)
-    while left and time.monotonic() < deadline:
-        left = [p for p in left if not _gone(p)]
-        time.sleep(0.1)
-    return left
+def _wait_gone(pids, timeout: float = 15.0) -> None:
+    pids = list(pids)
+    wait_for(lambda: all(_gone(p) for p in pids), timeout, f"processes {pids} to be gone", interval=0.1,
+             details=lambda: f"still there: {[p for p in pids if not _gone(p)]}")
 
 
 # ---------------------------------------------------------------- basics
@@ -203,6 +201,24 @@ def test_kubectl_get_prints_printer_columns(control_plane, widget_crd, objects, 
     assert out[1].split()[:3] == ["shown", "7", "Done"]
 
 
+def test_the_watch_sees_an_overlap_shorter_than_any_poll(control_plane, k8s_api, namespace):
+    """Two pods that exist together for a few milliseconds: kubewatch's measure sees both
+    (a poll every half second would almost never)."""
+    api = client.CoreV1Api(k8s_api)
+
+    def pod(name: str) -> dict:
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                "spec": {"containers": [{"name": "c", "image": "registry.example/none:1"}]}}
+
+    with KubeWatch(control_plane.kubeconfig, namespace, at_once=len) as seen:
+        for name in ("first", "second"):
+            api.create_namespaced_pod(namespace, pod(name))
+        for name in ("first", "second"):  # no node, no kubelet: a delete removes the pod at once
+            api.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+        wait_for(lambda: seen.events >= 4, 30, "the two creations and the two deletions")
+    assert seen.most["at_once"] == 2
+
+
 # ---------------------------------------------------------------- RBAC
 
 
@@ -239,14 +255,9 @@ def test_non_admin_is_forbidden_until_a_role_grants_access(control_plane, widget
     control_plane.kubectl("apply", "-f", "-", input=grant)
 
     # The authorizer learns of new bindings through its informers: allow it a moment.
-    deadline = time.monotonic() + 15
-    while True:
-        allowed = control_plane.kubectl("get", "widgets", "-n", namespace, kubeconfig=user_kc,
-                                        check=False)
-        if allowed.returncode == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert allowed.returncode == 0, allowed.stderr
+    wait_for(lambda: control_plane.kubectl("get", "widgets", "-n", namespace, kubeconfig=user_kc,
+                                           check=False).returncode == 0,
+             15, "the non-admin user allowed to get widgets", interval=0.2)
 
     # Only what the Role says: no writes here, nothing in another namespace.
     can = control_plane.kubectl("auth", "can-i", "create", f"widgets.{GROUP}", "-n", namespace,
@@ -288,7 +299,7 @@ def test_stopped_instance_leaves_no_process(tmp_path):
         workdir = cp.workdir
     finally:
         cp.stop()
-    assert _wait_gone(pids.values(), timeout=1) == []
+    _wait_gone(pids.values(), timeout=1)
     assert not workdir.exists()
 
 
@@ -322,7 +333,7 @@ def test_killing_the_owner_stops_its_control_plane(tmp_path, sig):
         assert all(not _gone(p) for p in pids.values())
         proc.send_signal(sig)
         proc.wait(30)
-        assert _wait_gone(pids.values()) == []
+        _wait_gone(pids.values())
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -354,8 +365,8 @@ def test_cli_up_status_down(tmp_path):
         kenv = dict(os.environ, KUBECONFIG=kubeconfig, KUBECACHEDIR=str(tmp_path / "kc"))
         crds = subprocess.run([str(Path(bin_dir, "kubectl")), "get", "crd", "-o", "name"],
                               env=kenv, capture_output=True, text=True, check=True).stdout
-        if cpmod.KUBERAY_CRD.is_file():
-            assert "customresourcedefinition.apiextensions.k8s.io/rayclusters.ray.io" in crds
+        assert cpmod.KUBERAY_CRD.is_file(), f"KubeRay CRD not found at {cpmod.KUBERAY_CRD_DISPLAY}"
+        assert "customresourcedefinition.apiextensions.k8s.io/rayclusters.ray.io" in crds
         for f in cpmod.project_crd_files():
             for doc in yaml.safe_load_all(f.read_text()):
                 if doc and doc.get("kind") == "CustomResourceDefinition":
@@ -367,5 +378,5 @@ def test_cli_up_status_down(tmp_path):
     finally:
         down = cli("down")
     assert down.returncode == 0, down.stderr
-    assert _wait_gone(pids) == []
+    _wait_gone(pids)
     assert cli("status").returncode == 1

@@ -35,5 +35,5 @@ def test_the_transition_time_moves_only_when_the_status_flips():
 
 
 def test_a_value_the_crd_refuses_fails_when_the_condition_is_built():
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValidationError, match=r"reason\n  String should have at most 1024 characters"):
         conditions.set_condition({}, conditions.FAILED, True, "R" * 1025, "", T0, None)

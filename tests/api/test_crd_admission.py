@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import yaml
 from api_spec_cases import INVALID, base_spec, spec_with
 
+from harness.waiting import wait_for
 from tpufinetune.core.api import parse_spec
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
 
@@ -84,23 +84,13 @@ def test_admission_defaults_equal_pydantic_defaults(control_plane, namespace):
     assert stored == expected
 
 
-def _eventually(check, attempts: int = 40, delay: float = 0.25):
-    # The apiserver publishes a new CRD's OpenAPI a moment after it is Established.
-    for _ in range(attempts):
-        result = check()
-        if result:
-            return result
-        time.sleep(delay)
-    return check()
-
-
 def test_kubectl_explain_shows_field_descriptions(control_plane):
     def explain():
         result = control_plane.kubectl("explain", "tpufinetune.spec.tpu", check=False)
         return result if result.returncode == 0 and "topology" in result.stdout else None
 
-    result = _eventually(explain)
-    assert result, "kubectl explain tpufinetune.spec.tpu never succeeded"
+    # The apiserver publishes a new CRD's OpenAPI a moment after it is Established.
+    result = wait_for(explain, 10, "kubectl explain tpufinetune.spec.tpu to succeed", interval=0.25)
     text = " ".join(result.stdout.split())
     assert "Physical chip arrangement of one slice" in text
     assert "chipsPerHost" in text and "Accepted names: v4; v5e (v5litepod)" in text

@@ -114,5 +114,5 @@ def test_a_recreated_namesake_gets_a_different_run():
 
 
 def test_attempts_count_from_one():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="attempt must be >= 1, got 0"):
         submission_id(UID, 0)

@@ -45,7 +45,7 @@ def test_a_bad_variable_is_named_with_the_fix(env, expected):
 
 
 def test_settings_cannot_change_after_start():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"poll_interval\n  Instance is frozen"):
         Settings().poll_interval = 1  # type: ignore[misc]
 
 

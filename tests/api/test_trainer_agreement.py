@@ -117,10 +117,12 @@ def _with_flags(argv: list[str], flags: list[str]) -> list[str]:
 @pytest.mark.parametrize("changes,flags", TRAINER_REFUSALS, ids=lambda v: str(v))
 def test_what_the_trainer_refuses_the_api_refuses(changes, flags):
     argv = _with_flags(trainer_argv(parse_spec(base_spec()), run_name="r"), flags)
-    with pytest.raises(TrainerError):
+    with pytest.raises(TrainerError, match=flags[0].split("=", 1)[0]):  # the trainer names its flag
         _trainer_config(argv)
-    with pytest.raises(SpecError):
+    with pytest.raises(SpecError) as caught:
         parse_spec(spec_with(**changes))
+    changed = {f"spec.{section}.{key}" for section, values in changes.items() for key in values}
+    assert caught.value.field in changed, (caught.value.field, changed)
 
 
 def test_every_trainer_refusal_is_an_admission_case():

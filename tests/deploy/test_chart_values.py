@@ -30,21 +30,25 @@ def test_every_value_is_in_the_schema():
     assert "metrics.serviceMonitor.enabled" in set(keys(VALUES, SCHEMA))
 
 
-@pytest.mark.parametrize("change", [
-    {"serviceAcount": {"create": False}},                   # misspelt key
-    {"metrics": {"serviceMonitor": {"enabled": "yes"}}},    # wrong type
-    {"settings": {"pollInterval": 0}},                      # the operator would refuse it
-    {"image": {"pullPolicy": "Sometimes"}},
+@pytest.mark.parametrize("change,refusal", [
+    ({"serviceAcount": {"create": False}},                  # misspelt key
+     "Additional properties are not allowed ('serviceAcount' was unexpected)"),
+    ({"metrics": {"serviceMonitor": {"enabled": "yes"}}},   # wrong type
+     "'yes' is not of type 'boolean'"),
+    ({"settings": {"pollInterval": 0}},                     # the operator would refuse it
+     "0 is less than or equal to the minimum of 0"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "'Sometimes' is not one of"),
 ])
-def test_the_schema_refuses_bad_values(change):
+def test_the_schema_refuses_bad_values(change, refusal):
     values = json.loads(json.dumps(VALUES))
     for key, value in change.items():
         if isinstance(value, dict) and isinstance(values.get(key), dict):
             values[key] = {**values[key], **value}
         else:
             values[key] = value
-    with pytest.raises(jsonschema.ValidationError):
+    with pytest.raises(jsonschema.ValidationError) as caught:
         jsonschema.validate(values, SCHEMA)
+    assert caught.value.message.startswith(refusal), caught.value.message
 
 
 def test_kubectl_apply_k_deploy_is_the_base():

@@ -3,12 +3,12 @@ the HTTP endpoint serves them (the end-to-end suite scrapes the running operator
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from datetime import datetime, timedelta, timezone
 
 from prometheus_client import REGISTRY
 
+from harness.ports import free_port
 from tpufinetune.adapters import metrics
 
 
@@ -66,9 +66,7 @@ def test_latency_from_apply_is_observed_once_per_resource():
 
 
 def test_the_endpoint_serves_prometheus_text():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     metrics.serve(port, address="127.0.0.1")
     metrics.stepped("Pending", "Provisioning", [("Normal", "CreatingCluster")])
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:

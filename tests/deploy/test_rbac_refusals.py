@@ -6,13 +6,13 @@ of other tests), and the refusal must appear."""
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import yaml
 
 from harness.operator_process import OperatorProcess
 from harness.service_account import rbac_objects, refusals, service_account_kubeconfig
+from harness.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -41,10 +41,8 @@ def test_a_rule_taken_away_shows_up_as_a_refusal_in_the_operator_log(control_pla
     process = OperatorProcess(env, tmp_path / "operator.log")
     process.start()
     try:
-        deadline = time.monotonic() + 60
-        while not any("customresourcedefinitions" in line for line in refusals(process.log_path)):
-            assert time.monotonic() < deadline, process.log_tail()
-            time.sleep(0.5)
+        wait_for(lambda: any("customresourcedefinitions" in line for line in refusals(process.log_path)), 60,
+                 "a refusal of customresourcedefinitions in the operator log", details=process.log_tail)
     finally:
         process.stop()
 
@@ -65,10 +63,8 @@ def test_without_the_workloads_rule_a_queued_run_is_refused_reading_kueues_workl
             "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": "queued"},
             "spec": {"tpu": {"generation": "cpu", "topology": "1"}, "image": "example/trainer:1",
                      "checkpoint": {"storagePath": "/tmp/never"}, "queueName": "tpu-queue"}}))
-        deadline = time.monotonic() + 60
-        while not any("workloads" in line for line in refusals(process.log_path)):
-            assert time.monotonic() < deadline, process.log_tail()
-            time.sleep(0.5)
+        wait_for(lambda: any("workloads" in line for line in refusals(process.log_path)), 60,
+                 "a refusal of workloads in the operator log", details=process.log_tail)
     finally:
         control_plane.kubectl("-n", namespace, "delete", "tpufinetune", "queued", "--wait=false", check=False)
         process.stop()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,8 @@ from kubernetes.utils import parse_quantity
 
 from harness.argocd_health import health
 from harness.kueue import CPU_QUEUE, TPU_QUEUE, V6E_4X4_TPU
+from harness.kubewatch import KubeWatch
+from tpufinetune.core import conditions as cond
 from tpufinetune.core.generations import TPU_RESOURCE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
@@ -60,51 +61,21 @@ def cpu_run(name: str, assets, storage, training: dict, **spec) -> dict:
     }
 
 
-def condition(status: dict, type_: str) -> dict:
-    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
-
-
 def phase_is(kube, name: str, *phases: str):
     return lambda: kube.status(name) if kube.status(name).get("phase") in phases else None
-
-
-class TPUPodWatch:
-    """Polls the namespace's pods and remembers the most google.com/tpu that existed at once.
-    A Pending pod counts (it holds its request); a pod being deleted does not: Kueue returns
-    the quota when the RayCluster is deleted, so at the hand-over the next cluster's pods may
-    be created while the last one's are still terminating (`most_with_terminating`)."""
-
-    def __init__(self, kube):
-        self.kube = kube
-        self.most = 0
-        self.most_with_terminating = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            result = self.kube.kubectl("get", "pods", "-o", "json", check=False)
-            if result.returncode == 0:
-                pods = json.loads(result.stdout)["items"]
-                live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-                self.most = max(self.most, tpu_of(live))
-                self.most_with_terminating = max(self.most_with_terminating, tpu_of(pods))
-                self.samples += 1
-            self._stop.wait(0.5)
-
-    def __enter__(self) -> "TPUPodWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
 
 def tpu_of(pods: list[dict]) -> int:
     return sum(int(parse_quantity((c.get("resources", {}).get("requests") or {}).get(TPU_RESOURCE, 0)))
                for pod in pods for c in pod["spec"]["containers"])
+
+
+def live_tpu_of(pods: list[dict]) -> int:
+    """google.com/tpu of the pods not being deleted. A Pending pod counts (it holds its
+    request); a pod being deleted does not: Kueue returns the quota when the RayCluster is
+    deleted, so at the hand-over the next cluster's pods may be created while the last
+    one's are still terminating."""
+    return tpu_of([p for p in pods if not p["metadata"].get("deletionTimestamp")])
 
 
 def capture_for_argocd(obj: dict, scrub: dict[str, str]) -> None:
@@ -135,10 +106,10 @@ def workloads_of(kube, cluster_uid: str) -> list[dict]:
 
 def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, queued_namespace, kube, ground,
                                                              trainer_assets, tmp_path):
-    with TPUPodWatch(kube) as watch:
+    with KubeWatch(kube.cp.kubeconfig, kube.ns, live=live_tpu_of, with_terminating=tpu_of) as watch:
         kube.apply(tpu_run("first", trainer_assets, tmp_path / "first"))
         # The operator created the RayCluster suspended, and Kueue (not its webhook) admitted it.
-        kube.wait_for(lambda: condition(kube.status("first"), "Admitted").get("status") == "True",
+        kube.wait_for(lambda: cond.is_true(kube.status("first"), cond.ADMITTED),
                       "first admitted", timeout=120)
         kube.apply(tpu_run("second", trainer_assets, tmp_path / "second"))
         queued = kube.wait_for(phase_is(kube, "second", "Queued"), "second Queued", timeout=60)
@@ -147,7 +118,7 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
                       "Kueue's quota message on second", timeout=60)
         status = kube.status("second")
         assert status["message"].startswith(f"queued in {TPU_QUEUE}: "), status["message"]
-        assert condition(status, "Admitted")["status"] == "False"
+        assert cond.find(status, cond.ADMITTED)["status"] == "False"
         assert kube.get("raycluster", second_cluster)["spec"]["suspend"] is True
         assert not kube.pods_of(second_cluster)
         table = kube.kubectl("get", "tpufinetunes").stdout
@@ -160,28 +131,29 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
         # The first runs (its job reaches the trainer, which stops for want of a chip) and ends.
         kube.kubectl("wait", "tpufinetune/first", "--for=condition=Failed", "--timeout=500s", timeout=520)
         first = kube.status("first")
-        assert condition(first, "JobSubmitted").get("status") == "True"
+        assert cond.is_true(first, cond.JOB_SUBMITTED)
         assert "no TPU device" in first["message"], first["message"]
 
         # The quota came back with the first's RayCluster: the second is admitted and runs.
-        kube.wait_for(lambda: condition(kube.status("second"), "Admitted").get("status") == "True",
+        kube.wait_for(lambda: cond.is_true(kube.status("second"), cond.ADMITTED),
                       "second admitted after the first ended", timeout=180)
         kube.kubectl("wait", "tpufinetune/second", "--for=condition=Failed", "--timeout=500s", timeout=520)
         second = kube.status("second")
-        assert condition(second, "JobSubmitted").get("status") == "True"
+        assert cond.is_true(second, cond.JOB_SUBMITTED)
         assert "no TPU device" in second["message"], second["message"]
-        assert condition(second, "Admitted")["lastTransitionTime"] >= first["completionTime"]
+        assert cond.find(second, cond.ADMITTED)["lastTransitionTime"] >= first["completionTime"]
         kube.wait_for(lambda: kube.get("raycluster", second_cluster) is None, "second's RayCluster released", 60)
-    assert watch.samples > 10
-    assert watch.most == V6E_4X4_TPU, f"at most {watch.most} google.com/tpu of pods at once"
-    print(f"google.com/tpu of pods at once: {watch.most}, terminating ones included: {watch.most_with_terminating}")
+    assert watch.events > 10  # every pod of both runs came and went under the watch
+    assert watch.most["live"] == V6E_4X4_TPU, f"at most {watch.most['live']} google.com/tpu of pods at once"
+    print(f"google.com/tpu of pods at once: {watch.most['live']}, terminating ones included: "
+          f"{watch.most['with_terminating']}")
     kube.wait_for(lambda: cluster_queue_usage(kube, "tpu-v6e")["reserving"] == 0, "quota released", timeout=60)
 
 
 def test_a_queued_run_deleted_leaves_nothing_and_takes_no_quota(operator, kueue, queued_namespace, kube,
                                                                  trainer_assets, tmp_path):
     kube.apply(tpu_run("holder", trainer_assets, tmp_path / "holder"))
-    kube.wait_for(lambda: condition(kube.status("holder"), "Admitted").get("status") == "True", "holder admitted", 120)
+    kube.wait_for(lambda: cond.is_true(kube.status("holder"), cond.ADMITTED), "holder admitted", 120)
     # Kueue writes the ClusterQueue's usage a moment after the admission.
     before = kube.wait_for(lambda: (u := cluster_queue_usage(kube, "tpu-v6e"))["usage"].get(TPU_RESOURCE)
                            == str(V6E_4X4_TPU) and u, "16 google.com/tpu reserved", 60)
@@ -199,7 +171,7 @@ def test_a_queued_run_deleted_leaves_nothing_and_takes_no_quota(operator, kueue,
     assert not kube.pods_of(cluster)
     after = kube.wait_for(lambda: (u := cluster_queue_usage(kube, "tpu-v6e"))["pending"] == 0 and u, "no pending", 60)
     assert after["usage"] == before["usage"] and after["admitted"] == before["admitted"], (before, after)
-    assert condition(kube.status("holder"), "Admitted")["status"] == "True"
+    assert cond.is_true(kube.status("holder"), cond.ADMITTED)
 
     # Deleting the admitted run releases the quota as well.
     kube.kubectl("delete", "tpufinetune", "holder", "--timeout=60s", timeout=70)
@@ -217,7 +189,7 @@ def test_a_higher_priority_run_evicts_a_running_one_which_resumes_from_its_check
     kube.apply(cpu_run("high", trainer_assets, tmp_path / "high", {"epochs": 1}, workloadPriorityClassName="high"))
     evicted = kube.wait_for(phase_is(kube, "low", "Queued"), "low evicted back to Queued", timeout=120)
     assert evicted["attempt"] == 2 and evicted["evictions"] == 1
-    assert condition(evicted, "Failed").get("status") != "True"
+    assert not cond.is_true(evicted, cond.FAILED)
 
     kube.kubectl("wait", "tpufinetune/high", "--for=condition=Succeeded", "--timeout=400s", timeout=420)
     # The high run's cluster is released, Kueue admits the low one again, and attempt 2 is
@@ -227,7 +199,7 @@ def test_a_higher_priority_run_evicts_a_running_one_which_resumes_from_its_check
     resumed = kube.wait_for(lambda: (s := kube.status("low")).get("phase") == "Running" and s,
                             "low admitted again and running", timeout=300, interval=1)
     assert resumed["jobId"] == f"tft-{uid}-2"
-    assert condition(resumed, "Admitted")["status"] == "True"
+    assert cond.is_true(resumed, cond.ADMITTED)
     client = kube.head_job_client(resumed["rayClusterName"])
     entrypoint = client.get_job_info(resumed["jobId"]).entrypoint
     resume_from = next(arg.split("=", 1)[1] for arg in entrypoint.split() if arg.startswith("--resume-from="))

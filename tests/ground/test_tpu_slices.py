@@ -11,6 +11,7 @@ import pytest
 from kubernetes.utils import parse_quantity
 
 from harness.nodepools import NODEPOOL_LABEL, tpu_pool
+from tpufinetune.core import conditions as cond
 from tpufinetune.core.generations import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
@@ -116,7 +117,7 @@ def test_a_pool_short_of_capacity_shows_the_schedulers_reason_within_60s(operato
         started = time.monotonic()
 
         def explained():
-            ready = next((c for c in kube.status("short").get("conditions") or [] if c["type"] == "ClusterReady"), {})
+            ready = cond.find(kube.status("short"), cond.CLUSTER_READY) or {}
             return ready if "Insufficient google.com/tpu" in (ready.get("message") or "") else None
 
         condition = kube.wait_for(explained, "ClusterReady with the scheduler's reason", timeout=60)

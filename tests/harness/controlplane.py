@@ -35,7 +35,8 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from pki import write_pki  # noqa: E402
-from processes import alive, free_ports, spawn, stop_process, tail  # noqa: E402
+from ports import free_ports  # noqa: E402
+from processes import alive, spawn, stop_process, tail  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 GO_MODULE = ROOT / "tests" / "controlplane"

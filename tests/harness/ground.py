@@ -41,7 +41,8 @@ from controlplane import (  # noqa: E402
     project_crd_files,
 )
 from nodeagent import kill_marked  # noqa: E402
-from processes import free_ports, spawn, stop_process, tail  # noqa: E402
+from ports import free_ports  # noqa: E402
+from processes import spawn, stop_process, tail  # noqa: E402
 from nodepools import NodePool, default_pools, node_manifest, node_status  # noqa: E402
 
 GC_CONTROLLERS = ",".join([

@@ -15,14 +15,14 @@ Tests that use them are marked `ground` (and `cluster`) automatically.
 from __future__ import annotations
 
 import json
-import socket
-import time
 import urllib.request
 
 import pytest
 import yaml
 
+from harness.ports import free_port
 from harness.processes import tail
+from harness.waiting import wait_for
 from harness.ground import Ground
 from harness.k8s_fixtures import namespace_name
 from harness.service_account import refusals
@@ -37,12 +37,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cluster)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def ground():
     g = Ground()
@@ -55,7 +49,7 @@ def ground():
 
 @pytest.fixture(scope="session")
 def operator(ground):
-    metrics_port = _free_port()
+    metrics_port = free_port()
     process = ground.start_operator(extra_env={
         "TPUFT_METRICS_PORT": str(metrics_port),
         "TPUFT_PROVISION_TIMEOUT": "600",
@@ -119,14 +113,7 @@ class Kube:
         return self.items("pods", "-l", f"ray.io/cluster={cluster}")
 
     def wait_for(self, predicate, what: str, timeout: float = 120, interval: float = 0.5):
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
-            last = predicate()
-            if last:
-                return last
-            time.sleep(interval)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+        return wait_for(predicate, timeout, what, interval)
 
     def status(self, name: str) -> dict:
         return (self.get("tpufinetune", name) or {}).get("status") or {}

@@ -43,7 +43,8 @@ if str(HERE) not in sys.path:
 
 from controlplane import ROOT, ControlPlaneError  # noqa: E402
 from processes import in_private_mount_namespace  # noqa: E402
-from processes import free_ports, spawn, stop_process, tail  # noqa: E402
+from ports import free_ports  # noqa: E402
+from processes import spawn, stop_process, tail  # noqa: E402
 
 KUEUE_BUILD = ROOT / "tests" / "kueue" / "build.sh"
 KUEUE_NAMESPACE = "kueue-system"

@@ -40,7 +40,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -57,6 +56,7 @@ from kubernetes import client, config, watch  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
 from nodepools import SIMULATED_LABEL  # noqa: E402
+from ports import free_ports  # noqa: E402
 from tpufinetune.core.generations import ACCELERATOR_LABEL, GENERATIONS, TOPOLOGY_LABEL, chips_in  # noqa: E402
 
 log = logging.getLogger("nodeagent")
@@ -82,13 +82,6 @@ _OWN_FLAGS = {
 
 def now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def free_port() -> int:
-    # Bound on every address: Ray's GCS and some agents listen on 0.0.0.0.
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        return sock.getsockname()[1]
 
 
 # ---- pure parts ----------------------------------------------------------------------------
@@ -389,7 +382,9 @@ class NodeAgent:
                 if head is None:
                     return
                 run.gcs_address = head.gcs_address
-            ports = {k: free_port() for k in ("gcs", "metrics", "agent_http", "agent_grpc", "runtime_env", "client")}
+            # On every address: Ray's GCS and some agents listen on 0.0.0.0.
+            names = ("gcs", "metrics", "agent_http", "agent_grpc", "runtime_env", "client")
+            ports = dict(zip(names, free_ports(len(names), "0.0.0.0")))
             if run.head:
                 run.gcs_address = f"{run.ip}:{ports['gcs']}"
             # KubeRay's RAY_ADDRESS / RAY_PORT name port 6379 on the head; here the GCS

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +16,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from ports import free_port  # noqa: E402
 from processes import in_private_mount_namespace  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def private_hosts_argv(hosts_file: Path, argv: list[str]) -> list[str]:
@@ -37,7 +31,7 @@ class OperatorProcess:
         self.log_path = log_path
         self.hosts_file = hosts_file
         self.proc: subprocess.Popen | None = None
-        self.port = _free_port()
+        self.port = free_port()
 
     def start(self, timeout: float = 60) -> None:
         argv = [sys.executable, "-m", "tpufinetune.cli", "operator",

@@ -1,4 +1,4 @@
-"""Child processes of the harness: free loopback ports, spawning a binary in a process group
+"""Child processes of the harness: spawning a binary in a process group
 of its own that dies with its parent, stopping it with its whole group, and asking whether a
 pid is alive (psutil: a zombie is not alive)."""
 from __future__ import annotations
@@ -6,26 +6,11 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import threading
 from pathlib import Path
 
 import psutil
-
-
-def free_ports(n: int) -> list[int]:
-    # All sockets stay bound until every port is picked, so the n ports differ.
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 _PR_SET_PDEATHSIG = 1

@@ -4,7 +4,7 @@ in the pure state machine, and the Plan the driver derives from a spec."""
 from datetime import timedelta
 
 import pytest
-from test_phases import IDENT, READY, T0, step
+from phase_helpers import IDENT, READY, T0, step
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases

@@ -5,25 +5,24 @@ loop) read from the pods the real KubeRay made."""
 
 from __future__ import annotations
 
-import time
+import json
 from datetime import datetime, timezone
 
 import pytest
-from test_operator_e2e import released, resource, start_run
+
+from harness.kubewatch import KubeWatch
+from tpufinetune.core import conditions as cond
+from tpufinetune.core.conditions import parse_time
+
+from ground_runs import reconciles, released, resource, start_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.ground]
 
 
-def parse_time(text: str) -> datetime:
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-
-
-def failed_reason(status: dict) -> str:
-    return next((c["reason"] for c in status.get("conditions") or [] if c["type"] == "Failed"), "")
-
-
-def ready_condition(status: dict) -> dict:
-    return next((c for c in status.get("conditions") or [] if c["type"] == "ClusterReady"), {})
+def handled_spec(status: dict) -> dict:
+    """The spec kopf last handled (its diff base, kept in status.kopf)."""
+    text = (status.get("kopf") or {}).get("lastHandledConfiguration")
+    return json.loads(text).get("spec", {}) if text else {}
 
 
 def test_the_deadline_stops_the_job_and_the_ttl_keeps_then_releases_the_slice(operator, ground, kube, trainer_assets, tmp_path):
@@ -39,7 +38,7 @@ def test_the_deadline_stops_the_job_and_the_ttl_keeps_then_releases_the_slice(op
 
     status = kube.wait_for(lambda: (s := kube.status("tiny-deadline")).get("phase") == "Failed" and s,
                            "phase Failed", timeout=60)
-    assert failed_reason(status) == "DeadlineExceeded", status["message"]
+    assert cond.find(status, cond.FAILED)["reason"] == "DeadlineExceeded", status["message"]
     assert f"spec.activeDeadlineSeconds ({deadline} s)" in status["message"]
     # The TTL keeps the cluster for debugging: its head still answers, and the job on it
     # was stopped by the operator.
@@ -66,13 +65,21 @@ def test_the_ttl_keeps_the_raycluster_then_the_operator_wakes_up_to_release_it(o
     completed, release = parse_time(status["completionTime"]), parse_time(status["rayClusterReleaseTime"])
     assert (release - completed).total_seconds() == ttl
     pods = kube.pods_of(cluster)
-    # Kept until then (a second of slack for the clock's resolution) ...
-    while (release - datetime.now(timezone.utc)).total_seconds() > 1:
-        body = kube.get("raycluster", cluster)
-        assert body is not None and not body["metadata"].get("deletionTimestamp"), "released before the TTL"
-        time.sleep(1)
-    # ... then released with nothing else happening to wake the operator: it woke itself.
-    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released after the TTL", timeout=30)
+
+    def released_early(clusters: list[dict]) -> int:
+        """1 if, at this event, the RayCluster is gone or being deleted before the TTL (a
+        second of slack for the clock's resolution)."""
+        ours = [c for c in clusters if c["metadata"]["name"] == cluster]
+        gone = not ours or any(c["metadata"].get("deletionTimestamp") for c in ours)
+        return int(gone and (release - datetime.now(timezone.utc)).total_seconds() > 1)
+
+    # Kept until then (every change to it is seen by the watch) ...
+    with KubeWatch(kube.cp.kubeconfig, kube.ns, resource=("ray.io", "v1", "rayclusters"), early=released_early) as seen:
+        # ... then released with nothing else happening to wake the operator: it woke itself.
+        left = (release - datetime.now(timezone.utc)).total_seconds()
+        kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released after the TTL",
+                      timeout=max(left, 0) + 30)
+    assert seen.most["early"] == 0, "released before the TTL"
     assert datetime.now(timezone.utc) >= release
     released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])
 
@@ -89,11 +96,11 @@ def test_provisioning_names_the_worst_pod_state_and_the_hosts_ready(operator, ku
 
     def named():
         status = kube.status("tiny-stuck")
-        return ready_condition(status).get("reason") in reasons and status
+        return (cond.find(status, cond.CLUSTER_READY) or {}).get("reason") in reasons and status
 
     status = kube.wait_for(named, f"ClusterReady reason in {reasons}", timeout=120)
     assert status["phase"] == "Provisioning"
-    condition = ready_condition(status)
+    condition = cond.find(status, cond.CLUSTER_READY)
     assert condition["status"] == "False"
     assert status["message"] == condition["message"]
     assert status["message"].startswith("hosts ready 0/2; pod "), status["message"]
@@ -114,9 +121,16 @@ def test_a_retry_after_an_edit_that_changes_the_slice_runs_on_a_rebuilt_cluster(
     old = kube.get("raycluster", cluster)
     kube.kubectl("patch", "tpufinetune", "tiny-rebuild", "--type=merge", "-p",
                  '{"spec": {"tpu": {"generation": "cpu", "topology": "2"}}}')
-    time.sleep(3)
+    # The operator took the edit in (kopf ran its spec handler, which wakes the run, and
+    # keeps the handled spec as its diff base), then completed two more steps of the
+    # running run with the edit in hand: it is not applied yet, and the status says so.
+    kube.wait_for(lambda: handled_spec(kube.status("tiny-rebuild")).get("tpu", {}).get("topology") == "2",
+                  "the operator handled the edit", timeout=60)
+    steps = reconciles(operator, "Running")
+    kube.wait_for(lambda: reconciles(operator, "Running") >= steps + 2, "two steps after the edit", timeout=60)
     status = kube.status("tiny-rebuild")
     assert status["phase"] == "Running" and status["observedGeneration"] == 1  # not applied yet
+    assert kube.get("raycluster", cluster)["metadata"]["uid"] == old["metadata"]["uid"]
     # The attempt ends (stopped outside the operator): the retry rebuilds the cluster first.
     kube.head_job_client(cluster).stop_job(status["jobId"])
 

@@ -4,7 +4,7 @@ hosts that are ready."""
 
 from datetime import timedelta
 
-from test_phases import IDENT, T0, step
+from phase_helpers import IDENT, T0, step
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases

@@ -13,12 +13,11 @@ import json
 import os
 import subprocess
 import threading
-import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from ground_runs import scrape
 from harness.argocd_health import health
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
@@ -92,13 +91,6 @@ def capture(seen: dict[str, dict], scrub: dict[str, str]) -> None:
         for real, placeholder in scrub.items():
             text = text.replace(real, placeholder)
         (CAPTURE_DIR / f"{phase.lower()}.json").write_text(text)
-
-
-def scrape(operator) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(operator.metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def delta(before: dict, after: dict, name: str, **labels) -> float:

@@ -9,47 +9,15 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
+from tpufinetune.core import conditions as cond
+
+from ground_runs import jobs_of, reconciles, released, resource, start_run
+
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
-
-
-def resource(name: str, assets, storage, mode: str = "finetune", epochs: int = 2, **extra) -> dict:
-    spec = {
-        "tpu": {"generation": "cpu", "topology": "2"},
-        "mode": mode,
-        "image": "registry.example/tpufinetune-trainer:test",
-        "model": {"id": str(assets.model)},
-        "dataset": {"id": str(assets.data), "split": "train"},
-        "training": {"epochs": epochs, "batchSizePerDevice": 4, "maxSeqLen": 128},
-        "checkpoint": {"storagePath": str(storage)},
-    }
-    for key, value in extra.items():
-        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
-    return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": name}, "spec": spec}
-
-
-def jobs_of(kube, cluster: str, uid: str) -> list:
-    client = kube.head_job_client(cluster)
-    return [job for job in client.list_jobs() if (job.submission_id or "").startswith(f"tft-{uid}-")]
-
-
-def start_run(kube, manifest) -> tuple[str, str]:
-    kube.apply(manifest)
-    name = manifest["metadata"]["name"]
-    uid = kube.get("tpufinetune", name)["metadata"]["uid"]
-    cluster = kube.wait_for(lambda: kube.status(name).get("rayClusterName"), "rayClusterName in status")
-    return uid, cluster
-
-
-def released(kube, ground, cluster: str, pod_uids: list[str]) -> None:
-    """The RayCluster and its pods are gone (the real garbage collector took the pods) and
-    no Ray process of those pods is left on the machine."""
-    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster deleted", timeout=60)
-    kube.wait_for(lambda: not kube.pods_of(cluster), "pods collected", timeout=90)
-    kube.wait_for(lambda: not any(ground.ray_processes(uid) for uid in pod_uids),
-                  "Ray processes of the cluster stopped", timeout=60)
 
 
 def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground, kube, trainer_assets, tmp_path):
@@ -78,7 +46,9 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
     assert status["history"][-1]["loss"] < status["history"][0]["loss"]
     assert status["epochProgress"] == "2/2"
     assert status["checkpointURI"] and str(tmp_path / "ckpt") in status["checkpointURI"]
-    assert status.get("exportedModelURI")
+    export = Path(status["exportedModelURI"])  # the trainer's export, where the spec's storage is
+    assert export.parent.parent == tmp_path / "ckpt" and export.name == "export", export
+    assert {"config.json", "model.safetensors"} <= {p.name for p in export.iterdir()}
     assert status["jobId"] == f"tft-{uid}-1"
     assert status["observedGeneration"] == 1
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
@@ -157,7 +127,11 @@ def test_operator_restart_mid_run_reattaches_without_a_second_submission(operato
     before = kube.status("tiny-restart")["jobId"]
     operator.kill()
     operator.start()
-    assert len(jobs_of(kube, cluster, uid)) == 1
+    # The new process counts its own steps from 0: once it has completed two of the
+    # running run's (each after its status write and its actions), any second submission
+    # would be on the head.
+    kube.wait_for(lambda: reconciles(operator, "Running") >= 2, "two steps of the restarted operator", timeout=120)
+    assert [job.submission_id for job in jobs_of(kube, cluster, uid)] == [before]
     kube.kubectl("wait", "tpufinetune/tiny-restart", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
     status = kube.status("tiny-restart")
     assert status["jobId"] == before == f"tft-{uid}-1"
@@ -171,6 +145,6 @@ def test_a_problem_only_the_trainer_can_see_ends_failed_with_its_reason(operator
     status = kube.status("tiny-baddata")
     assert status["phase"] == "Failed"
     assert "missing.jsonl" in status["message"]
-    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    failed = cond.find(status, cond.FAILED)
     assert failed["reason"] == "TrainerFailed"
     kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released", timeout=60)

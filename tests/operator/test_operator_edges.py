@@ -8,6 +8,7 @@ import sys
 import pytest
 import yaml
 
+from tpufinetune.core import conditions as cond
 from tpufinetune.core.api import parse_spec
 from tpufinetune.core.sizing import render_raycluster
 
@@ -25,8 +26,7 @@ def test_a_raycluster_it_does_not_own_is_refused_with_a_condition_and_left_alone
                 "metadata": {"name": "taken"}, "spec": spec})
 
     def refused():
-        conditions = kube.status("taken").get("conditions") or []
-        return any(c["type"] == "ClusterReady" and c["reason"] == "NotOwned" for c in conditions)
+        return (cond.find(kube.status("taken"), cond.CLUSTER_READY) or {}).get("reason") == "NotOwned"
 
     kube.wait_for(refused, "ClusterReady=False reason NotOwned", timeout=60)
     assert "not owned" in kube.status("taken")["message"]

@@ -1,6 +1,6 @@
 """The pure state machine: every transition, retry, failure message and deletion rule."""
 
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 
 import pytest
 
@@ -8,20 +8,7 @@ from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
 from tpufinetune.core.phases import ClusterView, Identity, JobView, Observations, Plan
 
-T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
-IDENT = Identity("demo", "ns", "uid-1", generation=3)
-PLAN = Plan(cluster_name="demo-rc", epochs=2, max_retries=0, provision_timeout=timedelta(minutes=30))
-READY = ClusterView(exists=True, owned=True, ready=True, dashboard_url="http://head:8265")
-
-
-def step(status, plan=PLAN, **obs):
-    obs.setdefault("now", T0)
-    return phases.transition(IDENT, plan, status, Observations(**obs))
-
-
-def kinds(decision):
-    return [type(a).__name__ for a in decision.actions]
-
+from phase_helpers import IDENT, PLAN, READY, T0, kinds, step
 
 def running_status():
     d = step({})

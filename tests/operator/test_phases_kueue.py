@@ -8,7 +8,7 @@ from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
 from tpufinetune.core.phases import ClusterView, JobView, QueueView
 
-from test_phases import PLAN, T0, kinds, step
+from phase_helpers import PLAN, T0, kinds, step
 
 QPLAN = phases.Plan(cluster_name="demo-rc", epochs=2, max_retries=0,
                     provision_timeout=timedelta(minutes=30), queue="tpu-queue")

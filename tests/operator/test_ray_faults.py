@@ -15,7 +15,6 @@ import io
 import shlex
 import socket
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +23,9 @@ import pytest
 from aiohttp import web
 from ray.exceptions import AuthenticationError
 
+from harness.ports import free_port
+from harness.waiting import wait_for
+from tpufinetune import driver
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
@@ -59,13 +61,11 @@ def local_run(ray_head, body: dict, address: str | None = None, jobs: RayJobs | 
 
 
 def wait_job(client, job_id: str, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """The job's final status, once it ended."""
+    def ended():
         status = str(client.get_job_status(job_id).value)
-        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
-            return status
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} did not end in {timeout}s")
+        return status if status in ("SUCCEEDED", "FAILED", "STOPPED") else None
+    return wait_for(ended, timeout, f"job {job_id} to end")
 
 
 def printing_job(ray_head, tmp_path, lines: list[str]) -> str:
@@ -99,18 +99,14 @@ def test_the_log_tail_of_a_failed_job_is_cut_on_the_head(ray_head, tmp_path):
     jobs = RayJobs(headers=ray_head.headers(), timeout=10)
     # The head writes the driver's log file asynchronously: under load its last lines land
     # a moment after the job is FAILED.
-    deadline = time.monotonic() + 20
-    tail = jobs.log_tail(ray_head.dashboard_url, job_id)
-    while tail.split(" | ")[-1] != "line 4999" and time.monotonic() < deadline:
-        time.sleep(0.5)
-        tail = jobs.log_tail(ray_head.dashboard_url, job_id)
-    assert tail.split(" | ")[-1] == "line 4999"
+    tail = wait_for(lambda: (t := jobs.log_tail(ray_head.dashboard_url, job_id)).split(" | ")[-1] == "line 4999" and t,
+                    20, "the log's last line, line 4999, in the tail")
     assert "line 4990" not in tail and len(tail.split(" | ")) <= 8
 
 
 def test_a_refused_token_is_an_error_never_a_lost_job(ray_head):
     jobs = RayJobs(headers={"Authorization": "Bearer wrong"}, timeout=10)
-    with pytest.raises(AuthenticationError):
+    with pytest.raises(AuthenticationError, match="^Authentication failed: "):  # 403: a token, not this one
         jobs.job(ray_head.dashboard_url, "tft-never-submitted-1")
 
 
@@ -170,7 +166,7 @@ class ClosingProxy:
         app.router.add_route("*", "/{path:.*}", self.handle)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(self.runner, "127.0.0.1", port).start()
         self.address = f"http://127.0.0.1:{port}"
 
@@ -204,12 +200,6 @@ class ClosingProxy:
                     break
         await ws.close()  # a clean close, mid-run for the first stream
         return ws
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -276,35 +266,56 @@ def test_a_retry_stops_the_previous_attempt_before_it_submits(ray_head, trainer_
     client.stop_job(f"tft-{uid}-2")
 
 
+class SubmitWatch(RayJobs):
+    """Ray's Job API as the driver uses it, asking the head at every submission which of
+    the run's jobs are active. A job becomes active only by a submission, so a check at
+    each one sees any overlap, however short (a sample every few tenths would not)."""
+
+    def __init__(self, client, uid: str, **kwargs):
+        super().__init__(**kwargs)
+        self.head, self.uid = client, uid
+        self.active_at_submit: list[tuple[str, list[str]]] = []
+
+    def submit(self, address, submission_id, *args) -> None:
+        active = [j.submission_id for j in self.head.list_jobs()
+                  if (j.submission_id or "").startswith(f"tft-{self.uid}-") and str(j.status.value) in phases.JOB_ACTIVE]
+        self.active_at_submit.append((submission_id, active))
+        super().submit(address, submission_id, *args)
+
+
 @pytest.mark.slow
-def test_a_retry_never_overlaps_its_previous_attempt_and_leaves_no_task_behind(ray_head, trainer_assets, tmp_path):
+def test_a_retry_never_overlaps_its_previous_attempt_and_leaves_no_task_behind(ray_head, trainer_assets, tmp_path,
+                                                                                monkeypatch):
     body = resource(trainer_assets, tmp_path / "ckpt", maxRetries=1)
     body["spec"]["dataset"] = {"id": str(tmp_path / "missing.jsonl"), "split": "train"}  # every attempt fails
     uid = body["metadata"]["uid"]
-    client = ray_head.job_client()
-    most_jobs_active, most_streams = 0, 0
+    streams_at_start: list[tuple[str, int]] = []
+
+    class CountedFollower(LogFollower):
+        """The driver's log follower, counting the streams still running when it starts."""
+
+        def start(self) -> None:
+            live = [t for t in asyncio.all_tasks() if t.get_name().startswith("logs-") and not t.done()]
+            streams_at_start.append((self.submission_id, len(live)))
+            super().start()
+
+    monkeypatch.setattr(driver, "LogFollower", CountedFollower)
+    jobs = SubmitWatch(ray_head.job_client(), uid, headers=ray_head.headers(), timeout=5)
 
     async def scenario():
-        nonlocal most_jobs_active, most_streams
-        run = local_run(ray_head, body)
-        done = asyncio.create_task(run.run(asyncio.Event()))
-        while not done.done():
-            ours = await asyncio.to_thread(client.list_jobs)
-            active = [j for j in ours if (j.submission_id or "").startswith(f"tft-{uid}-")
-                      and str(j.status.value) in phases.JOB_ACTIVE]
-            streams = [t for t in asyncio.all_tasks() if t.get_name().startswith("logs-") and not t.done()]
-            most_jobs_active = max(most_jobs_active, len(active))
-            most_streams = max(most_streams, len(streams))
-            await asyncio.wait({done}, timeout=0.3)
-        await done
+        run = local_run(ray_head, body, jobs=jobs)
+        await asyncio.wait_for(run.run(asyncio.Event()), 600)
         left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         return run.status, left
 
     status, left = asyncio.run(scenario())
     assert status["phase"] == phases.FAILED and status["attempt"] == 2
     assert "missing.jsonl" in status["message"]
-    assert most_jobs_active <= 1
-    assert most_streams <= 1  # attempt 1's follower was closed before attempt 2's started
+    # Nothing of the run was active when either attempt went in.
+    assert jobs.active_at_submit == [(f"tft-{uid}-1", []), (f"tft-{uid}-2", [])]
+    # Attempt 1's follower was closed before attempt 2's started (each attempt has one).
+    assert [n for _, n in streams_at_start] == [0] * len(streams_at_start)
+    assert {job for job, _ in streams_at_start} == {f"tft-{uid}-1", f"tft-{uid}-2"}
     assert left == []  # nothing runs on after a terminal phase
 
 

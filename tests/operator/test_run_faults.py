@@ -13,15 +13,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import requests
 
 from tpufinetune.adapters.kube import cluster_view
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
+from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
 from tpufinetune.core.phases import ClusterView
 from tpufinetune.driver import Run
@@ -86,6 +89,19 @@ class MemoryCluster:
         self.events.append(reason)
 
 
+class WatchedLock(asyncio.Lock):
+    """The Run's lock, telling when a step had to wait for it (an event, not a sleep)."""
+
+    def __init__(self):
+        super().__init__()
+        self.contended = asyncio.Event()
+
+    async def acquire(self):
+        if self.locked():
+            self.contended.set()
+        return await super().acquire()
+
+
 def body(status: dict | None = None, **meta) -> dict:
     return {"metadata": {"name": "demo", "namespace": "ns", "uid": "uid-1", "generation": 1, **meta},
             "spec": dict(SPEC), "status": dict(status or {})}
@@ -106,6 +122,7 @@ async def test_deleting_waits_for_the_daemons_step_and_nothing_is_created_after_
     live = body()
     run = Run(live, cluster, RayJobs(), settings())
     await run.step()  # Pending: identities reserved
+    run.lock = WatchedLock()
     cluster.create_gate = asyncio.Event()
     daemon_step = asyncio.create_task(run.step())  # Pending -> Provisioning: creates, slowly
     while "create" not in cluster.calls:
@@ -113,8 +130,13 @@ async def test_deleting_waits_for_the_daemons_step_and_nothing_is_created_after_
 
     live["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     delete_step = asyncio.create_task(run.step(deleting=True))  # kopf's on.delete, same Run
-    await asyncio.sleep(0.05)
-    assert not delete_step.done()  # it waits for the daemon's step instead of racing it
+    # Until the delete step either waits for the daemon's step or ends without waiting.
+    contended = asyncio.create_task(run.lock.contended.wait())
+    await asyncio.wait({delete_step, contended}, return_when=asyncio.FIRST_COMPLETED)
+    contended.cancel()
+    assert not delete_step.done(), "the delete step ran beside the daemon's step"
+    assert run.lock.contended.is_set()
+    assert cluster.calls == ["status:Pending", "status:Provisioning", "create"]  # nothing of the delete yet
     cluster.create_gate.set()
     await daemon_step
     decision = await delete_step
@@ -148,14 +170,14 @@ async def test_a_head_that_refuses_connections_fails_the_run_after_the_setting_a
     cluster = MemoryCluster(address)
     cluster.exists = True
     run = Run(body(running_status(address)), cluster, RayJobs(timeout=0.5), settings(ray_unreachable_timeout=1))
-    with pytest.raises(Exception):
+    with pytest.raises(ConnectionError, match=f"Failed to connect to Ray at address: {re.escape(address)}"):
         await run.step()  # transient at first: the step is retried
     assert run.status["phase"] == phases.RUNNING
     await asyncio.sleep(1.1)
     decision = await run.step()
     closed.close()
     assert decision.phase == phases.FAILED
-    failed = next(c for c in decision.status["conditions"] if c["type"] == "Failed")
+    failed = cond.find(decision.status, cond.FAILED)
     assert failed["reason"] == "RayUnreachable"
     assert address in failed["message"] and "has not answered for" in failed["message"]
     assert cluster.calls[-1] == "delete" and not cluster.exists
@@ -172,8 +194,9 @@ async def test_a_black_holed_head_costs_one_bounded_call_not_a_stalled_run():
     run = Run(body(running_status(address)), cluster, RayJobs(timeout=0.5), settings(ray_unreachable_timeout=600))
     try:
         started = time.monotonic()
-        with pytest.raises(Exception):
-            # A hang detector, not a timing target: without a timeout this never returns.
+        # The call's own timeout ends it (a ReadTimeout, not the 30 s hang detector's
+        # asyncio TimeoutError): without one it would never return.
+        with pytest.raises(requests.exceptions.ReadTimeout, match=r"read timeout=0\.5"):
             await asyncio.wait_for(run.step(), 30)
         assert time.monotonic() - started < 30
     finally:
@@ -223,7 +246,7 @@ async def test_after_a_write_whose_answer_was_lost_the_next_decision_starts_from
     run = Run(body(), cluster, RayJobs(), settings())
     await run.step()  # Pending
     cluster.lose_next_answer = True
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match="the API server did not answer in time"):
         await run.step()  # Provisioning written, but the run could not know
     assert cluster.status["phase"] == phases.PROVISIONING
     decision = await run.step()

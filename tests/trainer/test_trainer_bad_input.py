@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import time
 
 import pytest
 
+from harness.waiting import wait_for
 from trainer_helpers import events_of, offline_env, run_trainer, write_jsonl
 
 pytestmark = pytest.mark.ray
@@ -78,10 +78,7 @@ def test_a_worker_failure_ends_the_job_with_a_failure_event(ray_head, trainer_as
     args = dict(base_args(trainer_assets, tmp_path / "storage"), **{"--model-id": str(broken)})
     client = ray_head.job_client()
     job_id = client.submit_job(entrypoint=shlex.join(["tpufinetune-train", *_argv(args)]))
-    deadline = time.monotonic() + 420
-    while not client.get_job_status(job_id).is_terminal():
-        assert time.monotonic() < deadline, "job hung"
-        time.sleep(2)
+    wait_for(lambda: client.get_job_status(job_id).is_terminal(), 420, "the job to end (it hung)", interval=2)
     logs = client.get_job_logs(job_id)
     assert str(client.get_job_status(job_id).value) == "FAILED", logs[-4000:]
     events = events_of(logs)

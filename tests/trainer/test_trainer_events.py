@@ -50,7 +50,7 @@ def test_non_finite_numbers_become_null_not_invalid_json():
 
 
 def test_unknown_kinds_cannot_be_emitted():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown event kind 'heartbeat'; expected one of"):
         format_event("heartbeat", x=1)
 
 

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from tpufinetune_trainer.data import encode_rows, load_rows
 from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
 
+from harness.waiting import wait_for
 from trainer_helpers import Run, events_of, offline_env, run_trainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -46,12 +47,11 @@ def trained(ray_head, trainer_assets, tmp_path_factory):
                              "--max-failures", "1", "--fail-at-step", str(FAIL_AT)])
     client = ray_head.job_client()
     job_id = client.submit_job(entrypoint=entrypoint, submission_id=f"tpuft-test-{int(time.time())}")
-    deadline = time.monotonic() + 480
-    while not client.get_job_status(job_id).is_terminal():
-        if time.monotonic() > deadline:
-            client.stop_job(job_id)
-            pytest.fail(f"finetune job hung:\n{client.get_job_logs(job_id)[-4000:]}")
-        time.sleep(2)
+    try:
+        wait_for(lambda: client.get_job_status(job_id).is_terminal(), 480, "the finetune job to end", interval=2)
+    except AssertionError:
+        client.stop_job(job_id)
+        pytest.fail(f"finetune job hung:\n{client.get_job_logs(job_id)[-4000:]}")
     logs = client.get_job_logs(job_id)
     status = client.get_job_status(job_id)
     assert str(status.value) == "SUCCEEDED", logs[-6000:]

@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from harness.ports import free_port
 from harness.rayhead import REPO, VENV_BIN
 
 from tpufinetune_trainer.events import PREFIX, Event, parse_text
@@ -78,9 +78,7 @@ def single_process_group():
     """A real one-rank gloo process group on a free loopback port (FSDP2 and DCP need one)."""
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         yield
