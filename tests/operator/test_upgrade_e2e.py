@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from test_operator_e2e import jobs_of, resource, start_run
+from ground_runs import jobs_of, resource, start_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
