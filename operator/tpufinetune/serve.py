@@ -55,8 +55,10 @@ def run(args: argparse.Namespace) -> int:
         log_format=kopf.LogFormat.JSON if args.json_logs else kopf.LogFormat.FULL,
     )
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
-    # kopf logs each liveness probe's success at INFO (every few seconds); its failure is an error.
+    # kopf logs each liveness probe's success at INFO (every few seconds), and a failing
+    # probe as one error line; aiohttp would add the same failure's traceback to each 500.
     logging.getLogger("kopf.activities.probe").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     metrics_port = args.metrics_port if args.metrics_port is not None else int(os.environ.get("TPUFT_METRICS_PORT") or 0)
     if metrics_port:
         from tpufinetune.adapters import metrics
