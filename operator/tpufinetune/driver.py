@@ -6,7 +6,9 @@ difference is only the ClusterBackend (Kubernetes RayCluster, or a local Ray hea
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
@@ -16,6 +18,7 @@ from tpufinetune.core.api import SpecError, parse_stored_spec
 from tpufinetune.core.jobspec import job_submission, submission_id
 from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
+from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.settings import Settings
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
@@ -49,10 +52,14 @@ def status_patch(old: dict, new: dict) -> dict:
 class Run:
     """One resource's run. Holds the last status it wrote: the operator is its only writer."""
 
-    def __init__(self, body, backend: ClusterBackend, jobs: RayJobs, settings: Settings):
+    def __init__(self, body, backend: ClusterBackend, jobs: RayJobs, settings: Settings,
+                 progress: ProgressTracker | None = None):
         """`body` may be kopf's live view of the object: spec edits (suspend) are seen
-        on the next step without restarting the run."""
+        on the next step without restarting the run. `progress` (shared by the operator's
+        runs, read by its liveness probe) hears of each status write and failed status
+        read or write."""
         self.body = body
+        self.progress = progress if progress is not None else ProgressTracker()
         self.backend = backend
         self.jobs = jobs
         self.settings = settings
@@ -230,7 +237,11 @@ class Run:
     async def _reread_status(self) -> None:
         """After a failed write our copy may not be what the object holds (the write may
         even have landed): decide from what the API server says."""
-        status = await self.backend.read_status(self.ident)
+        try:
+            status = await self.backend.read_status(self.ident)
+        except Exception as error:
+            self._status_failed(error)
+            raise
         if status is not None:
             self.status = {k: v for k, v in status.items() if k != "kopf"}
         self.status_stale = False
@@ -243,10 +254,20 @@ class Run:
         if patch:
             try:
                 await self.backend.write_status(self.ident, patch, new)
-            except BaseException:
+            except BaseException as error:
                 self.status_stale = True
+                if isinstance(error, Exception):
+                    self._status_failed(error)
                 raise
         self.status = new
+        self.progress.written(self.progress_key)
+
+    @property
+    def progress_key(self) -> tuple[str, str, str]:
+        return (self.ident.namespace, self.ident.name, self.ident.uid)
+
+    def _status_failed(self, error: Exception) -> None:
+        self.progress.failed(self.progress_key, time.monotonic(), _one_line(error))
 
     async def _perform(self, decision: Decision) -> None:
         for action in decision.actions:
@@ -378,6 +399,21 @@ class Run:
 
     async def close(self) -> None:
         await self._close_follower()
+
+
+def _one_line(error: Exception) -> str:
+    """An error in one line: the API server's own message when it sent one (a Kubernetes
+    ApiException carries it in a JSON body), else the error's first line."""
+    body = getattr(error, "body", None)
+    if isinstance(body, (str, bytes)):
+        try:
+            message = json.loads(body).get("message")
+        except (ValueError, AttributeError):
+            message = None
+        if message:
+            return f"{getattr(error, 'status', '')} {message}".strip()[:300]
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 class RetryNotReady(RuntimeError):

@@ -1,6 +1,7 @@
 """`tpufinetune operator`: start the kopf operator with the handlers in handlers.py.
 
-Liveness: kopf serves `GET /healthz` on --liveness (default http://0.0.0.0:8080/healthz).
+Liveness: kopf serves `GET /healthz` on --liveness (default http://0.0.0.0:8080/healthz);
+it fails once a run's status could not be written for TPUFT_STALL_TIMEOUT (handlers.py).
 Metrics: Prometheus text on --metrics-port (or $TPUFT_METRICS_PORT; 0, the default, is off);
 see metrics.py.
 Peering: off by default (`--standalone`); run one replica, or pass --peering NAME with the
@@ -54,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
         log_format=kopf.LogFormat.JSON if args.json_logs else kopf.LogFormat.FULL,
     )
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    # kopf logs each liveness probe's success at INFO (every few seconds), and a failing
+    # probe as one error line; aiohttp would add the same failure's traceback to each 500.
+    logging.getLogger("kopf.activities.probe").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     metrics_port = args.metrics_port if args.metrics_port is not None else int(os.environ.get("TPUFT_METRICS_PORT") or 0)
     if metrics_port:
         from tpufinetune.adapters import metrics

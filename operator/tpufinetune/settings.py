@@ -9,6 +9,7 @@
 | TPUFT_PROVISION_TIMEOUT | 1800 | seconds to wait for a RayCluster to become ready before failing and releasing it |
 | TPUFT_RAY_TIMEOUT | 10 | seconds any one call to a Ray head may take (connect and answer); a head that accepts connections and never answers costs no more |
 | TPUFT_RAY_UNREACHABLE_TIMEOUT | 600 | seconds a submitting or running job's head may stay unreachable (down, crash-looping, refusing the token, its RayCluster deleted) before the run ends Failed with reason RayUnreachable and the slice is released |
+| TPUFT_STALL_TIMEOUT | 300 | seconds a run's status may fail to be written (any error: refused, unreachable API server) before the operator's /healthz fails, so that Kubernetes restarts it; a successful write resets the clock |
 | TPUFT_NAMESPACE | (all) | watch only this namespace |
 """
 
@@ -38,6 +39,7 @@ class Settings(BaseModel):
     provision_timeout: float = Field(1800.0, gt=0)
     ray_timeout: float = Field(10.0, gt=0, le=300)
     ray_unreachable_timeout: float = Field(600.0, gt=0)
+    stall_timeout: float = Field(300.0, gt=0)
     namespace: str = ""
 
     @classmethod

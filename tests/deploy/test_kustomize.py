@@ -19,7 +19,8 @@ pytestmark = pytest.mark.cluster
 # Each rule has one caller (deploy/base/clusterrole.yaml says which). Widening this is a
 # decision: the end-to-end suite shows these are enough (zero Forbidden responses).
 EXPECTED_RULES = [
-    {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes"], "verbs": ["list", "watch", "patch"]},
+    # get: driver.Run._reread_status (KubeBackend.read_status), after a refused status write.
+    {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes/status"], "verbs": ["patch"]},
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},

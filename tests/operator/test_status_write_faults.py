@@ -1,30 +1,32 @@
-"""Status writes refused around the end of a real job lose nothing.
+"""Status writes refused around the end of a real job lose nothing, and an operator that
+cannot write a run's status says so on /healthz.
 
-Real parts: the kube-apiserver (its status subresource, and a ValidatingAdmissionPolicy
-that refuses every write of tpufinetunes/status in the test's namespace, as a
-misbehaving policy or webhook would), the operator's KubeBackend, a local Ray head, the
-trainer's real finetune job. No KubeRay runs on the bare control plane: the test marks
-the RayCluster the run created as ready (what KubeRay would write), and the local head
-stands in for its head (TPUFT_DASHBOARD_URL).
+On the ground (harness/ground.py), with the operator as deployed: deploy/'s ServiceAccount
+and ClusterRole (the `operator` fixture's TokenRequest token) and deploy/base's settings
+ConfigMap as shipped (poll interval, timeouts), except TPUFT_STALL_TIMEOUT, shortened so
+that the refusal outlasts it within the test. The refusal comes from the real
+kube-apiserver: a ValidatingAdmissionPolicy that refuses every write of
+tpufinetunes/status in the test's namespace, as a misbehaving policy or webhook would.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
 
-from tpufinetune.adapters.kube import KubeBackend
-from tpufinetune.adapters.rayjobs import RayJobs
-from tpufinetune.core import phases
-from tpufinetune.driver import Run
-from tpufinetune.settings import Settings
+from test_fault_e2e import operator_with, running
+from test_operator_e2e import jobs_of, resource, start_run
 
-pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 REFUSAL = "status writes are refused by the test's admission policy"
+SETTINGS = Path(__file__).resolve().parents[2] / "deploy" / "base" / "configmap.yaml"
+STALL_S = 10  # TPUFT_STALL_TIMEOUT for this test (shipped: minutes)
+REFUSED_S = 20  # the least time the policy stays
 
 
 def refuse_status_writes(namespace: str) -> list[dict]:
@@ -45,63 +47,59 @@ def refuse_status_writes(namespace: str) -> list[dict]:
     ]
 
 
-class Backend(KubeBackend):
-    """The operator's KubeBackend; its Events go to a list, since kopf posts them only
-    from inside a running operator (and they are not what this test is about)."""
-
-    events: list[str] = []
-
-    def record(self, ident, type_, reason, message):
-        self.events.append(reason)
+def shipped_settings() -> dict[str, str]:
+    """The operator's environment from deploy/base's settings ConfigMap."""
+    return dict(yaml.safe_load(SETTINGS.read_text())["data"])
 
 
-def test_refused_status_writes_around_the_job_end_lose_no_epoch_and_no_result(
-        control_plane, kuberay_crd, k8s_api, namespace, ray_head, trainer_assets, tmp_path):
-    kubectl = control_plane.kubectl
-    manifest = {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": "refused"},
-                "spec": {"tpu": {"generation": "cpu", "topology": "2"}, "mode": "finetune",
-                         "image": "registry.example/tpufinetune-trainer:test",
-                         "model": {"id": str(trainer_assets.model)},
-                         "dataset": {"id": str(trainer_assets.data), "split": "train"},
-                         "training": {"epochs": 2, "batchSizePerDevice": 4, "maxSeqLen": 128},
-                         "checkpoint": {"storagePath": str(tmp_path / "ckpt")}}}
-    kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump(manifest))
-    body = json.loads(kubectl("-n", namespace, "get", "tpufinetune", "refused", "-o", "json").stdout)
-    settings = Settings(dashboard_url=ray_head.dashboard_url, poll_interval=1, ray_token=ray_head.token or "")
-    run = Run(body, Backend(k8s_api, settings), RayJobs(settings.ray_headers(), settings.ray_timeout), settings)
-    policy = yaml.safe_dump_all(refuse_status_writes(namespace))
-    jobs = ray_head.job_client()
+def healthz(url: str) -> int | None:
+    """The HTTP status /healthz answers (None: no answer at all)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return None
 
-    async def drive() -> int:
-        refused, policy_on, steps_after_end = 0, False, 0
-        deadline = time.monotonic() + 600
-        while run.status.get("phase") not in phases.TERMINAL:
-            assert time.monotonic() < deadline, run.status
-            try:
-                await run.step()
-            except Exception as error:
-                assert REFUSAL in str(error), error
-                refused += 1
-            phase = run.status.get("phase")
-            if phase == phases.PROVISIONING:  # what KubeRay would report
-                kubectl("-n", namespace, "patch", "raycluster", run.status["rayClusterName"], "--subresource=status",
-                        "--type=merge", "-p", '{"status": {"state": "ready"}}', check=False)
-            if phase == phases.RUNNING and not policy_on:
-                kubectl("apply", "-f", "-", input=policy)
-                policy_on = True
-            if policy_on and refused:
-                ended = str(jobs.get_job_status(run.status["jobId"]).value) not in phases.JOB_ACTIVE
-                steps_after_end += ended
-                if steps_after_end == 3:  # the job's last events and its end, all refused: lift it
-                    kubectl("delete", "-f", "-", input=policy)
-            await asyncio.sleep(0.5)
-        return refused
 
-    refused = asyncio.run(drive())
-    assert refused >= 3
-    status = json.loads(kubectl("-n", namespace, "get", "tpufinetune", "refused", "-o", "json").stdout)["status"]
-    assert status["phase"] == phases.SUCCEEDED, status.get("message")
+def job_ended(kube, cluster: str, uid: str) -> bool:
+    try:
+        jobs = jobs_of(kube, cluster, uid)
+    except Exception:  # the head is not answering this moment; ask again
+        return False
+    return bool(jobs) and all(str(job.status.value) not in ("PENDING", "RUNNING") for job in jobs)
+
+
+def test_refused_status_writes_around_the_job_end_lose_nothing_and_fail_healthz_past_the_bound(
+        operator, ground, kube, trainer_assets, tmp_path):
+    manifest = resource("refused", trainer_assets, tmp_path / "ckpt", epochs=2, dataset={"split": "train[:64]"})
+    policy = yaml.safe_dump_all(refuse_status_writes(kube.ns))
+    env = {**shipped_settings(), "TPUFT_STALL_TIMEOUT": str(STALL_S)}
+    with operator_with(operator, **env) as deployed:
+        health = f"http://127.0.0.1:{deployed.port}/healthz"
+        uid, cluster = start_run(kube, manifest)
+        running(kube, "refused")
+        assert healthz(health) == 200
+        kube.cp.kubectl("apply", "-f", "-", input=policy)
+        refused_at = time.monotonic()
+        try:
+            # Past the bound with every write refused, kopf's probe fails (500).
+            kube.wait_for(lambda: healthz(health) == 500, "/healthz failing", timeout=STALL_S + 60)
+            kube.wait_for(lambda: job_ended(kube, cluster, uid), "the job's end", timeout=300)
+            time.sleep(max(0.0, REFUSED_S - (time.monotonic() - refused_at)))
+            assert kube.status("refused")["phase"] == "Running"  # its end is not written yet
+        finally:
+            kube.cp.kubectl("delete", "-f", "-", input=policy, check=False)
+        kube.wait_for(lambda: kube.status("refused").get("phase") in ("Succeeded", "Failed"), "the run's end",
+                      timeout=180)
+        kube.wait_for(lambda: healthz(health) == 200, "/healthz healthy again", timeout=60)
+    status = kube.status("refused")
+    assert status["phase"] == "Succeeded", status.get("message")
     assert [entry["epoch"] for entry in status["history"]] == [1, 2]
     assert status["epochProgress"] == "2/2"
     assert status["checkpointURI"] and str(tmp_path / "ckpt") in status["checkpointURI"]
     assert status["exportedModelURI"]
+    log = operator.log_path.read_text(errors="replace")
+    assert REFUSAL in log  # the writes were refused, not merely absent
+    assert f"{kube.ns}/refused: no status write for" in log  # what the failing probe said

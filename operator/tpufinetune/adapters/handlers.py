@@ -2,13 +2,16 @@
 
 - one daemon per TPUFineTune drives its run (re-attaches after an operator restart);
 - RayCluster changes wake the owning run at once instead of waiting for the next poll;
-- deletion stops the job and deletes the RayCluster before the finalizer is released.
+- deletion stops the job and deletes the RayCluster before the finalizer is released;
+- a liveness probe fails /healthz once a run's status could not be written for longer
+  than TPUFT_STALL_TIMEOUT (core/progress.py), so Kubernetes restarts the operator.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import kopf
@@ -17,6 +20,7 @@ from kubernetes import client, config
 from tpufinetune.adapters import metrics
 from tpufinetune.core import phases
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
+from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.driver import Run
 from tpufinetune.adapters.kube import RAY_GROUP, RAY_PLURAL, RAY_VERSION, KubeBackend
 from tpufinetune.adapters.rayjobs import RayJobs
@@ -42,6 +46,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     memo.settings = Settings.from_env()
     memo.backend = KubeBackend(_load_kube_config(), memo.settings)
     memo.jobs = RayJobs(headers=memo.settings.ray_headers(), timeout=memo.settings.ray_timeout)
+    memo.progress = ProgressTracker()
     settings.persistence.finalizer = FINALIZER
     # kopf's bookkeeping goes into status, never into metadata.annotations: the object
     # users and Argo CD compare stays exactly what they applied.
@@ -58,7 +63,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10)
 async def follow_run(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_) -> None:
-    run = Run(body, memo.backend, memo.jobs, memo.settings)  # the live view: sees edits
+    run = Run(body, memo.backend, memo.jobs, memo.settings, memo.progress)  # the live view: sees edits
     key = (run.ident.namespace, run.ident.name)
     RUNS[key] = run
     try:
@@ -66,6 +71,7 @@ async def follow_run(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopp
     finally:
         if RUNS.get(key) is run:
             del RUNS[key]
+            memo.progress.forget(run.progress_key)
         await run.close()
 
 
@@ -104,14 +110,27 @@ async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     """Delete the RayCluster (asking its job to stop first, best effort); the finalizer
     goes once the RayCluster is gone. Ray is never waited on."""
     key = (body["metadata"].get("namespace"), body["metadata"]["name"])
-    run = RUNS.get(key) or Run(dict(body), memo.backend, memo.jobs, memo.settings)
+    run = RUNS.get(key) or Run(dict(body), memo.backend, memo.jobs, memo.settings, memo.progress)
     # Wait here for the garbage collector (seconds, normally): kopf would post a retry
     # as an Error event, and a normal delete is not an error.
     deadline = asyncio.get_running_loop().time() + RELEASE_WAIT_S
     while True:
         decision = await run.step(deleting=True)
         if not any(isinstance(a, phases.DeleteCluster) for a in decision.actions):
+            memo.progress.forget(run.progress_key)
             return
         if asyncio.get_running_loop().time() > deadline:
             raise kopf.TemporaryError("waiting for the RayCluster to go", delay=5)
         await asyncio.sleep(1)
+
+
+@kopf.on.probe(id="statusWrites", errors=kopf.ErrorsMode.PERMANENT)
+async def status_writes(memo: kopf.Memo, **_) -> int:
+    """/healthz fails (kopf answers 500) once a run's status could not be written, or read
+    back after a failed write, for longer than TPUFT_STALL_TIMEOUT: the run is frozen with
+    its slice held, and a restart (the Deployment's livenessProbe) starts every run afresh.
+    Healthy, it reports how many runs have a failing status write within the bound."""
+    stalled = memo.progress.stalled(time.monotonic(), memo.settings.stall_timeout)
+    if stalled:
+        raise kopf.PermanentError("runs make no progress: " + "; ".join(stalled))
+    return len(memo.progress.failing)

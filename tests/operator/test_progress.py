@@ -1,0 +1,83 @@
+"""The progress tracker behind the operator's liveness probe (core/progress.py), and the
+driver feeding it: a run whose status cannot be written (or read back after a failed
+write) for longer than the bound is stalled; a successful write clears it. The ground
+test in test_status_write_faults.py checks the real /healthz answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpufinetune.core import phases
+from tpufinetune.core.progress import ProgressTracker
+from tpufinetune.driver import Run
+from tpufinetune.adapters.rayjobs import RayJobs
+from test_run_faults import MemoryCluster, body, in_loop, settings
+
+RUN = ("ns", "demo", "uid-1")
+OTHER = ("ns", "other", "uid-2")
+
+
+def test_failing_writes_stall_a_run_only_past_the_bound_counted_from_the_first_failure():
+    progress = ProgressTracker()
+    progress.failed(RUN, now=100.0, error="403 refused")
+    progress.failed(RUN, now=150.0, error="403 refused again")
+    assert progress.stalled(now=159.0, bound=60) == []
+    [line] = progress.stalled(now=161.0, bound=60)
+    assert line.startswith("ns/demo: no status write for 61 s") and "refused again" in line
+
+
+def test_a_successful_write_clears_the_run_and_restarts_its_clock():
+    progress = ProgressTracker()
+    progress.failed(RUN, now=0.0, error="refused")
+    progress.written(RUN)
+    progress.failed(RUN, now=100.0, error="refused")
+    assert progress.stalled(now=150.0, bound=60) == []
+
+
+def test_one_stalled_run_is_named_whatever_the_others_do_and_forgetting_it_clears_it():
+    progress = ProgressTracker()
+    progress.failed(RUN, now=0.0, error="refused")
+    progress.failed(OTHER, now=0.0, error="refused")
+    progress.written(OTHER)
+    assert [line.split(":")[0] for line in progress.stalled(now=100.0, bound=60)] == ["ns/demo"]
+    progress.forget(RUN)
+    assert progress.stalled(now=100.0, bound=60) == []
+
+
+class RefusingCluster(MemoryCluster):
+    """Status writes (and, when `refuse_reads`, reads) refused, as an admission policy or
+    a missing RBAC verb would refuse them."""
+
+    def __init__(self):
+        super().__init__()
+        self.refuse_writes = self.refuse_reads = False
+
+    async def write_status(self, ident, patch, new):
+        if self.refuse_writes:
+            raise PermissionError("status writes are refused")
+        await super().write_status(ident, patch, new)
+
+    async def read_status(self, ident):
+        if self.refuse_reads:
+            raise PermissionError("cannot get resource tpufinetunes")
+        return await super().read_status(ident)
+
+
+@in_loop
+async def test_the_driver_reports_refused_writes_and_refused_read_backs_until_a_write_lands():
+    cluster, progress = RefusingCluster(), ProgressTracker()
+    run = Run(body(), cluster, RayJobs(), settings(), progress)
+    await run.step()  # Pending written
+    assert progress.failing == {}
+    cluster.refuse_writes = True
+    with pytest.raises(PermissionError, match="writes are refused"):
+        await run.step()
+    since = progress.failing[RUN].since
+    cluster.refuse_writes, cluster.refuse_reads = False, True  # the read-back is what fails now
+    with pytest.raises(PermissionError, match="cannot get"):
+        await run.step()
+    assert progress.failing[RUN].since == since and "cannot get" in progress.failing[RUN].error
+    assert progress.stalled(now=since + 2, bound=1)
+    cluster.refuse_reads = False
+    decision = await run.step()
+    assert decision.phase == phases.PROVISIONING and progress.failing == {}
