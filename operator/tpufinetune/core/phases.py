@@ -483,6 +483,9 @@ def _queued(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision
             s["message"] = message[: cond.MESSAGE_LIMIT]
             d.actions.append(RecordEvent("Normal", "Queued", message[: cond.MESSAGE_LIMIT]))
         return
+    # An admission starts the clock of spec.activeDeadlineSeconds again (an eviction
+    # stopped it), as a resume after a suspend does.
+    s.setdefault("startTime", cond.timestamp(obs.now))
     if cluster.exists and cluster.owned:
         s.pop("trainerFailure", None)  # a late line of an evicted attempt is not this one's
         message = f"Kueue admitted RayCluster {s['rayClusterName']}"
