@@ -62,7 +62,9 @@ class Run:
         # again on the next step, so a failed write loses none.
         self.unwritten: list[dict] = []
         self.status_stale = False  # a write failed: re-read the object before deciding
-        self.ray_down_since: datetime | None = None
+        # Since when the head has not answered, for one (phase, attempt): a new phase or
+        # attempt (a suspend, an eviction, a rebuild, a retry) starts the clock again.
+        self.ray_down_since: tuple[tuple, datetime] | None = None
         self.retry_waiting_since: tuple[int, datetime] | None = None  # (attempt, since)
         # The kopf daemon and on.delete share this Run; one step at a time.
         self.lock = asyncio.Lock()
@@ -97,7 +99,8 @@ class Run:
         if kueue_holds or (phase == phases.QUEUED and self.follower is not None):
             return await self._observe_evicted(now, address, cluster, phase)
         unreachable = ""
-        if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId"):
+        lost = phases.cluster_lost(cluster)  # its head went with it: Ray is not asked
+        if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId") and not lost:
             job, unreachable = await self._job(now, address)
             if self.plan.queue and (job is None or job.status not in phases.JOB_ACTIVE):
                 # An eviction ends the job: Kueue suspends the RayCluster before KubeRay
@@ -115,8 +118,10 @@ class Run:
         try:
             job = await asyncio.to_thread(self.jobs.job, address, self.status["jobId"])
         except Exception as error:
-            self.ray_down_since = self.ray_down_since or now
-            down = (now - self.ray_down_since).total_seconds()
+            key = (self.status.get("phase"), self.status.get("attempt"))
+            if self.ray_down_since is None or self.ray_down_since[0] != key:
+                self.ray_down_since = (key, now)
+            down = (now - self.ray_down_since[1]).total_seconds()
             if down < self.settings.ray_unreachable_timeout:
                 raise
             detail = str(error).splitlines()[0][:300] if str(error) else type(error).__name__

@@ -361,3 +361,26 @@ def test_observed_generation_names_only_an_applied_generation():
     d = phases.transition(Identity("demo", "ns", "uid-1", generation=5), SUSPENDED_RETRY_ONCE, running_with(RETRY_ONCE),
                           Observations(now=T0, cluster=READY, job=JobView("RUNNING")))
     assert d.status["observedGeneration"] == 5
+
+
+def test_a_cluster_deleted_under_the_job_is_a_lost_job_retried_on_a_new_cluster():
+    plan = Plan(**{**PLAN.__dict__, "max_retries": 1})
+    status = running_status()
+    d = step(status, plan=plan, cluster=ClusterView(exists=False))
+    assert d.phase == phases.PENDING
+    assert d.status["attempt"] == 2 and d.status["retries"] == 1 and d.status["jobId"] == "tft-uid-1-2"
+    assert "dashboardURL" not in d.status
+    assert "deleted outside the operator" in d.status["message"] and "retry 1/1" in d.status["message"]
+    assert cond.find(d.status, cond.RUNNING)["reason"] == "ClusterLost"
+    assert [(a.type, a.reason) for a in d.actions if isinstance(a, phases.RecordEvent)] == [("Warning", "ClusterLost")]
+    d = step(d.status, plan=plan, cluster=ClusterView(exists=False))
+    assert d.phase == phases.PROVISIONING and phases.CreateCluster("demo-rc") in d.actions
+
+
+def test_a_cluster_being_deleted_under_a_job_without_retries_left_fails_the_run_clusterlost():
+    going = ClusterView(exists=True, owned=True, ready=False, deleting=True)
+    d = step(running_status(), cluster=going, job=JobView("RUNNING"))
+    assert d.phase == phases.FAILED
+    failed = cond.find(d.status, cond.FAILED)
+    assert failed["reason"] == "ClusterLost" and "no retries left" in failed["message"]
+    assert phases.DeleteCluster("demo-rc") in d.actions

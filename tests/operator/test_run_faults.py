@@ -268,3 +268,47 @@ def test_a_raycluster_being_deleted_is_never_ready():
     view = cluster_view(going, "uid-1", Settings())
     assert view.exists and view.owned and not view.ready
     assert "being deleted" in view.problem
+
+
+def closed_address() -> tuple[socket.socket, str]:
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    return closed, f"http://127.0.0.1:{closed.getsockname()[1]}"
+
+
+@in_loop
+async def test_a_raycluster_deleted_mid_run_is_a_lost_job_retried_without_asking_its_dead_head():
+    closed, address = closed_address()
+    cluster = MemoryCluster(address)  # someone deleted the RayCluster: it does not exist
+    live = body(running_status(address))
+    live["spec"]["maxRetries"] = 1
+    run = Run(live, cluster, RayJobs(timeout=0.5), settings(ray_unreachable_timeout=600))
+    decision = await run.step()  # used to fail every step until RayUnreachable
+    assert decision.phase == phases.PENDING and decision.status["attempt"] == 2
+    assert decision.status["retries"] == 1
+    assert cluster.events == ["ClusterLost"]
+    assert "deleted outside the operator" in cluster.status["message"]
+    decision = await run.step()
+    closed.close()
+    assert decision.phase == phases.PROVISIONING and cluster.calls[-1] == "create"
+
+
+@in_loop
+async def test_the_ray_unreachable_clock_starts_again_after_a_suspend():
+    closed, address = closed_address()
+    cluster = MemoryCluster(address)
+    cluster.exists = True
+    live = body(running_status(address))
+    run = Run(live, cluster, RayJobs(timeout=0.5), settings(ray_unreachable_timeout=1))
+    with pytest.raises(ConnectionError):
+        await run.step()  # the head does not answer: the clock starts
+    await asyncio.sleep(1.1)
+    live["spec"]["suspend"], live["metadata"]["generation"] = True, 2
+    assert (await run.step()).phase == phases.PENDING  # suspended: the slice is released
+    live["spec"]["suspend"], live["metadata"]["generation"] = False, 3
+    assert (await run.step()).phase == phases.PROVISIONING
+    assert (await run.step()).phase == phases.SUBMITTING  # on a new cluster
+    with pytest.raises(ConnectionError):
+        await run.step()  # used to end the run at once: the clock had run since attempt 1
+    closed.close()
+    assert run.status["phase"] == phases.SUBMITTING

@@ -55,7 +55,7 @@ def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> Clust
     url = settings.dashboard_for(cluster=name, namespace=meta.get("namespace", ""), service=service)
     suspended = (body.get("spec") or {}).get("suspend") is True
     return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url,
-                       suspended=suspended)
+                       suspended=suspended, deleting=bool(meta.get("deletionTimestamp")))
 
 
 NO_KUEUE = QueueView(reason="KueueNotInstalled",

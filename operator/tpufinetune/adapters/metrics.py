@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 NEW = "New"
 PHASES = ("Pending", "Queued", "Provisioning", "Submitting", "Running", "Succeeded", "Failed",
           "Deleting")
+RETRIED = ("Retrying", "ClusterLost")  # the Event reasons of a new attempt that counts as a retry
 LATENCY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 
 RECONCILES = Counter("tpufinetune_reconciles", "Reconcile steps, by the phase the resource was in.", ["phase"])
@@ -92,8 +93,9 @@ def stepped(before: str, after: str, recorded: list[tuple[str, str]]) -> None:
     if after != before and after in ("Succeeded", "Failed"):
         reason = next((r for _, r in reversed(recorded)), after)
         OUTCOMES.labels(after, reason).inc()
-    elif any(reason == "Retrying" for _, reason in recorded):
-        OUTCOMES.labels("Retried", "Retrying").inc()
+    else:
+        for reason in (r for _, r in recorded if r in RETRIED):
+            OUTCOMES.labels("Retried", reason).inc()
 
 
 def step_failed(phase: str) -> None:

@@ -128,6 +128,7 @@ class ClusterView:
     pod_problem: PodProblem | None = None  # the worst pod state while not ready
     hosts_ready: int | None = None  # worker pods Ready; None: pods not looked at
     suspended: bool = False  # spec.suspend: Kueue has not admitted it (or evicted it)
+    deleting: bool = False  # metadata.deletionTimestamp is set: it is going away
     queue: QueueView | None = None  # read only for a suspended cluster with a queue
 
 
@@ -227,6 +228,8 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
                        f"spec.activeDeadlineSeconds ({seconds} s) passed; the job was stopped")
     elif plan.queue and phase in (PROVISIONING, SUBMITTING, RUNNING) and _held_by_kueue(obs):
         _to_queue(ident, plan, new, obs, decision)
+    elif phase in (SUBMITTING, RUNNING) and cluster_lost(obs.cluster):
+        _lost_cluster(ident, plan, new, obs, decision)
     elif obs.ray_unreachable and phase in (SUBMITTING, RUNNING):
         _fail(plan, new, obs, decision, "RayUnreachable", obs.ray_unreachable)
     else:
@@ -406,6 +409,33 @@ def _retry(ident: Identity, s: dict, obs: Observations, d: Decision, message: st
     s["jobId"] = submission_id(ident.uid, attempt)
     _set(s, obs, cond.RUNNING, False, "Retrying", message)
     _enter(s, d, SUBMITTING, "Retrying", f"attempt {attempt - 1} failed ({message}); resubmitting as {s['jobId']}", warn=True)
+
+
+def cluster_lost(cluster: ClusterView | None) -> bool:
+    """The job's RayCluster is gone or going (None: not looked at). In Submitting and
+    Running that is never the operator's doing: it deletes one only in other phases."""
+    return cluster is not None and (not cluster.exists or not cluster.owned or cluster.deleting)
+
+
+def _lost_cluster(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    """Someone else deleted the RayCluster under the job: the job is lost with it. A new
+    attempt runs on a new cluster (resuming from the last checkpoint), counted against
+    spec.maxRetries; with none left the run fails, reason ClusterLost."""
+    name = s["rayClusterName"]
+    why = f"RayCluster {name} was deleted outside the operator while job {s['jobId']} was {s['phase'].lower()}"
+    retries = int(s.get("retries") or 0)
+    if retries >= plan.max_retries:
+        _fail(plan, s, obs, d, "ClusterLost", f"{why}; no retries left (spec.maxRetries: {plan.max_retries})")
+        return
+    attempt = int(s["attempt"]) + 1
+    s.update(retries=retries + 1, attempt=attempt, jobId=submission_id(ident.uid, attempt))
+    s.pop("trainerFailure", None)  # the workers died with the cluster, not of their own
+    s.pop("dashboardURL", None)  # the new cluster's head is read when it is ready
+    for type_ in (cond.CLUSTER_READY, cond.JOB_SUBMITTED, cond.RUNNING):
+        if cond.find(s, type_):
+            _set(s, obs, type_, False, "ClusterLost", why)
+    _enter(s, d, PENDING, "ClusterLost", f"{why}; attempt {attempt} runs on a new RayCluster "
+           f"(retry {retries + 1}/{plan.max_retries})", warn=True)
 
 
 def _suspended(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
