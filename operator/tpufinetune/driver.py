@@ -6,12 +6,13 @@ difference is only the ClusterBackend (Kubernetes RayCluster, or a local Ray hea
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
 from tpufinetune.adapters import metrics
-from tpufinetune.core import phases
+from tpufinetune.core import phases, runevents
 from tpufinetune.core.api import SpecError, parse_spec
 from tpufinetune.core.jobspec import job_submission, submission_id
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
@@ -213,6 +214,7 @@ class Run:
         if self.status_stale:
             await self._reread_status()
         obs = await self.observe(deleting)
+        obs = self._without_malformed_events(obs)
         decision = phases.transition(self.ident, self.plan, self.status, obs)
         # A failed job without a failure event: read the log tail once, then decide.
         tail = [a for a in decision.actions if isinstance(a, phases.ReadLogTail)]
@@ -226,6 +228,26 @@ class Run:
         self.unwritten.clear()
         await self._perform(decision)
         return decision
+
+    def _without_malformed_events(self, obs: Observations) -> Observations:
+        """A trainer line the status cannot hold (a wrong type, a refused value) is dropped
+        with a warning, a Warning Event and the tpufinetune_trainer_events_dropped_total
+        metric; kept, it would fail every step and hold back every later event."""
+        if not obs.events:
+            return obs
+        kept, dropped = runevents.split_malformed(self.status, list(obs.events))
+        if not dropped:
+            return obs
+        for event, why in dropped:
+            log.warning("%s/%s: dropped trainer event %.300s: %s", self.ident.namespace, self.ident.name,
+                        json.dumps(event, default=str), why)
+        metrics.events_dropped(len(dropped))
+        event, why = dropped[0]
+        more = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
+        self.backend.record(self.ident, "Warning", "MalformedTrainerEvent",
+                            f"dropped the trainer's {str(event.get('event'))[:40]!r} event{more}: {why}"[:1024])
+        self.unwritten = kept
+        return Observations(**{**obs.__dict__, "events": tuple(kept)})
 
     async def _reread_status(self) -> None:
         """After a failed write our copy may not be what the object holds (the write may

@@ -6,6 +6,7 @@ import pytest
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
+from tpufinetune.core.runevents import split_malformed
 from tpufinetune.core.phases import ClusterView, Identity, JobView, Observations, Plan
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
@@ -384,3 +385,15 @@ def test_a_cluster_being_deleted_under_a_job_without_retries_left_fails_the_run_
     failed = cond.find(d.status, cond.FAILED)
     assert failed["reason"] == "ClusterLost" and "no retries left" in failed["message"]
     assert phases.DeleteCluster("demo-rc") in d.actions
+
+
+def test_split_malformed_names_why_each_event_was_dropped():
+    bad = [{"event": "epoch", "epoch": "two", "epochs": 2}, {"event": "epoch", "epoch": -1, "epochs": 2},
+           {"event": "epoch", "epoch": 1, "epochs": 2, "loss": float("nan")}]
+    good = {"event": "progress", "step": 3, "total_steps": 10}
+    kept, dropped = split_malformed({"phase": "Running"}, [*bad, good])
+    assert kept == [good]
+    whys = [why for _, why in dropped]
+    assert whys[0].startswith("ValueError") and "two" in whys[0]
+    assert "greater than or equal to 0" in whys[1]
+    assert "not JSON compliant" in whys[2]

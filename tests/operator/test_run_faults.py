@@ -312,3 +312,32 @@ async def test_the_ray_unreachable_clock_starts_again_after_a_suspend():
         await run.step()  # used to end the run at once: the clock had run since attempt 1
     closed.close()
     assert run.status["phase"] == phases.SUBMITTING
+
+
+BAD_EVENTS = [
+    {"event": "epoch", "epoch": "two", "epochs": 2, "loss": 1.0},  # a wrong type
+    {"event": "epoch", "epoch": -1, "epochs": 2},  # a value the status model refuses
+    {"event": "epoch", "epoch": 1, "epochs": 2, "loss": float("nan")},  # JSON cannot carry it
+]
+
+
+@in_loop
+async def test_a_malformed_trainer_event_is_dropped_counted_and_never_blocks_the_next_ones():
+    from prometheus_client import REGISTRY
+    dropped_before = REGISTRY.get_sample_value("tpufinetune_trainer_events_dropped_total") or 0
+    cluster = MemoryCluster()
+    run = Run(body(), cluster, RayJobs(), settings())
+    await run.step()  # Pending
+    good = {"event": "epoch", "epoch": 1, "epochs": 2, "loss": 2.5}
+    run.unwritten = [*BAD_EVENTS, good]  # as drained from the log follower
+    decision = await run.step()  # used to raise on every step from here on
+    assert decision.phase == phases.PROVISIONING
+    assert cluster.status["epoch"] == 1 and cluster.status["loss"] == 2.5
+    assert run.unwritten == []
+    assert cluster.events.count("MalformedTrainerEvent") == 1
+    assert REGISTRY.get_sample_value("tpufinetune_trainer_events_dropped_total") == dropped_before + 3
+    later = {"event": "epoch", "epoch": 2, "epochs": 2, "loss": 2.0}
+    run.unwritten = [later]
+    await run.step()
+    assert cluster.status["epoch"] == 2
+
