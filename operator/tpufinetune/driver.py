@@ -219,7 +219,7 @@ class Run:
         # A failed job without a failure event: read the log tail once, then decide.
         tail = [a for a in decision.actions if isinstance(a, phases.ReadLogTail)]
         if tail:
-            text = await asyncio.to_thread(self.jobs.log_tail, self.status["dashboardURL"], tail[0].submission_id)
+            text = await self._log_tail(tail[0].submission_id)
             obs = Observations(**{**obs.__dict__, "log_tail": text or "(empty log)"})
             decision = phases.transition(self.ident, self.plan, self.status, obs)
         self._log_cursor(decision.status)
@@ -228,6 +228,17 @@ class Run:
         self.unwritten.clear()
         await self._perform(decision)
         return decision
+
+    async def _log_tail(self, job_id: str) -> str:
+        """The failed job's last lines; never a reason to leave the failure undecided: a
+        tail that cannot be read is said so, and the job's own message is what remains."""
+        try:
+            return await asyncio.to_thread(self.jobs.log_tail, self.status["dashboardURL"], job_id)
+        except Exception as error:
+            detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            log.warning("%s/%s: the log tail of %s could not be read: %s", self.ident.namespace,
+                        self.ident.name, job_id, detail)
+            return f"(the log tail could not be read: {detail})"
 
     def _without_malformed_events(self, obs: Observations) -> Observations:
         """A trainer line the status cannot hold (a wrong type, a refused value) is dropped

@@ -20,6 +20,7 @@ from tpufinetune_trainer.events import EventStream
 log = logging.getLogger(__name__)
 LOG_TAIL_CHARS = 2000
 LOG_TAIL_LINES = 8
+NO_DRIVER_LOG = "(no driver log: the job failed before its driver started)"
 
 
 # Ray's JobSubmissionClient replaces the address it is given with either of these when
@@ -59,13 +60,15 @@ class TimedJobClient(JobSubmissionClient):
             self._raise_error(response)
         return response.json()
 
-    def last_lines(self, submission_id: str, lines: int) -> str:
+    def last_lines(self, submission_id: str, lines: int) -> str | None:
         """The last lines of the job's driver log, cut on the head (the state API's log
-        endpoint): a multi-megabyte log is never downloaded to keep its tail."""
+        endpoint): a multi-megabyte log is never downloaded to keep its tail. None when
+        the job has no driver log: it failed before its driver started (a runtime_env
+        that could not be set up), and the endpoint would only answer an error."""
         info = self.job_or_none(submission_id) or {}
-        params = {"submission_id": submission_id, "lines": lines}
-        if info.get("driver_node_id"):  # the endpoint needs the node the driver ran on
-            params["node_id"] = info["driver_node_id"]
+        if not info.get("driver_node_id"):  # the endpoint needs the node the driver ran on
+            return None
+        params = {"submission_id": submission_id, "lines": lines, "node_id": info["driver_node_id"]}
         response = self._do_request("GET", "/api/v0/logs/file", params=params)
         if response.status_code != 200:
             self._raise_error(response)
@@ -137,6 +140,8 @@ class RayJobs:
     def log_tail(self, address: str, submission_id: str) -> str:
         """Last lines of the log, read once when a job failed without a failure event."""
         text = self.client(address).last_lines(submission_id, LOG_TAIL_LINES)
+        if text is None:
+            return NO_DRIVER_LOG
         tail = text[-LOG_TAIL_CHARS:]
         return " | ".join(line.strip() for line in tail.splitlines()[-LOG_TAIL_LINES:] if line.strip())
 

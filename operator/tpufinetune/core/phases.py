@@ -586,8 +586,15 @@ def _job_failure(s: dict, job: JobView | None, obs: Observations) -> tuple[str, 
     if job.status == "STOPPED":
         return "JobStopped", f"Ray job {s['jobId']} was stopped outside the operator"
     if obs.log_tail:
-        return "JobFailed", f"{job.message or 'job failed'}; log tail: {obs.log_tail}"
+        return "JobFailed", f"{_first_and_last_line(job.message) or 'job failed'}; log tail: {obs.log_tail}"
     return "JobFailed", ""
+
+
+def _first_and_last_line(text: str) -> str:
+    """Ray's message of a failed job can hold a whole traceback (a runtime_env that could
+    not be set up): its first line says what failed, its last one why."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
 
 
 def _success_message(s: dict) -> str:
