@@ -594,7 +594,7 @@ def _first_and_last_line(text: str) -> str:
     """Ray's message of a failed job can hold a whole traceback (a runtime_env that could
     not be set up): its first line says what failed, its last one why."""
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+    return " ... ".join(lines[:1] + lines[1:][-1:])
 
 
 def _success_message(s: dict) -> str:
