@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
 from tpufinetune.adapters import metrics
 from tpufinetune.core import phases, runevents
 from tpufinetune.core.api import SpecError, parse_spec
+from tpufinetune.core.errors import CreateRefused
 from tpufinetune.core.jobspec import job_submission, submission_id
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
@@ -67,6 +69,8 @@ class Run:
         # attempt (a suspend, an eviction, a rebuild, a retry) starts the clock again.
         self.ray_down_since: tuple[tuple, datetime] | None = None
         self.retry_waiting_since: tuple[int, datetime] | None = None  # (attempt, since)
+        self.create_refused = ""  # the API server's words when it last refused the RayCluster
+        self._last_write = float("-inf")  # time.monotonic() of the last status write
         # The kopf daemon and on.delete share this Run; one step at a time.
         self.lock = asyncio.Lock()
 
@@ -110,7 +114,8 @@ class Run:
         events = await self._new_events(address, job)
         self.unwritten.extend(events)
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job,
-                            events=tuple(self.unwritten), ray_unreachable=unreachable)
+                            events=tuple(self.unwritten), ray_unreachable=unreachable,
+                            create_refused=self.create_refused)
 
     async def _job(self, now: datetime, address: str):
         """(the job as Ray reports it, ""); or, once the head has not answered for
@@ -272,6 +277,7 @@ class Run:
         checked_status(new)  # a misspelt key fails here, not in silence at the API server
         patch = status_patch(self.status, new)
         if patch:
+            await self._space_writes()
             try:
                 await self.backend.write_status(self.ident, patch, new)
             except BaseException:
@@ -279,13 +285,28 @@ class Run:
                 raise
         self.status = new
 
+    async def _space_writes(self) -> None:
+        """At most one status write per TPUFT_STATUS_WRITE_INTERVAL for one run: a chatty
+        trainer's events wait a moment and go together (the API server and etcd see each
+        write)."""
+        now = time.monotonic()
+        wait = self._last_write + self.settings.status_write_interval - now
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._last_write = max(now, time.monotonic())
+
     async def _perform(self, decision: Decision) -> None:
         for action in decision.actions:
             if isinstance(action, phases.RecordEvent):
                 self.backend.record(self.ident, action.type, action.reason, action.message)
             elif isinstance(action, phases.CreateCluster):
-                await self.backend.create(self.ident, raycluster_with_pod_settings(
-                    self.ident.name, self.ident.namespace, self.ident.uid, self.spec))
+                try:
+                    await self.backend.create(self.ident, raycluster_with_pod_settings(
+                        self.ident.name, self.ident.namespace, self.ident.uid, self.spec))
+                except CreateRefused as refusal:  # shown, and timed, by the next step
+                    self.create_refused = str(refusal) or "refused"
+                    continue
+                self.create_refused = ""
                 metrics.cluster_created(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
             elif isinstance(action, phases.DeleteCluster):
                 await self.backend.delete(self.ident, action.name)

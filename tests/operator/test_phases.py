@@ -397,3 +397,21 @@ def test_split_malformed_names_why_each_event_was_dropped():
     assert whys[0].startswith("ValueError") and "two" in whys[0]
     assert "greater than or equal to 0" in whys[1]
     assert "not JSON compliant" in whys[2]
+
+
+def test_a_refused_raycluster_is_shown_with_the_servers_words_and_times_out():
+    status = step(step({}).status).status  # Provisioning: the create was sent
+    refusal = "rayclusters.ray.io \"demo-rc\" is forbidden: exceeded quota: no-clusters"
+    gone = ClusterView(exists=False)
+    d = step(status, cluster=gone, create_refused=refusal, now=T0 + timedelta(minutes=1))
+    assert d.phase == phases.PROVISIONING and phases.CreateCluster("demo-rc") in d.actions  # asked again
+    ready = cond.find(d.status, cond.CLUSTER_READY)
+    assert ready["reason"] == "CreateRefused" and refusal in ready["message"] and refusal in d.status["message"]
+    assert [(a.type, a.reason) for a in d.actions if isinstance(a, phases.RecordEvent)] == [("Warning", "CreateRefused")]
+    again = step(d.status, cluster=gone, create_refused=refusal, now=T0 + timedelta(minutes=2))
+    assert not any(isinstance(a, phases.RecordEvent) for a in again.actions)  # one Event per message
+    late = step(again.status, cluster=gone, create_refused=refusal, now=T0 + timedelta(minutes=31))
+    assert late.phase == phases.FAILED
+    failed = cond.find(late.status, cond.FAILED)
+    assert failed["reason"] == "ProvisioningTimeout" and "could not be created in 30 min" in failed["message"]
+    assert refusal in failed["message"]

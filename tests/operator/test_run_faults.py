@@ -55,12 +55,15 @@ class MemoryCluster:
         self.lose_next_answer = False
         self.events: list[str] = []
         self.cancel_next_observe = False
+        self.write_times: list[float] = []
+        self.ready = True  # once it exists
 
     async def observe(self, ident, name):
         if self.cancel_next_observe:  # a cancelled inner future, not a cancellation of the run
             self.cancel_next_observe = False
             raise asyncio.CancelledError()
-        return ClusterView(exists=self.exists, owned=True, ready=self.exists, dashboard_url=self.dashboard_url)
+        return ClusterView(exists=self.exists, owned=True, ready=self.exists and self.ready,
+                           dashboard_url=self.dashboard_url)
 
     async def create(self, ident, manifest):
         self.calls.append("create")
@@ -74,6 +77,7 @@ class MemoryCluster:
 
     async def write_status(self, ident, patch, new):
         self.calls.append(f"status:{new.get('phase')}")
+        self.write_times.append(time.monotonic())
         self.status = new
         if self.lose_next_answer:  # the write landed, but its answer was lost (a timeout)
             self.lose_next_answer = False
@@ -341,3 +345,55 @@ async def test_a_malformed_trainer_event_is_dropped_counted_and_never_blocks_the
     await run.step()
     assert cluster.status["epoch"] == 2
 
+
+
+@in_loop
+async def test_status_writes_of_one_run_are_spaced_by_the_setting():
+    cluster = MemoryCluster()
+    cluster.ready = False  # it stays Provisioning: no Ray here
+    run = Run(body(), cluster, RayJobs(), settings(status_write_interval=0.3))
+    await run.step()  # Pending
+    for step in range(1, 5):  # a chatty trainer: a new event at every step
+        run.unwritten = [{"event": "progress", "step": step, "total_steps": 100}]
+        await run.step()
+    assert cluster.status["progress"]["step"] == 4
+    gaps = [b - a for a, b in zip(cluster.write_times, cluster.write_times[1:])]
+    assert len(gaps) == 4 and min(gaps) >= 0.29, gaps
+
+
+class BlackHoledAPIServer:
+    """A socket that accepts connections and never answers: an API server (or a proxy in
+    front of it) that hangs. Closing it resets every connection it accepted."""
+
+    def __enter__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+
+@in_loop
+async def test_every_kubernetes_call_is_bounded_by_the_setting():
+    from kubernetes import client
+    from urllib3.exceptions import MaxRetryError, ReadTimeoutError
+
+    from tpufinetune.adapters.kube import KubeBackend
+    from tpufinetune.core.phases import Identity
+
+    ident = Identity("demo", "ns", "uid-1")
+    with BlackHoledAPIServer() as address:
+        config = client.Configuration()
+        config.host = address
+        backend = KubeBackend(client.ApiClient(config), Settings(kube_timeout=0.3))
+        calls = {"observe": backend.observe(ident, "tft-demo"), "create": backend.create(ident, {"metadata": {}}),
+                 "delete": backend.delete(ident, "tft-demo"), "read_status": backend.read_status(ident),
+                 "write_status": backend.write_status(ident, {"phase": "Running"}, {})}
+        for name, call in calls.items():
+            started = time.monotonic()
+            # A hang detector, not a timing target: without a timeout these never return.
+            with pytest.raises((ReadTimeoutError, MaxRetryError)):
+                await asyncio.wait_for(call, 20)
+            assert time.monotonic() - started < 20, name

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 
@@ -16,6 +17,7 @@ from kubernetes.client.rest import ApiException
 
 from tpufinetune.core import podstatus
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
+from tpufinetune.core.errors import CreateRefused
 from tpufinetune.core.phases import ClusterView, Identity, QueueView
 from tpufinetune.core.sizing import QUEUE_NAME_LABEL
 from tpufinetune.settings import Settings
@@ -83,6 +85,20 @@ def queue_view(workloads: list[dict], cluster_uid: str) -> QueueView:
     return QueueView(reason="Evicted" if evicted else "", message=evicted, evicted=evicted)
 
 
+# What the API server answers when it will not take an object as sent: a bad request,
+# a webhook, a quota or RBAC (403), a policy or a schema (422). Never transient.
+REFUSALS = frozenset({400, 403, 422})
+
+
+def api_message(error: ApiException) -> str:
+    """The API server's own words from an error (its Status object's message)."""
+    try:
+        message = json.loads(error.body or "{}").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return str(message or error.reason or error.status)[:1000]
+
+
 class WatchedClusters:
     """Our RayClusters as the operator's watch last delivered them: observing a run reads
     this instead of a GET every tick. A miss (not delivered yet, or deleted) is a GET."""
@@ -115,6 +131,9 @@ class KubeBackend:
         self.settings = settings
         self.watched = WatchedClusters()
         self._checks: dict[tuple[str, str], tuple] = {}  # (kind, cluster uid) -> (version, when, value)
+        # Every call, connect and answer: an API server that never answers holds one
+        # worker thread for this long, never a run for ever.
+        self._timeout = (settings.kube_timeout, settings.kube_timeout)
 
     async def observe(self, ident: Identity, name: str) -> ClusterView:
         body = self.watched.get(ident.namespace, name)
@@ -158,7 +177,8 @@ class KubeBackend:
             self._checks.pop((kind, cluster_uid), None)
 
     def _cluster_pods(self, namespace: str, name: str) -> list[dict]:
-        pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={name}")
+        pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={name}",
+                                             _request_timeout=self._timeout)
         return [self.core.api_client.sanitize_for_serialization(p) for p in pods.items]
 
     def _workloads(self, namespace: str, cluster_uid: str) -> list[dict] | None:
@@ -166,7 +186,8 @@ class KubeBackend:
         when the API has no Workloads (Kueue is not installed)."""
         try:
             found = self.objects.list_namespaced_custom_object(
-                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, label_selector=f"{JOB_UID_LABEL}={cluster_uid}")
+                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, label_selector=f"{JOB_UID_LABEL}={cluster_uid}",
+                _request_timeout=self._timeout)
         except ApiException as error:
             if error.status == 404:
                 return None
@@ -175,7 +196,8 @@ class KubeBackend:
 
     def _get_cluster(self, namespace: str, name: str) -> dict | None:
         try:
-            return self.objects.get_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name)
+            return self.objects.get_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name,
+                                                             _request_timeout=self._timeout)
         except ApiException as error:
             if error.status == 404:
                 return None
@@ -186,10 +208,14 @@ class KubeBackend:
 
     def _create_cluster(self, namespace: str, manifest: dict) -> None:
         try:
-            self.objects.create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest)
+            self.objects.create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest,
+                                                         _request_timeout=self._timeout)
         except ApiException as error:
-            if error.status != 409:  # exists: ownership is checked on the next observation
-                raise
+            if error.status == 409:  # exists: ownership is checked on the next observation
+                return
+            if error.status in REFUSALS:
+                raise CreateRefused(api_message(error)) from None
+            raise
 
     async def delete(self, ident: Identity, name: str) -> None:
         await asyncio.to_thread(self._delete_cluster, ident, name)
@@ -206,7 +232,8 @@ class KubeBackend:
         )
         try:
             self.objects.delete_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION, ident.namespace, RAY_PLURAL, name, body=options
+                RAY_GROUP, RAY_VERSION, ident.namespace, RAY_PLURAL, name, body=options,
+                _request_timeout=self._timeout,
             )
         except ApiException as error:
             if error.status not in (404, 409):
@@ -216,13 +243,15 @@ class KubeBackend:
         await asyncio.to_thread(
             self.objects.patch_namespaced_custom_object_status,
             GROUP, VERSION, ident.namespace, PLURAL, ident.name, {"status": patch},
+            _request_timeout=self._timeout,
         )
 
     async def read_status(self, ident: Identity) -> dict | None:
         """The object's status as the API server holds it now; None if it is gone."""
         try:
             body = await asyncio.to_thread(self.objects.get_namespaced_custom_object,
-                                           GROUP, VERSION, ident.namespace, PLURAL, ident.name)
+                                           GROUP, VERSION, ident.namespace, PLURAL, ident.name,
+                                           _request_timeout=self._timeout)
         except ApiException as error:
             if error.status == 404:
                 return None

@@ -148,6 +148,7 @@ class Observations:
     log_tail: str = ""  # last lines of the job log, read only once a job failed
     deleting: bool = False
     ray_unreachable: str = ""  # why, once the job's head has not answered for too long
+    create_refused: str = ""  # the API server's words when it refused to create the RayCluster
 
 
 # ---- actions (performed by the driver) -------------------------------------------------
@@ -279,6 +280,9 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
         return
     name = s["rayClusterName"]
     if not cluster.exists:
+        if obs.create_refused:
+            _refused(ident, plan, s, obs, d)
+            return
         _create_cluster(ident, plan, s, d)
         return
     if not cluster.owned:
@@ -322,6 +326,21 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
         s["message"] = f"waiting for RayCluster {name} to be ready" + (f": {hosts}" if hosts else "")
         if hosts:
             _set(s, obs, cond.CLUSTER_READY, False, "Waiting", s["message"])
+
+
+def _refused(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    """The API server refused the RayCluster (a webhook, a quota, a policy): shown with its
+    words, asked again every step, and counted against the provisioning timeout."""
+    name = s["rayClusterName"]
+    waited_since = cond.parse_time(s.get("phaseTransitionTime")) or obs.now
+    if obs.now - waited_since > plan.provision_timeout:
+        minutes = int(plan.provision_timeout.total_seconds() // 60)
+        _fail(plan, s, obs, d, "ProvisioningTimeout",
+              f"RayCluster {name} could not be created in {minutes} min: {obs.create_refused}")
+        return
+    _note(s, d, obs, cond.CLUSTER_READY, "CreateRefused",
+          f"the API server refused RayCluster {name}: {obs.create_refused}", warn=True)
+    _create_cluster(ident, plan, s, d)
 
 
 def _submitting(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
