@@ -397,3 +397,73 @@ async def test_every_kubernetes_call_is_bounded_by_the_setting():
             with pytest.raises((ReadTimeoutError, MaxRetryError)):
                 await asyncio.wait_for(call, 20)
             assert time.monotonic() - started < 20, name
+
+
+class StandInHead:
+    """A stand-in for a head's Job API (its version, one RUNNING job) whose log stream
+    misbehaves on demand: `silent` completes the websocket handshake and then never
+    answers again, not even a ping (a half-open connection, a partition); `close` closes
+    each stream cleanly at once while the job runs. No real head can be made to do either
+    on demand, hence this small aiohttp server."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.streams: list[float] = []  # when each log stream was opened
+        self.address = ""
+
+    async def __aenter__(self):
+        import ray
+        from aiohttp import web
+
+        async def version(request):
+            return web.json_response({"version": "4", "ray_version": ray.__version__, "ray_commit": ""})
+
+        async def job(request):
+            return web.json_response({"status": "RUNNING", "message": "", "submission_id": request.match_info["id"]})
+
+        async def tail(request):
+            self.streams.append(time.monotonic())
+            ws = web.WebSocketResponse(autoping=self.mode != "silent")
+            await ws.prepare(request)
+            if self.mode == "silent":
+                await asyncio.sleep(3600)  # never reads: its pings go unanswered
+            await ws.close()
+            return ws
+
+        app = web.Application()
+        app.router.add_get("/api/version", version)
+        app.router.add_get("/api/jobs/{id}", job)
+        app.router.add_get("/api/jobs/{id}/logs/tail", tail)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.address = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+@in_loop
+async def test_a_log_stream_gone_silent_is_noticed_by_its_heartbeat_and_reopened():
+    async with StandInHead("silent") as head:
+        follower = LogFollower(RayJobs(timeout=2, heartbeat=0.4), head.address, "tft-uid-1-1", backoff=(0.1, 0.1))
+        follower.start()
+        deadline = time.monotonic() + 20  # a hang detector: without a heartbeat one stream waits for ever
+        while len(head.streams) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await follower.close()
+    assert len(head.streams) >= 2 and follower.reconnects >= 1
+
+
+@in_loop
+async def test_a_log_stream_closed_at_once_again_and_again_is_reopened_with_a_bounded_backoff():
+    async with StandInHead("close") as head:
+        follower = LogFollower(RayJobs(timeout=2), head.address, "tft-uid-1-1", backoff=(0.2, 0.8))
+        follower.start()
+        await asyncio.sleep(3)
+        await follower.close()
+    gaps = [b - a for a, b in zip(head.streams, head.streams[1:])]
+    assert 3 <= len(head.streams) <= 7, gaps  # used to reconnect in a tight loop: hundreds
+    assert gaps[0] >= 0.19 and max(gaps) >= 0.75 and max(gaps) < 1.5, gaps  # doubling, up to the most

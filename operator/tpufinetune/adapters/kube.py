@@ -101,21 +101,46 @@ def api_message(error: ApiException) -> str:
 
 class WatchedClusters:
     """Our RayClusters as the operator's watch last delivered them: observing a run reads
-    this instead of a GET every tick. A miss (not delivered yet, or deleted) is a GET."""
+    this instead of a GET every tick. A miss (not delivered yet, or deleted) is a GET.
 
-    def __init__(self):
-        self._bodies: dict[tuple[str, str], dict] = {}
+    The watch can miss a deletion: after a 410 kopf lists again, and a RayCluster deleted
+    in the gap gets no DELETED event. So an entry is trusted for `max_age` seconds after
+    the watch or a GET last said so, then read again; and a body that says the cluster is
+    ready is confirmed by one GET per resourceVersion before a run acts on it."""
 
-    def seen(self, body: dict, deleted: bool = False) -> None:
+    def __init__(self, max_age: float | None = None):
+        self.max_age = WATCH_TRUST_S if max_age is None else max_age
+        self._bodies: dict[tuple[str, str], tuple[dict, float, bool]] = {}  # (body, when, confirmed)
+
+    def seen(self, body: dict, deleted: bool = False, confirmed: bool = False) -> None:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
         if deleted:
             self._bodies.pop(key, None)
         else:
-            self._bodies[key] = body
+            self._bodies[key] = (body, time.monotonic(), confirmed)
+
+    def fetched(self, namespace: str, name: str, body: dict | None) -> None:
+        """What a GET just said: the cluster's body (confirmed), or gone."""
+        if body is None:
+            self._bodies.pop((namespace, name), None)
+        else:
+            self.seen(body, confirmed=True)
 
     def get(self, namespace: str, name: str) -> dict | None:
-        return self._bodies.get((namespace, name))
+        """The body, while it is trusted; None: read it with a GET."""
+        entry = self._bodies.get((namespace, name))
+        if entry is None or time.monotonic() - entry[1] > self.max_age:
+            return None
+        return entry[0]
+
+    def confirmed(self, namespace: str, name: str) -> bool:
+        entry = self._bodies.get((namespace, name))
+        return entry is not None and entry[2]
+
+
+# How long the watch's word on a RayCluster is taken without a GET (see WatchedClusters).
+WATCH_TRUST_S = 120.0
 
 
 # A cluster that waits (for capacity, for Kueue) has its pods or its Workload read at most
@@ -137,9 +162,11 @@ class KubeBackend:
 
     async def observe(self, ident: Identity, name: str) -> ClusterView:
         body = self.watched.get(ident.namespace, name)
-        if body is None:
-            body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
         view = cluster_view(body, ident.uid, self.settings)
+        if body is None or (view.ready and not self.watched.confirmed(ident.namespace, name)):
+            body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
+            self.watched.fetched(ident.namespace, name, body)
+            view = cluster_view(body, ident.uid, self.settings)
         if view.exists and view.owned and view.suspended and QUEUE_NAME_LABEL in body["metadata"].get("labels", {}):
             # Not kept until Kueue has said something: its Workload appears just after the cluster.
             queue = await self._every(("workloads", body["metadata"]), lambda: self._queue_view(ident.namespace, body["metadata"]["uid"]),
@@ -224,8 +251,11 @@ class KubeBackend:
         # Preconditions: only delete the object we own (uid checked on observe), and
         # only if it is still the same object.
         body = self._get_cluster(ident.namespace, name)
+        self.watched.fetched(ident.namespace, name, body)
         if body is None or not cluster_view(body, ident.uid, self.settings).owned:
             return
+        if body["metadata"].get("deletionTimestamp"):
+            return  # already being deleted: asking again changes nothing and costs a write
         options = client.V1DeleteOptions(
             propagation_policy="Background",
             preconditions=client.V1Preconditions(uid=body["metadata"]["uid"]),

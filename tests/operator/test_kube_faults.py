@@ -1,10 +1,12 @@
-"""The Kubernetes side of a run under refusals, against a real kube-apiserver: a
+"""The Kubernetes side of a run under faults, against a real kube-apiserver: a
 RayCluster that admission refuses (a ValidatingAdmissionPolicy, as a webhook, a quota or
 a policy would) is shown with the API server's words and fails the run once the
-provisioning timeout has passed.
+provisioning timeout has passed; a deletion the watch never delivered (kopf lists again
+after a 410 without DELETED events) is found by a GET; a RayCluster already being deleted
+is not deleted again.
 
 Real parts: the kube-apiserver with the KubeRay CRD and the project's CRD, the operator's
-KubeBackend and driver. No KubeRay and no Ray: the cluster is never created.
+KubeBackend and driver. No KubeRay and no Ray.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import pytest
 import yaml
 
 from tpufinetune.adapters.kube import KubeBackend
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.phases import Identity
+from tpufinetune.core.sizing import render_raycluster
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
@@ -105,3 +110,63 @@ def test_a_refused_raycluster_says_why_and_fails_after_the_provisioning_timeout(
     refused = [message for reason, message in backend.events if reason == "CreateRefused"]
     assert len(refused) == 1 and REFUSAL in refused[0]
     assert kubectl("-n", namespace, "get", "rayclusters", "-o", "name").stdout.strip() == ""
+
+
+UID = "00000000-0000-0000-0000-0000000000c1"
+
+
+def ready_raycluster(control_plane, namespace: str, **meta) -> dict:
+    """A RayCluster as KubeRay would report it ready (no KubeRay runs here)."""
+    spec = parse_spec({"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
+                       "checkpoint": {"storagePath": "/tmp/unused"}})
+    manifest = render_raycluster("cache", namespace, UID, spec)
+    manifest["metadata"].update(meta)
+    kubectl = control_plane.kubectl
+    kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump(manifest))
+    kubectl("-n", namespace, "patch", "raycluster", "tft-cache", "--subresource=status", "--type=merge",
+            "-p", '{"status": {"state": "ready"}}')
+    return json.loads(kubectl("-n", namespace, "get", "raycluster", "tft-cache", "-o", "json").stdout)
+
+
+def test_a_deletion_the_watch_missed_is_found_before_a_run_acts_on_the_cached_body(
+        control_plane, kuberay_crd, k8s_api, namespace):
+    ident = Identity("cache", namespace, UID)
+    backend = KubeBackend(k8s_api, Settings())
+    backend.watched.seen(ready_raycluster(control_plane, namespace))  # what the watch delivered
+    control_plane.kubectl("-n", namespace, "delete", "raycluster", "tft-cache", "--wait=true")
+    # No DELETED event reaches the cache (kopf's re-list after a 410 sends none).
+    view = asyncio.run(backend.observe(ident, "tft-cache"))
+    assert not view.exists  # a ready body is confirmed by a GET: never a submit to a gone head
+
+    waiting = ready_raycluster(control_plane, namespace)
+    waiting["status"] = {}  # a cluster that waits for capacity: not confirmed every tick
+    backend.watched.seen(waiting)
+    backend.watched.max_age = 1.0
+    control_plane.kubectl("-n", namespace, "delete", "raycluster", "tft-cache", "--wait=true")
+    assert asyncio.run(backend.observe(ident, "tft-cache")).exists  # trusted for a while
+    time.sleep(1.2)
+    assert not asyncio.run(backend.observe(ident, "tft-cache")).exists  # used to be kept for ever
+
+
+def test_a_raycluster_already_being_deleted_is_not_deleted_again(control_plane, kuberay_crd, k8s_api, namespace):
+    kubectl = control_plane.kubectl
+    ready_raycluster(control_plane, namespace, finalizers=["tpufinetune.dev/test-hold"])  # it lingers
+    backend = KubeBackend(k8s_api, Settings())
+    deletes = []
+    real_delete = backend.objects.delete_namespaced_custom_object
+
+    def counted(*args, **kwargs):  # the real call, counted
+        deletes.append(args)
+        return real_delete(*args, **kwargs)
+
+    backend.objects.delete_namespaced_custom_object = counted
+    ident = Identity("cache", namespace, UID)
+    try:
+        for _ in range(3):  # on.delete's loop while the RayCluster goes
+            asyncio.run(backend.delete(ident, "tft-cache"))
+        body = json.loads(kubectl("-n", namespace, "get", "raycluster", "tft-cache", "-o", "json").stdout)
+        assert body["metadata"].get("deletionTimestamp")
+        assert len(deletes) == 1
+    finally:
+        kubectl("-n", namespace, "patch", "raycluster", "tft-cache", "--type=merge",
+                "-p", '{"metadata": {"finalizers": null}}', check=False)
