@@ -13,8 +13,9 @@ from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
 from tpufinetune.adapters import metrics
-from tpufinetune.core import phases
+from tpufinetune.core import phases, runevents
 from tpufinetune.core.api import SpecError, parse_stored_spec
+from tpufinetune.core.errors import CreateRefused
 from tpufinetune.core.jobspec import job_submission, submission_id
 from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
@@ -72,8 +73,12 @@ class Run:
         # again on the next step, so a failed write loses none.
         self.unwritten: list[dict] = []
         self.status_stale = False  # a write failed: re-read the object before deciding
-        self.ray_down_since: datetime | None = None
+        # Since when the head has not answered, for one (phase, attempt): a new phase or
+        # attempt (a suspend, an eviction, a rebuild, a retry) starts the clock again.
+        self.ray_down_since: tuple[tuple, datetime] | None = None
         self.retry_waiting_since: tuple[int, datetime] | None = None  # (attempt, since)
+        self.create_refused = ""  # the API server's words when it last refused the RayCluster
+        self._last_write = float("-inf")  # time.monotonic() of the last status write
         # The kopf daemon and on.delete share this Run; one step at a time.
         self.lock = asyncio.Lock()
 
@@ -108,7 +113,8 @@ class Run:
         if kueue_holds or (phase == phases.QUEUED and self.follower is not None):
             return await self._observe_evicted(now, address, cluster, phase)
         unreachable = ""
-        if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId"):
+        lost = phases.cluster_lost(cluster)  # its head went with it: Ray is not asked
+        if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId") and not lost:
             job, unreachable = await self._job(now, address)
             if self.plan.queue and (job is None or job.status not in phases.JOB_ACTIVE):
                 # An eviction ends the job: Kueue suspends the RayCluster before KubeRay
@@ -117,7 +123,8 @@ class Run:
         events = await self._new_events(address, job)
         self.unwritten.extend(events)
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job,
-                            events=tuple(self.unwritten), ray_unreachable=unreachable)
+                            events=tuple(self.unwritten), ray_unreachable=unreachable,
+                            create_refused=self.create_refused)
 
     async def _job(self, now: datetime, address: str):
         """(the job as Ray reports it, ""); or, once the head has not answered for
@@ -126,8 +133,10 @@ class Run:
         try:
             job = await asyncio.to_thread(self.jobs.job, address, self.status["jobId"])
         except Exception as error:
-            self.ray_down_since = self.ray_down_since or now
-            down = (now - self.ray_down_since).total_seconds()
+            key = (self.status.get("phase"), self.status.get("attempt"))
+            if self.ray_down_since is None or self.ray_down_since[0] != key:
+                self.ray_down_since = (key, now)
+            down = (now - self.ray_down_since[1]).total_seconds()
             if down < self.settings.ray_unreachable_timeout:
                 raise
             detail = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
@@ -219,11 +228,12 @@ class Run:
         if self.status_stale:
             await self._reread_status()
         obs = await self.observe(deleting)
+        obs = self._without_malformed_events(obs)
         decision = phases.transition(self.ident, self.plan, self.status, obs)
         # A failed job without a failure event: read the log tail once, then decide.
         tail = [a for a in decision.actions if isinstance(a, phases.ReadLogTail)]
         if tail:
-            text = await asyncio.to_thread(self.jobs.log_tail, self.status["dashboardURL"], tail[0].submission_id)
+            text = await self._log_tail(tail[0].submission_id)
             obs = Observations(**{**obs.__dict__, "log_tail": text or "(empty log)"})
             decision = phases.transition(self.ident, self.plan, self.status, obs)
         report_ignored_fields(decision, self.ignored_fields, obs.now, self.ident.generation)
@@ -233,6 +243,37 @@ class Run:
         self.unwritten.clear()
         await self._perform(decision)
         return decision
+
+    async def _log_tail(self, job_id: str) -> str:
+        """The failed job's last lines; never a reason to leave the failure undecided: a
+        tail that cannot be read is said so, and the job's own message is what remains."""
+        try:
+            return await asyncio.to_thread(self.jobs.log_tail, self.status["dashboardURL"], job_id)
+        except Exception as error:
+            detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            log.warning("%s/%s: the log tail of %s could not be read: %s", self.ident.namespace,
+                        self.ident.name, job_id, detail)
+            return f"(the log tail could not be read: {detail})"
+
+    def _without_malformed_events(self, obs: Observations) -> Observations:
+        """A trainer line the status cannot hold (a wrong type, a refused value) is dropped
+        with a warning, a Warning Event and the tpufinetune_trainer_events_dropped_total
+        metric; kept, it would fail every step and hold back every later event."""
+        if not obs.events:
+            return obs
+        kept, dropped = runevents.split_malformed(self.status, list(obs.events))
+        if not dropped:
+            return obs
+        for event, why in dropped:
+            log.warning("%s/%s: dropped trainer event %.300s: %s", self.ident.namespace, self.ident.name,
+                        json.dumps(event, default=str), why)
+        metrics.events_dropped(len(dropped))
+        event, why = dropped[0]
+        more = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
+        self.backend.record(self.ident, "Warning", "MalformedTrainerEvent",
+                            f"dropped the trainer's {str(event.get('event'))[:40]!r} event{more}: {why}"[:1024])
+        self.unwritten = kept
+        return Observations(**{**obs.__dict__, "events": tuple(kept)})
 
     async def _reread_status(self) -> None:
         """After a failed write our copy may not be what the object holds (the write may
@@ -252,6 +293,7 @@ class Run:
         checked_status(new, self.status)
         patch = status_patch(self.status, new)
         if patch:
+            await self._space_writes()
             try:
                 await self.backend.write_status(self.ident, patch, new)
             except BaseException as error:
@@ -269,13 +311,28 @@ class Run:
     def _status_failed(self, error: Exception) -> None:
         self.progress.failed(self.progress_key, time.monotonic(), _one_line(error))
 
+    async def _space_writes(self) -> None:
+        """At most one status write per TPUFT_STATUS_WRITE_INTERVAL for one run: a chatty
+        trainer's events wait a moment and go together (the API server and etcd see each
+        write)."""
+        now = time.monotonic()
+        wait = self._last_write + self.settings.status_write_interval - now
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._last_write = max(now, time.monotonic())
+
     async def _perform(self, decision: Decision) -> None:
         for action in decision.actions:
             if isinstance(action, phases.RecordEvent):
                 self.backend.record(self.ident, action.type, action.reason, action.message)
             elif isinstance(action, phases.CreateCluster):
-                await self.backend.create(self.ident, raycluster_with_pod_settings(
-                    self.ident.name, self.ident.namespace, self.ident.uid, self.spec))
+                try:
+                    await self.backend.create(self.ident, raycluster_with_pod_settings(
+                        self.ident.name, self.ident.namespace, self.ident.uid, self.spec))
+                except CreateRefused as refusal:  # shown, and timed, by the next step
+                    self.create_refused = str(refusal) or "refused"
+                    continue
+                self.create_refused = ""
                 metrics.cluster_created(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
             elif isinstance(action, phases.DeleteCluster):
                 await self.backend.delete(self.ident, action.name)

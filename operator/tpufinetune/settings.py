@@ -10,6 +10,8 @@
 | TPUFT_RAY_TIMEOUT | 10 | seconds any one call to a Ray head may take (connect and answer); a head that accepts connections and never answers costs no more |
 | TPUFT_RAY_UNREACHABLE_TIMEOUT | 600 | seconds a submitting or running job's head may stay unreachable (down, crash-looping, refusing the token, its RayCluster deleted) before the run ends Failed with reason RayUnreachable and the slice is released |
 | TPUFT_STALL_TIMEOUT | 300 | seconds a run's status may fail to be written (any error: refused, unreachable API server) before the operator's /healthz fails, so that Kubernetes restarts it; a successful write resets the clock |
+| TPUFT_KUBE_TIMEOUT | 30 | seconds any one Kubernetes API call may take (connect and answer); an API server that never answers holds one worker thread no longer |
+| TPUFT_STATUS_WRITE_INTERVAL | 1 | least seconds between two status writes of one run: a chatty trainer's events are gathered into fewer writes |
 | TPUFT_NAMESPACE | (all) | watch only this namespace |
 """
 
@@ -40,6 +42,8 @@ class Settings(BaseModel):
     ray_timeout: float = Field(10.0, gt=0, le=300)
     ray_unreachable_timeout: float = Field(600.0, gt=0)
     stall_timeout: float = Field(300.0, gt=0)
+    kube_timeout: float = Field(30.0, gt=0, le=600)
+    status_write_interval: float = Field(1.0, ge=0, le=60)
     namespace: str = ""
 
     @classmethod

@@ -9,6 +9,7 @@ test_a_retry_never_overlaps_its_previous_attempt_and_leaves_no_task_behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -122,3 +123,26 @@ def test_a_head_killed_mid_run_is_retried_once_from_the_last_checkpoint(
     assert status["phase"] == "Succeeded", status.get("message")
     assert status["attempt"] == 2 and status["jobId"] == f"tft-{uid}-2"
     assert [entry["epoch"] for entry in status["history"]] == [1, 2, 3, 4]
+
+
+def test_a_raycluster_deleted_mid_run_is_a_lost_job_retried_on_a_new_cluster(
+        operator, ground, kube, trainer_assets, tmp_path):
+    manifest = resource("cluster-deleted", trainer_assets, tmp_path / "ckpt", epochs=3, maxRetries=1)
+    uid, cluster = start_run(kube, manifest)
+    kube.wait_for(lambda: kube.status("cluster-deleted").get("checkpointURI"), "a first checkpoint", timeout=400)
+    old_pods = [p["metadata"]["uid"] for p in kube.pods_of(cluster)]
+    kube.kubectl("delete", "raycluster", cluster, "--wait=false")  # someone else's delete
+    # Used to fail step after step until RayUnreachable (ten minutes by default).
+    kube.wait_for(lambda: kube.status("cluster-deleted").get("attempt") == 2, "the retry", timeout=120)
+    status = kube.status("cluster-deleted")
+    assert status["retries"] == 1
+    kube.wait_for(lambda: kube.status("cluster-deleted").get("phase") in ("Succeeded", "Failed"), "the end",
+                  timeout=600)
+    status = kube.status("cluster-deleted")
+    assert status["phase"] == "Succeeded", status.get("message")
+    assert status["attempt"] == 2 and status["jobId"] == f"tft-{uid}-2"
+    events = json.loads(kube.kubectl("get", "events", "--field-selector", "involvedObject.name=cluster-deleted",
+                                     "-o", "json").stdout)["items"]
+    lost = [e for e in events if e["reason"] == "ClusterLost"]
+    assert lost and lost[0]["type"] == "Warning" and "deleted outside the operator" in lost[0]["message"]
+    assert not any(ground.ray_processes(pod) for pod in old_pods)

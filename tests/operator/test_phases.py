@@ -6,6 +6,7 @@ import pytest
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
+from tpufinetune.core.runevents import split_malformed
 from tpufinetune.core.phases import ClusterView, Identity, JobView, Observations, Plan
 
 from phase_helpers import IDENT, PLAN, READY, T0, kinds, step
@@ -348,3 +349,56 @@ def test_observed_generation_names_only_an_applied_generation():
     d = phases.transition(Identity("demo", "ns", "uid-1", generation=5), SUSPENDED_RETRY_ONCE, running_with(RETRY_ONCE),
                           Observations(now=T0, cluster=READY, job=JobView("RUNNING")))
     assert d.status["observedGeneration"] == 5
+
+
+def test_a_cluster_deleted_under_the_job_is_a_lost_job_retried_on_a_new_cluster():
+    plan = Plan(**{**PLAN.__dict__, "max_retries": 1})
+    status = running_status()
+    d = step(status, plan=plan, cluster=ClusterView(exists=False))
+    assert d.phase == phases.PENDING
+    assert d.status["attempt"] == 2 and d.status["retries"] == 1 and d.status["jobId"] == "tft-uid-1-2"
+    assert "dashboardURL" not in d.status
+    assert "deleted outside the operator" in d.status["message"] and "retry 1/1" in d.status["message"]
+    assert cond.find(d.status, cond.RUNNING)["reason"] == "ClusterLost"
+    assert [(a.type, a.reason) for a in d.actions if isinstance(a, phases.RecordEvent)] == [("Warning", "ClusterLost")]
+    d = step(d.status, plan=plan, cluster=ClusterView(exists=False))
+    assert d.phase == phases.PROVISIONING and phases.CreateCluster("demo-rc") in d.actions
+
+
+def test_a_cluster_being_deleted_under_a_job_without_retries_left_fails_the_run_clusterlost():
+    going = ClusterView(exists=True, owned=True, ready=False, deleting=True)
+    d = step(running_status(), cluster=going, job=JobView("RUNNING"))
+    assert d.phase == phases.FAILED
+    failed = cond.find(d.status, cond.FAILED)
+    assert failed["reason"] == "ClusterLost" and "no retries left" in failed["message"]
+    assert phases.DeleteCluster("demo-rc") in d.actions
+
+
+def test_split_malformed_names_why_each_event_was_dropped():
+    bad = [{"event": "epoch", "epoch": "two", "epochs": 2}, {"event": "epoch", "epoch": -1, "epochs": 2},
+           {"event": "epoch", "epoch": 1, "epochs": 2, "loss": float("nan")}]
+    good = {"event": "progress", "step": 3, "total_steps": 10}
+    kept, dropped = split_malformed({"phase": "Running"}, [*bad, good])
+    assert kept == [good]
+    whys = [why for _, why in dropped]
+    assert whys[0].startswith("ValueError") and "two" in whys[0]
+    assert "greater than or equal to 0" in whys[1]
+    assert "not JSON compliant" in whys[2]
+
+
+def test_a_refused_raycluster_is_shown_with_the_servers_words_and_times_out():
+    status = step(step({}).status).status  # Provisioning: the create was sent
+    refusal = "rayclusters.ray.io \"demo-rc\" is forbidden: exceeded quota: no-clusters"
+    gone = ClusterView(exists=False)
+    d = step(status, cluster=gone, create_refused=refusal, now=T0 + timedelta(minutes=1))
+    assert d.phase == phases.PROVISIONING and phases.CreateCluster("demo-rc") in d.actions  # asked again
+    ready = cond.find(d.status, cond.CLUSTER_READY)
+    assert ready["reason"] == "CreateRefused" and refusal in ready["message"] and refusal in d.status["message"]
+    assert [(a.type, a.reason) for a in d.actions if isinstance(a, phases.RecordEvent)] == [("Warning", "CreateRefused")]
+    again = step(d.status, cluster=gone, create_refused=refusal, now=T0 + timedelta(minutes=2))
+    assert not any(isinstance(a, phases.RecordEvent) for a in again.actions)  # one Event per message
+    late = step(again.status, cluster=gone, create_refused=refusal, now=T0 + timedelta(minutes=31))
+    assert late.phase == phases.FAILED
+    failed = cond.find(late.status, cond.FAILED)
+    assert failed["reason"] == "ProvisioningTimeout" and "could not be created in 30 min" in failed["message"]
+    assert refusal in failed["message"]

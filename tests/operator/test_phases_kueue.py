@@ -178,3 +178,20 @@ def test_the_evicted_attempts_last_checkpoint_is_taken_while_queued():
     # Admitted again: the stopped attempt's failure line is not the next attempt's.
     d = qstep(d.status, cluster=ADMITTED)
     assert d.phase == phases.PROVISIONING and "trainerFailure" not in d.status
+
+
+def test_the_active_deadline_applies_again_after_an_eviction():
+    plan = phases.Plan(**{**QPLAN.__dict__, "active_deadline": timedelta(hours=1)})
+    status = running(step(provisioning(), plan=plan, cluster=HELD).status)
+    d = step(status, plan=plan, cluster=ClusterView(exists=True, suspended=True, queue=PREEMPTED))
+    assert d.phase == phases.QUEUED and "startTime" not in d.status  # the clock stops
+    later = T0 + timedelta(hours=3)
+    d = step(d.status, plan=plan, cluster=ADMITTED, now=later)
+    assert d.phase == phases.PROVISIONING
+    assert cond.parse_time(d.status["startTime"]) == later  # and restarts on admission
+    d = step(d.status, plan=plan, cluster=READY, now=later + timedelta(minutes=30))
+    assert d.phase == phases.SUBMITTING
+    d = step(d.status, plan=plan, cluster=READY, job=JobView("RUNNING"), now=later + timedelta(minutes=61))
+    assert d.phase == phases.FAILED
+    assert cond.find(d.status, cond.FAILED)["reason"] == "DeadlineExceeded"
+    assert phases.StopJob(d.status["jobId"]) in d.actions

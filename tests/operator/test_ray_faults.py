@@ -26,7 +26,7 @@ from ray.exceptions import AuthenticationError
 from harness.ports import free_port
 from harness.waiting import wait_for
 from tpufinetune import driver
-from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
+from tpufinetune.adapters.rayjobs import NO_DRIVER_LOG, LogFollower, RayJobs
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
 from tpufinetune.local import LocalBackend
@@ -56,8 +56,10 @@ def settings(ray_head, **values) -> Settings:
 
 def local_run(ray_head, body: dict, address: str | None = None, jobs: RayJobs | None = None) -> Run:
     s = settings(ray_head)
-    return Run(body, LocalBackend(address or ray_head.dashboard_url, out=io.StringIO()),
-               jobs or RayJobs(headers=s.ray_headers(), timeout=s.ray_timeout), s)
+    backend = LocalBackend(address or ray_head.dashboard_url, out=io.StringIO())
+    # A run attached mid-way (its status says Submitting or Running) finds its cluster up.
+    backend.cluster_up = (body.get("status") or {}).get("phase") in (phases.SUBMITTING, phases.RUNNING)
+    return Run(body, backend, jobs or RayJobs(headers=s.ray_headers(), timeout=s.ray_timeout), s)
 
 
 def wait_job(client, job_id: str, timeout: float = 120) -> str:
@@ -102,6 +104,35 @@ def test_the_log_tail_of_a_failed_job_is_cut_on_the_head(ray_head, tmp_path):
     tail = wait_for(lambda: (t := jobs.log_tail(ray_head.dashboard_url, job_id)).split(" | ")[-1] == "line 4999" and t,
                     20, "the log's last line, line 4999, in the tail")
     assert "line 4990" not in tail and len(tail.split(" | ")) <= 8
+
+
+def test_a_job_that_failed_before_its_driver_started_is_decided_on_its_own_message(ray_head):
+    body = {"metadata": {"name": "no-driver", "namespace": "default", "uid": str(uuid.uuid4()), "generation": 1},
+            "spec": {"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
+                     "checkpoint": {"storagePath": "/tmp/unused"}}}
+    job_id = f"tft-{body['metadata']['uid']}-1"
+    client = ray_head.job_client()
+    # The head cannot set this runtime_env up (no such package): no driver ever runs.
+    client.submit_job(entrypoint="true", submission_id=job_id,
+                      runtime_env={"working_dir": "gcs://_ray_pkg_00000000000000000000000000000000.zip"})
+    assert wait_job(client, job_id) == "FAILED"
+    assert not client.get_job_info(job_id).driver_node_id
+    body["status"] = {"phase": phases.RUNNING, "rayClusterName": "tft-no-driver", "jobId": job_id, "attempt": 1,
+                      "dashboardURL": ray_head.dashboard_url, "epochs": 1}
+    run = local_run(ray_head, body)
+
+    async def scenario():
+        try:
+            return await asyncio.wait_for(run.step(), 60)  # used to raise: no node to read a log from
+        finally:
+            await run.close()
+
+    decision = asyncio.run(scenario())
+    assert decision.phase == phases.FAILED
+    failed = next(c for c in decision.status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "JobFailed"
+    assert failed["message"].startswith("runtime_env setup failed") and failed["message"].endswith(NO_DRIVER_LOG)
+    assert "Traceback" not in failed["message"]
 
 
 def test_a_refused_token_is_an_error_never_a_lost_job(ray_head):

@@ -58,12 +58,15 @@ class MemoryCluster:
         self.lose_next_answer = False
         self.events: list[str] = []
         self.cancel_next_observe = False
+        self.write_times: list[float] = []
+        self.ready = True  # once it exists
 
     async def observe(self, ident, name):
         if self.cancel_next_observe:  # a cancelled inner future, not a cancellation of the run
             self.cancel_next_observe = False
             raise asyncio.CancelledError()
-        return ClusterView(exists=self.exists, owned=True, ready=self.exists, dashboard_url=self.dashboard_url)
+        return ClusterView(exists=self.exists, owned=True, ready=self.exists and self.ready,
+                           dashboard_url=self.dashboard_url)
 
     async def create(self, ident, manifest):
         self.calls.append("create")
@@ -77,6 +80,7 @@ class MemoryCluster:
 
     async def write_status(self, ident, patch, new):
         self.calls.append(f"status:{new.get('phase')}")
+        self.write_times.append(time.monotonic())
         self.status = new
         if self.lose_next_answer:  # the write landed, but its answer was lost (a timeout)
             self.lose_next_answer = False
@@ -291,3 +295,198 @@ def test_a_raycluster_being_deleted_is_never_ready():
     view = cluster_view(going, "uid-1", Settings())
     assert view.exists and view.owned and not view.ready
     assert "being deleted" in view.problem
+
+
+def closed_address() -> tuple[socket.socket, str]:
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    return closed, f"http://127.0.0.1:{closed.getsockname()[1]}"
+
+
+@in_loop
+async def test_a_raycluster_deleted_mid_run_is_a_lost_job_retried_without_asking_its_dead_head():
+    closed, address = closed_address()
+    cluster = MemoryCluster(address)  # someone deleted the RayCluster: it does not exist
+    live = body(running_status(address))
+    live["spec"]["maxRetries"] = 1
+    run = Run(live, cluster, RayJobs(timeout=0.5), settings(ray_unreachable_timeout=600))
+    decision = await run.step()  # used to fail every step until RayUnreachable
+    assert decision.phase == phases.PENDING and decision.status["attempt"] == 2
+    assert decision.status["retries"] == 1
+    assert cluster.events == ["ClusterLost"]
+    assert "deleted outside the operator" in cluster.status["message"]
+    decision = await run.step()
+    closed.close()
+    assert decision.phase == phases.PROVISIONING and cluster.calls[-1] == "create"
+
+
+@in_loop
+async def test_the_ray_unreachable_clock_starts_again_after_a_suspend():
+    closed, address = closed_address()
+    cluster = MemoryCluster(address)
+    cluster.exists = True
+    live = body(running_status(address))
+    run = Run(live, cluster, RayJobs(timeout=0.5), settings(ray_unreachable_timeout=1))
+    with pytest.raises(ConnectionError):
+        await run.step()  # the head does not answer: the clock starts
+    await asyncio.sleep(1.1)
+    live["spec"]["suspend"], live["metadata"]["generation"] = True, 2
+    assert (await run.step()).phase == phases.PENDING  # suspended: the slice is released
+    live["spec"]["suspend"], live["metadata"]["generation"] = False, 3
+    assert (await run.step()).phase == phases.PROVISIONING
+    assert (await run.step()).phase == phases.SUBMITTING  # on a new cluster
+    with pytest.raises(ConnectionError):
+        await run.step()  # used to end the run at once: the clock had run since attempt 1
+    closed.close()
+    assert run.status["phase"] == phases.SUBMITTING
+
+
+BAD_EVENTS = [
+    {"event": "epoch", "epoch": "two", "epochs": 2, "loss": 1.0},  # a wrong type
+    {"event": "epoch", "epoch": -1, "epochs": 2},  # a value the status model refuses
+    {"event": "epoch", "epoch": 1, "epochs": 2, "loss": float("nan")},  # JSON cannot carry it
+]
+
+
+@in_loop
+async def test_a_malformed_trainer_event_is_dropped_counted_and_never_blocks_the_next_ones():
+    from prometheus_client import REGISTRY
+    dropped_before = REGISTRY.get_sample_value("tpufinetune_trainer_events_dropped_total") or 0
+    cluster = MemoryCluster()
+    run = Run(body(), cluster, RayJobs(), settings())
+    await run.step()  # Pending
+    good = {"event": "epoch", "epoch": 1, "epochs": 2, "loss": 2.5}
+    run.unwritten = [*BAD_EVENTS, good]  # as drained from the log follower
+    decision = await run.step()  # used to raise on every step from here on
+    assert decision.phase == phases.PROVISIONING
+    assert cluster.status["epoch"] == 1 and cluster.status["loss"] == 2.5
+    assert run.unwritten == []
+    assert cluster.events.count("MalformedTrainerEvent") == 1
+    assert REGISTRY.get_sample_value("tpufinetune_trainer_events_dropped_total") == dropped_before + 3
+    later = {"event": "epoch", "epoch": 2, "epochs": 2, "loss": 2.0}
+    run.unwritten = [later]
+    await run.step()
+    assert cluster.status["epoch"] == 2
+
+
+
+@in_loop
+async def test_status_writes_of_one_run_are_spaced_by_the_setting():
+    cluster = MemoryCluster()
+    cluster.ready = False  # it stays Provisioning: no Ray here
+    run = Run(body(), cluster, RayJobs(), settings(status_write_interval=0.3))
+    await run.step()  # Pending
+    for step in range(1, 5):  # a chatty trainer: a new event at every step
+        run.unwritten = [{"event": "progress", "step": step, "total_steps": 100}]
+        await run.step()
+    assert cluster.status["progress"]["step"] == 4
+    gaps = [b - a for a, b in zip(cluster.write_times, cluster.write_times[1:])]
+    assert len(gaps) == 4 and min(gaps) >= 0.29, gaps
+
+
+class BlackHoledAPIServer:
+    """A socket that accepts connections and never answers: an API server (or a proxy in
+    front of it) that hangs. Closing it resets every connection it accepted."""
+
+    def __enter__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+
+@in_loop
+async def test_every_kubernetes_call_is_bounded_by_the_setting():
+    from kubernetes import client
+    from urllib3.exceptions import MaxRetryError, ReadTimeoutError
+
+    from tpufinetune.adapters.kube import KubeBackend
+    from tpufinetune.core.phases import Identity
+
+    ident = Identity("demo", "ns", "uid-1")
+    with BlackHoledAPIServer() as address:
+        config = client.Configuration()
+        config.host = address
+        backend = KubeBackend(client.ApiClient(config), Settings(kube_timeout=0.3))
+        calls = {"observe": backend.observe(ident, "tft-demo"), "create": backend.create(ident, {"metadata": {}}),
+                 "delete": backend.delete(ident, "tft-demo"), "read_status": backend.read_status(ident),
+                 "write_status": backend.write_status(ident, {"phase": "Running"}, {})}
+        for name, call in calls.items():
+            started = time.monotonic()
+            # A hang detector, not a timing target: without a timeout these never return.
+            with pytest.raises((ReadTimeoutError, MaxRetryError)):
+                await asyncio.wait_for(call, 20)
+            assert time.monotonic() - started < 20, name
+
+
+class StandInHead:
+    """A stand-in for a head's Job API (its version, one RUNNING job) whose log stream
+    misbehaves on demand: `silent` completes the websocket handshake and then never
+    answers again, not even a ping (a half-open connection, a partition); `close` closes
+    each stream cleanly at once while the job runs. No real head can be made to do either
+    on demand, hence this small aiohttp server."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.streams: list[float] = []  # when each log stream was opened
+        self.address = ""
+
+    async def __aenter__(self):
+        import ray
+        from aiohttp import web
+
+        async def version(request):
+            return web.json_response({"version": "4", "ray_version": ray.__version__, "ray_commit": ""})
+
+        async def job(request):
+            return web.json_response({"status": "RUNNING", "message": "", "submission_id": request.match_info["id"]})
+
+        async def tail(request):
+            self.streams.append(time.monotonic())
+            ws = web.WebSocketResponse(autoping=self.mode != "silent")
+            await ws.prepare(request)
+            if self.mode == "silent":
+                await asyncio.sleep(3600)  # never reads: its pings go unanswered
+            await ws.close()
+            return ws
+
+        app = web.Application()
+        app.router.add_get("/api/version", version)
+        app.router.add_get("/api/jobs/{id}", job)
+        app.router.add_get("/api/jobs/{id}/logs/tail", tail)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.address = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+@in_loop
+async def test_a_log_stream_gone_silent_is_noticed_by_its_heartbeat_and_reopened():
+    async with StandInHead("silent") as head:
+        follower = LogFollower(RayJobs(timeout=2, heartbeat=0.4), head.address, "tft-uid-1-1", backoff=(0.1, 0.1))
+        follower.start()
+        deadline = time.monotonic() + 20  # a hang detector: without a heartbeat one stream waits for ever
+        while len(head.streams) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await follower.close()
+    assert len(head.streams) >= 2 and follower.reconnects >= 1
+
+
+@in_loop
+async def test_a_log_stream_closed_at_once_again_and_again_is_reopened_with_a_bounded_backoff():
+    async with StandInHead("close") as head:
+        follower = LogFollower(RayJobs(timeout=2), head.address, "tft-uid-1-1", backoff=(0.2, 0.8))
+        follower.start()
+        await asyncio.sleep(3)
+        await follower.close()
+    gaps = [b - a for a, b in zip(head.streams, head.streams[1:])]
+    assert 3 <= len(head.streams) <= 7, gaps  # used to reconnect in a tight loop: hundreds
+    assert gaps[0] >= 0.19 and max(gaps) >= 0.75 and max(gaps) < 1.5, gaps  # doubling, up to the most

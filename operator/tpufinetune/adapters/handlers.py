@@ -55,6 +55,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # kopf's own short calls (its patches, Events) are bounded as ours are.
+    settings.networking.request_timeout = memo.settings.kube_timeout
+    settings.networking.connect_timeout = memo.settings.kube_timeout
     # Each run makes short blocking API calls in threads; hundreds of runs must not
     # queue behind a handful of workers.
     settings.execution.executor = ThreadPoolExecutor(max_workers=64)

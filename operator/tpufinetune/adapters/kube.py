@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 
@@ -16,6 +17,7 @@ from kubernetes.client.rest import ApiException
 
 from tpufinetune.core import podstatus
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
+from tpufinetune.core.errors import CreateRefused
 from tpufinetune.core.phases import ClusterView, Identity, QueueView
 from tpufinetune.core.sizing import QUEUE_NAME_LABEL
 from tpufinetune.settings import Settings
@@ -55,7 +57,7 @@ def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> Clust
     url = settings.dashboard_for(cluster=name, namespace=meta.get("namespace", ""), service=service)
     suspended = (body.get("spec") or {}).get("suspend") is True
     return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url,
-                       suspended=suspended)
+                       suspended=suspended, deleting=bool(meta.get("deletionTimestamp")))
 
 
 NO_KUEUE = QueueView(reason="KueueNotInstalled",
@@ -83,23 +85,62 @@ def queue_view(workloads: list[dict], cluster_uid: str) -> QueueView:
     return QueueView(reason="Evicted" if evicted else "", message=evicted, evicted=evicted)
 
 
+# What the API server answers when it will not take an object as sent: a bad request,
+# a webhook, a quota or RBAC (403), a policy or a schema (422). Never transient.
+REFUSALS = frozenset({400, 403, 422})
+
+
+def api_message(error: ApiException) -> str:
+    """The API server's own words from an error (its Status object's message)."""
+    try:
+        message = json.loads(error.body or "{}").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return str(message or error.reason or error.status)[:1000]
+
+
 class WatchedClusters:
     """Our RayClusters as the operator's watch last delivered them: observing a run reads
-    this instead of a GET every tick. A miss (not delivered yet, or deleted) is a GET."""
+    this instead of a GET every tick. A miss (not delivered yet, or deleted) is a GET.
 
-    def __init__(self):
-        self._bodies: dict[tuple[str, str], dict] = {}
+    The watch can miss a deletion: after a 410 kopf lists again, and a RayCluster deleted
+    in the gap gets no DELETED event. So an entry is trusted for `max_age` seconds after
+    the watch or a GET last said so, then read again; and a body that says the cluster is
+    ready is confirmed by one GET per resourceVersion before a run acts on it."""
 
-    def seen(self, body: dict, deleted: bool = False) -> None:
+    def __init__(self, max_age: float | None = None):
+        self.max_age = WATCH_TRUST_S if max_age is None else max_age
+        self._bodies: dict[tuple[str, str], tuple[dict, float, bool]] = {}  # (body, when, confirmed)
+
+    def seen(self, body: dict, deleted: bool = False, confirmed: bool = False) -> None:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
         if deleted:
             self._bodies.pop(key, None)
         else:
-            self._bodies[key] = body
+            self._bodies[key] = (body, time.monotonic(), confirmed)
+
+    def fetched(self, namespace: str, name: str, body: dict | None) -> None:
+        """What a GET just said: the cluster's body (confirmed), or gone."""
+        if body is None:
+            self._bodies.pop((namespace, name), None)
+        else:
+            self.seen(body, confirmed=True)
 
     def get(self, namespace: str, name: str) -> dict | None:
-        return self._bodies.get((namespace, name))
+        """The body, while it is trusted; None: read it with a GET."""
+        entry = self._bodies.get((namespace, name))
+        if entry is None or time.monotonic() - entry[1] > self.max_age:
+            return None
+        return entry[0]
+
+    def confirmed(self, namespace: str, name: str) -> bool:
+        entry = self._bodies.get((namespace, name))
+        return entry is not None and entry[2]
+
+
+# How long the watch's word on a RayCluster is taken without a GET (see WatchedClusters).
+WATCH_TRUST_S = 120.0
 
 
 # A cluster that waits (for capacity, for Kueue) has its pods or its Workload read at most
@@ -115,12 +156,17 @@ class KubeBackend:
         self.settings = settings
         self.watched = WatchedClusters()
         self._checks: dict[tuple[str, str], tuple] = {}  # (kind, cluster uid) -> (version, when, value)
+        # Every call, connect and answer: an API server that never answers holds one
+        # worker thread for this long, never a run for ever.
+        self._timeout = (settings.kube_timeout, settings.kube_timeout)
 
     async def observe(self, ident: Identity, name: str) -> ClusterView:
         body = self.watched.get(ident.namespace, name)
-        if body is None:
-            body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
         view = cluster_view(body, ident.uid, self.settings)
+        if body is None or (view.ready and not self.watched.confirmed(ident.namespace, name)):
+            body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
+            self.watched.fetched(ident.namespace, name, body)
+            view = cluster_view(body, ident.uid, self.settings)
         if view.exists and view.owned and view.suspended and QUEUE_NAME_LABEL in body["metadata"].get("labels", {}):
             # Not kept until Kueue has said something: its Workload appears just after the cluster.
             queue = await self._every(("workloads", body["metadata"]), lambda: self._queue_view(ident.namespace, body["metadata"]["uid"]),
@@ -158,7 +204,8 @@ class KubeBackend:
             self._checks.pop((kind, cluster_uid), None)
 
     def _cluster_pods(self, namespace: str, name: str) -> list[dict]:
-        pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={name}")
+        pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={name}",
+                                             _request_timeout=self._timeout)
         return [self.core.api_client.sanitize_for_serialization(p) for p in pods.items]
 
     def _workloads(self, namespace: str, cluster_uid: str) -> list[dict] | None:
@@ -166,7 +213,8 @@ class KubeBackend:
         when the API has no Workloads (Kueue is not installed)."""
         try:
             found = self.objects.list_namespaced_custom_object(
-                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, label_selector=f"{JOB_UID_LABEL}={cluster_uid}")
+                KUEUE_GROUP, KUEUE_VERSION, namespace, WORKLOADS, label_selector=f"{JOB_UID_LABEL}={cluster_uid}",
+                _request_timeout=self._timeout)
         except ApiException as error:
             if error.status == 404:
                 return None
@@ -175,7 +223,8 @@ class KubeBackend:
 
     def _get_cluster(self, namespace: str, name: str) -> dict | None:
         try:
-            return self.objects.get_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name)
+            return self.objects.get_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name,
+                                                             _request_timeout=self._timeout)
         except ApiException as error:
             if error.status == 404:
                 return None
@@ -186,10 +235,14 @@ class KubeBackend:
 
     def _create_cluster(self, namespace: str, manifest: dict) -> None:
         try:
-            self.objects.create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest)
+            self.objects.create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest,
+                                                         _request_timeout=self._timeout)
         except ApiException as error:
-            if error.status != 409:  # exists: ownership is checked on the next observation
-                raise
+            if error.status == 409:  # exists: ownership is checked on the next observation
+                return
+            if error.status in REFUSALS:
+                raise CreateRefused(api_message(error)) from None
+            raise
 
     async def delete(self, ident: Identity, name: str) -> None:
         await asyncio.to_thread(self._delete_cluster, ident, name)
@@ -198,15 +251,19 @@ class KubeBackend:
         # Preconditions: only delete the object we own (uid checked on observe), and
         # only if it is still the same object.
         body = self._get_cluster(ident.namespace, name)
+        self.watched.fetched(ident.namespace, name, body)
         if body is None or not cluster_view(body, ident.uid, self.settings).owned:
             return
+        if body["metadata"].get("deletionTimestamp"):
+            return  # already being deleted: asking again changes nothing and costs a write
         options = client.V1DeleteOptions(
             propagation_policy="Background",
             preconditions=client.V1Preconditions(uid=body["metadata"]["uid"]),
         )
         try:
             self.objects.delete_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION, ident.namespace, RAY_PLURAL, name, body=options
+                RAY_GROUP, RAY_VERSION, ident.namespace, RAY_PLURAL, name, body=options,
+                _request_timeout=self._timeout,
             )
         except ApiException as error:
             if error.status not in (404, 409):
@@ -216,13 +273,15 @@ class KubeBackend:
         await asyncio.to_thread(
             self.objects.patch_namespaced_custom_object_status,
             GROUP, VERSION, ident.namespace, PLURAL, ident.name, {"status": patch},
+            _request_timeout=self._timeout,
         )
 
     async def read_status(self, ident: Identity) -> dict | None:
         """The object's status as the API server holds it now; None if it is gone."""
         try:
             body = await asyncio.to_thread(self.objects.get_namespaced_custom_object,
-                                           GROUP, VERSION, ident.namespace, PLURAL, ident.name)
+                                           GROUP, VERSION, ident.namespace, PLURAL, ident.name,
+                                           _request_timeout=self._timeout)
         except ApiException as error:
             if error.status == 404:
                 return None

@@ -8,6 +8,7 @@
 | tpufinetune_apply_to_raycluster_seconds | histogram | | metadata.creationTimestamp → RayCluster created |
 | tpufinetune_apply_to_job_submitted_seconds | histogram | | metadata.creationTimestamp → first Ray job submitted |
 | tpufinetune_job_outcomes_total | counter | outcome, reason | runs that ended (Succeeded, Failed) or retried (Retried) |
+| tpufinetune_trainer_events_dropped_total | counter | | trainer event lines the status cannot hold (a wrong type, a refused value), dropped with a Warning Event |
 
 The driver (Run.step) and one kopf watch handler (handlers.phase_seen) report through the
 few functions below; nothing here touches Kubernetes or Ray. Phases are the status phases; a
@@ -27,6 +28,7 @@ from prometheus_client.core import GaugeMetricFamily
 NEW = "New"
 PHASES = ("Pending", "Queued", "Provisioning", "Submitting", "Running", "Succeeded", "Failed",
           "Deleting")
+RETRIED = ("Retrying", "ClusterLost")  # the Event reasons of a new attempt that counts as a retry
 LATENCY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 
 RECONCILES = Counter("tpufinetune_reconciles", "Reconcile steps, by the phase the resource was in.", ["phase"])
@@ -43,6 +45,9 @@ TO_SUBMITTED = Histogram(
 )
 OUTCOMES = Counter(
     "tpufinetune_job_outcomes", "Runs that ended or were retried, by outcome and reason.", ["outcome", "reason"]
+)
+DROPPED_EVENTS = Counter(
+    "tpufinetune_trainer_events_dropped", "Trainer event lines the status cannot hold, dropped."
 )
 
 
@@ -92,8 +97,13 @@ def stepped(before: str, after: str, recorded: list[tuple[str, str]]) -> None:
     if after != before and after in ("Succeeded", "Failed"):
         reason = next((r for _, r in reversed(recorded)), after)
         OUTCOMES.labels(after, reason).inc()
-    elif any(reason == "Retrying" for _, reason in recorded):
-        OUTCOMES.labels("Retried", "Retrying").inc()
+    else:
+        for reason in (r for _, r in recorded if r in RETRIED):
+            OUTCOMES.labels("Retried", reason).inc()
+
+
+def events_dropped(count: int) -> None:
+    DROPPED_EVENTS.inc(count)
 
 
 def step_failed(phase: str) -> None:

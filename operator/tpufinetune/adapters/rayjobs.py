@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+
+import aiohttp
 from dataclasses import dataclass, field
 
 from ray.job_submission import JobSubmissionClient
@@ -20,6 +22,11 @@ from tpufinetune_trainer.events import EventStream
 log = logging.getLogger(__name__)
 LOG_TAIL_CHARS = 2000
 LOG_TAIL_LINES = 8
+LOG_HEARTBEAT_S = 30.0  # a ping on the log stream this often; no pong in half of it ends the stream
+# Reconnecting a log stream waits this long, doubling up to the most, again after each
+# failed or closed stream; a stream that delivered lines starts from the least again.
+RECONNECT_BACKOFF_S = (1.0, 30.0)
+NO_DRIVER_LOG = "(no driver log: the job failed before its driver started)"
 
 
 # Ray's JobSubmissionClient replaces the address it is given with either of these when
@@ -39,11 +46,38 @@ def drop_address_overrides(environ=os.environ) -> list[str]:
 class TimedJobClient(JobSubmissionClient):
     """Ray's Job API client with a timeout on every HTTP request, connect and read: a head
     that accepts connections and never answers holds one thread for `timeout` seconds, not
-    for ever (the client is synchronous; each call runs in a worker thread)."""
+    for ever (the client is synchronous; each call runs in a worker thread). Its log
+    stream is bounded too: `timeout` to open it, and a heartbeat while it is open."""
 
-    def __init__(self, address: str, headers: dict, timeout: float):
+    def __init__(self, address: str, headers: dict, timeout: float, heartbeat: float = LOG_HEARTBEAT_S):
         self._timeout = timeout
+        self._heartbeat = heartbeat
         super().__init__(address, headers=headers)  # its version check already times out
+
+    async def tail_job_logs(self, job_id: str):
+        """Ray's log stream (the Job API websocket), with a ping every `heartbeat` seconds:
+        a stream whose head went silent (a half-open connection, a partition) ends with an
+        error once a pong is missed, instead of waiting for ever. A quiet job still
+        answers pings."""
+        timeout = aiohttp.ClientTimeout(total=None, connect=self._timeout, sock_connect=self._timeout)
+        async with aiohttp.ClientSession(cookies=self._cookies, headers=self._headers, timeout=timeout) as session:
+            ws = await asyncio.wait_for(session.ws_connect(
+                f"{self._address}/api/jobs/{job_id}/logs/tail", headers=self._headers,
+                ssl=self._ssl_context if self._ssl_context is not None else True,
+                heartbeat=self._heartbeat), self._timeout)
+            async with ws:
+                while True:
+                    message = await ws.receive()
+                    if message.type == aiohttp.WSMsgType.TEXT:
+                        yield message.data
+                    elif message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
+                                          aiohttp.WSMsgType.CLOSED):
+                        if ws.close_code not in (None, aiohttp.WSCloseCode.OK):
+                            raise RuntimeError(f"log stream of {job_id} closed with code {ws.close_code}"
+                                               f" ({ws.exception() or 'no pong to a heartbeat, or a cut'})")
+                        return
+                    elif message.type == aiohttp.WSMsgType.ERROR:
+                        raise RuntimeError(f"log stream of {job_id} failed: {ws.exception()}")
 
     def _do_request(self, method: str, endpoint: str, **kwargs):
         kwargs.setdefault("timeout", self._timeout)
@@ -59,13 +93,15 @@ class TimedJobClient(JobSubmissionClient):
             self._raise_error(response)
         return response.json()
 
-    def last_lines(self, submission_id: str, lines: int) -> str:
+    def last_lines(self, submission_id: str, lines: int) -> str | None:
         """The last lines of the job's driver log, cut on the head (the state API's log
-        endpoint): a multi-megabyte log is never downloaded to keep its tail."""
+        endpoint): a multi-megabyte log is never downloaded to keep its tail. None when
+        the job has no driver log: it failed before its driver started (a runtime_env
+        that could not be set up), and the endpoint would only answer an error."""
         info = self.job_or_none(submission_id) or {}
-        params = {"submission_id": submission_id, "lines": lines}
-        if info.get("driver_node_id"):  # the endpoint needs the node the driver ran on
-            params["node_id"] = info["driver_node_id"]
+        if not info.get("driver_node_id"):  # the endpoint needs the node the driver ran on
+            return None
+        params = {"submission_id": submission_id, "lines": lines, "node_id": info["driver_node_id"]}
         response = self._do_request("GET", "/api/v0/logs/file", params=params)
         if response.status_code != 200:
             self._raise_error(response)
@@ -92,15 +128,16 @@ class TimedJobClient(JobSubmissionClient):
 class RayJobs:
     """One Job API client per dashboard address, created on first use."""
 
-    def __init__(self, headers: dict | None = None, timeout: float = 10.0):
+    def __init__(self, headers: dict | None = None, timeout: float = 10.0, heartbeat: float = LOG_HEARTBEAT_S):
         drop_address_overrides()
         self._headers = headers or {}
         self.timeout = timeout
+        self.heartbeat = heartbeat
         self._clients: dict[str, TimedJobClient] = {}
 
     def client(self, address: str) -> TimedJobClient:
         if address not in self._clients:
-            self._clients[address] = TimedJobClient(address, self._headers, self.timeout)
+            self._clients[address] = TimedJobClient(address, self._headers, self.timeout, self.heartbeat)
         return self._clients[address]
 
     def forget(self, address: str) -> None:
@@ -137,6 +174,8 @@ class RayJobs:
     def log_tail(self, address: str, submission_id: str) -> str:
         """Last lines of the log, read once when a job failed without a failure event."""
         text = self.client(address).last_lines(submission_id, LOG_TAIL_LINES)
+        if text is None:
+            return NO_DRIVER_LOG
         tail = text[-LOG_TAIL_CHARS:]
         return " | ".join(line.strip() for line in tail.splitlines()[-LOG_TAIL_LINES:] if line.strip())
 
@@ -163,13 +202,18 @@ class LogFollower:
     _task: asyncio.Task | None = None
     _finished: bool = False
     _saw_last_event: bool = False  # the trainer's result, failure or collectives line came
+    backoff: tuple[float, float] = RECONNECT_BACKOFF_S  # (least, most) seconds before a reconnect
+    reconnects: int = 0
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._follow(), name=f"logs-{self.submission_id}")
 
     async def _follow(self) -> None:
+        least, most = self.backoff
+        delay = least
         while True:
+            before = self.cursor
             try:
                 client = await asyncio.to_thread(self.jobs.client, self.address)
                 async for chunk in client.tail_job_logs(self.submission_id):
@@ -178,14 +222,18 @@ class LogFollower:
                     return  # the job ended and Ray closed the stream: every line came
                 # A clean close while the job runs (a proxy, a restarting agent): the
                 # lines after it come only on a new stream, which replays from the start.
-                log.info("log stream of %s closed while the job runs; reconnecting", self.submission_id)
+                log.info("log stream of %s closed while the job runs; reconnecting in %gs",
+                         self.submission_id, delay)
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the head may be briefly unreachable
                 if not await self._still_running():
                     return  # the job is gone (a new head) or ended: nothing more to follow
-                log.warning("log stream of %s interrupted: %s; reconnecting", self.submission_id, error)
-                await asyncio.sleep(2)
+                log.warning("log stream of %s interrupted: %s; reconnecting in %gs", self.submission_id, error, delay)
+            self.reconnects += 1
+            delay = least if self.cursor > before else delay  # a stream that delivered starts over
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, most)
             self._replay_from_start()
 
     async def _still_running(self) -> bool:

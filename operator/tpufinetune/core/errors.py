@@ -1,4 +1,4 @@
-"""The one error type a user sees for an invalid TPUFineTune spec."""
+"""Error types the core names: an invalid spec (the one a user sees), a refused create."""
 
 
 class SpecError(ValueError):
@@ -12,3 +12,8 @@ class SpecError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class CreateRefused(RuntimeError):
+    """The API server refused to create the RayCluster (an admission webhook or policy, a
+    ResourceQuota, a malformed object): not transient. `str()` is the server's message."""

@@ -128,6 +128,7 @@ class ClusterView:
     pod_problem: PodProblem | None = None  # the worst pod state while not ready
     hosts_ready: int | None = None  # worker pods Ready; None: pods not looked at
     suspended: bool = False  # spec.suspend: Kueue has not admitted it (or evicted it)
+    deleting: bool = False  # metadata.deletionTimestamp is set: it is going away
     queue: QueueView | None = None  # read only for a suspended cluster with a queue
 
 
@@ -147,6 +148,7 @@ class Observations:
     log_tail: str = ""  # last lines of the job log, read only once a job failed
     deleting: bool = False
     ray_unreachable: str = ""  # why, once the job's head has not answered for too long
+    create_refused: str = ""  # the API server's words when it refused to create the RayCluster
 
 
 # ---- actions (performed by the driver) -------------------------------------------------
@@ -227,6 +229,8 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
                        f"spec.activeDeadlineSeconds ({seconds} s) passed; the job was stopped")
     elif plan.queue and phase in (PROVISIONING, SUBMITTING, RUNNING) and _held_by_kueue(obs):
         _to_queue(ident, plan, new, obs, decision)
+    elif phase in (SUBMITTING, RUNNING) and cluster_lost(obs.cluster):
+        _lost_cluster(ident, plan, new, obs, decision)
     elif obs.ray_unreachable and phase in (SUBMITTING, RUNNING):
         _fail(plan, new, obs, decision, "RayUnreachable", obs.ray_unreachable)
     else:
@@ -276,6 +280,9 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
         return
     name = s["rayClusterName"]
     if not cluster.exists:
+        if obs.create_refused:
+            _refused(ident, plan, s, obs, d)
+            return
         _create_cluster(ident, plan, s, d)
         return
     if not cluster.owned:
@@ -319,6 +326,21 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
         s["message"] = f"waiting for RayCluster {name} to be ready" + (f": {hosts}" if hosts else "")
         if hosts:
             _set(s, obs, cond.CLUSTER_READY, False, "Waiting", s["message"])
+
+
+def _refused(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    """The API server refused the RayCluster (a webhook, a quota, a policy): shown with its
+    words, asked again every step, and counted against the provisioning timeout."""
+    name = s["rayClusterName"]
+    waited_since = cond.parse_time(s.get("phaseTransitionTime")) or obs.now
+    if obs.now - waited_since > plan.provision_timeout:
+        minutes = int(plan.provision_timeout.total_seconds() // 60)
+        _fail(plan, s, obs, d, "ProvisioningTimeout",
+              f"RayCluster {name} could not be created in {minutes} min: {obs.create_refused}")
+        return
+    _note(s, d, obs, cond.CLUSTER_READY, "CreateRefused",
+          f"the API server refused RayCluster {name}: {obs.create_refused}", warn=True)
+    _create_cluster(ident, plan, s, d)
 
 
 def _submitting(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
@@ -408,6 +430,33 @@ def _retry(ident: Identity, s: dict, obs: Observations, d: Decision, message: st
     _enter(s, d, SUBMITTING, "Retrying", f"attempt {attempt - 1} failed ({message}); resubmitting as {s['jobId']}", warn=True)
 
 
+def cluster_lost(cluster: ClusterView | None) -> bool:
+    """The job's RayCluster is gone or going (None: not looked at). In Submitting and
+    Running that is never the operator's doing: it deletes one only in other phases."""
+    return cluster is not None and (not cluster.exists or not cluster.owned or cluster.deleting)
+
+
+def _lost_cluster(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    """Someone else deleted the RayCluster under the job: the job is lost with it. A new
+    attempt runs on a new cluster (resuming from the last checkpoint), counted against
+    spec.maxRetries; with none left the run fails, reason ClusterLost."""
+    name = s["rayClusterName"]
+    why = f"RayCluster {name} was deleted outside the operator while job {s['jobId']} was {s['phase'].lower()}"
+    retries = int(s.get("retries") or 0)
+    if retries >= plan.max_retries:
+        _fail(plan, s, obs, d, "ClusterLost", f"{why}; no retries left (spec.maxRetries: {plan.max_retries})")
+        return
+    attempt = int(s["attempt"]) + 1
+    s.update(retries=retries + 1, attempt=attempt, jobId=submission_id(ident.uid, attempt))
+    s.pop("trainerFailure", None)  # the workers died with the cluster, not of their own
+    s.pop("dashboardURL", None)  # the new cluster's head is read when it is ready
+    for type_ in (cond.CLUSTER_READY, cond.JOB_SUBMITTED, cond.RUNNING):
+        if cond.find(s, type_):
+            _set(s, obs, type_, False, "ClusterLost", why)
+    _enter(s, d, PENDING, "ClusterLost", f"{why}; attempt {attempt} runs on a new RayCluster "
+           f"(retry {retries + 1}/{plan.max_retries})", warn=True)
+
+
 def _suspended(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
     """spec.suspend: no RayCluster exists while it is true. A running job is stopped and
     the next attempt (resuming from the last checkpoint) starts once it is false again.
@@ -483,6 +532,9 @@ def _queued(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision
             s["message"] = message[: cond.MESSAGE_LIMIT]
             d.actions.append(RecordEvent("Normal", "Queued", message[: cond.MESSAGE_LIMIT]))
         return
+    # An admission starts the clock of spec.activeDeadlineSeconds again (an eviction
+    # stopped it), as a resume after a suspend does.
+    s.setdefault("startTime", cond.timestamp(obs.now))
     if cluster.exists and cluster.owned:
         s.pop("trainerFailure", None)  # a late line of an evicted attempt is not this one's
         message = f"Kueue admitted RayCluster {s['rayClusterName']}"
@@ -553,8 +605,15 @@ def _job_failure(s: dict, job: JobView | None, obs: Observations) -> tuple[str, 
     if job.status == "STOPPED":
         return "JobStopped", f"Ray job {s['jobId']} was stopped outside the operator"
     if obs.log_tail:
-        return "JobFailed", f"{job.message or 'job failed'}; log tail: {obs.log_tail}"
+        return "JobFailed", f"{_first_and_last_line(job.message) or 'job failed'}; log tail: {obs.log_tail}"
     return "JobFailed", ""
+
+
+def _first_and_last_line(text: str) -> str:
+    """Ray's message of a failed job can hold a whole traceback (a runtime_env that could
+    not be set up): its first line says what failed, its last one why."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return " ... ".join(lines[:1] + lines[1:][-1:])
 
 
 def _success_message(s: dict) -> str:

@@ -6,6 +6,11 @@ re-reading a log after an operator restart cannot double-count anything.
 
 from __future__ import annotations
 
+import copy
+import json
+
+from tpufinetune.core.status import checked_status
+
 HISTORY_LIMIT = 20  # enough for `kubectl get -o yaml`; the full record is in the job log
 
 
@@ -144,3 +149,37 @@ def apply_event(status: dict, event: dict) -> None:
     handler = HANDLERS.get(event.get("event", ""))
     if handler is not None:
         handler(status, event)
+
+
+def split_malformed(status: dict, events: list[dict]) -> tuple[list[dict], list[tuple[dict, str]]]:
+    """(the events that fold into a status the API server takes, [(event, why)] for the
+    others): a wrong type, a value the status model refuses or a NaN, kept, would fail
+    every later step and hold back every later event. Each is tried on top of the events
+    kept before it. A status that is refused already is no judge: every event is kept."""
+    if _refused(status):
+        return list(events), []
+    kept, dropped, current = [], [], status
+    for event in events:
+        trial = copy.deepcopy(current)
+        try:
+            apply_event(trial, event)
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            dropped.append((event, f"{type(error).__name__}: {error}"))
+            continue
+        why = _refused(trial)
+        if why:
+            dropped.append((event, why))
+            continue
+        kept.append(event)
+        current = trial
+    return kept, dropped
+
+
+def _refused(status: dict) -> str:
+    """Why the API server (or the status model before it) would refuse `status`; ''."""
+    try:
+        checked_status(status)
+        json.dumps(status, allow_nan=False)
+    except ValueError as error:  # pydantic's ValidationError and UndeclaredStatusKey are ValueErrors
+        return " ".join(str(error).split())[:300] or type(error).__name__
+    return ""

@@ -1,0 +1,172 @@
+"""The Kubernetes side of a run under faults, against a real kube-apiserver: a
+RayCluster that admission refuses (a ValidatingAdmissionPolicy, as a webhook, a quota or
+a policy would) is shown with the API server's words and fails the run once the
+provisioning timeout has passed; a deletion the watch never delivered (kopf lists again
+after a 410 without DELETED events) is found by a GET; a RayCluster already being deleted
+is not deleted again.
+
+Real parts: the kube-apiserver with the KubeRay CRD and the project's CRD, the operator's
+KubeBackend and driver. No KubeRay and no Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import yaml
+
+from tpufinetune.adapters.kube import KubeBackend
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.phases import Identity
+from tpufinetune.core.sizing import render_raycluster
+from tpufinetune.adapters.rayjobs import RayJobs
+from tpufinetune.core import phases
+from tpufinetune.driver import Run
+from tpufinetune.settings import Settings
+
+pytestmark = [pytest.mark.cluster]
+REFUSAL = "RayClusters are refused by the test's admission policy"
+
+
+def refuse_rayclusters(namespace: str) -> list[dict]:
+    name = f"refuse-rayclusters-{namespace}"
+    return [
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+         "metadata": {"name": name},
+         "spec": {"failurePolicy": "Fail",
+                  "matchConstraints": {"resourceRules": [{
+                      "apiGroups": ["ray.io"], "apiVersions": ["*"], "operations": ["CREATE"],
+                      "resources": ["rayclusters"]}]},
+                  "validations": [{"expression": "false", "message": REFUSAL}]}},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+         "metadata": {"name": name},
+         "spec": {"policyName": name, "validationActions": ["Deny"],
+                  "matchResources": {"namespaceSelector": {
+                      "matchLabels": {"kubernetes.io/metadata.name": namespace}}}}},
+    ]
+
+
+def wait_until_refused(kubectl, namespace: str, timeout: float = 30) -> None:
+    """A policy reaches the admission plugin a moment after it is applied: probe with a
+    server-side dry run (admission runs, nothing is stored) until it refuses."""
+    probe = yaml.safe_dump({"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "probe"},
+                            "spec": {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": {
+                                "containers": [{"name": "ray-head", "image": "registry.example/t:1"}]}}}}})
+    deadline = time.monotonic() + timeout
+    while REFUSAL not in kubectl("-n", namespace, "create", "--dry-run=server", "-f", "-", input=probe,
+                                 check=False).stderr:
+        assert time.monotonic() < deadline, "the admission policy never took effect"
+        time.sleep(0.5)
+
+
+class Backend(KubeBackend):
+    """The operator's KubeBackend; its Events go to a list (kopf posts them only from
+    inside a running operator)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events: list[tuple[str, str]] = []
+
+    def record(self, ident, type_, reason, message):
+        self.events.append((reason, message))
+
+
+def test_a_refused_raycluster_says_why_and_fails_after_the_provisioning_timeout(
+        control_plane, kuberay_crd, k8s_api, namespace):
+    kubectl = control_plane.kubectl
+    policy = yaml.safe_dump_all(refuse_rayclusters(namespace))
+    kubectl("apply", "-f", "-", input=policy)
+    try:
+        wait_until_refused(kubectl, namespace)
+        manifest = {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": "refused"},
+                    "spec": {"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
+                             "checkpoint": {"storagePath": "/tmp/unused"}}}
+        kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump(manifest))
+        body = json.loads(kubectl("-n", namespace, "get", "tpufinetune", "refused", "-o", "json").stdout)
+        settings = Settings(poll_interval=1, provision_timeout=4)
+        backend = Backend(k8s_api, settings)
+        run = Run(body, backend, RayJobs(), settings)
+
+        async def drive() -> list[str]:
+            seen = []
+            for _ in range(30):  # a bound, not a pace: each step is one create the server refuses
+                decision = await run.step()  # used to raise the refusal on every step, for ever
+                seen.append(decision.phase)
+                if decision.phase in phases.TERMINAL:
+                    break
+                await asyncio.sleep(0.5)
+            return seen
+
+        seen = asyncio.run(drive())
+    finally:
+        kubectl("delete", "-f", "-", input=policy, check=False)
+    assert phases.PROVISIONING in seen and seen[-1] == phases.FAILED, seen
+    status = json.loads(kubectl("-n", namespace, "get", "tpufinetune", "refused", "-o", "json").stdout)["status"]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "ProvisioningTimeout" and REFUSAL in failed["message"]
+    refused = [message for reason, message in backend.events if reason == "CreateRefused"]
+    assert len(refused) == 1 and REFUSAL in refused[0]
+    assert kubectl("-n", namespace, "get", "rayclusters", "-o", "name").stdout.strip() == ""
+
+
+UID = "00000000-0000-0000-0000-0000000000c1"
+
+
+def ready_raycluster(control_plane, namespace: str, **meta) -> dict:
+    """A RayCluster as KubeRay would report it ready (no KubeRay runs here)."""
+    spec = parse_spec({"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
+                       "checkpoint": {"storagePath": "/tmp/unused"}})
+    manifest = render_raycluster("cache", namespace, UID, spec)
+    manifest["metadata"].update(meta)
+    kubectl = control_plane.kubectl
+    kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump(manifest))
+    kubectl("-n", namespace, "patch", "raycluster", "tft-cache", "--subresource=status", "--type=merge",
+            "-p", '{"status": {"state": "ready"}}')
+    return json.loads(kubectl("-n", namespace, "get", "raycluster", "tft-cache", "-o", "json").stdout)
+
+
+def test_a_deletion_the_watch_missed_is_found_before_a_run_acts_on_the_cached_body(
+        control_plane, kuberay_crd, k8s_api, namespace):
+    ident = Identity("cache", namespace, UID)
+    backend = KubeBackend(k8s_api, Settings())
+    backend.watched.seen(ready_raycluster(control_plane, namespace))  # what the watch delivered
+    control_plane.kubectl("-n", namespace, "delete", "raycluster", "tft-cache", "--wait=true")
+    # No DELETED event reaches the cache (kopf's re-list after a 410 sends none).
+    view = asyncio.run(backend.observe(ident, "tft-cache"))
+    assert not view.exists  # a ready body is confirmed by a GET: never a submit to a gone head
+
+    waiting = ready_raycluster(control_plane, namespace)
+    waiting["status"] = {}  # a cluster that waits for capacity: not confirmed every tick
+    backend.watched.seen(waiting)
+    backend.watched.max_age = 1.0
+    control_plane.kubectl("-n", namespace, "delete", "raycluster", "tft-cache", "--wait=true")
+    assert asyncio.run(backend.observe(ident, "tft-cache")).exists  # trusted for a while
+    time.sleep(1.2)
+    assert not asyncio.run(backend.observe(ident, "tft-cache")).exists  # used to be kept for ever
+
+
+def test_a_raycluster_already_being_deleted_is_not_deleted_again(control_plane, kuberay_crd, k8s_api, namespace):
+    kubectl = control_plane.kubectl
+    ready_raycluster(control_plane, namespace, finalizers=["tpufinetune.dev/test-hold"])  # it lingers
+    backend = KubeBackend(k8s_api, Settings())
+    deletes = []
+    real_delete = backend.objects.delete_namespaced_custom_object
+
+    def counted(*args, **kwargs):  # the real call, counted
+        deletes.append(args)
+        return real_delete(*args, **kwargs)
+
+    backend.objects.delete_namespaced_custom_object = counted
+    ident = Identity("cache", namespace, UID)
+    try:
+        for _ in range(3):  # on.delete's loop while the RayCluster goes
+            asyncio.run(backend.delete(ident, "tft-cache"))
+        body = json.loads(kubectl("-n", namespace, "get", "raycluster", "tft-cache", "-o", "json").stdout)
+        assert body["metadata"].get("deletionTimestamp")
+        assert len(deletes) == 1
+    finally:
+        kubectl("-n", namespace, "patch", "raycluster", "tft-cache", "--type=merge",
+                "-p", '{"metadata": {"finalizers": null}}', check=False)
