@@ -5,8 +5,11 @@ own metrics (what it has done, observed from outside)."""
 from __future__ import annotations
 
 import urllib.request
+from contextlib import contextmanager
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from harness.operator_process import OperatorProcess
 
 
 def resource(name: str, assets, storage, mode: str = "finetune", epochs: int = 2, **extra) -> dict:
@@ -58,3 +61,21 @@ def reconciles(operator, phase: str) -> float:
     """Steps the operator process has completed from `phase` (tpufinetune_reconciles_total;
     counted once the step's status write and actions are done)."""
     return scrape(operator).get(("tpufinetune_reconciles_total", (("phase", phase),)), 0.0)
+
+
+@contextmanager
+def operator_with(operator, **env):
+    """The operator restarted with other settings (a wrong Ray token, a short bound); the
+    session's operator comes back afterwards."""
+    operator.kill()
+    other = OperatorProcess({**operator.env, **env}, operator.log_path, hosts_file=operator.hosts_file)
+    other.start()
+    try:
+        yield other
+    finally:
+        other.kill()
+        operator.start()
+
+
+def running(kube, name: str, timeout: float = 300) -> None:
+    kube.wait_for(lambda: kube.status(name).get("phase") == "Running", f"{name} Running", timeout=timeout)

@@ -13,13 +13,11 @@ import json
 import os
 import signal
 import time
-from contextlib import contextmanager
 
 import pytest
 
-from harness.operator_process import OperatorProcess
 from tpufinetune.core import conditions as cond
-from ground_runs import jobs_of, released, resource, start_run
+from ground_runs import jobs_of, operator_with, released, resource, running, start_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
@@ -39,24 +37,6 @@ def kill_head(ground, kube, cluster: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-@contextmanager
-def operator_with(operator, **env):
-    """The operator restarted with other settings (a wrong Ray token, a short bound); the
-    session's operator comes back afterwards."""
-    operator.kill()
-    other = OperatorProcess({**operator.env, **env}, operator.log_path, hosts_file=operator.hosts_file)
-    other.start()
-    try:
-        yield other
-    finally:
-        other.kill()
-        operator.start()
-
-
-def running(kube, name: str, timeout: float = 300) -> None:
-    kube.wait_for(lambda: kube.status(name).get("phase") == "Running", f"{name} Running", timeout=timeout)
 
 
 def delete_within_30s(kube, name: str) -> None:

@@ -11,7 +11,7 @@ from tpufinetune.core import phases
 from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.driver import Run
 from tpufinetune.adapters.rayjobs import RayJobs
-from test_run_faults import MemoryCluster, body, in_loop, settings
+from run_helpers import MemoryCluster, body, in_loop, settings
 
 RUN = ("ns", "demo", "uid-1")
 OTHER = ("ns", "other", "uid-2")

@@ -11,7 +11,6 @@ refused) and against a socket that accepts and never answers (a black-holed head
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import re
 import socket
@@ -26,71 +25,10 @@ from tpufinetune.adapters.kube import cluster_view
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
-from tpufinetune.core.phases import ClusterView
 from tpufinetune.driver import Run
 from tpufinetune.settings import Settings
 
-
-
-def in_loop(test):
-    """Run an async test in a fresh event loop (the driver's own asyncio, no plugin)."""
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        return asyncio.run(test(*args, **kwargs))
-    return run
-
-
-SPEC = {"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
-        "checkpoint": {"storagePath": "/tmp/unused"}}
-
-
-class MemoryCluster:
-    """Kubernetes as far as one run sees it: one RayCluster that exists or not, the
-    status the run wrote, and every call in order. `create_gate`, when set, holds a
-    create until the test opens it (a slow API call)."""
-
-    def __init__(self, dashboard_url: str = "http://127.0.0.1:9"):
-        self.exists = False
-        self.dashboard_url = dashboard_url
-        self.calls: list[str] = []
-        self.status: dict = {}
-        self.create_gate: asyncio.Event | None = None
-        self.lose_next_answer = False
-        self.events: list[str] = []
-        self.cancel_next_observe = False
-        self.write_times: list[float] = []
-        self.ready = True  # once it exists
-
-    async def observe(self, ident, name):
-        if self.cancel_next_observe:  # a cancelled inner future, not a cancellation of the run
-            self.cancel_next_observe = False
-            raise asyncio.CancelledError()
-        return ClusterView(exists=self.exists, owned=True, ready=self.exists and self.ready,
-                           dashboard_url=self.dashboard_url)
-
-    async def create(self, ident, manifest):
-        self.calls.append("create")
-        if self.create_gate is not None:
-            await self.create_gate.wait()
-        self.exists = True
-
-    async def delete(self, ident, name):
-        self.calls.append("delete")
-        self.exists = False
-
-    async def write_status(self, ident, patch, new):
-        self.calls.append(f"status:{new.get('phase')}")
-        self.write_times.append(time.monotonic())
-        self.status = new
-        if self.lose_next_answer:  # the write landed, but its answer was lost (a timeout)
-            self.lose_next_answer = False
-            raise TimeoutError("the API server did not answer in time")
-
-    async def read_status(self, ident):
-        return dict(self.status)
-
-    def record(self, ident, type_, reason, message):
-        self.events.append(reason)
+from run_helpers import MemoryCluster, body, in_loop, settings
 
 
 class WatchedLock(asyncio.Lock):
@@ -106,18 +44,9 @@ class WatchedLock(asyncio.Lock):
         return await super().acquire()
 
 
-def body(status: dict | None = None, **meta) -> dict:
-    return {"metadata": {"name": "demo", "namespace": "ns", "uid": "uid-1", "generation": 1, **meta},
-            "spec": dict(SPEC), "status": dict(status or {})}
-
-
 def running_status(address: str) -> dict:
     return {"phase": phases.RUNNING, "rayClusterName": "tft-demo", "jobId": "tft-uid-1-1", "attempt": 1,
             "dashboardURL": address, "epochs": 1}
-
-
-def settings(**values) -> Settings:
-    return Settings(poll_interval=0.05, ray_timeout=0.5, **values)
 
 
 @in_loop

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_fault_e2e import operator_with, running
-from test_operator_e2e import jobs_of, resource, start_run
+from ground_runs import jobs_of, operator_with, resource, running, start_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 REFUSAL = "status writes are refused by the test's admission policy"
