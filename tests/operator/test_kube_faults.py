@@ -26,27 +26,14 @@ from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
 from tpufinetune.settings import Settings
+from harness.admission import refusing_policy
 
 pytestmark = [pytest.mark.cluster]
 REFUSAL = "RayClusters are refused by the test's admission policy"
 
 
 def refuse_rayclusters(namespace: str) -> list[dict]:
-    name = f"refuse-rayclusters-{namespace}"
-    return [
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
-         "metadata": {"name": name},
-         "spec": {"failurePolicy": "Fail",
-                  "matchConstraints": {"resourceRules": [{
-                      "apiGroups": ["ray.io"], "apiVersions": ["*"], "operations": ["CREATE"],
-                      "resources": ["rayclusters"]}]},
-                  "validations": [{"expression": "false", "message": REFUSAL}]}},
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-         "metadata": {"name": name},
-         "spec": {"policyName": name, "validationActions": ["Deny"],
-                  "matchResources": {"namespaceSelector": {
-                      "matchLabels": {"kubernetes.io/metadata.name": namespace}}}}},
-    ]
+    return refusing_policy(f"refuse-rayclusters-{namespace}", namespace, "ray.io", "rayclusters", ["CREATE"], REFUSAL)
 
 
 def wait_until_refused(kubectl, namespace: str, timeout: float = 30) -> None:

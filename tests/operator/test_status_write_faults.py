@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from ground_runs import jobs_of, operator_with, resource, running, start_run
+from harness.admission import refusing_policy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 REFUSAL = "status writes are refused by the test's admission policy"
@@ -29,21 +30,7 @@ REFUSED_S = 20  # the least time the policy stays
 
 
 def refuse_status_writes(namespace: str) -> list[dict]:
-    name = f"refuse-status-{namespace}"
-    return [
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
-         "metadata": {"name": name},
-         "spec": {"failurePolicy": "Fail",
-                  "matchConstraints": {"resourceRules": [{
-                      "apiGroups": ["tpufinetune.dev"], "apiVersions": ["*"], "operations": ["UPDATE"],
-                      "resources": ["tpufinetunes/status"]}]},
-                  "validations": [{"expression": "false", "message": REFUSAL}]}},
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-         "metadata": {"name": name},
-         "spec": {"policyName": name, "validationActions": ["Deny"],
-                  "matchResources": {"namespaceSelector": {
-                      "matchLabels": {"kubernetes.io/metadata.name": namespace}}}}},
-    ]
+    return refusing_policy(f"refuse-status-{namespace}", namespace, "tpufinetune.dev", "tpufinetunes/status", ["UPDATE"], REFUSAL)
 
 
 def shipped_settings() -> dict[str, str]:
