@@ -18,6 +18,7 @@ from tpufinetune.core import podstatus
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.phases import ClusterView, Identity, QueueView
 from tpufinetune.core.sizing import QUEUE_NAME_LABEL
+from tpufinetune.adapters.raytokens import RayTokens
 from tpufinetune.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class KubeBackend:
         self.core = client.CoreV1Api(api)
         self.settings = settings
         self.watched = WatchedClusters()
+        self.tokens = RayTokens(api, settings.operator_namespace)
         self._checks: dict[tuple[str, str], tuple] = {}  # (kind, cluster uid) -> (version, when, value)
 
     async def observe(self, ident: Identity, name: str) -> ClusterView:
@@ -182,7 +184,16 @@ class KubeBackend:
             raise
 
     async def create(self, ident: Identity, manifest: dict) -> None:
+        # The run's token Secret (which the RayCluster's pods need) and NetworkPolicy first.
+        await asyncio.to_thread(self.tokens.create_for_run, ident)
         await asyncio.to_thread(self._create_cluster, ident.namespace, manifest)
+
+    async def ray_token(self, ident: Identity) -> str | None:
+        """The token of the run's own head (derived, core/raytoken.py); None with a fixed
+        dashboard, whose token is TPUFT_RAY_TOKEN."""
+        if self.settings.fixed_dashboard:
+            return None
+        return await asyncio.to_thread(self.tokens.token, ident)
 
     def _create_cluster(self, namespace: str, manifest: dict) -> None:
         try:
