@@ -5,14 +5,17 @@ resumes from the last checkpoint."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import pytest
 
 from harness.operator_process import OperatorProcess
+from tpufinetune.core.raytoken import SIGNING_KEY_SECRET
 from test_operator_e2e import jobs_of, released, resource, start_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
@@ -36,17 +39,35 @@ def kill_head(ground, kube, cluster: str) -> None:
 
 
 @contextmanager
-def operator_with(operator, **env):
-    """The operator restarted with other settings (a wrong Ray token, a short bound); the
-    session's operator comes back afterwards."""
+def operator_with(operator, setup=None, **env):
+    """The operator restarted with other settings (a short bound), and `setup` (a context
+    manager) in force only while the session's operator is down; the session's operator
+    comes back afterwards."""
     operator.kill()
-    other = OperatorProcess({**operator.env, **env}, operator.log_path, hosts_file=operator.hosts_file)
-    other.start()
     try:
-        yield other
+        with setup or nullcontext():
+            other = OperatorProcess({**operator.env, **env}, operator.log_path, hosts_file=operator.hosts_file)
+            other.start()
+            try:
+                yield other
+            finally:
+                other.kill()
     finally:
-        other.kill()
         operator.start()
+
+
+@contextmanager
+def other_signing_key(ground):
+    """The operator's Ray token signing key replaced by another (a rotation), restored
+    afterwards; the operator reads it once, so only an operator started inside sees it."""
+    secret = ["-n", "tpufinetune-system", "secret", SIGNING_KEY_SECRET]
+    saved = json.loads(ground.kubectl("get", *secret, "-o", "json").stdout)["data"]
+    other = base64.b64encode(b"another key, not the one the heads' tokens come from").decode()
+    ground.kubectl("patch", *secret, "--type=merge", "-p", json.dumps({"data": {"key": other}}))
+    try:
+        yield
+    finally:
+        ground.kubectl("patch", *secret, "--type=merge", "-p", json.dumps({"data": saved}))
 
 
 def running(kube, name: str, timeout: float = 300) -> None:
@@ -76,7 +97,9 @@ def test_a_refused_token_fails_the_run_after_the_bound_and_never_blocks_a_delete
     running(kube, "token-refused")
     running(kube, "token-delete")
     pods = kube.pods_of(refused_cluster) + kube.pods_of(deleted_cluster)
-    with operator_with(operator, TPUFT_RAY_TOKEN="not-the-token", TPUFT_RAY_UNREACHABLE_TIMEOUT="20"):
+    # The signing key replaced (a rotation): the operator now derives tokens the running
+    # heads refuse.
+    with operator_with(operator, other_signing_key(ground), TPUFT_RAY_UNREACHABLE_TIMEOUT="20"):
         delete_within_30s(kube, "token-delete")
         kube.wait_for(lambda: kube.status("token-refused").get("phase") == "Failed", "token-refused Failed",
                       timeout=120)

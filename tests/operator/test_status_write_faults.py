@@ -67,7 +67,10 @@ def test_refused_status_writes_around_the_job_end_lose_no_epoch_and_no_result(
                          "checkpoint": {"storagePath": str(tmp_path / "ckpt")}}}
     kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump(manifest))
     body = json.loads(kubectl("-n", namespace, "get", "tpufinetune", "refused", "-o", "json").stdout)
-    settings = Settings(dashboard_url=ray_head.dashboard_url, poll_interval=1, ray_token=ray_head.token or "")
+    # A fixed dashboard (the local head, its own token); the run's token Secret and signing
+    # key still get created, the key in the test's namespace.
+    settings = Settings(dashboard_url=ray_head.dashboard_url, poll_interval=1, ray_token=ray_head.token or "",
+                        operator_namespace=namespace)
     run = Run(body, Backend(k8s_api, settings), RayJobs(settings.ray_headers(), settings.ray_timeout), settings)
     policy = yaml.safe_dump_all(refuse_status_writes(namespace))
     jobs = ray_head.job_client()
