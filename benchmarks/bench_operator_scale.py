@@ -99,13 +99,15 @@ def main() -> int:
     try:
         head = RayHead.start(num_cpus=4)
         env = cp.env()
+        namespace = "bench"
+        cp.kubectl("create", "namespace", namespace)
+        # A fixed dashboard (the local head, its token); the runs' token Secrets are still
+        # created, from a signing key kept in the bench namespace.
         env.update(TPUFT_DASHBOARD_URL=head.dashboard_url, TPUFT_RAY_TOKEN=head.token or "",
-                   TPUFT_POLL_INTERVAL="5")
+                   TPUFT_POLL_INTERVAL="5", TPUFT_OPERATOR_NAMESPACE=namespace)
         operator = OperatorProcess(env, workdir / "operator.log")
         operator.start()
         pid = operator.proc.pid
-        namespace = "bench"
-        cp.kubectl("create", "namespace", namespace)
         peak = {"rss": 0, "threads": 0}
         sampling = True
 

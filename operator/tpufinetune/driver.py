@@ -36,6 +36,7 @@ class ClusterBackend(Protocol):
     async def observe(self, ident: Identity, name: str) -> ClusterView: ...
     async def create(self, ident: Identity, manifest: dict) -> None: ...
     async def delete(self, ident: Identity, name: str) -> None: ...
+    async def ray_token(self, ident: Identity) -> str | None: ...
     async def write_status(self, ident: Identity, patch: dict, new: dict) -> None: ...
     async def read_status(self, ident: Identity) -> dict | None: ...
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None: ...
@@ -81,6 +82,7 @@ class Run:
         self._last_write = float("-inf")  # time.monotonic() of the last status write
         # The kopf daemon and on.delete share this Run; one step at a time.
         self.lock = asyncio.Lock()
+        self.authorized_address = ""  # the head address that has been given this run's token
 
     def _refresh_spec(self) -> None:
         meta = self.body["metadata"]
@@ -106,6 +108,7 @@ class Run:
         if self.status.get("rayClusterName"):
             cluster = await self.backend.observe(self.ident, self.status["rayClusterName"])
         address = self.status.get("dashboardURL") or (cluster.dashboard_url if cluster else "")
+        await self._authorize(address)
         if deleting:
             job = await self._job_while_deleting(address, cluster)
             return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, deleting=True)
@@ -125,6 +128,16 @@ class Run:
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job,
                             events=tuple(self.unwritten), ray_unreachable=unreachable,
                             create_refused=self.create_refused)
+
+    async def _authorize(self, address: str) -> None:
+        """Every Ray call to this run's head carries the run's own token, and no other
+        head ever gets it (None: the backend's head takes the operator's default token)."""
+        if not address or address == self.authorized_address:
+            return
+        token = await self.backend.ray_token(self.ident)
+        if token is not None:
+            self.jobs.authorize(address, token)
+        self.authorized_address = address
 
     async def _job(self, now: datetime, address: str):
         """(the job as Ray reports it, ""); or, once the head has not answered for

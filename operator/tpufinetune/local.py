@@ -46,6 +46,9 @@ class LocalBackend:
     async def delete(self, ident: Identity, name: str) -> None:
         self.cluster_up = False
 
+    async def ray_token(self, ident: Identity) -> str | None:
+        return None  # the local head's token: TPUFT_RAY_TOKEN (or RAY_AUTH_TOKEN), for every run
+
     async def write_status(self, ident: Identity, patch: dict, new: dict) -> None:
         changed = [k for k in SHOWN if k in patch and patch[k] is not None]
         if changed:

@@ -3,8 +3,9 @@
 | variable | default | meaning |
 |---|---|---|
 | TPUFT_DASHBOARD_URL | http://{service}.{namespace}.svc:8265 | Ray dashboard address; `{service}`, `{namespace}` and `{cluster}` are filled from the RayCluster's head service. Set a fixed URL to reach a Ray head elsewhere (a port-forward, a local head). |
-| TPUFT_RAY_TOKEN_FILE | (none) | file holding the Ray auth token (mount it from a Secret); sent as `Authorization: Bearer` |
-| TPUFT_RAY_TOKEN | (none) | the token itself, when a file is not practical |
+| TPUFT_RAY_TOKEN_FILE | (none) | only with a fixed TPUFT_DASHBOARD_URL (no `{...}` in it: a port-forward, `run --local`): file holding that head's Ray auth token, sent as `Authorization: Bearer`. Otherwise each run's head gets its own derived token (core/raytoken.py) and this is not used |
+| TPUFT_RAY_TOKEN | (none) | the same token itself, when a file is not practical |
+| TPUFT_OPERATOR_NAMESPACE | tpufinetune-system | the operator's own namespace (the Deployment sets it from the downward API): where the Ray token signing key Secret lives, and the namespace each run's NetworkPolicy admits to the Ray dashboard |
 | TPUFT_POLL_INTERVAL | 5 | seconds between looks at a running job (new log lines wake the loop sooner) |
 | TPUFT_PROVISION_TIMEOUT | 1800 | seconds to wait for a RayCluster to become ready before failing and releasing it |
 | TPUFT_RAY_TIMEOUT | 10 | seconds any one call to a Ray head may take (connect and answer); a head that accepts connections and never answers costs no more |
@@ -45,6 +46,7 @@ class Settings(BaseModel):
     kube_timeout: float = Field(30.0, gt=0, le=600)
     status_write_interval: float = Field(1.0, ge=0, le=60)
     namespace: str = ""
+    operator_namespace: str = Field("tpufinetune-system", min_length=1, max_length=63)
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> Settings:
@@ -65,6 +67,12 @@ class Settings(BaseModel):
 
     def dashboard_for(self, cluster: str, namespace: str, service: str) -> str:
         return self.dashboard_url.format(cluster=cluster, namespace=namespace, service=service)
+
+    @property
+    def fixed_dashboard(self) -> bool:
+        """One dashboard for every run (no `{...}` placeholder): a port-forward or a local
+        head, reached with TPUFT_RAY_TOKEN; otherwise each run's own head and token."""
+        return not any(f"{{{key}}}" in self.dashboard_url for key in ("service", "namespace", "cluster"))
 
     def ray_headers(self) -> dict:
         return {"Authorization": f"Bearer {self.ray_token}"} if self.ray_token else {}

@@ -106,6 +106,10 @@ INVALID: list[Invalid] = [
             "spec.workers.env[0]", validation.ENV_VALUE_MESSAGE),
     Invalid("env-hf-token", spec_with(head={"env": [{"name": "HF_TOKEN", "value": "x"}]}),
             "spec.head.env[0].name", validation.ENV_RESERVED_MESSAGE),
+    # A user's RAY_AUTH_TOKEN would replace the run's own token (KubeRay keeps the first).
+    Invalid("env-ray-auth-token",
+            spec_with(workers={"env": [{"name": "RAY_AUTH_TOKEN", "value": "mine"}]}),
+            "spec.workers.env[0].name", validation.ENV_RESERVED_MESSAGE),
     Invalid("env-tpu-worker-id",
             spec_with(workers={"env": [{"name": "TPU_WORKER_ID", "value": "0"}]}),
             "spec.workers.env[0].name", validation.ENV_RESERVED_MESSAGE),

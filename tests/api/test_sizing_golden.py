@@ -179,6 +179,8 @@ def operator_additions(manifest: dict, name: str) -> dict:
                              "blockOwnerDeletion": True}],
     }
     manifest["spec"]["rayVersion"] = "2.60.0"
+    # Ray token authentication with the run's own token, from its own Secret (raytoken.py).
+    manifest["spec"]["authOptions"] = {"mode": "token", "secretName": f"tft-{name}-ray-token-{UID[:8]}"}
     for group in manifest["spec"]["workerGroupSpecs"]:
         # A fixed-size slice: KubeRay's autoscaler must neither add nor remove hosts.
         group["minReplicas"] = group["maxReplicas"] = group["replicas"]

@@ -90,10 +90,14 @@ def test_chart_values_reach_the_operator(helm):
     volume = next(v for v in pod["volumes"] if v["name"] == "ray-token")
     assert token_file == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
     assert volume["secret"]["secretName"] == "ray-token"
-    # Watching one namespace, kopf lists namespaces: granted only then, and still no Secrets.
+    # Watching one namespace, kopf lists namespaces: granted only then; on Secrets still
+    # only create (each run's Ray token Secret), never a read.
     rules = find(objects, "ClusterRole", "tpufinetune-operator")["rules"]
     assert {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]} in rules
-    assert not any("secrets" in rule["resources"] for rule in rules)
+    assert [rule["verbs"] for rule in rules if "secrets" in rule["resources"]] == [["create"]]
+    # The signing key's Role lives in the release namespace, bound to the operator.
+    assert find(objects, "Role")["metadata"]["namespace"] == "ops"
+    assert find(objects, "RoleBinding")["subjects"][0]["namespace"] == "ops"
     assert find(objects, "Service")["spec"]["ports"][0]["port"] == 9090
 
 

@@ -1,6 +1,6 @@
 """deploy/ (kustomize) installed into the real API server: everything applies, the pod
 meets the restricted Pod Security Standard, and the ServiceAccount can do what the operator
-calls and nothing on Secrets."""
+calls: on Secrets only create, and get on its one signing key."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from manifests import DEPLOY, OPERATOR_NS, OPERATOR_SA, ROOT, find, kustomize, load
 
 from tpufinetune.cli import build_parser
+from tpufinetune.core import raytoken
 from tpufinetune.settings import Settings
 
 pytestmark = pytest.mark.cluster
@@ -25,6 +26,8 @@ EXPECTED_RULES = [
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["list"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
 ]
@@ -82,7 +85,7 @@ def test_cluster_role_is_exactly_what_the_operator_calls(control_plane):
     assert role["rules"] == EXPECTED_RULES
 
 
-def test_the_service_account_can_touch_no_secret(control_plane, kuberay_crd):
+def test_the_service_account_creates_secrets_but_reads_only_its_signing_key(control_plane, kuberay_crd):
     control_plane.kubectl("apply", "-k", DEPLOY / "base")
 
     def can(*args) -> bool:
@@ -93,14 +96,21 @@ def test_the_service_account_can_touch_no_secret(control_plane, kuberay_crd):
     # The binding is live (so the refusals below are RBAC's answer, not a missing subject).
     assert can("create", "rayclusters.ray.io", "-n", "default")
     assert can("patch", "tpufinetunes.tpufinetune.dev", "--subresource=status", "-n", "default")
-    for verb in ("get", "list", "watch", "create", "update", "patch", "delete"):
+    # Each run's Ray token Secret is created, never read back: no tenant's Secret is readable.
+    assert can("create", "secrets", "-n", "default")
+    for verb in ("get", "list", "watch", "update", "patch", "delete"):
         assert not can(verb, "secrets", "--all-namespaces"), verb
-    assert not can("get", "secrets", "-n", OPERATOR_NS)
+        assert not can(verb, "secrets", "-n", "default"), verb
+    # In its own namespace: get on the signing key only, by name (core/raytoken.py names it).
+    assert can("get", f"secrets/{raytoken.SIGNING_KEY_SECRET}", "-n", OPERATOR_NS)
+    assert not can("get", "secrets/another", "-n", OPERATOR_NS)
+    assert not can("list", "secrets", "-n", OPERATOR_NS)
+    assert not can("update", f"secrets/{raytoken.SIGNING_KEY_SECRET}", "-n", OPERATOR_NS)
     # Nothing wider either: no wildcard anywhere in the rules.
-    role = find(kustomize(control_plane, DEPLOY / "base"), "ClusterRole", "tpufinetune-operator")
-    for rule in role["rules"]:
-        assert "secrets" not in rule["resources"]
-        assert "*" not in rule["resources"] + rule["verbs"] + rule["apiGroups"]
+    objects = kustomize(control_plane, DEPLOY / "base")
+    for role in (find(objects, "ClusterRole", "tpufinetune-operator"), find(objects, "Role")):
+        for rule in role["rules"]:
+            assert "*" not in rule["resources"] + rule["verbs"] + rule["apiGroups"]
 
 
 def test_the_pod_is_hardened_and_its_probes_hit_the_liveness_endpoint(control_plane):

@@ -27,7 +27,7 @@ def narrowed(objects: list[dict], without: str) -> list[dict]:
         obj["metadata"]["name"] = "tpufinetune-narrow"
         if obj["kind"] == "ClusterRole":
             obj["rules"] = [r for r in obj["rules"] if without not in r["resources"]]
-        if obj["kind"] == "ClusterRoleBinding":
+        if obj["kind"] in ("ClusterRoleBinding", "RoleBinding"):
             obj["roleRef"]["name"] = "tpufinetune-narrow"
             obj["subjects"][0]["name"] = "tpufinetune-narrow"
     return objects

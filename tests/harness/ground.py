@@ -76,7 +76,6 @@ class Ground:
         self.with_operator = with_operator
         self.operator_env = dict(operator_env or {})
         self.ground_id = secrets.token_hex(4)
-        self.ray_token = secrets.token_hex(16)
         # One 127.N.0.0/16 per ground: two grounds at once (a test run beside `make cluster`)
         # never hand out the same pod address.
         self.ip_prefix = f"127.{secrets.randbelow(200) + 20}"
@@ -180,8 +179,8 @@ class Ground:
         self.kuberay_health = f"http://127.0.0.1:{probe}/readyz"
 
     def _start_agent(self) -> None:
-        env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.ray_token,
-                   HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        # The agent's own environment never reaches a pod (NodeAgent.environment).
+        env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
         (self.workdir / "pods").mkdir(exist_ok=True)
         self._spawn("node-agent", [
@@ -263,7 +262,6 @@ class Ground:
             # them); every run on the ground proves it.
             RAY_ADDRESS="http://127.0.0.1:9",
             RAY_API_SERVER_ADDRESS="http://127.0.0.1:9",
-            TPUFT_RAY_TOKEN=self.ray_token,
             TPUFT_POLL_INTERVAL="1",
             HF_HUB_OFFLINE="1",
         )

@@ -14,6 +14,7 @@ Tests that use them are marked `ground` (and `cluster`) automatically.
 
 from __future__ import annotations
 
+import base64
 import json
 import urllib.request
 
@@ -130,18 +131,25 @@ class Kube:
         base = self.head_dashboard(cluster)
         if base is None:
             raise OSError(f"the head of {cluster} has no pod IP yet")
-        request = urllib.request.Request(base + path, headers=self.ray_headers())
+        request = urllib.request.Request(base + path, headers=self.ray_headers(cluster))
         with urllib.request.urlopen(request, timeout=10) as response:
             return json.loads(response.read())
 
-    def ray_headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.ground.ray_token}"}
+    def ray_token(self, cluster: str) -> str:
+        """The run's own Ray token, read as the admin from the Secret its RayCluster's
+        authOptions name (the operator itself never reads it back)."""
+        body = self.get("raycluster", cluster)
+        secret = self.get("secret", body["spec"]["authOptions"]["secretName"])
+        return base64.b64decode(secret["data"]["auth_token"]).decode()
+
+    def ray_headers(self, cluster: str) -> dict:
+        return {"Authorization": f"Bearer {self.ray_token(cluster)}"}
 
     def head_job_client(self, cluster: str):
-        """A Job API client on the cluster's head pod (by its pod IP), authenticated."""
+        """A Job API client on the cluster's head pod (by its pod IP), with its own token."""
         from ray.job_submission import JobSubmissionClient
 
-        return JobSubmissionClient(self.head_dashboard(cluster), headers=self.ray_headers())
+        return JobSubmissionClient(self.head_dashboard(cluster), headers=self.ray_headers(cluster))
 
 
 @pytest.fixture

@@ -293,7 +293,6 @@ class NodeAgent:
         self.lock = threading.Lock()
         self.next_ip = 1
         self.stop_event = threading.Event()
-        self.token = os.environ.get("RAY_AUTH_TOKEN", "")
 
     # -- pods
 
@@ -406,7 +405,7 @@ class NodeAgent:
                                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                                 cwd=str(self.workdir))
             container_started = now()
-            if self.wait_ready(run):
+            if self.wait_ready(run, env):
                 run.ready = True
                 self.patch_status(run, self.running_status(run, pod, started_at, container_started))
             code = run.proc.wait()
@@ -449,12 +448,14 @@ class NodeAgent:
             time.sleep(0.5)
         return None
 
-    def wait_ready(self, run: PodRun) -> bool:
+    def wait_ready(self, run: PodRun, env: dict) -> bool:
+        # The head's own token, from its resolved environment (KubeRay's secretKeyRef).
+        token = env.get("RAY_AUTH_TOKEN", "")
         while run.proc.poll() is None and not run.stopping:
             if run.head:
                 request = urllib.request.Request(
                     f"http://{run.ip}:{DASHBOARD_PORT}/api/version",
-                    headers={"Authorization": f"Bearer {self.token}"} if self.token else {})
+                    headers={"Authorization": f"Bearer {token}"} if token else {})
                 try:
                     with urllib.request.urlopen(request, timeout=2) as response:
                         if response.status == 200:
@@ -471,10 +472,20 @@ class NodeAgent:
         return False
 
     def environment(self, run: PodRun, pod, container, node_labels: dict) -> dict | None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBECONFIG", "RAY_ADDRESS"))}
-        env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+        """What a kubelet gives the container, never the agent's own environment: a minimal
+        base, the kubelet's additions and the pod spec's env. The node-level additions
+        (HF_*_OFFLINE, PYTHONPATH of a development tree) are listed in tests/README.md."""
+        home = run.temp_dir / "home"
+        home.mkdir(parents=True, exist_ok=True)
         # The pod's image is this machine's environment: its Python and its console scripts.
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}/usr/local/bin:/usr/bin:/bin",
+               "HOME": str(home), "TMPDIR": str(run.temp_dir), "LANG": "C.UTF-8",
+               "HOSTNAME": run.name, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "443",
+               "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+               # Nothing can be downloaded on the ground: models and datasets are local.
+               "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        if os.environ.get("PYTHONPATH"):  # a development tree the agent itself runs from
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         env[MARKER_ENV] = run.marker
         field_values = {
             "metadata.name": run.name, "metadata.namespace": run.namespace,

@@ -5,7 +5,7 @@ own metrics (what it has done, observed from outside)."""
 from __future__ import annotations
 
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -64,16 +64,20 @@ def reconciles(operator, phase: str) -> float:
 
 
 @contextmanager
-def operator_with(operator, **env):
-    """The operator restarted with other settings (a wrong Ray token, a short bound); the
-    session's operator comes back afterwards."""
+def operator_with(operator, setup=None, **env):
+    """The operator restarted with other settings (a short bound), and `setup` (a context
+    manager) in force only while the session's operator is down; the session's operator
+    comes back afterwards."""
     operator.kill()
-    other = OperatorProcess({**operator.env, **env}, operator.log_path, hosts_file=operator.hosts_file)
-    other.start()
     try:
-        yield other
+        with setup or nullcontext():
+            other = OperatorProcess({**operator.env, **env}, operator.log_path, hosts_file=operator.hosts_file)
+            other.start()
+            try:
+                yield other
+            finally:
+                other.kill()
     finally:
-        other.kill()
         operator.start()
 
 

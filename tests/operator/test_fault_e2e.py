@@ -9,14 +9,17 @@ test_a_retry_never_overlaps_its_previous_attempt_and_leaves_no_task_behind."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
 import time
+from contextlib import contextmanager
 
 import pytest
 
 from tpufinetune.core import conditions as cond
+from tpufinetune.core.raytoken import SIGNING_KEY_SECRET
 from ground_runs import jobs_of, operator_with, released, resource, running, start_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
@@ -37,6 +40,20 @@ def kill_head(ground, kube, cluster: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@contextmanager
+def other_signing_key(ground):
+    """The operator's Ray token signing key replaced by another (a rotation), restored
+    afterwards; the operator reads it once, so only an operator started inside sees it."""
+    secret = ["-n", "tpufinetune-system", "secret", SIGNING_KEY_SECRET]
+    saved = json.loads(ground.kubectl("get", *secret, "-o", "json").stdout)["data"]
+    other = base64.b64encode(b"another key, not the one the heads' tokens come from").decode()
+    ground.kubectl("patch", *secret, "--type=merge", "-p", json.dumps({"data": {"key": other}}))
+    try:
+        yield
+    finally:
+        ground.kubectl("patch", *secret, "--type=merge", "-p", json.dumps({"data": saved}))
 
 
 def delete_within_30s(kube, name: str) -> None:
@@ -62,7 +79,9 @@ def test_a_refused_token_fails_the_run_after_the_bound_and_never_blocks_a_delete
     running(kube, "token-refused")
     running(kube, "token-delete")
     pods = kube.pods_of(refused_cluster) + kube.pods_of(deleted_cluster)
-    with operator_with(operator, TPUFT_RAY_TOKEN="not-the-token", TPUFT_RAY_UNREACHABLE_TIMEOUT="20"):
+    # The signing key replaced (a rotation): the operator now derives tokens the running
+    # heads refuse.
+    with operator_with(operator, other_signing_key(ground), TPUFT_RAY_UNREACHABLE_TIMEOUT="20"):
         delete_within_30s(kube, "token-delete")
         kube.wait_for(lambda: kube.status("token-refused").get("phase") == "Failed", "token-refused Failed",
                       timeout=120)

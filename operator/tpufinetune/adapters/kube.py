@@ -20,6 +20,7 @@ from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.errors import CreateRefused
 from tpufinetune.core.phases import ClusterView, Identity, QueueView
 from tpufinetune.core.sizing import QUEUE_NAME_LABEL
+from tpufinetune.adapters.raytokens import RayTokens
 from tpufinetune.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class KubeBackend:
         # Every call, connect and answer: an API server that never answers holds one
         # worker thread for this long, never a run for ever.
         self._timeout = (settings.kube_timeout, settings.kube_timeout)
+        self.tokens = RayTokens(api, settings.operator_namespace, self._timeout)
 
     async def observe(self, ident: Identity, name: str) -> ClusterView:
         body = self.watched.get(ident.namespace, name)
@@ -231,7 +233,16 @@ class KubeBackend:
             raise
 
     async def create(self, ident: Identity, manifest: dict) -> None:
+        # The run's token Secret (which the RayCluster's pods need) and NetworkPolicy first.
+        await asyncio.to_thread(self.tokens.create_for_run, ident)
         await asyncio.to_thread(self._create_cluster, ident.namespace, manifest)
+
+    async def ray_token(self, ident: Identity) -> str | None:
+        """The token of the run's own head (derived, core/raytoken.py); None with a fixed
+        dashboard, whose token is TPUFT_RAY_TOKEN."""
+        if self.settings.fixed_dashboard:
+            return None
+        return await asyncio.to_thread(self.tokens.token, ident)
 
     def _create_cluster(self, namespace: str, manifest: dict) -> None:
         try:

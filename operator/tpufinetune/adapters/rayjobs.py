@@ -126,22 +126,34 @@ class TimedJobClient(JobSubmissionClient):
 
 
 class RayJobs:
-    """One Job API client per dashboard address, created on first use."""
+    """One Job API client per dashboard address, created on first use. Each address may
+    have its own token (`authorize`: each run's head has its own); `headers` are for the
+    addresses that have none (a fixed dashboard: a port-forward, a local head)."""
 
     def __init__(self, headers: dict | None = None, timeout: float = 10.0, heartbeat: float = LOG_HEARTBEAT_S):
         drop_address_overrides()
         self._headers = headers or {}
+        self._address_headers: dict[str, dict] = {}
         self.timeout = timeout
         self.heartbeat = heartbeat
         self._clients: dict[str, TimedJobClient] = {}
 
+    def authorize(self, address: str, token: str) -> None:
+        """Send `token` to this address, and only to it (a new token replaces the client)."""
+        headers = {"Authorization": f"Bearer {token}"}
+        if self._address_headers.get(address) != headers:
+            self._address_headers[address] = headers
+            self._clients.pop(address, None)
+
     def client(self, address: str) -> TimedJobClient:
         if address not in self._clients:
-            self._clients[address] = TimedJobClient(address, self._headers, self.timeout, self.heartbeat)
+            headers = self._address_headers.get(address, self._headers)
+            self._clients[address] = TimedJobClient(address, headers, self.timeout, self.heartbeat)
         return self._clients[address]
 
     def forget(self, address: str) -> None:
         self._clients.pop(address, None)
+        self._address_headers.pop(address, None)
 
     def job(self, address: str, submission_id: str) -> JobView | None:
         info = self.client(address).job_or_none(submission_id)

@@ -31,6 +31,9 @@ HEAD_PORTS = ({"containerPort": 6379, "name": "gcs"},
               {"containerPort": 8265, "name": "dashboard"},
               {"containerPort": 10001, "name": "client"})
 DASHBOARD_PORT = 8265
+# KubeRay reads a RayCluster's Ray token from this key of the Secret that
+# `spec.authOptions.secretName` names (ray-operator/controllers/ray/utils/constant.go).
+AUTH_TOKEN_KEY = "auth_token"
 
 # KubeRay derives `<cluster>-headless-worker-svc` (20 more characters) and the TPU webhook
 # builds `<group>-<replica>-<host>.<cluster>-headless-worker-svc` host names; a 40
@@ -87,6 +90,13 @@ def raycluster_name(name: str) -> str:
     digest = hashlib.sha256(name.encode()).hexdigest()[:8]
     stem = ("tft-" + safe)[:MAX_CLUSTER_NAME - len(digest) - 1].rstrip("-")
     return f"{stem}-{digest}"
+
+
+def token_secret_name(name: str, uid: str) -> str:
+    """The Secret holding the Ray token of TPUFineTune `name` (core/raytoken.py): named
+    after its RayCluster and the object's uid, so a new object of the same name never
+    meets the Secret (and token) of the deleted one while the garbage collector is slow."""
+    return f"{raycluster_name(name)}-ray-token-{uid[:8]}"
 
 
 Resources = tuple[dict[str, str], dict[str, str], str | None]
@@ -148,6 +158,9 @@ def render_raycluster(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec
         },
         "spec": {
             "rayVersion": spec.ray_version,
+            # Ray token authentication with the run's own token: KubeRay sets RAY_AUTH_MODE
+            # and RAY_AUTH_TOKEN (from the Secret) on every Ray container.
+            "authOptions": {"mode": "token", "secretName": token_secret_name(name, uid)},
             "headGroupSpec": {"rayStartParams": {"num-cpus": "0"},
                               "template": {"spec": head_pod}},
             "workerGroupSpecs": [worker_group],

@@ -39,15 +39,18 @@ TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host
 
 # The pod settings users may add to the Ray pods (api.PodGroup) never replace what the
 # operator sets from the slice and the spec.
-RESERVED_ENV = ("HF_TOKEN", "RAY_TPU_RESOURCE_PER_CHIP")
+# RAY_AUTH_*: KubeRay skips its own when the container already has one, and a user's
+# would replace the run's token (core/raytoken.py).
+RESERVED_ENV = ("HF_TOKEN", "RAY_TPU_RESOURCE_PER_CHIP", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
+                "RAY_AUTH_TOKEN_PATH")
 RESERVED_ENV_PREFIX = "TPU_"  # the KubeRay TPU webhook's TPU_WORKER_ID, TPU_NAME, ...
 SHM_VOLUME, SHM_PATH = "dshm", "/dev/shm"
 RESERVED_LABEL_PREFIX = "ray.io/"
 VOLUME_SOURCES = ("persistentVolumeClaim", "csi", "emptyDir", "configMap", "secret", "nfs")
 ENV_VALUE_MESSAGE = "set exactly one of value and valueFrom.secretKeyRef"
 ENV_RESERVED_MESSAGE = ("is set by the operator (HF_TOKEN from model.tokenSecret; "
-                        "RAY_TPU_RESOURCE_PER_CHIP and TPU_* from the slice); use another "
-                        "name")
+                        "RAY_TPU_RESOURCE_PER_CHIP and TPU_* from the slice; RAY_AUTH_* "
+                        "from the run's own Ray token); use another name")
 VOLUME_SOURCE_MESSAGE = f"set exactly one volume source: {', '.join(VOLUME_SOURCES)}"
 SHM_VOLUME_MESSAGE = ("dshm is the workers' /dev/shm volume, sized from the machine; use "
                       "another name")

@@ -1,0 +1,88 @@
+"""Ray authentication of each run (core/raytoken.py): the RayCluster turns token auth on
+with its own Secret, the token is derived from the operator's signing key and the run's
+identity (so no run's token opens another run's head), and the NetworkPolicy admits only
+the cluster's own pods, the operator's namespace (dashboard) and metrics scrapes."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from api_spec_cases import IMAGE
+
+from tpufinetune.core import raytoken
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.podtemplate import raycluster_with_pod_settings
+from tpufinetune.settings import Settings
+
+KEY = b"k" * 32
+UID = "6f1c2a7e-0b1d-4c55-9a57-3c1e0d2b8f10"
+SPEC = parse_spec({"tpu": {"generation": "cpu", "topology": "2"}, "image": IMAGE,
+                   "checkpoint": {"storagePath": "gs://b/ckpt"}})
+
+
+def test_every_raycluster_turns_on_token_auth_with_its_own_secret():
+    cluster = raycluster_with_pod_settings("demo", "ml", UID, SPEC)
+    assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": "tft-demo-ray-token-6f1c2a7e"}
+    secret = raytoken.token_secret("demo", "ml", UID, "t0k")
+    assert secret["metadata"]["name"] == cluster["spec"]["authOptions"]["secretName"]
+    assert secret["metadata"]["namespace"] == "ml"
+    # KubeRay reads the key auth_token; the Secret goes with the TPUFineTune.
+    assert secret["stringData"] == {"auth_token": "t0k"}
+    assert secret["metadata"]["ownerReferences"] == cluster["metadata"]["ownerReferences"]
+    assert secret["metadata"]["labels"] == cluster["metadata"]["labels"]
+
+
+def test_a_new_object_of_the_same_name_gets_another_secret_and_token():
+    other_uid = "0d9e8f7a-0000-4000-8000-000000000001"
+    assert (raycluster_with_pod_settings("demo", "ml", other_uid, SPEC)["spec"]["authOptions"]["secretName"]
+            != raycluster_with_pod_settings("demo", "ml", UID, SPEC)["spec"]["authOptions"]["secretName"])
+    assert raytoken.derive_token(KEY, "ml", "demo", other_uid) != raytoken.derive_token(KEY, "ml", "demo", UID)
+
+
+def test_the_token_is_derived_per_run_and_per_key():
+    token = raytoken.derive_token(KEY, "ml", "demo", UID)
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    assert token == raytoken.derive_token(KEY, "ml", "demo", UID)  # derived again, never stored
+    others = {raytoken.derive_token(KEY, "ml", "demo2", UID), raytoken.derive_token(KEY, "ml2", "demo", UID),
+              raytoken.derive_token(b"x" * 32, "ml", "demo", UID)}
+    assert token not in others and len(others) == 3
+    # "<namespace>/<name>/<uid>": no two identities collide by moving a separator.
+    assert raytoken.derive_token(KEY, "a", "b-c", UID) != raytoken.derive_token(KEY, "a-b", "c", UID)
+
+
+def test_an_empty_signing_key_is_refused():
+    with pytest.raises(ValueError, match="signing key is empty"):
+        raytoken.derive_token(b"", "ml", "demo", UID)
+
+
+def test_the_network_policy_selects_the_clusters_pods_and_admits_only_its_own_and_the_operator():
+    cluster = raycluster_with_pod_settings("demo", "ml", UID, SPEC)
+    policy = raytoken.network_policy("demo", "ml", UID, "tpufinetune-system")
+    # KubeRay labels every pod of the cluster ray.io/cluster=<RayCluster name>.
+    own_pods = {"ray.io/cluster": cluster["metadata"]["name"]}
+    assert policy["spec"]["podSelector"] == {"matchLabels": own_pods}
+    assert policy["metadata"]["namespace"] == "ml"
+    assert policy["metadata"]["ownerReferences"] == cluster["metadata"]["ownerReferences"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    own, operator, metrics = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": own_pods}}]}
+    assert operator["from"] == [{"namespaceSelector": {
+        "matchLabels": {"kubernetes.io/metadata.name": "tpufinetune-system"}}}]
+    assert operator["ports"] == [{"protocol": "TCP", "port": 8265}]
+    assert metrics == {"ports": [{"protocol": "TCP", "port": 8080}]}
+    # GCS (6379) and the Ray client (10001) are reachable only from the cluster's own pods.
+    assert all(p["port"] not in (6379, 10001) for rule in (operator, metrics) for p in rule["ports"])
+
+
+@pytest.mark.parametrize("url,fixed", [
+    ("http://{service}.{namespace}.svc:8265", False),
+    ("https://{cluster}.{namespace}.ray.example", False),
+    ("http://127.0.0.1:8265", True),
+])
+def test_only_a_fixed_dashboard_uses_the_configured_token(url, fixed):
+    assert Settings(dashboard_url=url).fixed_dashboard is fixed
+
+
+def test_the_operator_namespace_defaults_to_deploys_and_is_read_from_its_variable():
+    assert Settings().operator_namespace == "tpufinetune-system"
+    assert Settings.from_env({"TPUFT_OPERATOR_NAMESPACE": "ops"}).operator_namespace == "ops"
