@@ -13,6 +13,7 @@ from typing import Protocol
 from tpufinetune.adapters import metrics
 from tpufinetune.core import phases
 from tpufinetune.core.api import SpecError, parse_spec
+from tpufinetune.core.errors import StatusConflict
 from tpufinetune.core.jobspec import job_submission, submission_id
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
@@ -25,14 +26,17 @@ from tpufinetune.core.sizing import total_devices
 log = logging.getLogger(__name__)
 # While deleting, Ray gets this long to answer (the job's state, a stop request).
 DELETE_RAY_TIMEOUT = 5.0
+# A refused status write (StatusConflict) is retried at once, after a re-read, this many
+# times in a row; then at the poll interval.
+CONFLICT_RETRIES = 3
 
 
 class ClusterBackend(Protocol):
     async def observe(self, ident: Identity, name: str) -> ClusterView: ...
     async def create(self, ident: Identity, manifest: dict) -> None: ...
     async def delete(self, ident: Identity, name: str) -> None: ...
-    async def write_status(self, ident: Identity, patch: dict, new: dict) -> None: ...
-    async def read_status(self, ident: Identity) -> dict | None: ...
+    async def write_status(self, ident: Identity, patch: dict, new: dict, resource_version: str) -> str: ...
+    async def read_status(self, ident: Identity) -> tuple[dict, str] | None: ...
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None: ...
 
 
@@ -44,7 +48,8 @@ def status_patch(old: dict, new: dict) -> dict:
 
 
 class Run:
-    """One resource's run. Holds the last status it wrote: the operator is its only writer."""
+    """One resource's run. Holds the last status it wrote and the resourceVersion that write
+    produced: every status write is conditional on it, so a stale copy cannot win."""
 
     def __init__(self, body, backend: ClusterBackend, jobs: RayJobs, settings: Settings):
         """`body` may be kopf's live view of the object: spec edits (suspend) are seen
@@ -54,6 +59,8 @@ class Run:
         self.jobs = jobs
         self.settings = settings
         self.status = dict(body.get("status") or {})
+        # The status above was read at this version; each write must find it unchanged.
+        self.resource_version = str(body["metadata"].get("resourceVersion") or "")
         self.generation = None
         self._refresh_spec()
         self.follower: LogFollower | None = None
@@ -225,8 +232,9 @@ class Run:
     async def _reread_status(self) -> None:
         """After a failed write our copy may not be what the object holds (the write may
         even have landed): decide from what the API server says."""
-        status = await self.backend.read_status(self.ident)
-        if status is not None:
+        found = await self.backend.read_status(self.ident)
+        if found is not None:
+            status, self.resource_version = found
             self.status = {k: v for k, v in status.items() if k != "kopf"}
         self.status_stale = False
 
@@ -235,7 +243,8 @@ class Run:
         patch = status_patch(self.status, new)
         if patch:
             try:
-                await self.backend.write_status(self.ident, patch, new)
+                self.resource_version = await self.backend.write_status(
+                    self.ident, patch, new, self.resource_version)
             except BaseException:
                 self.status_stale = True
                 raise
@@ -322,10 +331,20 @@ class Run:
 
         `stopped` is anything with `is_set()` (kopf's DaemonStopped, an asyncio.Event).
         Never ends on an error: kopf does not restart a daemon that returned or raised."""
+        conflicts = 0
         while not stopped.is_set() and not self.being_deleted():
             before = self.status.get("phase")
             try:
                 decision = await self.step()
+            except StatusConflict as error:
+                # Someone wrote the object since we read it (kopf's status.kopf, a spec
+                # edit, another replica): the next step re-reads it and decides again.
+                conflicts += 1
+                log.info("%s/%s: %s; re-reading the status", self.ident.namespace, self.ident.name, error)
+                if conflicts > CONFLICT_RETRIES:
+                    conflicts = 0
+                    await self._sleep(stopped, self.settings.poll_interval)
+                continue
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():
                     raise  # we are being stopped
@@ -338,6 +357,7 @@ class Run:
                 log.warning("%s/%s: step failed, retrying: %s", self.ident.namespace, self.ident.name, error)
                 await self._sleep(stopped, self.settings.poll_interval)
                 continue
+            conflicts = 0
             if decision.phase in phases.TERMINAL and not decision.actions and decision.wake_at is None:
                 return
             if decision.phase != before:

@@ -10,6 +10,15 @@
 | TPUFT_RAY_TIMEOUT | 10 | seconds any one call to a Ray head may take (connect and answer); a head that accepts connections and never answers costs no more |
 | TPUFT_RAY_UNREACHABLE_TIMEOUT | 600 | seconds a submitting or running job's head may stay unreachable (down, crash-looping, refusing the token, its RayCluster deleted) before the run ends Failed with reason RayUnreachable and the slice is released |
 | TPUFT_NAMESPACE | (all) | watch only this namespace |
+| TPUFT_LEADER_ELECTION | true | run kopf's handlers only while holding a Lease, so several replicas can run with one active; false for a single operator outside a cluster |
+| TPUFT_LEASE_NAME | tpufinetune-operator | the coordination.k8s.io Lease the replicas compete for |
+| TPUFT_LEASE_NAMESPACE | (the operator's) | where the Lease lives; empty: the pod's namespace (POD_NAMESPACE from the downward API, or the service account's) |
+| TPUFT_LEASE_DURATION | 15 | seconds a standby waits, after the Lease last changed, before it takes over (leaseDurationSeconds) |
+| TPUFT_RENEW_DEADLINE | 10 | seconds the leader may fail to renew before it stops acting and exits (Kubernetes restarts it as a standby); less than the lease duration |
+| TPUFT_RETRY_PERIOD | 2 | seconds between the leader's renewals and a standby's tries |
+
+The Lease's holderIdentity is the pod's name (POD_NAME from the downward API), else the
+host name and process id.
 """
 
 from __future__ import annotations
@@ -17,7 +26,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tpufinetune.core.lease import timing_problem
 
 DEFAULT_DASHBOARD_URL = "http://{service}.{namespace}.svc:8265"
 PREFIX = "TPUFT_"
@@ -39,6 +50,19 @@ class Settings(BaseModel):
     ray_timeout: float = Field(10.0, gt=0, le=300)
     ray_unreachable_timeout: float = Field(600.0, gt=0)
     namespace: str = ""
+    leader_election: bool = True
+    lease_name: str = Field("tpufinetune-operator", min_length=1)
+    lease_namespace: str = ""
+    lease_duration: float = Field(15.0, ge=1, le=3600)
+    renew_deadline: float = Field(10.0, gt=0)
+    retry_period: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _election_timing(self) -> Settings:
+        problem = timing_problem(self.lease_duration, self.renew_deadline, self.retry_period)
+        if self.leader_election and problem:
+            raise ValueError(problem)
+        return self
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> Settings:
@@ -66,10 +90,14 @@ class Settings(BaseModel):
 
 def _settings_error(exc: ValidationError, values: dict) -> SettingsError:
     first = exc.errors()[0]
+    if not first["loc"]:  # a rule across fields: its message names them
+        return SettingsError(str(first["ctx"]["error"]))
     name = str(first["loc"][0])
     variable = PREFIX + name.upper()
     given = values.get(name)
     if first["type"] in ("float_parsing", "float_type"):
         return SettingsError(f"{variable}={given!r} is not a number of seconds; write a "
                              "plain number, e.g. 5 (not 5s)")
+    if first["type"] == "bool_parsing":
+        return SettingsError(f"{variable}={given!r}: write true or false")
     return SettingsError(f"{variable}={given!r}: {first['msg'].lower()}")

@@ -72,7 +72,7 @@ class MemoryCluster:
         self.calls.append("delete")
         self.exists = False
 
-    async def write_status(self, ident, patch, new):
+    async def write_status(self, ident, patch, new, resource_version):
         self.calls.append(f"status:{new.get('phase')}")
         self.status = new
         if self.lose_next_answer:  # the write landed, but its answer was lost (a timeout)
@@ -80,7 +80,7 @@ class MemoryCluster:
             raise TimeoutError("the API server did not answer in time")
 
     async def read_status(self, ident):
-        return dict(self.status)
+        return dict(self.status), ""
 
     def record(self, ident, type_, reason, message):
         self.events.append(reason)

@@ -1,4 +1,5 @@
-"""The one error type a user sees for an invalid TPUFineTune spec."""
+"""The one error type a user sees for an invalid TPUFineTune spec, and the status-write
+conflict the driver and its backends share."""
 
 
 class SpecError(ValueError):
@@ -12,3 +13,9 @@ class SpecError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class StatusConflict(RuntimeError):
+    """A status write was refused because the object changed since its resourceVersion was
+    read (409 Conflict): another writer (kopf's status.kopf, a spec edit, another operator
+    replica) came first. The writer re-reads the status before it decides again."""
