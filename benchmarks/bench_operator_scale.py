@@ -100,7 +100,8 @@ def main() -> int:
         head = RayHead.start(num_cpus=4)
         env = cp.env()
         env.update(TPUFT_DASHBOARD_URL=head.dashboard_url, TPUFT_RAY_TOKEN=head.token or "",
-                   TPUFT_POLL_INTERVAL="5")
+                   TPUFT_POLL_INTERVAL="5",
+                   TPUFT_LEADER_ELECTION="false")  # one operator, admin credentials
         operator = OperatorProcess(env, workdir / "operator.log")
         operator.start()
         pid = operator.proc.pid

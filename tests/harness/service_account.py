@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 DEPLOY_BASE = Path(__file__).resolve().parents[2] / "deploy" / "base"
-RBAC_KINDS = {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+RBAC_KINDS = {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
 # An RBAC refusal names the identity: `... is forbidden: User "system:serviceaccount:..."
 # cannot list resource ...`; kopf may also say "Not enough permissions". Other 403s are
 # not about RBAC and must not count: the apiserver also answers "forbidden: unable to
