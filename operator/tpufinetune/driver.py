@@ -203,6 +203,8 @@ class Run:
             before = self.status.get("phase", "")
             try:
                 decision = await self._step(deleting)
+            except StatusConflict:
+                raise  # not a failure: the next step re-reads and retries at once
             except Exception:
                 metrics.step_failed(before)
                 raise

@@ -71,10 +71,22 @@ def record_of(lease: client.V1Lease) -> LeaseRecord:
                        spec.acquire_time, spec.renew_time, int(spec.lease_transitions or 0))
 
 
-def spec_of(record: LeaseRecord) -> client.V1LeaseSpec:
-    return client.V1LeaseSpec(holder_identity=record.holder, lease_duration_seconds=record.duration_s,
-                              acquire_time=record.acquire_time, renew_time=record.renew_time,
-                              lease_transitions=record.transitions)
+def micro_time(when: datetime | None) -> str | None:
+    """A MicroTime as the API server parses it: always six fraction digits (isoformat, which
+    the client's models use, drops them when they are all zero, and the server refuses that)."""
+    return None if when is None else when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def lease_body(name: str, namespace: str, record: LeaseRecord, resource_version: str = "") -> dict:
+    """The Lease to write, as JSON; with `resource_version`, a precondition: the write is
+    refused (409) if anyone wrote the Lease since it was read."""
+    metadata = {"name": name, "namespace": namespace}
+    if resource_version:
+        metadata["resourceVersion"] = resource_version
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata,
+            "spec": {"holderIdentity": record.holder, "leaseDurationSeconds": record.duration_s,
+                     "acquireTime": micro_time(record.acquire_time), "renewTime": micro_time(record.renew_time),
+                     "leaseTransitions": record.transitions}}
 
 
 class LeaseElector:
@@ -114,9 +126,9 @@ class LeaseElector:
         new = rules.claim(record, self.me, self.duration_s, now, time.monotonic() - self._seen[1])
         if new is None:
             return False
-        lease.spec = spec_of(new)  # metadata.resourceVersion stays: a precondition
+        body = lease_body(self.name, self.namespace, new, lease.metadata.resource_version)
         try:
-            self.lease = self.leases.replace_namespaced_lease(self.name, self.namespace, lease,
+            self.lease = self.leases.replace_namespaced_lease(self.name, self.namespace, body,
                                                               _request_timeout=timeout)
         except ApiException as error:
             if error.status != 409:  # 409: someone wrote it since we read it
@@ -133,8 +145,7 @@ class LeaseElector:
         return True
 
     def _create(self, now: datetime, timeout: float) -> bool:
-        body = client.V1Lease(metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace),
-                              spec=spec_of(rules.claim(None, self.me, self.duration_s, now, 0.0)))
+        body = lease_body(self.name, self.namespace, rules.claim(None, self.me, self.duration_s, now, 0.0))
         try:
             self.lease = self.leases.create_namespaced_lease(self.namespace, body, _request_timeout=timeout)
         except ApiException as error:
@@ -188,10 +199,10 @@ class LeaseElector:
             self._renewer.join(self.renew_deadline + 1)
         if not release or self.lease is None or self.holder != self.me:
             return
-        lease = self.lease
-        lease.spec = spec_of(rules.released(record_of(lease), datetime.now(timezone.utc)))
+        body = lease_body(self.name, self.namespace, rules.released(record_of(self.lease), datetime.now(timezone.utc)),
+                          self.lease.metadata.resource_version)
         try:
-            self.leases.replace_namespaced_lease(self.name, self.namespace, lease, _request_timeout=self.retry_period)
+            self.leases.replace_namespaced_lease(self.name, self.namespace, body, _request_timeout=self.retry_period)
             log.info("released Lease %s/%s", self.namespace, self.name)
         except Exception as error:
             log.warning("releasing Lease %s/%s failed (a standby takes over when it expires): %s",
