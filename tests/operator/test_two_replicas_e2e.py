@@ -33,9 +33,10 @@ def lease(kube) -> dict:
     return json.loads(kube.cp.kubectl("-n", OPERATOR_NAMESPACE, "get", "lease", LEASE, "-o", "json").stdout)["spec"]
 
 
-def healthy(process) -> bool:
-    with urllib.request.urlopen(f"http://127.0.0.1:{process.port}/healthz", timeout=5) as answer:
-        return answer.status == 200
+def answers(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        assert answer.status == 200, url
+        return answer.read().decode()
 
 
 def test_the_standby_takes_over_a_killed_leader_within_the_lease_and_the_run_succeeds(
@@ -43,8 +44,10 @@ def test_the_standby_takes_over_a_killed_leader_within_the_lease_and_the_run_suc
     kube.wait_for(lambda: lease(kube).get("holderIdentity") == OPERATOR_PODS[0], "the session's operator leads")
     standby = ground.start_replica()
     try:
-        assert healthy(standby)  # a standby is healthy: Kubernetes must not restart it
-        assert "standing by" in standby.log_tail()
+        # A standby is healthy (Kubernetes must not restart it) and serves its metrics.
+        assert json.loads(answers(f"http://127.0.0.1:{standby.port}/healthz")) == {"leader": False}
+        assert "tpufinetune" in answers(standby.metrics_url)
+        kube.wait_for(lambda: "standing by" in standby.log_tail(), "the replica stands by", timeout=30)
         assert lease(kube)["holderIdentity"] == OPERATOR_PODS[0]
 
         manifest = resource("two-replicas", trainer_assets, tmp_path / "ckpt", epochs=3,
