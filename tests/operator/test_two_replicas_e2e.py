@@ -50,8 +50,10 @@ def test_the_standby_takes_over_a_killed_leader_within_the_lease_and_the_run_suc
         kube.wait_for(lambda: "standing by" in standby.log_tail(), "the replica stands by", timeout=30)
         assert lease(kube)["holderIdentity"] == OPERATOR_PODS[0]
 
+        # The RayCluster is kept a while after the end, so its head can list the jobs.
         manifest = resource("two-replicas", trainer_assets, tmp_path / "ckpt", epochs=3,
-                            dataset={"id": str(trainer_assets.data), "split": "train[:64]"})
+                            dataset={"id": str(trainer_assets.data), "split": "train[:64]"},
+                            ttlSecondsAfterFinished=300)
         uid, cluster = start_run(kube, manifest)
         kube.wait_for(lambda: kube.status("two-replicas").get("phase") == "Running", "phase Running", timeout=300)
         transitions = lease(kube).get("leaseTransitions", 0)
