@@ -111,7 +111,8 @@ def main() -> int:
         env = cp.env()
         # The bench stops at RayCluster creation; no Ray head is needed for that.
         env.update(TPUFT_DASHBOARD_URL="http://127.0.0.1:9", TPUFT_POLL_INTERVAL="5",
-                   TPUFT_OPERATOR_NAMESPACE="bench")  # the Ray token signing key goes there
+                   TPUFT_OPERATOR_NAMESPACE="bench",  # the Ray token signing key goes there
+                   TPUFT_LEADER_ELECTION="false")  # one operator, admin credentials
         operator = OperatorProcess(env, workdir / "operator.log")
         operator.start()
         api = config.new_client_from_config(str(cp.kubeconfig))

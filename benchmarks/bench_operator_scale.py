@@ -104,7 +104,8 @@ def main() -> int:
         # A fixed dashboard (the local head, its token); the runs' token Secrets are still
         # created, from a signing key kept in the bench namespace.
         env.update(TPUFT_DASHBOARD_URL=head.dashboard_url, TPUFT_RAY_TOKEN=head.token or "",
-                   TPUFT_POLL_INTERVAL="5", TPUFT_OPERATOR_NAMESPACE=namespace)
+                   TPUFT_POLL_INTERVAL="5", TPUFT_OPERATOR_NAMESPACE=namespace,
+                   TPUFT_LEADER_ELECTION="false")  # one operator, admin credentials
         operator = OperatorProcess(env, workdir / "operator.log")
         operator.start()
         pid = operator.proc.pid

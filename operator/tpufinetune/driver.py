@@ -15,7 +15,7 @@ from typing import Protocol
 from tpufinetune.adapters import metrics
 from tpufinetune.core import phases, runevents
 from tpufinetune.core.api import SpecError, parse_stored_spec
-from tpufinetune.core.errors import CreateRefused
+from tpufinetune.core.errors import CreateRefused, StatusConflict
 from tpufinetune.core.jobspec import job_submission, submission_id
 from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
@@ -30,6 +30,9 @@ from tpufinetune.core.sizing import total_devices
 log = logging.getLogger(__name__)
 # While deleting, Ray gets this long to answer (the job's state, a stop request).
 DELETE_RAY_TIMEOUT = 5.0
+# A refused status write (StatusConflict) is retried at once, after a re-read, this many
+# times in a row; then at the poll interval.
+CONFLICT_RETRIES = 3
 
 
 class ClusterBackend(Protocol):
@@ -37,8 +40,8 @@ class ClusterBackend(Protocol):
     async def create(self, ident: Identity, manifest: dict) -> None: ...
     async def delete(self, ident: Identity, name: str) -> None: ...
     async def ray_token(self, ident: Identity) -> str | None: ...
-    async def write_status(self, ident: Identity, patch: dict, new: dict) -> None: ...
-    async def read_status(self, ident: Identity) -> dict | None: ...
+    async def write_status(self, ident: Identity, patch: dict, new: dict, resource_version: str) -> str: ...
+    async def read_status(self, ident: Identity) -> tuple[dict, str] | None: ...
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None: ...
 
 
@@ -52,7 +55,8 @@ def status_patch(old: dict, new: dict) -> dict:
 
 
 class Run:
-    """One resource's run. Holds the last status it wrote: the operator is its only writer."""
+    """One resource's run. Holds the last status it wrote and the resourceVersion that write
+    produced: every status write is conditional on it, so a stale copy cannot win."""
 
     def __init__(self, body, backend: ClusterBackend, jobs: RayJobs, settings: Settings,
                  progress: ProgressTracker | None = None):
@@ -66,6 +70,8 @@ class Run:
         self.jobs = jobs
         self.settings = settings
         self.status = dict(body.get("status") or {})
+        # The status above was read at this version; each write must find it unchanged.
+        self.resource_version = str(body["metadata"].get("resourceVersion") or "")
         self.generation = None
         self._refresh_spec()
         self.follower: LogFollower | None = None
@@ -229,6 +235,8 @@ class Run:
             before = self.status.get("phase", "")
             try:
                 decision = await self._step(deleting)
+            except StatusConflict:
+                raise  # not a failure: the next step re-reads and retries at once
             except Exception:
                 metrics.step_failed(before)
                 raise
@@ -292,11 +300,12 @@ class Run:
         """After a failed write our copy may not be what the object holds (the write may
         even have landed): decide from what the API server says."""
         try:
-            status = await self.backend.read_status(self.ident)
+            found = await self.backend.read_status(self.ident)
         except Exception as error:
             self._status_failed(error)
             raise
-        if status is not None:
+        if found is not None:
+            status, self.resource_version = found
             self.status = {k: v for k, v in status.items() if k != "kopf"}
         self.status_stale = False
 
@@ -308,10 +317,12 @@ class Run:
         if patch:
             await self._space_writes()
             try:
-                await self.backend.write_status(self.ident, patch, new)
+                self.resource_version = await self.backend.write_status(
+                    self.ident, patch, new, self.resource_version)
             except BaseException as error:
                 self.status_stale = True
-                if isinstance(error, Exception):
+                # A conflict is another writer's newer version, not a stall: re-read, go on.
+                if isinstance(error, Exception) and not isinstance(error, StatusConflict):
                     self._status_failed(error)
                 raise
         self.status = new
@@ -420,10 +431,20 @@ class Run:
 
         `stopped` is anything with `is_set()` (kopf's DaemonStopped, an asyncio.Event).
         Never ends on an error: kopf does not restart a daemon that returned or raised."""
+        conflicts = 0
         while not stopped.is_set() and not self.being_deleted():
             before = self.status.get("phase")
             try:
                 decision = await self.step()
+            except StatusConflict as error:
+                # Someone wrote the object since we read it (kopf's status.kopf, a spec
+                # edit, another replica): the next step re-reads it and decides again.
+                conflicts += 1
+                log.info("%s/%s: %s; re-reading the status", self.ident.namespace, self.ident.name, error)
+                if conflicts > CONFLICT_RETRIES:
+                    conflicts = 0
+                    await self._sleep(stopped, self.settings.poll_interval)
+                continue
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():
                     raise  # we are being stopped
@@ -436,6 +457,7 @@ class Run:
                 log.warning("%s/%s: step failed, retrying: %s", self.ident.namespace, self.ident.name, error)
                 await self._sleep(stopped, self.settings.poll_interval)
                 continue
+            conflicts = 0
             if decision.phase in phases.TERMINAL and not decision.actions and decision.wake_at is None:
                 return
             if decision.phase != before:

@@ -49,12 +49,13 @@ class LocalBackend:
     async def ray_token(self, ident: Identity) -> str | None:
         return None  # the local head's token: TPUFT_RAY_TOKEN (or RAY_AUTH_TOKEN), for every run
 
-    async def write_status(self, ident: Identity, patch: dict, new: dict) -> None:
+    async def write_status(self, ident: Identity, patch: dict, new: dict, resource_version: str) -> str:
         changed = [k for k in SHOWN if k in patch and patch[k] is not None]
         if changed:
             self._say("  ".join(f"{k}={new[k]}" for k in changed))
+        return ""  # one writer, nothing to fence
 
-    async def read_status(self, ident: Identity) -> dict | None:
+    async def read_status(self, ident: Identity) -> tuple[dict, str] | None:
         return None  # printing never fails half-way: the run's own copy is the status
 
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None:

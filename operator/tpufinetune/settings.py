@@ -14,6 +14,14 @@
 | TPUFT_KUBE_TIMEOUT | 30 | seconds any one Kubernetes API call may take (connect and answer); an API server that never answers holds one worker thread no longer |
 | TPUFT_STATUS_WRITE_INTERVAL | 1 | least seconds between two status writes of one run: a chatty trainer's events are gathered into fewer writes |
 | TPUFT_NAMESPACE | (all) | watch only this namespace |
+| TPUFT_LEADER_ELECTION | true | run kopf's handlers only while holding a Lease, so several replicas can run with one active; false for a single operator outside a cluster |
+| TPUFT_LEASE_NAME | tpufinetune-operator | the coordination.k8s.io Lease the replicas compete for |
+| TPUFT_LEASE_DURATION | 15 | seconds a standby waits, after the Lease last changed, before it takes over (leaseDurationSeconds) |
+| TPUFT_RENEW_DEADLINE | 10 | seconds the leader may fail to renew before it stops acting and exits (Kubernetes restarts it as a standby); less than the lease duration |
+| TPUFT_RETRY_PERIOD | 2 | seconds between the leader's renewals and a standby's tries |
+
+The Lease's holderIdentity is the pod's name (POD_NAME from the downward API), else the
+host name and process id.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tpufinetune.core.lease import timing_problem
 
 DEFAULT_DASHBOARD_URL = "http://{service}.{namespace}.svc:8265"
 PREFIX = "TPUFT_"
@@ -47,6 +57,18 @@ class Settings(BaseModel):
     status_write_interval: float = Field(1.0, ge=0, le=60)
     namespace: str = ""
     operator_namespace: str = Field("tpufinetune-system", min_length=1, max_length=63)
+    leader_election: bool = True
+    lease_name: str = Field("tpufinetune-operator", min_length=1)
+    lease_duration: float = Field(15.0, ge=1, le=3600)
+    renew_deadline: float = Field(10.0, gt=0)
+    retry_period: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _election_timing(self) -> Settings:
+        problem = timing_problem(self.lease_duration, self.renew_deadline, self.retry_period)
+        if self.leader_election and problem:
+            raise ValueError(problem)
+        return self
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> Settings:
@@ -80,10 +102,14 @@ class Settings(BaseModel):
 
 def _settings_error(exc: ValidationError, values: dict) -> SettingsError:
     first = exc.errors()[0]
+    if not first["loc"]:  # a rule across fields: its message names them
+        return SettingsError(str(first["ctx"]["error"]))
     name = str(first["loc"][0])
     variable = PREFIX + name.upper()
     given = values.get(name)
     if first["type"] in ("float_parsing", "float_type"):
         return SettingsError(f"{variable}={given!r} is not a number of seconds; write a "
                              "plain number, e.g. 5 (not 5s)")
+    if first["type"] == "bool_parsing":
+        return SettingsError(f"{variable}={given!r}: write true or false")
     return SettingsError(f"{variable}={given!r}: {first['msg'].lower()}")

@@ -149,3 +149,11 @@ def test_values_schema_refuses_an_env_value_that_is_not_a_string(helm):
     error = run(helm, "template", "tpufinetune", CHART, "--set", "env[0].name=A", "--set", "env[0].value=1",
                 check=False)
     assert "env" in error and "string" in error
+
+
+def test_several_replicas_without_leader_election_are_refused(helm):
+    refused = run(helm, "template", "tpufinetune", CHART, "--set", "settings.leaderElection=false", check=False)
+    assert "replicas > 1 needs settings.leaderElection" in refused
+    objects = documents(template(helm, "ops", "--set", "settings.leaderElection=false", "--set", "replicas=1"))
+    assert not [o for o in objects if o["kind"] in ("Role", "RoleBinding", "PodDisruptionBudget")]
+    assert find(objects, "ConfigMap")["data"]["TPUFT_LEADER_ELECTION"] == "false"

@@ -156,3 +156,43 @@ def test_kubectl_apply_k_deploy_installs_the_base(control_plane):
     result = control_plane.kubectl("apply", "--dry-run=server", "-k", DEPLOY)
     assert "deployment.apps/tpufinetune-operator" in result.stdout, result.stdout
     assert "clusterrole.rbac.authorization.k8s.io/tpufinetune-edit" in result.stdout
+
+
+def test_leader_election_is_granted_on_leases_in_the_operators_namespace_only(control_plane):
+    objects = kustomize(control_plane, DEPLOY / "base")
+    role = find(objects, "Role", "tpufinetune-operator-leader-election")
+    assert role["metadata"]["namespace"] == OPERATOR_NS
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["get", "create", "update"]}]
+    binding = find(objects, "RoleBinding", "tpufinetune-operator-leader-election")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tpufinetune-operator",
+                                    "namespace": OPERATOR_NS}]
+    # The ClusterRole grants nothing on Leases: no replica can touch another namespace's.
+    cluster_role = find(objects, "ClusterRole", "tpufinetune-operator")
+    assert not any("leases" in rule["resources"] for rule in cluster_role["rules"])
+    control_plane.kubectl("apply", "-k", DEPLOY / "base")
+
+    def can(*args) -> bool:
+        return control_plane.kubectl("auth", "can-i", *args, f"--as={OPERATOR_SA}",
+                                     check=False).stdout.strip() == "yes"
+
+    assert can("update", "leases.coordination.k8s.io", "-n", OPERATOR_NS)
+    assert not can("update", "leases.coordination.k8s.io", "-n", "default")
+    assert not can("delete", "leases.coordination.k8s.io", "-n", OPERATOR_NS)
+
+
+def test_two_replicas_roll_one_at_a_time_and_know_their_pod_for_the_lease(control_plane):
+    objects = kustomize(control_plane, DEPLOY / "base")
+    deployment = find(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    downward = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e}
+    assert downward == {"POD_NAME": "metadata.name", "TPUFT_OPERATOR_NAMESPACE": "metadata.namespace"}
+    budget = find(objects, "PodDisruptionBudget")
+    assert budget["spec"]["minAvailable"] == 1
+    assert budget["spec"]["selector"] == deployment["spec"]["selector"]
+    data = find(objects, "ConfigMap", container["envFrom"][0]["configMapRef"]["name"])["data"]
+    assert Settings.from_env(data).leader_election is True

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.cluster
 
 def narrowed(objects: list[dict], without: str) -> list[dict]:
     # The operator's own role only: the aggregated edit/view roles are for users.
-    objects = copy.deepcopy([o for o in objects if o["kind"] != "ClusterRole"
+    # (and no leader election: these operators run alone, without the Lease's Role).
+    objects = copy.deepcopy([o for o in objects if o["kind"] not in ("ClusterRole", "Role", "RoleBinding")
                              or o["metadata"]["name"] == "tpufinetune-operator"])
     for obj in objects:
         if obj["kind"] == "Namespace":
@@ -37,7 +38,7 @@ def test_a_rule_taken_away_shows_up_as_a_refusal_in_the_operator_log(control_pla
     rbac = narrowed(rbac_objects(control_plane), without="customresourcedefinitions")
     env = control_plane.env()
     env.update(KUBECONFIG=str(service_account_kubeconfig(control_plane, tmp_path / "kubeconfig", rbac)),
-               TPUFT_NAMESPACE=namespace)
+               TPUFT_NAMESPACE=namespace, TPUFT_LEADER_ELECTION="false")
     process = OperatorProcess(env, tmp_path / "operator.log")
     process.start()
     try:
@@ -55,7 +56,7 @@ def test_without_the_workloads_rule_a_queued_run_is_refused_reading_kueues_workl
     rbac = narrowed(rbac_objects(control_plane), without="workloads")
     env = control_plane.env()
     env.update(KUBECONFIG=str(service_account_kubeconfig(control_plane, tmp_path / "kubeconfig", rbac)),
-               TPUFT_NAMESPACE=namespace)
+               TPUFT_NAMESPACE=namespace, TPUFT_LEADER_ELECTION="false")
     process = OperatorProcess(env, tmp_path / "operator.log")
     process.start()
     try:

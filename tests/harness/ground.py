@@ -45,6 +45,11 @@ from ports import free_ports  # noqa: E402
 from processes import spawn, stop_process, tail  # noqa: E402
 from nodepools import NodePool, default_pools, node_manifest, node_status  # noqa: E402
 
+# deploy/'s namespace (the Lease lives there) and the pod names the operator replicas get,
+# as a Deployment's downward API would give them.
+OPERATOR_NAMESPACE = "tpufinetune-system"
+OPERATOR_PODS = ("tpufinetune-operator-0", "tpufinetune-operator-1")
+
 GC_CONTROLLERS = ",".join([
     "garbage-collector-controller",
     "namespace-controller",
@@ -81,6 +86,7 @@ class Ground:
         self.ip_prefix = f"127.{secrets.randbelow(200) + 20}"
         self.processes: dict[str, subprocess.Popen] = {}
         self.operator = None
+        self.replicas: list = []  # start_replica's
         self.kueue = None
         self.timings: dict[str, float] = {}
 
@@ -269,16 +275,37 @@ class Ground:
         return env
 
     def start_operator(self, kubeconfig: Path | None = None, extra_env: dict | None = None):
-        """The operator as deployed: deploy/'s ServiceAccount, cluster DNS from the ground."""
+        """The operator as deployed: deploy/'s ServiceAccount, cluster DNS from the ground,
+        leader election on (the pod name and namespace a Deployment's downward API gives).
+        Starts as the leader unless another replica holds the Lease (`start_replica`)."""
         from operator_process import OperatorProcess
         from service_account import service_account_kubeconfig
 
         kubeconfig = kubeconfig or service_account_kubeconfig(self.cp, self.workdir / "operator-kubeconfig")
         env = self.operator_environment(kubeconfig)
+        env.update(POD_NAME=OPERATOR_PODS[0], TPUFT_OPERATOR_NAMESPACE=OPERATOR_NAMESPACE)
         env.update(extra_env or {})
         self.operator = OperatorProcess(env, self.workdir / "operator.log", hosts_file=self.hosts_file)
         self.operator.start()
         return self.operator
+
+    def start_replica(self, pod_name: str = OPERATOR_PODS[1]):
+        """A second operator replica beside `start_operator`'s, with the same ServiceAccount
+        and settings but its own pod name (so its own Lease identity) and log. It answers
+        /healthz at once and stands by until the Lease is free. Stopped with the ground."""
+        from operator_process import OperatorProcess, _free_port
+
+        if self.operator is None:
+            raise RuntimeError("start_operator first: a replica copies its settings")
+        env = {**self.operator.env, "POD_NAME": pod_name}
+        metrics_port = _free_port() if env.get("TPUFT_METRICS_PORT") else None
+        if metrics_port:  # its own port, as each pod has
+            env["TPUFT_METRICS_PORT"] = str(metrics_port)
+        replica = OperatorProcess(env, self.workdir / f"{pod_name}.log", hosts_file=self.hosts_file)
+        replica.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None
+        self.replicas.append(replica)
+        replica.start()
+        return replica
 
     # -- Kueue (opt-in)
 
@@ -312,6 +339,8 @@ class Ground:
                 **({"operator": self.operator.proc.pid} if self.operator and self.operator.proc else {})}
 
     def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
         if self.operator is not None:
             self.operator.stop()
         if self.kueue is not None:

@@ -61,7 +61,7 @@ class MemoryCluster:
     async def ray_token(self, ident):
         return None  # the head takes RayJobs' own headers
 
-    async def write_status(self, ident, patch, new):
+    async def write_status(self, ident, patch, new, resource_version):
         self.calls.append(f"status:{new.get('phase')}")
         self.write_times.append(time.monotonic())
         self.status = new
@@ -70,7 +70,7 @@ class MemoryCluster:
             raise TimeoutError("the API server did not answer in time")
 
     async def read_status(self, ident):
-        return dict(self.status)
+        return dict(self.status), ""
 
     def record(self, ident, type_, reason, message):
         self.events.append(reason)

@@ -21,6 +21,7 @@ from tpufinetune.adapters import metrics
 from tpufinetune.core import phases
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.progress import ProgressTracker
+from tpufinetune.core.errors import StatusConflict
 from tpufinetune.driver import Run
 from tpufinetune.adapters.kube import RAY_GROUP, RAY_PLURAL, RAY_VERSION, KubeBackend
 from tpufinetune.adapters.rayjobs import RayJobs
@@ -118,7 +119,14 @@ async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     # as an Error event, and a normal delete is not an error.
     deadline = asyncio.get_running_loop().time() + RELEASE_WAIT_S
     while True:
-        decision = await run.step(deleting=True)
+        try:
+            decision = await run.step(deleting=True)
+        except StatusConflict:
+            # kopf's own status.kopf write (or another writer) came first: re-read and
+            # step again; a conflict is not a failure worth an Error event.
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            continue
         if not any(isinstance(a, phases.DeleteCluster) for a in decision.actions):
             memo.progress.forget(run.progress_key)
             return

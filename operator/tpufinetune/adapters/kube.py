@@ -15,6 +15,7 @@ import kopf
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from tpufinetune.core.errors import StatusConflict
 from tpufinetune.core import podstatus
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.errors import CreateRefused
@@ -280,15 +281,30 @@ class KubeBackend:
             if error.status not in (404, 409):
                 raise
 
-    async def write_status(self, ident: Identity, patch: dict, new: dict) -> None:
-        await asyncio.to_thread(
-            self.objects.patch_namespaced_custom_object_status,
-            GROUP, VERSION, ident.namespace, PLURAL, ident.name, {"status": patch},
-            _request_timeout=self._timeout,
-        )
+    async def write_status(self, ident: Identity, patch: dict, new: dict, resource_version: str) -> str:
+        """A JSON merge patch of the status carrying the resourceVersion last read or
+        written (when known): the API server refuses it (409, StatusConflict) if the object
+        changed since, so a stale copy (a replica that lost its Lease) never overwrites a
+        newer status. Returns the new resourceVersion."""
+        body = {"status": patch}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        try:
+            written = await asyncio.to_thread(
+                self.objects.patch_namespaced_custom_object_status,
+                GROUP, VERSION, ident.namespace, PLURAL, ident.name, body,
+                _request_timeout=self._timeout,
+            )
+        except ApiException as error:
+            if error.status == 409:
+                raise StatusConflict(f"{ident.namespace}/{ident.name} changed since resourceVersion "
+                                     f"{resource_version}") from None
+            raise
+        return (written.get("metadata") or {}).get("resourceVersion", "")
 
-    async def read_status(self, ident: Identity) -> dict | None:
-        """The object's status as the API server holds it now; None if it is gone."""
+    async def read_status(self, ident: Identity) -> tuple[dict, str] | None:
+        """(the object's status as the API server holds it now, its resourceVersion); None
+        if it is gone."""
         try:
             body = await asyncio.to_thread(self.objects.get_namespaced_custom_object,
                                            GROUP, VERSION, ident.namespace, PLURAL, ident.name,
@@ -297,7 +313,7 @@ class KubeBackend:
             if error.status == 404:
                 return None
             raise
-        return dict(body.get("status") or {})
+        return dict(body.get("status") or {}), body["metadata"].get("resourceVersion", "")
 
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None:
         body = {

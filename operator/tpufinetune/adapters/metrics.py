@@ -3,7 +3,7 @@
 | metric | type | labels | meaning |
 |---|---|---|---|
 | tpufinetune_reconciles_total | counter | phase | steps taken, by the phase the resource was in |
-| tpufinetune_reconcile_errors_total | counter | phase | steps that raised (API or Ray unreachable, …); retried |
+| tpufinetune_reconcile_errors_total | counter | phase | steps that raised (API or Ray unreachable, …); retried. A status write refused as stale (409) is not one |
 | tpufinetune_resources | gauge | phase | TPUFineTunes the watch sees, by status.phase |
 | tpufinetune_apply_to_raycluster_seconds | histogram | | metadata.creationTimestamp → RayCluster created |
 | tpufinetune_apply_to_job_submitted_seconds | histogram | | metadata.creationTimestamp → first Ray job submitted |

@@ -1,4 +1,5 @@
-"""Error types the core names: an invalid spec (the one a user sees), a refused create."""
+"""Error types the core names: an invalid spec (the one a user sees), a refused create,
+and the status-write conflict the driver and its backends share."""
 
 
 class SpecError(ValueError):
@@ -17,3 +18,9 @@ class SpecError(ValueError):
 class CreateRefused(RuntimeError):
     """The API server refused to create the RayCluster (an admission webhook or policy, a
     ResourceQuota, a malformed object): not transient. `str()` is the server's message."""
+
+
+class StatusConflict(RuntimeError):
+    """A status write was refused because the object changed since its resourceVersion was
+    read (409 Conflict): another writer (kopf's status.kopf, a spec edit, another operator
+    replica) came first. The writer re-reads the status before it decides again."""
