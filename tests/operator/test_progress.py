@@ -52,10 +52,10 @@ class RefusingCluster(MemoryCluster):
         super().__init__()
         self.refuse_writes = self.refuse_reads = False
 
-    async def write_status(self, ident, patch, new):
+    async def write_status(self, ident, patch, new, resource_version):
         if self.refuse_writes:
             raise PermissionError("status writes are refused")
-        await super().write_status(ident, patch, new)
+        return await super().write_status(ident, patch, new, resource_version)
 
     async def read_status(self, ident):
         if self.refuse_reads:

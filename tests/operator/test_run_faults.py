@@ -342,7 +342,7 @@ async def test_every_kubernetes_call_is_bounded_by_the_setting():
         backend = KubeBackend(client.ApiClient(config), Settings(kube_timeout=0.3))
         calls = {"observe": backend.observe(ident, "tft-demo"), "create": backend.create(ident, {"metadata": {}}),
                  "delete": backend.delete(ident, "tft-demo"), "read_status": backend.read_status(ident),
-                 "write_status": backend.write_status(ident, {"phase": "Running"}, {})}
+                 "write_status": backend.write_status(ident, {"phase": "Running"}, {}, "")}
         for name, call in calls.items():
             started = time.monotonic()
             # A hang detector, not a timing target: without a timeout these never return.

@@ -50,7 +50,10 @@ PREVIOUS_RELEASE_COMMIT = "8eb4e17b080d7f8cb0ad93cc5b04d12ac103e089"
 # newer version changes how heads are reached (e.g. per-cluster tokens), the previous
 # release cannot drive that version's runs: set this to "Failed" with reason RayUnreachable,
 # reached within TPUFT_RAY_UNREACHABLE_TIMEOUT below, never a hang.
-ROLLBACK_OUTCOME = ("Succeeded", None)
+# v0.2.0 reaches every head with one operator-wide token; this version gives each
+# RayCluster its own (derived from a signing key v0.2.0 does not know), so v0.2.0 cannot
+# drive a run this version made: it fails it as RayUnreachable and releases its slice.
+ROLLBACK_OUTCOME = ("Failed", "RayUnreachable")
 UNREACHABLE_TIMEOUT_S = 60
 EPOCHS = 3
 
