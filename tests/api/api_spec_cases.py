@@ -144,6 +144,10 @@ INVALID: list[Invalid] = [
                 "secretKeyRef": {"name": "s"}}}]}),
             "spec.workers.env[0].valueFrom.secretKeyRef.key", "is required",
             admission="Required value"),
+    Invalid("ray-without-token-auth", spec_with(rayVersion="2.51.9"),
+            "spec.rayVersion", validation.RAY_VERSION_MESSAGE),
+    Invalid("ray-1-x", spec_with(rayVersion="1.99.0"),
+            "spec.rayVersion", validation.RAY_VERSION_MESSAGE),
     Invalid("no-progress-timeout-too-short", spec_with(noProgressTimeoutSeconds=30),
             "spec.noProgressTimeoutSeconds", validation.NO_PROGRESS_MESSAGE),
     # Schema checks: same field refused, each side in its own words.

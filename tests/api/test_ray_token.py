@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from api_spec_cases import IMAGE
+from api_spec_cases import IMAGE, spec_with
 
 from tpufinetune.core import raytoken
 from tpufinetune.core.api import parse_spec
@@ -86,3 +86,22 @@ def test_only_a_fixed_dashboard_uses_the_configured_token(url, fixed):
 def test_the_operator_namespace_defaults_to_deploys_and_is_read_from_its_variable():
     assert Settings().operator_namespace == "tpufinetune-system"
     assert Settings.from_env({"TPUFT_OPERATOR_NAMESPACE": "ops"}).operator_namespace == "ops"
+
+
+@pytest.mark.parametrize("version", ["2.52.0", "2.60.0", "2.100.1", "3.0.0", "10.1.2"])
+def test_every_ray_version_with_token_auth_is_accepted_by_python_and_the_cel_pattern(version):
+    from tpufinetune.core.validation import RAY_VERSION_AT_LEAST
+
+    assert parse_spec(spec_with(rayVersion=version)).ray_version == version
+    assert re.match(RAY_VERSION_AT_LEAST, version)
+
+
+@pytest.mark.parametrize("version", ["2.51.9", "2.5.0", "1.99.0", "0.52.0"])
+def test_a_ray_version_without_token_auth_is_refused_naming_the_field(version):
+    from tpufinetune.core.errors import SpecError
+    from tpufinetune.core.validation import RAY_VERSION_AT_LEAST, RAY_VERSION_MESSAGE
+
+    with pytest.raises(SpecError, match=r"spec\.rayVersion: must be 2\.52\.0 or newer"):
+        parse_spec(spec_with(rayVersion=version))
+    assert not re.match(RAY_VERSION_AT_LEAST, version)
+    assert "2.52.0" in RAY_VERSION_MESSAGE

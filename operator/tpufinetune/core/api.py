@@ -361,7 +361,7 @@ class TPUFineTuneSpec(_Model):
                        description="Trainer image (Ray, the trainer and the TPU runtime).")
     ray_version: str = Field(DEFAULT_RAY_VERSION, max_length=32,
                              pattern=r"^[0-9]+\.[0-9]+\.[0-9]+$",
-                             description="Ray version inside the image.")
+                             description="Ray version inside the image; 2.52.0 or newer (each run's head requires its own Ray token).")
     model: ModelSource = _object_default(ModelSource, "Model to fine-tune.")
     dataset: DatasetSource = _object_default(DatasetSource, "Training data.")
     training: Training = _object_default(Training, "Training hyperparameters.")

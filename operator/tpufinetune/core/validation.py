@@ -32,6 +32,13 @@ GLOBAL_BATCH_MESSAGE = ("must be 0 (no gradient accumulation) or a multiple of t
 MIN_NO_PROGRESS_TIMEOUT = 60
 NO_PROGRESS_MESSAGE = (f"must be 0 (off) or at least {MIN_NO_PROGRESS_TIMEOUT} seconds: "
                        "the trainer reports progress about every 30 s")
+# Each run's head requires its own token (KubeRay authOptions, core/raytoken.py): Ray has
+# token authentication since 2.52.0, and KubeRay refuses token mode below it.
+MIN_RAY_VERSION = (2, 52, 0)
+RAY_VERSION_MESSAGE = ("must be 2.52.0 or newer: every run's Ray head requires its own token "
+                       "(Ray token authentication, since 2.52.0); use an image with a newer Ray")
+# rayVersion (already X.Y.Z by the schema) at least MIN_RAY_VERSION, as a CEL regex.
+RAY_VERSION_AT_LEAST = "^(([3-9]|[1-9][0-9]+)[.][0-9]+|2[.](5[2-9]|[6-9][0-9]|[1-9][0-9]{2,}))[.][0-9]+$"
 PRIORITY_QUEUE_MESSAGE = ("is a Kueue WorkloadPriorityClass and needs queueName: set "
                           "spec.queueName to a LocalQueue, or remove it")
 TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host); "
@@ -210,6 +217,12 @@ def spec_rules() -> list[dict]:
             "reason": "FieldValueInvalid",
         },
         {
+            "rule": f"!has(self.rayVersion) || self.rayVersion.matches('{RAY_VERSION_AT_LEAST}')",
+            "message": RAY_VERSION_MESSAGE,
+            "fieldPath": ".rayVersion",
+            "reason": "FieldValueInvalid",
+        },
+        {
             "rule": "!has(self.workloadPriorityClassName) || has(self.queueName)",
             "message": PRIORITY_QUEUE_MESSAGE,
             "fieldPath": ".workloadPriorityClassName",
@@ -295,6 +308,8 @@ def check_spec(spec: TPUFineTuneSpec) -> None:
         _check_global_batch(spec)
     if 0 < spec.no_progress_timeout_seconds < MIN_NO_PROGRESS_TIMEOUT:
         raise SpecError("spec.noProgressTimeoutSeconds", NO_PROGRESS_MESSAGE)
+    if tuple(int(part) for part in spec.ray_version.split(".")) < MIN_RAY_VERSION:
+        raise SpecError("spec.rayVersion", RAY_VERSION_MESSAGE)
     if spec.workload_priority_class_name and not spec.queue_name:
         raise SpecError("spec.workloadPriorityClassName", PRIORITY_QUEUE_MESSAGE)
     for group in ("head", "workers"):
