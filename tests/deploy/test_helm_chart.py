@@ -96,8 +96,10 @@ def test_chart_values_reach_the_operator(helm):
     assert {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]} in rules
     assert [rule["verbs"] for rule in rules if "secrets" in rule["resources"]] == [["create"]]
     # The signing key's Role lives in the release namespace, bound to the operator.
-    assert find(objects, "Role")["metadata"]["namespace"] == "ops"
-    assert find(objects, "RoleBinding")["subjects"][0]["namespace"] == "ops"
+    # So do the leader election's.
+    for name in ("tpufinetune-operator-ray-token-key", "tpufinetune-operator-leader-election"):
+        assert find(objects, "Role", name)["metadata"]["namespace"] == "ops"
+        assert find(objects, "RoleBinding", name)["subjects"][0]["namespace"] == "ops"
     assert find(objects, "Service")["spec"]["ports"][0]["port"] == 9090
 
 
@@ -155,5 +157,6 @@ def test_several_replicas_without_leader_election_are_refused(helm):
     refused = run(helm, "template", "tpufinetune", CHART, "--set", "settings.leaderElection=false", check=False)
     assert "replicas > 1 needs settings.leaderElection" in refused
     objects = documents(template(helm, "ops", "--set", "settings.leaderElection=false", "--set", "replicas=1"))
-    assert not [o for o in objects if o["kind"] in ("Role", "RoleBinding", "PodDisruptionBudget")]
+    assert not [o for o in objects if o["kind"] in ("Role", "RoleBinding", "PodDisruptionBudget")
+                and o["metadata"]["name"] != "tpufinetune-operator-ray-token-key"]
     assert find(objects, "ConfigMap")["data"]["TPUFT_LEADER_ELECTION"] == "false"

@@ -108,7 +108,9 @@ def test_the_service_account_creates_secrets_but_reads_only_its_signing_key(cont
     assert not can("update", f"secrets/{raytoken.SIGNING_KEY_SECRET}", "-n", OPERATOR_NS)
     # Nothing wider either: no wildcard anywhere in the rules.
     objects = kustomize(control_plane, DEPLOY / "base")
-    for role in (find(objects, "ClusterRole", "tpufinetune-operator"), find(objects, "Role")):
+    for role in (find(objects, "ClusterRole", "tpufinetune-operator"),
+                 find(objects, "Role", "tpufinetune-operator-ray-token-key"),
+                 find(objects, "Role", "tpufinetune-operator-leader-election")):
         for rule in role["rules"]:
             assert "*" not in rule["resources"] + rule["verbs"] + rule["apiGroups"]
 
