@@ -293,12 +293,12 @@ class Ground:
         """A second operator replica beside `start_operator`'s, with the same ServiceAccount
         and settings but its own pod name (so its own Lease identity) and log. It answers
         /healthz at once and stands by until the Lease is free. Stopped with the ground."""
-        from operator_process import OperatorProcess, _free_port
+        from operator_process import OperatorProcess
 
         if self.operator is None:
             raise RuntimeError("start_operator first: a replica copies its settings")
         env = {**self.operator.env, "POD_NAME": pod_name}
-        metrics_port = _free_port() if env.get("TPUFT_METRICS_PORT") else None
+        metrics_port = free_ports(1)[0] if env.get("TPUFT_METRICS_PORT") else None
         if metrics_port:  # its own port, as each pod has
             env["TPUFT_METRICS_PORT"] = str(metrics_port)
         replica = OperatorProcess(env, self.workdir / f"{pod_name}.log", hosts_file=self.hosts_file)

@@ -137,13 +137,18 @@ class Kube:
 
     def ray_token(self, cluster: str) -> str:
         """The run's own Ray token, read as the admin from the Secret its RayCluster's
-        authOptions name (the operator itself never reads it back)."""
+        authOptions name (the operator itself never reads it back); "" for a RayCluster
+        without token auth (one an older operator made)."""
         body = self.get("raycluster", cluster)
-        secret = self.get("secret", body["spec"]["authOptions"]["secretName"])
+        auth = body["spec"].get("authOptions") or {}
+        if auth.get("mode") != "token":
+            return ""
+        secret = self.get("secret", auth["secretName"])
         return base64.b64decode(secret["data"]["auth_token"]).decode()
 
     def ray_headers(self, cluster: str) -> dict:
-        return {"Authorization": f"Bearer {self.ray_token(cluster)}"}
+        token = self.ray_token(cluster)
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
     def head_job_client(self, cluster: str):
         """A Job API client on the cluster's head pod (by its pod IP), with its own token."""
