@@ -5,7 +5,7 @@
 | TPUFT_DASHBOARD_URL | http://{service}.{namespace}.svc:8265 | Ray dashboard address; `{service}`, `{namespace}` and `{cluster}` are filled from the RayCluster's head service. Set a fixed URL to reach a Ray head elsewhere (a port-forward, a local head). |
 | TPUFT_RAY_TOKEN_FILE | (none) | only with a fixed TPUFT_DASHBOARD_URL (no `{...}` in it: a port-forward, `run --local`): file holding that head's Ray auth token, sent as `Authorization: Bearer`. Otherwise each run's head gets its own derived token (core/raytoken.py) and this is not used |
 | TPUFT_RAY_TOKEN | (none) | the same token itself, when a file is not practical |
-| TPUFT_OPERATOR_NAMESPACE | tpufinetune-system | the operator's own namespace (the Deployment sets it from the downward API): where the Ray token signing key Secret lives, and the namespace each run's NetworkPolicy admits to the Ray dashboard |
+| TPUFT_OPERATOR_NAMESPACE | tpufinetune-system | the operator's own namespace (the Deployment sets it from the downward API): where the leader-election Lease and the Ray token signing key Secret live, and the namespace each run's NetworkPolicy admits to the Ray dashboard |
 | TPUFT_POLL_INTERVAL | 5 | seconds between looks at a running job (new log lines wake the loop sooner) |
 | TPUFT_PROVISION_TIMEOUT | 1800 | seconds to wait for a RayCluster to become ready before failing and releasing it |
 | TPUFT_RAY_TIMEOUT | 10 | seconds any one call to a Ray head may take (connect and answer); a head that accepts connections and never answers costs no more |
