@@ -158,7 +158,7 @@ class Run:
             down = (now - self.ray_down_since[1]).total_seconds()
             if down < self.settings.ray_unreachable_timeout:
                 raise
-            detail = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+            detail = _one_line(error)
             return None, f"the Ray head at {address} has not answered for {int(down)} s: {detail}"
         self.ray_down_since = None
         return job, ""
@@ -271,7 +271,7 @@ class Run:
         try:
             return await asyncio.to_thread(self.jobs.log_tail, self.status["dashboardURL"], job_id)
         except Exception as error:
-            detail = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            detail = _one_line(error)
             log.warning("%s/%s: the log tail of %s could not be read: %s", self.ident.namespace,
                         self.ident.name, job_id, detail)
             return f"(the log tail could not be read: {detail})"
