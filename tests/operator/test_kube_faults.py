@@ -73,7 +73,7 @@ def test_a_refused_raycluster_says_why_and_fails_after_the_provisioning_timeout(
                              "checkpoint": {"storagePath": "/tmp/unused"}}}
         kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump(manifest))
         body = json.loads(kubectl("-n", namespace, "get", "tpufinetune", "refused", "-o", "json").stdout)
-        settings = Settings(poll_interval=1, provision_timeout=4)
+        settings = Settings(poll_interval=1, provision_timeout=4, operator_namespace=namespace)  # the signing key
         backend = Backend(k8s_api, settings)
         run = Run(body, backend, RayJobs(), settings)
 

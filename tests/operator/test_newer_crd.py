@@ -92,7 +92,7 @@ def test_under_a_newer_crd_a_run_proceeds_and_names_the_fields_it_ignored(
         kubectl("-n", namespace, "patch", "tpufinetune", "newer", "--subresource=status", "--type=merge",
                 "-p", '{"status": {"rayTokenNewer": {"secretName": "newer-ray-token"}}}')
         body = json.loads(kubectl("-n", namespace, "get", "tpufinetune", "newer", "-o", "json").stdout)
-        settings = Settings(poll_interval=1)
+        settings = Settings(poll_interval=1, operator_namespace=namespace)  # the signing key there
         backend = Backend(k8s_api, settings)
         run = Run(body, backend, RayJobs(settings.ray_headers(), settings.ray_timeout), settings)
 
