@@ -20,6 +20,7 @@ from tpufinetune.core.jobspec import job_submission, submission_id
 from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
 from tpufinetune.core.progress import ProgressTracker
+from tpufinetune.adapters.kube import server_message
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
 from tpufinetune.settings import Settings
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
@@ -496,14 +497,9 @@ class Run:
 def _one_line(error: Exception) -> str:
     """An error in one line: the API server's own message when it sent one (a Kubernetes
     ApiException carries it in a JSON body), else the error's first line."""
-    body = getattr(error, "body", None)
-    if isinstance(body, (str, bytes)):
-        try:
-            message = json.loads(body).get("message")
-        except (ValueError, AttributeError):
-            message = None
-        if message:
-            return f"{getattr(error, 'status', '')} {message}".strip()[:300]
+    message = server_message(error)
+    if message:
+        return f"{getattr(error, 'status', '')} {message}".strip()[:300]
     text = str(error).strip()
     return text.splitlines()[0][:300] if text else type(error).__name__
 

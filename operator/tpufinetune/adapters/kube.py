@@ -15,10 +15,9 @@ import kopf
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from tpufinetune.core.errors import StatusConflict
+from tpufinetune.core.errors import CreateRefused, StatusConflict
 from tpufinetune.core import podstatus
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
-from tpufinetune.core.errors import CreateRefused
 from tpufinetune.core.phases import ClusterView, Identity, QueueView
 from tpufinetune.core.sizing import QUEUE_NAME_LABEL
 from tpufinetune.adapters.raytokens import RayTokens
@@ -92,13 +91,21 @@ def queue_view(workloads: list[dict], cluster_uid: str) -> QueueView:
 REFUSALS = frozenset({400, 403, 422})
 
 
-def api_message(error: ApiException) -> str:
-    """The API server's own words from an error (its Status object's message)."""
+def server_message(error: Exception) -> str | None:
+    """The API server's own words in an error (the message of the Status object an
+    ApiException carries as its body); None when it has none."""
+    body = getattr(error, "body", None)
+    if not isinstance(body, (str, bytes)):
+        return None
     try:
-        message = json.loads(error.body or "{}").get("message")
+        return json.loads(body).get("message") or None
     except (ValueError, AttributeError):
-        message = None
-    return str(message or error.reason or error.status)[:1000]
+        return None
+
+
+def api_message(error: ApiException) -> str:
+    """The API server's own words from an error, else its reason or status code."""
+    return str(server_message(error) or error.reason or error.status)[:1000]
 
 
 class WatchedClusters:
