@@ -4,7 +4,7 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 PIP_STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv controlplane kuberay kueue ground helm test test-fast crds demo cluster cluster-down bench lint clean
+.PHONY: venv controlplane kuberay kueue gcs images ground helm test test-fast crds demo cluster cluster-down bench lint clean
 
 ## Python environment: pinned stack from pyproject.toml (pip's cache keeps re-runs fast).
 $(PIP_STAMP): pyproject.toml
@@ -28,8 +28,18 @@ kuberay:
 kueue:
 	@bash tests/kueue/build.sh
 
-## Everything the test ground runs (control plane, scheduler, controller-manager, KubeRay, Kueue).
-ground: controlplane kuberay kueue
+## fake-gcs-server, the ground's Google Cloud Storage emulator, from its pinned Go module.
+gcs:
+	@bash tests/gcs/build.sh
+
+## The trainer image's environment, built as Dockerfile.trainer builds it (the hashed lock,
+## torch_tpu, the project installed as a copy): pods of the trainer image run it.
+images: venv
+	@$(PYTHON) tests/harness/images.py
+
+## Everything the test ground runs (control plane, scheduler, controller-manager, KubeRay, Kueue,
+## the GCS emulator, the trainer image).
+ground: controlplane kuberay kueue gcs images
 
 ## helm, for the chart tests (tests/deploy), built from Go modules (rebuilt only when the pin changes).
 helm:
@@ -53,7 +63,7 @@ test: venv ground helm
 test-fast: venv
 	$(PYTHON) -m pytest -m "not cluster and not ray and not slow"
 
-## The test ground and the operator in the background; prints the two lines to paste.
+## The test ground and the operator in the background; prints the lines to paste.
 cluster: venv ground
 	@$(PYTHON) tests/harness/supervisor.py up
 

@@ -5,7 +5,8 @@ etcd, kube-scheduler and kube-controller-manager, the real KubeRay operator, GKE
 and CPU node pools, and a node agent that runs each scheduled pod as a real Ray process.
 The operator runs as deploy/'s ServiceAccount and reaches the Ray head by its Service name.
 The sample CPU rehearsal (deploy/samples/cpu-rehearsal.yaml) is pointed at a tiny random
-Gemma 4 and a generated dolly-style dataset (nothing can be downloaded here).
+Gemma 4 and a generated dolly-style dataset (nothing can be downloaded here), uploaded to the
+ground's Cloud Storage emulator; its checkpoints and export go there too (gs://).
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ def say(text: str) -> None:
     print(f"\n==> {text}", flush=True)
 
 
-def demo_manifest(workdir: Path, assets) -> dict:
+def demo_manifest(assets: str, storage: str) -> dict:
+    """The sample, on the assets under the gs:// prefix `assets`, checkpointing to `storage`."""
     manifest = yaml.safe_load(SAMPLE.read_text())
     spec = manifest["spec"]
-    spec["model"] = {"id": str(assets.model)}  # no Hugging Face token needed offline
-    spec["dataset"] = {"id": str(assets.data), "split": "train[:512]"}
+    spec["model"] = {"id": f"{assets}/model"}  # no Hugging Face token needed offline
+    spec["dataset"] = {"id": f"{assets}/data/train.jsonl", "split": "train[:512]"}
     spec["training"].update(epochs=3, maxSeqLen=128, learningRate=0.001, evalFraction=0.1)
-    spec["checkpoint"]["storagePath"] = str(workdir / "checkpoints")
+    spec["checkpoint"]["storagePath"] = storage
     return manifest
 
 
@@ -84,10 +86,11 @@ def main() -> int:
         print(f"  up in {sum(ground.timings.values()):.1f}s: {ground.timings}")
         print(ground.kubectl("get", "nodes", "-L", "cloud.google.com/gke-nodepool",
                              "-L", "node.kubernetes.io/instance-type", "-L", "cloud.google.com/gke-tpu-topology").stdout)
-        say("building the offline assets: a tiny random Gemma 4 and a dolly-style dataset")
-        assets = build_assets(workdir / "assets")
+        say("building the offline assets: a tiny random Gemma 4 and a dolly-style dataset, "
+            f"uploaded to gs://{ground.gcs.bucket}/demo/assets")
+        assets = ground.gcs.upload(build_assets(workdir / "assets").root, ground.gcs.uri("demo", "assets"))
 
-        manifest = demo_manifest(workdir, assets)
+        manifest = demo_manifest(assets, ground.gcs.uri("demo", "checkpoints"))
         name = manifest["metadata"]["name"]
         say(f"kubectl apply -f {SAMPLE.relative_to(REPO)} (model and data pointed at the offline assets)")
         print(ground.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest)).stdout.strip())
@@ -111,7 +114,8 @@ def main() -> int:
         left = ground.kubectl("get", "rayclusters,pods", "-o", "name").stdout.strip()
         print(f"  RayClusters and pods left running: {left or 'none'}")
         print(f"  Ray processes left: {len(ground.ray_processes())}")
-        print(f"  (everything lives under {workdir}; it is kept for you to look at)")
+        print(f"  (everything lives under {workdir}, the bucket's objects as files under "
+              f"{ground.gcs_root / ground.gcs.bucket}; it is kept for you to look at)")
         print(f"  demo took {time.monotonic() - started:.0f}s")
         return 0 if status.get("phase") == "Succeeded" else 1
     finally:

@@ -3,4 +3,4 @@
 `tests/` is on sys.path (pytest's rootdir-relative import), so `harness` imports directly.
 """
 pytest_plugins = ["harness.k8s_fixtures", "harness.ray_fixtures", "harness.ground_fixtures",
-                  "harness.kueue_fixtures"]
+                  "harness.kueue_fixtures", "harness.gcs_fixtures"]

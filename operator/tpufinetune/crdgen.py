@@ -33,6 +33,9 @@ PRINTER_COLUMNS = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Checkpoint", "type": "string", "jsonPath": ".status.checkpointURI",
      "priority": 1},
+    # Attempts so far (status.attempts says why each ended and what it cost).
+    {"name": "Attempts", "type": "integer", "jsonPath": ".status.attempt", "priority": 1},
+    {"name": "Chip-hours", "type": "number", "jsonPath": ".status.usage.chipHours", "priority": 1},
     # Why a run waits or failed (e.g. "waiting for RayCluster ... to be ready").
     {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
 ]

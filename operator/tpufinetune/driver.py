@@ -13,12 +13,13 @@ from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
 from tpufinetune.adapters import metrics
-from tpufinetune.core import phases, runevents
+from tpufinetune.core import attempts, conditions, phases, runevents
 from tpufinetune.core.api import SpecError, parse_stored_spec
 from tpufinetune.core.errors import CreateRefused, StatusConflict
-from tpufinetune.core.jobspec import job_submission, submission_id
+from tpufinetune.core.jobspec import checkpoint_request, job_submission, preflight_submission, submission_id
 from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
+from tpufinetune.core.podstatus import SliceHealth
 from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.adapters.kube import server_message
 from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
@@ -43,7 +44,9 @@ class ClusterBackend(Protocol):
     async def ray_token(self, ident: Identity) -> str | None: ...
     async def write_status(self, ident: Identity, patch: dict, new: dict, resource_version: str) -> str: ...
     async def read_status(self, ident: Identity) -> tuple[dict, str] | None: ...
+    async def slice_health(self, ident: Identity, name: str, since, hosts: int) -> SliceHealth: ...
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None: ...
+    async def maintenance(self, ident: Identity, cluster: str) -> tuple[tuple[str, str], ...]: ...
 
 
 def status_patch(old: dict, new: dict) -> dict:
@@ -101,7 +104,8 @@ class Run:
         self.spec, self.spec_error, self.ignored_fields = None, "", ()
         try:
             # Fields a newer CRD has and this version lacks are ignored, and reported.
-            self.spec, self.ignored_fields = parse_stored_spec(dict(self.body.get("spec") or {}))
+            self.spec, self.ignored_fields = parse_stored_spec(
+                dict(self.body.get("spec") or {}), one_machine=getattr(self.backend, "one_machine", False))
         except SpecError as error:
             self.spec_error = str(error)
         self.plan = phases.plan_for(self.ident, self.spec, timedelta(seconds=self.settings.provision_timeout))
@@ -132,9 +136,26 @@ class Run:
                 cluster = await self.backend.observe(self.ident, self.status["rayClusterName"])
         events = await self._new_events(address, job)
         self.unwritten.extend(events)
+        preflight_job, preflight_events = await self._preflight(address, phase, lost)
+        maintenance = ()
+        if phase == phases.RUNNING and job is not None and job.status in phases.JOB_ACTIVE and cluster is not None:
+            maintenance = await self.backend.maintenance(self.ident, self.status["rayClusterName"])
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job,
                             events=tuple(self.unwritten), ray_unreachable=unreachable,
-                            create_refused=self.create_refused)
+                            create_refused=self.create_refused, maintenance=maintenance,
+                            preflight_job=preflight_job, preflight_events=preflight_events)
+
+    async def _preflight(self, address: str, phase: str, lost: bool):
+        """The attempt's preflight job while it is the one to watch, and its events once it
+        ended (its log is short: read whole, once)."""
+        result = self.status.get("preflight") or {}
+        if phase != phases.SUBMITTING or lost or not address or result.get("phase") != "Running" \
+                or result.get("attempt") != self.status.get("attempt"):
+            return None, ()
+        job = await asyncio.to_thread(self.jobs.job, address, result["jobId"])
+        if job is None or job.status in phases.JOB_ACTIVE:
+            return job, ()
+        return job, tuple(await asyncio.to_thread(self.jobs.events, address, result["jobId"]))
 
     async def _authorize(self, address: str) -> None:
         """Every Ray call to this run's head carries the run's own token, and no other
@@ -252,17 +273,26 @@ class Run:
         obs = await self.observe(deleting)
         obs = self._without_malformed_events(obs)
         decision = phases.transition(self.ident, self.plan, self.status, obs)
-        # A failed job without a failure event: read the log tail once, then decide.
-        tail = [a for a in decision.actions if isinstance(a, phases.ReadLogTail)]
-        if tail:
-            text = await self._log_tail(tail[0].submission_id)
-            obs = Observations(**{**obs.__dict__, "log_tail": text or "(empty log)"})
+        # A job that ended without success: read its log tail and its slice's pods and
+        # nodes once, then decide.
+        reads = {}
+        for action in decision.actions:
+            if isinstance(action, phases.ReadLogTail):
+                reads["log_tail"] = await self._log_tail(action.submission_id) or "(empty log)"
+            elif isinstance(action, phases.ReadSliceHealth):
+                reads["slice_health"] = await self._slice_health(action.since)
+        if reads:
+            obs = Observations(**{**obs.__dict__, **reads})
             decision = phases.transition(self.ident, self.plan, self.status, obs)
         report_ignored_fields(decision, self.ignored_fields, obs.now, self.ident.generation)
         self._log_cursor(decision.status)
         # Status first: identities are persisted before the actions that depend on them.
+        before = self.status
         await self._write(decision.status)
         self.unwritten.clear()
+        for entry in attempts.newly_frozen(before, decision.status):
+            metrics.attempt_ended(self.ident.namespace, generation(self.spec.tpu.generation).name if self.spec else "",
+                                  entry.get("reason") or "", float((entry.get("usage") or {}).get("chipHours") or 0) * 3600)
         await self._perform(decision)
         return decision
 
@@ -276,6 +306,17 @@ class Run:
             log.warning("%s/%s: the log tail of %s could not be read: %s", self.ident.namespace,
                         self.ident.name, job_id, detail)
             return f"(the log tail could not be read: {detail})"
+
+    async def _slice_health(self, since: str):
+        """The slice's pods and nodes, judged (podstatus.slice_health). Pods that cannot be
+        read make a slice that is not known to be well: the retry rebuilds it."""
+        try:
+            return await self.backend.slice_health(self.ident, self.status["rayClusterName"],
+                                                   conditions.parse_time(since), self.plan.hosts)
+        except Exception as error:
+            detail = _one_line(error)
+            log.warning("%s/%s: the slice's pods could not be read: %s", self.ident.namespace, self.ident.name, detail)
+            return SliceHealth(False, "", f"the slice's pods could not be read: {detail}")
 
     def _without_malformed_events(self, obs: Observations) -> Observations:
         """A trainer line the status cannot hold (a wrong type, a refused value) is dropped
@@ -374,6 +415,13 @@ class Run:
                 )
                 if action.attempt == 1:
                     metrics.job_submitted(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
+            elif isinstance(action, phases.SubmitPreflight):
+                request = preflight_submission(self.ident.name, self.ident.namespace, self.ident.uid, self.spec,
+                                               action.attempt)
+                await asyncio.to_thread(self.jobs.submit, self.status["dashboardURL"], request.submission_id,
+                                        request.entrypoint, request.runtime_env, request.metadata)
+            elif isinstance(action, phases.RequestCheckpoint):
+                await self._request_checkpoint(action)
             elif isinstance(action, phases.StopJob) and decision.phase in (phases.DELETING, phases.QUEUED):
                 await self._ray_while_deleting(f"stopping job {action.submission_id}", self.jobs.stop,
                                                self.status["dashboardURL"], action.submission_id)
@@ -385,6 +433,19 @@ class Run:
             # An evicted attempt's last lines (its newest checkpoint) are applied on the
             # next step; any other stream's are not this run's any more.
             await self._close_follower(keep_events=decision.phase == phases.QUEUED)
+
+    async def _request_checkpoint(self, action: phases.RequestCheckpoint) -> None:
+        """Best effort: the request is recorded in status already; a head that does not take
+        it is said so in an Event (the run goes on, as it would without the notice)."""
+        request = checkpoint_request(self.ident.name, self.ident.namespace, self.ident.uid, action.attempt,
+                                     action.request, action.reason, action.detail)
+        try:
+            await asyncio.to_thread(self.jobs.submit, self.status["dashboardURL"], request.submission_id,
+                                    request.entrypoint, request.runtime_env, request.metadata)
+        except Exception as error:
+            log.warning("%s/%s: asking for a checkpoint failed: %s", self.ident.namespace, self.ident.name, error)
+            self.backend.record(self.ident, "Warning", "CheckpointRequestFailed",
+                                f"could not ask the trainer for a checkpoint: {_one_line(error)}")
 
     async def _previous_attempt_ended(self, attempt: int) -> None:
         """Never two trainers on one slice: before attempt N is submitted, attempt N-1 must
@@ -398,6 +459,11 @@ class Run:
             await asyncio.to_thread(self.jobs.stop, address, previous)
             raise RetryNotReady(f"attempt {attempt - 1} ({previous}) is still {job.status}; "
                                 f"stopping it before attempt {attempt} is submitted")
+        if job is not None and self._within_retry_bound(attempt):
+            # The same RayCluster: the ended driver's workers must have left Ray first.
+            left = await asyncio.to_thread(self.jobs.leftovers, address, previous)
+            if left:
+                raise RetryNotReady(f"attempt {attempt} waits for attempt {attempt - 1}'s {left} to leave Ray")
         await self._workers_back(address, attempt)
 
     async def _workers_back(self, address: str, attempt: int) -> None:
@@ -405,10 +471,7 @@ class Run:
         (their raylets outlive the old one for a while): submitted earlier, the trainer
         would find no room and fail at once. Bounded: after TPUFT_RAY_UNREACHABLE_TIMEOUT
         the retry is submitted anyway and the trainer says what is missing."""
-        now = datetime.now(timezone.utc)
-        if self.retry_waiting_since is None or self.retry_waiting_since[0] != attempt:
-            self.retry_waiting_since = (attempt, now)
-        if (now - self.retry_waiting_since[1]).total_seconds() > self.settings.ray_unreachable_timeout:
+        if not self._within_retry_bound(attempt):
             return
         need = {("TPU" if generation(self.spec.tpu.generation).is_tpu else "CPU"): float(total_devices(self.spec))}
         have = await asyncio.to_thread(self.jobs.alive_resources, address)
@@ -416,6 +479,15 @@ class Run:
         if short:
             detail = ", ".join(f"{k} {have_:g}/{need[k]:g}" for k, have_ in short.items())
             raise RetryNotReady(f"attempt {attempt} waits for the cluster's workers to rejoin Ray ({detail})")
+
+    def _within_retry_bound(self, attempt: int) -> bool:
+        """A retry waits (for the last attempt's leftovers to leave, for workers to rejoin)
+        at most TPUFT_RAY_UNREACHABLE_TIMEOUT; then it is submitted anyway and the trainer
+        says what is missing."""
+        now = datetime.now(timezone.utc)
+        if self.retry_waiting_since is None or self.retry_waiting_since[0] != attempt:
+            self.retry_waiting_since = (attempt, now)
+        return (now - self.retry_waiting_since[1]).total_seconds() <= self.settings.ray_unreachable_timeout
 
     async def _close_follower(self, keep_events: bool = False) -> None:
         if self.follower is not None:

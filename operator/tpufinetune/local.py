@@ -17,6 +17,7 @@ import yaml
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
 from tpufinetune.core.phases import ClusterView, Identity
+from tpufinetune.core.podstatus import HEALTHY, SliceHealth
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.settings import Settings, SettingsError
 
@@ -24,6 +25,8 @@ SHOWN = ("phase", "epochProgress", "loss", "evalLoss", "tokensPerSecond", "check
 
 
 class LocalBackend:
+    one_machine = True  # every Ray process shares this machine's filesystem (api.ONE_MACHINE)
+
     def __init__(self, address: str, out=sys.stdout):
         self.address = address
         self.out = out
@@ -46,6 +49,9 @@ class LocalBackend:
     async def delete(self, ident: Identity, name: str) -> None:
         self.cluster_up = False
 
+    async def slice_health(self, ident: Identity, name: str, since, hosts: int) -> SliceHealth:
+        return HEALTHY  # no pods to judge: the local head is taken as it is
+
     async def ray_token(self, ident: Identity) -> str | None:
         return None  # the local head's token: TPUFT_RAY_TOKEN (or RAY_AUTH_TOKEN), for every run
 
@@ -54,6 +60,9 @@ class LocalBackend:
         if changed:
             self._say("  ".join(f"{k}={new[k]}" for k in changed))
         return ""  # one writer, nothing to fence
+
+    async def maintenance(self, ident: Identity, cluster: str) -> tuple[tuple[str, str], ...]:
+        return ()  # a local head has no Kubernetes nodes
 
     async def read_status(self, ident: Identity) -> tuple[dict, str] | None:
         return None  # printing never fails half-way: the run's own copy is the status

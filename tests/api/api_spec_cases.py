@@ -22,6 +22,15 @@ def base_spec() -> dict:
     }
 
 
+def shared_volume(source: dict, mount_path: str = "/mnt/ckpt", **mount: object) -> dict:
+    """A pod group that mounts one volume `ckpt` (source) at mount_path."""
+    return {"volumes": [{"name": "ckpt", **source}],
+            "volumeMounts": [{"name": "ckpt", "mountPath": mount_path, **mount}]}
+
+
+PVC = {"persistentVolumeClaim": {"claimName": "checkpoints"}}
+
+
 def spec_with(**changes: object) -> dict:
     """base_spec() with dotted-path changes; a value of None deletes the key."""
     spec = base_spec()
@@ -74,10 +83,45 @@ INVALID: list[Invalid] = [
             validation.SLICES_MESSAGE),
     Invalid("finetune-without-storage", spec_with(checkpoint=None),
             "spec.checkpoint.storagePath", validation.STORAGE_MESSAGE),
+    Invalid("local-storage-no-volume", spec_with(checkpoint={"storagePath": "/mnt/ckpt/run"}),
+            "spec.checkpoint.storagePath", validation.SHARED_STORAGE_MESSAGE),
+    Invalid("file-uri-no-volume", spec_with(checkpoint={"storagePath": "file:///mnt/ckpt/run"}),
+            "spec.checkpoint.storagePath", validation.SHARED_STORAGE_MESSAGE),
+    Invalid("local-storage-head-volume-only",
+            spec_with(checkpoint={"storagePath": "/mnt/ckpt/run"}, head=shared_volume(PVC)),
+            "spec.checkpoint.storagePath", validation.SHARED_STORAGE_MESSAGE),
+    Invalid("local-storage-two-claims",
+            spec_with(checkpoint={"storagePath": "/mnt/ckpt/run"}, head=shared_volume(PVC),
+                      workers=shared_volume({"persistentVolumeClaim": {"claimName": "other"}})),
+            "spec.checkpoint.storagePath", validation.SHARED_STORAGE_MESSAGE),
+    Invalid("local-storage-pod-own-emptydir",
+            spec_with(checkpoint={"storagePath": "/mnt/ckpt/run"}, head=shared_volume({"emptyDir": {}}),
+                      workers=shared_volume({"emptyDir": {}})),
+            "spec.checkpoint.storagePath", validation.SHARED_STORAGE_MESSAGE),
+    Invalid("local-storage-read-only-mount",
+            spec_with(checkpoint={"storagePath": "/mnt/ckpt/run"}, head=shared_volume(PVC),
+                      workers=shared_volume(PVC, readOnly=True)),
+            "spec.checkpoint.storagePath", validation.SHARED_STORAGE_MESSAGE),
+    Invalid("local-storage-beside-the-mount",
+            spec_with(checkpoint={"storagePath": "/mnt/ckpt2/run"}, head=shared_volume(PVC),
+                      workers=shared_volume(PVC)),
+            "spec.checkpoint.storagePath", validation.SHARED_STORAGE_MESSAGE),
     Invalid("eval-loss-without-evaluation",
             spec_with(checkpoint={"storagePath": "gs://b/p", "scoreAttribute": "eval_loss"},
                       training={"evalFraction": 0}),
             "spec.checkpoint.scoreAttribute", validation.EVAL_SCORE_MESSAGE),
+    Invalid("target-eval-loss-without-evaluation",
+            spec_with(training={"targetEvalLoss": 1.5, "evalFraction": 0}),
+            "spec.training.targetEvalLoss", validation.EARLY_STOP_MESSAGE),
+    Invalid("patience-without-evaluation",
+            spec_with(training={"earlyStoppingPatience": 3, "evalFraction": 0}),
+            "spec.training.earlyStoppingPatience", validation.EARLY_STOP_MESSAGE),
+    Invalid("negative-target-eval-loss", spec_with(training={"targetEvalLoss": -1.0}),
+            "spec.training.targetEvalLoss", "must be greater than 0",
+            admission="should be greater than 0", python_exact=False),
+    Invalid("zero-bandwidth-floor", spec_with(preflight={"enabled": True, "minBusBandwidthGBps": 0}),
+            "spec.preflight.minBusBandwidthGBps", "must be greater than 0",
+            admission="should be greater than 0", python_exact=False),
     Invalid("global-batch-not-a-multiple", spec_with(training={"globalBatchBlocks": 24}),
             "spec.training.globalBatchBlocks",
             f"{validation.GLOBAL_BATCH_MESSAGE}: 24 is not a multiple of 16 devices x 1 = 16",

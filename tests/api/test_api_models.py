@@ -5,7 +5,7 @@ import pytest
 from api_spec_cases import INVALID, base_spec, spec_with
 
 from tpufinetune.core import api
-from tpufinetune.core.api import TPUFineTuneSpec, parse_spec
+from tpufinetune.core.api import TPUFineTuneSpec, parse_spec, parse_stored_spec
 from tpufinetune.core.errors import SpecError
 from tpufinetune.core.generations import ALL_GENERATION_NAMES
 from tpufinetune.core.status import TPUFineTuneStatus
@@ -52,8 +52,8 @@ def test_every_generation_name_users_type_is_accepted_and_kept_as_written(name):
 
 def test_snake_case_field_names_are_accepted_too():
     spec = parse_spec({"tpu": {"generation": "v6e", "topology": "4x4", "chips_per_host": 4},
-                       "image": "img", "checkpoint": {"storage_path": "/mnt/shared"}})
-    assert spec.tpu.chips_per_host == 4 and spec.checkpoint.storage_path == "/mnt/shared"
+                       "image": "img", "checkpoint": {"storage_path": "gs://b/shared"}})
+    assert spec.tpu.chips_per_host == 4 and spec.checkpoint.storage_path == "gs://b/shared"
 
 
 def test_collectives_needs_no_storage_path_and_may_span_slices():
@@ -119,3 +119,13 @@ def test_status_dumps_with_the_crd_field_names():
 def test_status_read_back_ignores_fields_it_does_not_know():
     status = TPUFineTuneStatus.model_validate({"phase": "Pending", "kopf": {"progress": {}}})
     assert status.phase == "Pending"
+
+
+def test_a_local_checkpoint_path_needs_no_shared_volume_on_one_machine():
+    """A local Ray head (`tpufinetune run --local`): every Ray process shares one
+    filesystem, so the shared-storage rule (test_crd_admission) does not apply there."""
+    spec = spec_with(tpu={"generation": "cpu", "topology": "2"}, checkpoint={"storagePath": "/tmp/ckpt"})
+    with pytest.raises(SpecError, match="spec.checkpoint.storagePath: is a local path"):
+        parse_spec(spec)
+    assert parse_spec(spec, one_machine=True).checkpoint.storage_path == "/tmp/ckpt"
+    assert parse_stored_spec(spec, one_machine=True)[0].checkpoint.storage_path == "/tmp/ckpt"

@@ -2,7 +2,7 @@
 value the CRD would refuse fails here, not at the apiserver."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from pydantic import ValidationError
@@ -32,6 +32,16 @@ def test_the_transition_time_moves_only_when_the_status_flips():
     assert "observedGeneration" not in status["conditions"][0]
     conditions.set_condition(status, conditions.RUNNING, False, "JobEnded", "", T1, None)
     assert conditions.parse_time(conditions.find(status, conditions.RUNNING)["lastTransitionTime"]) == T1
+
+
+def test_times_read_back_in_both_forms_the_operator_meets():
+    # timestamp()'s own form, and a Kubernetes client datetime serialised (a pod's
+    # condition read through the adapter): the same instant, aware and in UTC.
+    assert conditions.parse_time(conditions.timestamp(T0)) == T0
+    client_form = T0.astimezone(timezone(timedelta(hours=2))).isoformat()
+    assert conditions.parse_time(client_form) == T0 and conditions.parse_time(client_form).tzinfo == timezone.utc
+    assert conditions.parse_time("2026-01-01T00:00:00.250000+00:00").microsecond == 250000
+    assert conditions.parse_time("") is None and conditions.parse_time(None) is None
 
 
 def test_a_value_the_crd_refuses_fails_when_the_condition_is_built():

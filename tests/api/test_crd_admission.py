@@ -7,7 +7,7 @@ import json
 
 import pytest
 import yaml
-from api_spec_cases import INVALID, base_spec, spec_with
+from api_spec_cases import INVALID, PVC, base_spec, shared_volume, spec_with
 
 from harness.waiting import wait_for
 from tpufinetune.core.api import parse_spec
@@ -42,6 +42,20 @@ VALID = [
                                         {"name": "ckpt", "mountPath": "/mnt/ckpt"}],
                        "env": [{"name": "K", "valueFrom": {
                            "secretKeyRef": {"name": "s", "key": "k"}}}]}),
+    # A local checkpoint path under one shared volume on head and workers.
+    spec_with(checkpoint={"storagePath": "/mnt/ckpt/run"}, head=shared_volume(PVC),
+              workers=shared_volume(PVC)),
+    spec_with(checkpoint={"storagePath": "file:///mnt/ckpt"}, head=shared_volume(PVC, subPath="a"),
+              workers=shared_volume(PVC, subPath="a")),
+    spec_with(checkpoint={"storagePath": "/mnt/gcs/ray"},
+              head=shared_volume({"csi": {"driver": "gcsfuse.csi.storage.gke.io",
+                                          "volumeAttributes": {"bucketName": "b"}}}, "/mnt/gcs/"),
+              workers=shared_volume({"csi": {"driver": "gcsfuse.csi.storage.gke.io",
+                                             "volumeAttributes": {"bucketName": "b"}}}, "/mnt/gcs/")),
+    spec_with(checkpoint={"storagePath": "/nfs/ckpt"},
+              head=shared_volume({"nfs": {"server": "10.0.0.2", "path": "/export"}}, "/nfs"),
+              workers=shared_volume({"nfs": {"server": "10.0.0.2", "path": "/export"}}, "/nfs")),
+    spec_with(checkpoint={"storagePath": "s3://bucket/ckpt"}),
 ]
 
 
@@ -101,7 +115,8 @@ def test_kubectl_get_shows_the_printer_columns(control_plane, namespace):
     status = {"status": {
         "phase": "Running", "epoch": 2, "epochs": 3, "epochProgress": "2/3", "loss": 2.205,
         "tokensPerSecond": 20545.2, "checkpointURI": "gs://my-bucket/ckpt_2",
-        "message": "epoch 2 done", "progress": {"summary": "62%"},
+        "message": "epoch 2 done", "progress": {"summary": "62%"}, "attempt": 2,
+        "usage": {"chipHours": 12.5, "hostHours": 3.125, "provisioningSeconds": 40},
         "conditions": [{"type": "Ready", "status": "True", "reason": "JobRunning",
                         "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
     }}
@@ -114,8 +129,8 @@ def test_kubectl_get_shows_the_printer_columns(control_plane, namespace):
                                "2.205", "20545.2"]
     header, row = control_plane.kubectl("get", "tpufinetunes", "-n", namespace,
                                         "-o", "wide").stdout.splitlines()[:2]
-    assert header.split()[-2:] == ["CHECKPOINT", "MESSAGE"]
-    assert row.split()[-4:] == ["gs://my-bucket/ckpt_2", "epoch", "2", "done"]
+    assert header.split()[-4:] == ["CHECKPOINT", "ATTEMPTS", "CHIP-HOURS", "MESSAGE"]
+    assert row.split()[-6:] == ["gs://my-bucket/ckpt_2", "2", "12.5", "epoch", "2", "done"]
 
 
 def test_kubectl_get_all_and_the_category_list_the_runs(control_plane, namespace):

@@ -66,7 +66,7 @@ def test_collectives_argv_spans_all_slices():
 
 def test_cpu_stand_in_runs_on_cpu_with_one_worker_per_pod():
     spec = parse_spec(spec_with(tpu={"generation": "cpu", "topology": "2"},
-                                checkpoint={"storagePath": "/tmp/ckpt"}))
+                                checkpoint={"storagePath": "gs://b/ckpt"}))
     got = flags(trainer_argv(spec))
     assert (got["device"], got["num-workers"], got["topology"]) == ("cpu", "2", "2")
     assert "accelerator-type" not in got
@@ -75,10 +75,10 @@ def test_cpu_stand_in_runs_on_cpu_with_one_worker_per_pod():
 @pytest.mark.parametrize("hostile", ["x; rm -rf /", "$(reboot)", "a'b\"c", "-h", "`id` && x"])
 def test_user_strings_stay_one_inert_argument(hostile):
     spec = parse_spec(spec_with(model={"id": hostile}, dataset={"id": hostile},
-                                checkpoint={"storagePath": hostile}))
+                                checkpoint={"storagePath": f"gs://b/{hostile}"}))
     job = job_submission("run", "ns", UID, spec, attempt=1)
     assert f"--model-id={hostile}" in job.entrypoint_argv
-    assert f"--storage-path={hostile}" in job.entrypoint_argv
+    assert f"--storage-path=gs://b/{hostile}" in job.entrypoint_argv
     # What the Ray head's shell will split the entrypoint into is exactly the argv.
     assert shlex.split(job.entrypoint) == job.entrypoint_argv
 

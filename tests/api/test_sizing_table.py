@@ -11,7 +11,7 @@ from api_spec_cases import spec_with
 from tpufinetune.core import generations as g
 from tpufinetune.core.api import parse_spec
 from tpufinetune.core.errors import SpecError
-from tpufinetune.core.sizing import (MAX_CLUSTER_NAME, raycluster_name, render_raycluster,
+from tpufinetune.core.sizing import (DEFAULT_TERMINATION_GRACE_SECONDS, NOTICE_ENV, MAX_CLUSTER_NAME, raycluster_name, render_raycluster,
                                 slice_shape, total_devices)
 
 # generation, topology, chipsPerHost, expected: hosts, google.com/tpu, group, machine,
@@ -154,7 +154,7 @@ def test_cpu_stand_in_has_cpu_workers_and_no_tpu_anything(kuberay_schema, webhoo
     head = manifest["spec"]["headGroupSpec"]
     assert head["rayStartParams"] == {"num-cpus": "0"}
     assert head["template"]["spec"]["containers"][0]["resources"]["limits"] == {
-        "cpu": "1", "memory": "2Gi"}
+        "cpu": "1", "memory": "4Gi"}
     assert kuberay_schema.problems(manifest) == [] and webhook_refusal(manifest) is None
 
 
@@ -185,7 +185,22 @@ def test_overrides_service_account_and_no_token_without_secret(kuberay_schema):
         "limits": {"cpu": "2", "memory": "16Gi"}, "requests": {"cpu": "2", "memory": "8Gi"}}
     assert worker["containers"][0]["resources"]["limits"] == {
         "cpu": "64", "memory": "300Gi", "google.com/tpu": "4"}
-    assert all("env" not in pod["containers"][0] for pod in (head, worker))
+    # No token without a Secret: the only env is checkpoint on notice's.
+    assert all(pod["containers"][0]["env"] == NOTICE_ENV for pod in (head, worker))
+    assert kuberay_schema.problems(manifest) == []
+
+
+def test_every_ray_pod_checkpoints_on_notice_within_its_grace_period(kuberay_schema):
+    manifest = render_raycluster("run", "ns", "uid", parse_spec(spec_with(terminationGracePeriodSeconds=25)))
+    head = manifest["spec"]["headGroupSpec"]["template"]["spec"]
+    _, worker = _worker(manifest)
+    for pod in (head, worker):
+        assert pod["terminationGracePeriodSeconds"] == 25
+        container = pod["containers"][0]
+        assert container["lifecycle"]["preStop"]["exec"]["command"][:2] == ["/bin/sh", "-c"]
+        assert {"name": "TPUFT_NOTICE_DIR", "value": "/tmp/tpufinetune-notice/$(TPUFT_POD_UID)"} in container["env"]
+    default = render_raycluster("run", "ns", "uid", parse_spec(spec_with()))
+    assert _worker(default)[1]["terminationGracePeriodSeconds"] == DEFAULT_TERMINATION_GRACE_SECONDS == 60
     assert kuberay_schema.problems(manifest) == []
 
 

@@ -29,3 +29,25 @@ def test_a_status_the_operator_writes_passes():
 def test_an_undeclared_key_is_refused_with_its_path(misspelt, path):
     with pytest.raises(UndeclaredStatusKey, match=path.replace("[", r"\[").replace("]", r"\]")):
         checked_status(dict(FULL, **misspelt))
+
+
+ATTEMPTS = {
+    "attempts": [{"attempt": 1, "startTime": "2026-11-30T10:00:00Z", "endTime": "2026-11-30T11:00:00Z",
+                  "reason": "Preempted", "message": "pod w-1 was deleted", "resumedFrom": "", "lastStep": 12,
+                  "lostSteps": 2, "rayClusterUID": "6f1c", "sliceReadyTime": "2026-11-30T10:10:00Z",
+                  "sliceReleaseTime": "2026-11-30T11:00:00Z",
+                  "usage": {"chipHours": 13.333, "hostHours": 3.333, "provisioningSeconds": 600.0}}],
+    "usage": {"chipHours": 13.333, "hostHours": 3.333, "provisioningSeconds": 600.0},
+    "checkpointStep": 10,
+}
+
+
+def test_attempts_and_usage_pass_and_a_reason_outside_the_closed_set_is_refused():
+    assert checked_status(dict(FULL, **ATTEMPTS))
+    wrong = [dict(ATTEMPTS["attempts"][0], reason="Crashed")]
+    with pytest.raises(ValueError, match="reason"):
+        checked_status(dict(FULL, attempts=wrong))
+    with pytest.raises(ValueError, match="chipHours"):
+        checked_status(dict(FULL, usage={"chipHours": -1.0}))
+    with pytest.raises(UndeclaredStatusKey, match=r"status.attempts\[0\].cost"):
+        checked_status(dict(FULL, attempts=[dict(ATTEMPTS["attempts"][0], cost=3)]))

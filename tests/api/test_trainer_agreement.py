@@ -26,6 +26,8 @@ NOT_PASSED = {
     "--compute-dtype": "the backend decides (bfloat16 on TPU and GPU, float32 on the cpu stand-in)",
     "--progress-interval": "the trainer's default (30 s) applies",
     "--fail-at-step": "fault injection for the trainer's own tests",
+    "--target-eval-loss": "passed only when training.targetEvalLoss is set (the trainer's 0 is off)",
+    "--early-stopping-patience": "passed only when training.earlyStoppingPatience is set (0 is off)",
 }
 
 
@@ -106,12 +108,19 @@ TRAINER_REFUSALS = [
     ({"checkpoint": {"storagePath": "gs://b/p", "scoreAttribute": "eval_loss"},
       "training": {"evalFraction": 0}},
      ["--checkpoint-score-attribute=eval_loss", "--eval-fraction=0.0"]),
+    ({"training": {"targetEvalLoss": 1.5, "evalFraction": 0}},
+     ["--target-eval-loss=1.5", "--eval-fraction=0.0"]),
+    ({"training": {"earlyStoppingPatience": 3, "evalFraction": 0}},
+     ["--early-stopping-patience=3", "--eval-fraction=0.0"]),
+    ({"training": {"targetEvalLoss": -1.0}}, ["--target-eval-loss=-1.0"]),
 ]
 
 
 def _with_flags(argv: list[str], flags: list[str]) -> list[str]:
     replaced = {flag.split("=", 1)[0]: flag for flag in flags}
-    return [replaced.get(arg.split("=", 1)[0], arg) for arg in argv]
+    present = {arg.split("=", 1)[0] for arg in argv}
+    return [replaced.get(arg.split("=", 1)[0], arg) for arg in argv] + [
+        flag for name, flag in replaced.items() if name not in present]
 
 
 @pytest.mark.parametrize("changes,flags", TRAINER_REFUSALS, ids=lambda v: str(v))
@@ -138,6 +147,7 @@ def test_every_trainer_refusal_is_an_admission_case():
     {"checkpoint": {"storagePath": "gs://b/p", "scoreAttribute": "tokens_per_s",
                     "scoreOrder": "max"}},
     {"training": {"maxSeqLen": 8, "evalFraction": 0.5}},
+    {"training": {"targetEvalLoss": 1.5, "earlyStoppingPatience": 2}},
 ], ids=str)
 def test_what_the_api_accepts_the_trainer_accepts(changes):
     spec = parse_spec(spec_with(**changes))

@@ -25,6 +25,8 @@ EXPECTED_RULES = [
     {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes/status"], "verbs": ["patch"]},
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    # get: KubeBackend.slice_health; list, watch: handlers.node_maintenance.
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["create"]},

@@ -63,7 +63,7 @@ def test_without_the_workloads_rule_a_queued_run_is_refused_reading_kueues_workl
         control_plane.kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump({
             "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": "queued"},
             "spec": {"tpu": {"generation": "cpu", "topology": "1"}, "image": "example/trainer:1",
-                     "checkpoint": {"storagePath": "/tmp/never"}, "queueName": "tpu-queue"}}))
+                     "checkpoint": {"storagePath": "gs://tpufinetune-ground/never"}, "queueName": "tpu-queue"}}))
         wait_for(lambda: any("workloads" in line for line in refusals(process.log_path)), 60,
                  "a refusal of workloads in the operator log", details=process.log_tail)
     finally:

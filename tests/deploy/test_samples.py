@@ -45,6 +45,12 @@ def test_finetune_samples_are_the_tutorials_job(sample):
                                   "scoreAttribute": "loss", "scoreOrder": "min"}
 
 
+def test_the_v6e_sample_checks_its_slice_before_the_fine_tune_and_retries_from_its_checkpoints():
+    spec = parse_spec(load((DEPLOY / "samples" / "finetune-v6e-4x4.yaml").read_text())["spec"])
+    assert spec.preflight is not None and spec.preflight.enabled
+    assert spec.max_retries == 2  # the grace period is the rendered default (test_sizing_table.py)
+
+
 @pytest.mark.cluster
 @pytest.mark.parametrize("sample", sorted(SAMPLES))
 def test_sample_passes_a_server_side_dry_run(control_plane, namespace, sample):

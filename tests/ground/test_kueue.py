@@ -17,11 +17,13 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 from kubernetes.utils import parse_quantity
 
 from harness.argocd_health import health
 from harness.kueue import CPU_QUEUE, TPU_QUEUE, V6E_4X4_TPU
 from harness.kubewatch import KubeWatch
+from harness.waiting import wait_for
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.generations import TPU_RESOURCE
 
@@ -35,10 +37,10 @@ def tpu_run(name: str, assets, storage, **spec) -> dict:
         "spec": {
             "tpu": {"generation": "v6e", "topology": "4x4"},
             "image": "registry.example/tpufinetune-trainer:test",
-            "model": {"id": str(assets.model)},
-            "dataset": {"id": str(assets.data), "split": "train[:64]"},
+            "model": {"id": assets.model},
+            "dataset": {"id": assets.data, "split": "train[:64]"},
             "training": {"epochs": 1, "batchSizePerDevice": 1, "maxSeqLen": 64},
-            "checkpoint": {"storagePath": str(storage)},
+            "checkpoint": {"storagePath": storage},
             "queueName": TPU_QUEUE,
             **spec,
         },
@@ -51,10 +53,10 @@ def cpu_run(name: str, assets, storage, training: dict, **spec) -> dict:
         "spec": {
             "tpu": {"generation": "cpu", "topology": "1"},
             "image": "registry.example/tpufinetune-trainer:test",
-            "model": {"id": str(assets.model)},
-            "dataset": {"id": str(assets.data), "split": "train"},
+            "model": {"id": assets.model},
+            "dataset": {"id": assets.data, "split": "train"},
             "training": {"batchSizePerDevice": 4, "maxSeqLen": 128, **training},
-            "checkpoint": {"storagePath": str(storage)},
+            "checkpoint": {"storagePath": storage},
             "queueName": CPU_QUEUE,
             **spec,
         },
@@ -105,13 +107,13 @@ def workloads_of(kube, cluster_uid: str) -> list[dict]:
 
 
 def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, queued_namespace, kube, ground,
-                                                             trainer_assets, tmp_path):
+                                                             ground_assets, storage):
     with KubeWatch(kube.cp.kubeconfig, kube.ns, live=live_tpu_of, with_terminating=tpu_of) as watch:
-        kube.apply(tpu_run("first", trainer_assets, tmp_path / "first"))
+        kube.apply(tpu_run("first", ground_assets, f"{storage}/first"))
         # The operator created the RayCluster suspended, and Kueue (not its webhook) admitted it.
         kube.wait_for(lambda: cond.is_true(kube.status("first"), cond.ADMITTED),
                       "first admitted", timeout=120)
-        kube.apply(tpu_run("second", trainer_assets, tmp_path / "second"))
+        kube.apply(tpu_run("second", ground_assets, f"{storage}/second"))
         queued = kube.wait_for(phase_is(kube, "second", "Queued"), "second Queued", timeout=60)
         second_cluster = queued["rayClusterName"]
         kube.wait_for(lambda: "google.com/tpu" in kube.status("second").get("message", ""),
@@ -125,7 +127,7 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
         assert any(line.split()[0] == "second" and "Queued" in line.split() for line in table.splitlines()), table
         live = kube.get("tpufinetune", "second")
         assert health(live) == {"status": "Progressing", "message": f"Queued: {live['status']['message']}"}
-        capture_for_argocd(live, {str(trainer_assets.root): "/assets", str(tmp_path): "/mnt/shared",
+        capture_for_argocd(live, {ground_assets.root: "gs://tpufinetune-ground/assets", storage: "gs://tpufinetune-ground/runs/gitops",
                                   kube.ns: "ml-team"})
 
         # The first runs (its job reaches the trainer, which stops for want of a chip) and ends.
@@ -151,14 +153,14 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
 
 
 def test_a_queued_run_deleted_leaves_nothing_and_takes_no_quota(operator, kueue, queued_namespace, kube,
-                                                                 trainer_assets, tmp_path):
-    kube.apply(tpu_run("holder", trainer_assets, tmp_path / "holder"))
+                                                                 ground_assets, storage):
+    kube.apply(tpu_run("holder", ground_assets, f"{storage}/holder"))
     kube.wait_for(lambda: cond.is_true(kube.status("holder"), cond.ADMITTED), "holder admitted", 120)
     # Kueue writes the ClusterQueue's usage a moment after the admission.
     before = kube.wait_for(lambda: (u := cluster_queue_usage(kube, "tpu-v6e"))["usage"].get(TPU_RESOURCE)
                            == str(V6E_4X4_TPU) and u, "16 google.com/tpu reserved", 60)
 
-    kube.apply(tpu_run("waiting", trainer_assets, tmp_path / "waiting"))
+    kube.apply(tpu_run("waiting", ground_assets, f"{storage}/waiting"))
     status = kube.wait_for(phase_is(kube, "waiting", "Queued"), "waiting Queued", timeout=60)
     cluster = status["rayClusterName"]
     cluster_uid = kube.get("raycluster", cluster)["metadata"]["uid"]
@@ -179,14 +181,14 @@ def test_a_queued_run_deleted_leaves_nothing_and_takes_no_quota(operator, kueue,
 
 
 def test_a_higher_priority_run_evicts_a_running_one_which_resumes_from_its_checkpoint(
-        operator, kueue, queued_namespace, kube, trainer_assets, tmp_path):
+        operator, kueue, queued_namespace, kube, ground_assets, storage):
     slow = {"epochs": 2, "checkpointEverySteps": 2}
-    kube.apply(cpu_run("low", trainer_assets, tmp_path / "low", slow, workloadPriorityClassName="low"))
+    kube.apply(cpu_run("low", ground_assets, f"{storage}/low", slow, workloadPriorityClassName="low"))
     # Running, with a checkpoint reported: there is something to resume from.
     kube.wait_for(lambda: kube.status("low").get("phase") == "Running" and kube.status("low").get("checkpointURI"),
                   "low running with a checkpoint", timeout=400, interval=1)
 
-    kube.apply(cpu_run("high", trainer_assets, tmp_path / "high", {"epochs": 1}, workloadPriorityClassName="high"))
+    kube.apply(cpu_run("high", ground_assets, f"{storage}/high", {"epochs": 1}, workloadPriorityClassName="high"))
     evicted = kube.wait_for(phase_is(kube, "low", "Queued"), "low evicted back to Queued", timeout=120)
     assert evicted["attempt"] == 2 and evicted["evictions"] == 1
     assert not cond.is_true(evicted, cond.FAILED)
@@ -203,7 +205,7 @@ def test_a_higher_priority_run_evicts_a_running_one_which_resumes_from_its_check
     client = kube.head_job_client(resumed["rayClusterName"])
     entrypoint = client.get_job_info(resumed["jobId"]).entrypoint
     resume_from = next(arg.split("=", 1)[1] for arg in entrypoint.split() if arg.startswith("--resume-from="))
-    assert resume_from.startswith(str(tmp_path / "low")), entrypoint
+    assert resume_from.startswith(f"{storage}/low"), entrypoint
     # The trainer checks that it is a checkpoint (it refuses one that is gone), then resumes.
     kube.wait_for(lambda: "Resumed from" in client.get_job_logs(resumed["jobId"]), "the trainer's resume line",
                   timeout=300, interval=2)
@@ -216,3 +218,19 @@ def test_a_higher_priority_run_evicts_a_running_one_which_resumes_from_its_check
     evictions = [item["message"] for item in events["items"] if item["reason"] == "Evicted"]
     assert len(evictions) == 1 and "Preempted" in evictions[0], evictions
     assert "Admitted" in {item["reason"] for item in events["items"]}
+
+
+def test_make_cluster_queues_the_queued_sample_in_default(kueue, ground):
+    """`make cluster` (supervisor.start_queues) leaves Kueue running with LocalQueues in
+    `default`: the queued sample's queue is there and active, and the sample applies as it is."""
+    from harness.supervisor import start_queues
+
+    start_queues(ground)
+    sample = Path(__file__).resolve().parents[2] / "deploy" / "samples" / "finetune-v6e-4x4-queued.yaml"
+    queue = yaml.safe_load(sample.read_text())["spec"]["queueName"]
+
+    def active():
+        result = ground.kubectl("-n", "default", "get", "localqueue", queue, "-o", "json", check=False)
+        return result.returncode == 0 and cond.is_true(json.loads(result.stdout).get("status") or {}, "Active")
+    wait_for(active, 60, f"LocalQueue {queue} Active in default")
+    ground.kubectl("-n", "default", "apply", "--dry-run=server", "-f", str(sample))

@@ -1,15 +1,20 @@
 """TPU slices on the test ground: the tutorial's v6e 4x4 and v7x 2x2x2 samples go through the
 real KubeRay, the real scheduler and Ray's own TPU slice reservation across the simulated
-hosts, up to the first call that needs a chip; and a pool too small for the slice says why.
+hosts, up to the first call that needs a chip (the v7x one with spec.preflight, which finds
+every host short of its devices before any fine-tune is submitted); and a pool too small
+for the slice says why.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 from kubernetes.utils import parse_quantity
 
+from harness import images
 from harness.nodepools import NODEPOOL_LABEL, tpu_pool
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.generations import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
@@ -17,18 +22,47 @@ from tpufinetune.core.generations import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
 
-def tpu_resource(name: str, generation: str, topology: str, assets, storage) -> dict:
+def tpu_resource(name: str, generation: str, topology: str, assets, storage, **extra) -> dict:
     return {
         "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": name},
         "spec": {
             "tpu": {"generation": generation, "topology": topology},
             "image": "registry.example/tpufinetune-trainer:test",
-            "model": {"id": str(assets.model)},
-            "dataset": {"id": str(assets.data), "split": "train[:64]"},
+            "model": {"id": assets.model},
+            "dataset": {"id": assets.data, "split": "train[:64]"},
             "training": {"epochs": 1, "batchSizePerDevice": 1, "maxSeqLen": 64},
-            "checkpoint": {"storagePath": str(storage)},
+            "checkpoint": {"storagePath": storage},
+            **extra,
         },
     }
+
+
+# Programs of the base image itself (Ray's /bin/sh fate-sharing watchdog and its sleep).
+SYSTEM_PROGRAMS = ("/bin/", "/usr/bin/")
+
+
+def _runs_from(pid: int, env: str) -> bool | None:
+    """Whether a pod's process runs the image's environment: a program of it (raylet,
+    gcs_server), or a Python process naming it in its command line or (once Ray renames
+    it, e.g. ray::DashboardAgent) in the libraries it mapped. None for a program of the
+    base image; True for a process that exited meanwhile."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        exe = os.readlink(proc / "exe")
+        if exe.startswith(env):
+            return True
+        if Path(exe).name.startswith("python"):
+            return env in (proc / "cmdline").read_bytes().decode(errors="replace") or env in (proc / "maps").read_text()
+        return None if exe.startswith(SYSTEM_PROGRAMS) else False
+    except OSError:
+        return True
+
+
+def _describe(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return f"pid {pid} (exited)"
 
 
 def ray_nodes(kube, cluster: str) -> list[dict]:
@@ -45,7 +79,7 @@ def _fits(requests: dict, allocatable: dict) -> bool:
 
 
 def check_slice(kube, ground, name: str, generation_label: str, topology: str, pool: str,
-                hosts: int, chips_per_host: int, tpu_per_host: int, head_resource: str):
+                hosts: int, chips_per_host: int, tpu_per_host: int, head_resource: str, preflight: bool = False):
     """`chips_per_host`: google.com/tpu per pod; `tpu_per_host`: Ray's TPU resource per host
     (devices: two per chip on v7x)."""
     cluster = kube.wait_for(lambda: kube.status(name).get("rayClusterName"), "rayClusterName")
@@ -77,43 +111,89 @@ def check_slice(kube, ground, name: str, generation_label: str, topology: str, p
         return found if len(found) == hosts else None
 
     found = kube.wait_for(tpu_hosts, f"{hosts} TPU hosts in Ray", timeout=240, interval=2)
+    # Pods of the trainer image run its environment (the hashed lock and torch_tpu, as
+    # Dockerfile.trainer builds it), not the development venv.
+    trainer_env = str(images.trainer_env().resolve())  # as the processes see it
+    for pod in pods:
+        pids = ground.ray_processes(pod["metadata"]["uid"])
+        verdicts = {p: _runs_from(p, trainer_env) for p in pids}
+        strays = [p for p, image in verdicts.items() if image is False]
+        assert not strays, [_describe(p) for p in strays]
+        # Not only the base image's programs: Ray's own run from the environment.
+        assert any(verdicts.values()), [_describe(p) for p in pids]
     assert [n["raylet"]["resourcesTotal"]["TPU"] for n in found] == [tpu_per_host] * hosts
     assert sum(n["raylet"]["resourcesTotal"].get(head_resource, 0) for n in found) == 1
     assert len({n["raylet"]["labels"]["ray.io/tpu-slice-name"] for n in found}) == 1
     assert sorted(n["raylet"]["labels"]["ray.io/tpu-worker-id"] for n in found) == [str(i) for i in range(hosts)]
 
-    # The trainer reserves the slice and places one worker per device, then meets the one
-    # thing the ground lacks.
     kube.kubectl("wait", f"tpufinetune/{name}", "--for=condition=Failed", "--timeout=500s", timeout=520)
     status = kube.status(name)
-    assert "no TPU device" in status["message"], status["message"]
-    assert f"of {hosts * tpu_per_host}" in status["message"], status["message"]
+    (attempt,) = status["attempts"]
+    if preflight:
+        # spec.preflight: the collectives check places one worker per device on every host,
+        # finds each host short of its devices (the ground has no chips), and the run fails
+        # before any fine-tune job is submitted.
+        assert cond.find(status, cond.FAILED)["reason"] == "PreflightFailed", (status.get("message"),
+                                                                               status.get("preflight"))
+        assert "short of TPU devices" in status["message"], status["message"]
+        result = status["preflight"]
+        assert result["phase"] == "Failed" and result["jobId"].endswith("-1-preflight")
+        assert result["hosts"] == hosts and set(result["shortHosts"].values()) == {0}
+        assert len(result["shortHosts"]) == hosts
+        assert sum(result["devicesPerHost"].values()) == hosts * tpu_per_host
+        uid = kube.get("tpufinetune", name)["metadata"]["uid"]
+        jobs = [job.submission_id for job in kube.head_job_client(cluster).list_jobs()]
+        assert jobs == [f"tft-{uid}-1-preflight"], jobs  # no fine-tune job
+        assert attempt["reason"] == "PreflightFailed"
+        # Held for ttlSecondsAfterFinished after the failure: read again once released.
+        kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster deleted", timeout=90)
+        status = kube.status(name)
+        (attempt,) = status["attempts"]
+        released_at = cond.parse_time(attempt["sliceReleaseTime"])
+    else:
+        # The trainer reserves the slice and places one worker per device, then meets the
+        # one thing the ground lacks.
+        assert "no TPU device" in status["message"], status["message"]
+        assert f"of {hosts * tpu_per_host}" in status["message"], status["message"]
+        assert attempt["reason"] == "AppFailed" and "no TPU device" in attempt["message"]
+        released_at = cond.parse_time(status["completionTime"])  # no ttlSecondsAfterFinished
+    # The slice cost its chips from being ready (its last host Ready, no later than
+    # ClusterReady) to its release, and the attempt says why it ended.
+    ready = cond.parse_time(attempt["sliceReadyTime"])
+    assert ready <= cond.parse_time(cond.find(status, cond.CLUSTER_READY)["lastTransitionTime"])
+    held = (released_at - ready).total_seconds()
+    assert held > 0
+    assert abs(status["usage"]["chipHours"] - hosts * chips_per_host * held / 3600) < 1e-5, (status["usage"], held)
+    assert abs(status["usage"]["hostHours"] - hosts * held / 3600) < 1e-5
     # The slice is released: no pod and no Ray process of it is left.
-    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster deleted", timeout=60)
+    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster deleted", timeout=90)
     kube.wait_for(lambda: not kube.pods_of(cluster), "pods collected", timeout=90)
     uids = [p["metadata"]["uid"] for p in pods]
     kube.wait_for(lambda: not any(ground.ray_processes(uid) for uid in uids), "Ray processes gone", timeout=60)
 
 
 def test_the_tutorial_v6e_4x4_sample_reserves_its_slice_and_fails_only_for_want_of_a_chip(
-        operator, ground, kube, trainer_assets, tmp_path):
-    kube.apply(tpu_resource("v6e-sample", "v6e", "4x4", trainer_assets, tmp_path / "ckpt"))
+        operator, ground, kube, ground_assets, storage):
+    kube.apply(tpu_resource("v6e-sample", "v6e", "4x4", ground_assets, storage))
     check_slice(kube, ground, "v6e-sample", "tpu-v6e-slice", "4x4", "v6e-4x4", hosts=4, chips_per_host=4, tpu_per_host=4,
                 head_resource="TPU-v6e-16-head")
 
 
-def test_the_tutorial_v7x_2x2x2_sample_counts_two_devices_per_chip(operator, ground, kube, trainer_assets, tmp_path):
-    kube.apply(tpu_resource("v7x-sample", "v7x", "2x2x2", trainer_assets, tmp_path / "ckpt"))
+def test_the_tutorial_v7x_2x2x2_sample_with_preflight_counts_two_devices_per_chip_and_fails_before_the_fine_tune(
+        operator, ground, kube, ground_assets, storage):
+    # ttlSecondsAfterFinished keeps the head a little, to read its job list.
+    kube.apply(tpu_resource("v7x-sample", "v7x", "2x2x2", ground_assets, storage,
+                            preflight={"enabled": True}, ttlSecondsAfterFinished=20))
     # 2 hosts of 4 chips; Ray schedules per chiplet: 8 TPU per host, 16 workers.
     check_slice(kube, ground, "v7x-sample", "tpu7x", "2x2x2", "v7x-2x2x2", hosts=2, chips_per_host=4, tpu_per_host=8,
-                head_resource="TPU-v7x-16-head")
+                head_resource="TPU-v7x-16-head", preflight=True)
 
 
-def test_a_pool_short_of_capacity_shows_the_schedulers_reason_within_60s(operator, ground, kube, trainer_assets, tmp_path):
+def test_a_pool_short_of_capacity_shows_the_schedulers_reason_within_60s(operator, ground, kube, ground_assets, storage):
     pool = tpu_pool("v5e-4x4-short", "v5e", "4x4", nodes=3)  # a 4-host slice on 3 nodes
     ground.add_pools([pool])
     try:
-        kube.apply(tpu_resource("short", "v5e", "4x4", trainer_assets, tmp_path / "ckpt"))
+        kube.apply(tpu_resource("short", "v5e", "4x4", ground_assets, storage))
         started = time.monotonic()
 
         def explained():

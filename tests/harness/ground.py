@@ -2,23 +2,34 @@
 
     etcd + kube-apiserver          (tests/controlplane, one k8s.io/kubernetes pin)
     kube-scheduler                 binds pods to nodes by resources, selectors and taints
-    kube-controller-manager        garbage collector, namespaces, service accounts, endpoint slices
+    kube-controller-manager        garbage collector, namespaces, service accounts, endpoint slices,
+                                   node lifecycle and taint eviction, pod GC, disruption budgets,
+                                   persistent-volume binding and protection
     KubeRay ray-operator           (tests/kuberay) reconciles RayClusters into pods and Services
     GKE-shaped Node objects        one pool per TPU slice + CPU nodes (nodepools.py)
-    node agent                     runs each bound pod as a real local Ray process (nodeagent.py)
+    node agent                     runs each bound pod as local processes in its own mount namespace
+                                   and memory cgroup (nodeagent.py), provisions volumes, and
+                                   sends each node's heartbeats (nodelife.py)
     the operator (optional)        as deploy/'s ServiceAccount, resolving Service names through
                                    the agent's hosts file in a mount namespace of its own
     Kueue (opt-in)                 (tests/kueue, harness/kueue.py) started by `start_kueue()`
                                    for the tests that queue RayClusters (the `kueue` fixture)
+    Cloud Storage                  fake-gcs-server (tests/gcs, harness/gcs.py) with the bucket
+                                   `tpufinetune-ground`; pods reach it through
+                                   STORAGE_EMULATOR_HOST, as GKE pods reach GCS
 
 The API server runs with the ExtendedResourceToleration admission plugin, so a pod that
 requests google.com/tpu tolerates the TPU taint, as GKE arranges.
+
+Nodes fail as GKE nodes do (`kill_node`, `delete_node`, `restore_node`, `preempt_node`,
+`drain_node`, `set_maintenance`); the timings are nodelife.py's.
 
 Used by the end-to-end fixtures (`ground`), `make cluster` and `make demo`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -40,10 +51,13 @@ from controlplane import (  # noqa: E402
     kuberay_version,
     project_crd_files,
 )
-from nodeagent import kill_marked  # noqa: E402
+from gcs import GcsEmulator  # noqa: E402
+from nodelife import APISERVER_FLAGS, CONTROLLER_FLAGS, CONTROLLERS, FAULT_ANNOTATION, KILLED, PREEMPTED  # noqa: E402
+import images  # noqa: E402
+import podcgroup  # noqa: E402
 from ports import free_ports  # noqa: E402
 from processes import spawn, stop_process, tail  # noqa: E402
-from nodepools import NodePool, default_pools, node_manifest, node_status  # noqa: E402
+from nodepools import MAINTENANCE_LABEL, NodePool, default_pools, node_manifest, node_status  # noqa: E402
 
 # deploy/'s namespace (the Lease lives there) and the pod names the operator replicas get,
 # as a Deployment's downward API would give them.
@@ -57,6 +71,11 @@ GC_CONTROLLERS = ",".join([
     "serviceaccount-token-controller",
     "endpoints-controller",
     "endpointslice-controller",
+    *CONTROLLERS,  # node lifecycle, taint eviction, pod GC, disruption budgets (nodelife.py)
+    # Claims bound to volumes (the agent's provisioner makes them), and kept while in use.
+    "persistentvolume-binder-controller",
+    "persistentvolume-protection-controller",
+    "persistentvolumeclaim-protection-controller",
 ])
 
 
@@ -77,7 +96,7 @@ class Ground:
                  with_operator: bool = False, operator_env: dict | None = None):
         self.pools = list(default_pools() if pools is None else pools)
         self.cp = ControlPlane(workdir=workdir)
-        self.cp.extra_apiserver_args = ["--enable-admission-plugins=ExtendedResourceToleration"]
+        self.cp.extra_apiserver_args = ["--enable-admission-plugins=ExtendedResourceToleration", *APISERVER_FLAGS]
         self.with_operator = with_operator
         self.operator_env = dict(operator_env or {})
         self.ground_id = secrets.token_hex(4)
@@ -88,6 +107,7 @@ class Ground:
         self.operator = None
         self.replicas: list = []  # start_replica's
         self.kueue = None
+        self.gcs: GcsEmulator | None = None
         self.timings: dict[str, float] = {}
 
     # -- paths
@@ -98,6 +118,11 @@ class Ground:
     @property
     def hosts_file(self) -> Path:
         return self.workdir / "hosts"
+
+    @property
+    def gcs_root(self) -> Path:
+        """The emulator's filesystem root: bucket B's objects are the files under `<root>/B`."""
+        return self.workdir / "gcs"
 
     def kubectl(self, *args, **kwargs):
         return self.cp.kubectl(*args, **kwargs)
@@ -118,6 +143,7 @@ class Ground:
             self._mark("CRDs", t)
             self.hosts_file.write_text("127.0.0.1 localhost\n")
             t = time.monotonic()
+            self.gcs = GcsEmulator(self.gcs_root, self.workdir / "gcs.log").start(timeout=timeout)
             self._start_scheduler()
             self._start_controller_manager()
             self._start_kuberay()
@@ -165,8 +191,8 @@ class Ground:
     def _start_controller_manager(self) -> None:
         pki = self.workdir / "pki"
         self.kcm_health = self._start_kube_component("kube-controller-manager", [
-            # The node-lifecycle controller stays off: simulated nodes send no heartbeats.
             f"--controllers={GC_CONTROLLERS}",
+            *CONTROLLER_FLAGS,
             f"--service-account-private-key-file={pki / 'sa.key'}",
             f"--root-ca-file={pki / 'ca.crt'}",
             "--use-service-account-credentials=false",
@@ -181,10 +207,14 @@ class Ground:
             f"-metrics-addr=127.0.0.1:{metrics}",
             f"-health-probe-bind-address=127.0.0.1:{probe}",
             "-log-stdout-encoder=console",
+            # Replica and host index labels on worker pods (the default since v1.5, named
+            # because the node agent's TPU worker ids come from them).
+            "-feature-gates=RayMultiHostIndexing=true",
         ], env=env)
         self.kuberay_health = f"http://127.0.0.1:{probe}/readyz"
 
     def _start_agent(self) -> None:
+        trainer_image = images.ensure()  # built by `make images`; the project copy refreshed here
         # The agent's own environment never reaches a pod (NodeAgent.environment).
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
@@ -194,6 +224,12 @@ class Ground:
             f"--kubeconfig={self.cp.kubeconfig}", f"--workdir={self.workdir}",
             f"--hosts-file={self.hosts_file}", f"--ip-prefix={self.ip_prefix}",
             f"--ground-id={self.ground_id}",
+            # Node-level additions, as GKE gives pods their credentials: every pod reaches
+            # Cloud Storage at the emulator.
+            "--node-env", f"STORAGE_EMULATOR_HOST={self.gcs.endpoint}",
+            f"--gcs-root={self.gcs_root}",
+            # The trainer's image: its environment, as Dockerfile.trainer builds it.
+            *(f"--image-env={repository}={trainer_image}" for repository in images.TRAINER_REPOSITORIES),
         ], env=env)
 
     def _wait_component_health(self, timeout: float) -> None:
@@ -231,31 +267,104 @@ class Ground:
 
     # -- nodes
 
-    def add_pools(self, pools: list[NodePool]) -> None:
+    def add_pools(self, pools: list[NodePool], timeout: float = 60) -> None:
+        """The pools' nodes registered as a kubelet registers them; returns once the
+        node-lifecycle controller has seen them Ready (it lifts the not-ready taint the API
+        server puts on every new node)."""
+        for pool in pools:
+            for name in pool.node_names():
+                self._register(pool, name)
+        self.pools += [p for p in pools if p not in self.pools]
+        self._wait_schedulable([n for p in pools for n in p.node_names()], timeout)
+
+    def _register(self, pool: NodePool, name: str) -> None:
         from kubernetes import client, config
 
         api = config.new_client_from_config(config_file=str(self.cp.kubeconfig))
-        core = client.CoreV1Api(api)
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         try:
-            for pool in pools:
-                for name in pool.node_names():
-                    manifest = node_manifest(pool, name)
-                    core.create_node(manifest)
-                    core.patch_node_status(name, {"status": node_status(pool, stamp)})
-                    # The API server taints a new node not-ready until the node-lifecycle
-                    # controller sees a kubelet's Ready; that controller is off here, so the
-                    # node's own taints (GKE's TPU taint, or none) are set back at once.
-                    core.patch_node(name, {"spec": {"taints": manifest["spec"].get("taints") or None}})
+            core = client.CoreV1Api(api)
+            core.create_node(node_manifest(pool, name))
+            core.patch_node_status(name, {"status": node_status(pool, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))},
+                                   _content_type="application/merge-patch+json")
         finally:
             api.close()
-        self.pools += [p for p in pools if p not in self.pools]
+
+    def _wait_schedulable(self, names: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = set(names)
+        while pending:
+            for node in json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)["items"]:
+                taints = {t["key"] for t in node["spec"].get("taints") or []}
+                if node["metadata"]["name"] in pending and not any(t.startswith("node.kubernetes.io/") for t in taints):
+                    pending.discard(node["metadata"]["name"])
+            if pending and time.monotonic() > deadline:
+                raise ControlPlaneError(f"nodes not Ready within {timeout:.0f}s: {', '.join(sorted(pending))}; "
+                                        "last node-agent log lines:\n" + tail(self.workdir / "node-agent.log"))
+            if pending:
+                time.sleep(0.5)
 
     def remove_pool(self, pool: NodePool) -> None:
         for name in pool.node_names():
             self.kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
         if pool in self.pools:
             self.pools.remove(pool)
+
+    # -- node failures, as GKE has them (the node agent plays them: nodelife.py)
+
+    def kill_node(self, name: str, timeout: float = 30) -> None:
+        """The node's VM stops dead: its pods' processes get SIGKILL at once and it sends no
+        more heartbeats. The Node stays registered: the node-lifecycle controller marks it
+        NotReady and evicts its pods, which stay Terminating while no kubelet confirms them
+        (`delete_node` is GKE's answer to a VM that is gone). Returns once the processes are
+        gone."""
+        pods = self._pods_on(name)
+        self._annotate(name, KILLED)
+        from waiting import wait_for
+
+        wait_for(lambda: not any(self.ray_processes(uid) for uid in pods), timeout,
+                 f"the processes of {name}'s pods killed")
+
+    def preempt_node(self, name: str) -> None:
+        """GKE's Spot preemption (nodelife.py): NotReady at once, the pods get SIGTERM and,
+        after their share of the 30 s notice, SIGKILL; then the Node is deleted. Returns at
+        once: the notice runs in the node agent."""
+        self._annotate(name, PREEMPTED)
+
+    def delete_node(self, name: str) -> None:
+        """What GKE does when a node's VM is gone: the Node is deleted (its Lease goes with
+        it), and the pod garbage collector removes its pods once the node has been missing
+        for its quarantine (40 s)."""
+        self.kubectl("delete", "node", name, "--ignore-not-found", "--wait=false")
+
+    def restore_node(self, name: str, timeout: float = 60) -> None:
+        """A fresh VM under the same name, as GKE's auto-repair or a Spot pool's refill
+        brings one: the Node is registered again (a still registered one is deleted first)."""
+        pool = next((p for p in self.pools if name in p.node_names()), None)
+        if pool is None:
+            raise ValueError(f"no pool of this ground has a node {name!r}")
+        self.kubectl("delete", "node", name, "--ignore-not-found", "--wait=true")
+        self._register(pool, name)
+        self._wait_schedulable([name], timeout)
+
+    def drain_node(self, name: str, timeout: float = 60):
+        """`kubectl drain`: the node cordoned, its pods evicted through the Eviction API (a
+        PodDisruptionBudget can refuse, and drain retries until `timeout`). Returns kubectl's
+        CompletedProcess (check=False: a refused drain is an answer, not an error)."""
+        return self.kubectl("drain", name, "--ignore-daemonsets", "--delete-emptydir-data",
+                            f"--timeout={int(timeout)}s", check=False, timeout=timeout + 30)
+
+    def set_maintenance(self, name: str, start: float) -> None:
+        """GKE's announcement of a host maintenance event on the node: the label
+        cloud.google.com/scheduled-maintenance-time, its start in seconds since the epoch."""
+        self.kubectl("label", "node", name, f"{MAINTENANCE_LABEL}={int(start)}", "--overwrite")
+
+    def _annotate(self, name: str, fault: str) -> None:
+        self.kubectl("annotate", "node", name, f"{FAULT_ANNOTATION}={fault}", "--overwrite")
+
+    def _pods_on(self, name: str) -> list[str]:
+        listing = json.loads(self.kubectl("get", "pods", "-A", "--field-selector", f"spec.nodeName={name}",
+                                          "-o", "json").stdout)
+        return [pod["metadata"]["uid"] for pod in listing["items"]]
 
     # -- the operator
 
@@ -323,19 +432,20 @@ class Ground:
     # -- inspection
 
     def ray_processes(self, pod_uid: str | None = None) -> list[int]:
-        """Pids of the Ray processes of one pod (by uid), or of the whole ground."""
-        from nodeagent import processes_marked
-
-        return processes_marked(f"{self.ground_id}/{pod_uid}" if pod_uid else self.ground_id)
+        """Pids of the processes of one pod (by uid), or of the whole ground: its cgroup's."""
+        root = podcgroup.ground_cgroup(self.ground_id)
+        return podcgroup.procs(root / pod_uid if pod_uid else root)
 
     def alive(self) -> bool:
         return self.cp.etcd.poll() is None and self.cp.apiserver.poll() is None and all(
-            p.poll() is None for p in self.processes.values())
+            p.poll() is None for p in self.processes.values()) and (
+            self.gcs is None or (self.gcs.proc is not None and self.gcs.proc.poll() is None))
 
     @property
     def pids(self) -> dict[str, int]:
         return {**self.cp.pids, **{n: p.pid for n, p in self.processes.items()},
                 **({"kueue": self.kueue.proc.pid} if self.kueue and self.kueue.proc else {}),
+                **({"gcs": self.gcs.proc.pid} if self.gcs and self.gcs.proc else {}),
                 **({"operator": self.operator.proc.pid} if self.operator and self.operator.proc else {})}
 
     def stop(self) -> None:
@@ -349,13 +459,14 @@ class Ground:
         agent = self.processes.pop("node-agent", None)
         if agent is not None:
             stop_process(agent, grace=20)
-        kill_marked(self.ground_id, grace=5)  # whatever the agent could not reach
-        for leftover in Path("/tmp").glob(f"tpuft-{self.ground_id}-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        podcgroup.remove(podcgroup.ground_cgroup(self.ground_id))  # whatever the agent could not reach
+        shutil.rmtree(Path("/dev/shm") / f"tpuft-{self.ground_id}", ignore_errors=True)
         for name in ("kuberay-operator", "kube-controller-manager", "kube-scheduler"):
             proc = self.processes.pop(name, None)
             if proc is not None:
                 stop_process(proc)
+        if self.gcs is not None:
+            self.gcs.stop()
         self.cp.stop()
 
     def __enter__(self) -> "Ground":

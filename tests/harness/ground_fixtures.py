@@ -8,6 +8,9 @@ kube-controller-manager, KubeRay and GKE-shaped nodes whose pods are real Ray pr
 - `ground_namespace` (function): a fresh namespace on the ground, deleted afterwards (the
   real namespace controller empties it).
 - `kube` (function): kubectl helpers bound to that namespace.
+- `ground_assets` (session): the trainer's offline assets (`trainer_assets`) uploaded to the
+  ground's bucket: `.model`, `.data` and `.root` are gs:// URIs (pods never read host paths).
+- `storage` (function): a fresh gs:// prefix in the ground's bucket for one test's checkpoints.
 
 Tests that use them are marked `ground` (and `cluster`) automatically.
 """
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import urllib.request
+from dataclasses import dataclass
 
 import pytest
 import yaml
@@ -28,7 +33,7 @@ from harness.ground import Ground
 from harness.k8s_fixtures import namespace_name
 from harness.service_account import refusals
 
-_GROUND_FIXTURES = {"ground", "operator", "ground_namespace", "kube"}
+_GROUND_FIXTURES = {"ground", "operator", "ground_namespace", "kube", "ground_assets", "storage"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,6 +51,24 @@ def ground():
         yield g
     finally:
         g.stop()
+
+
+@dataclass(frozen=True)
+class StoredAssets:
+    root: str  # gs:// URIs
+    model: str
+    data: str  # the JSONL object
+
+
+@pytest.fixture(scope="session")
+def ground_assets(ground, trainer_assets) -> StoredAssets:
+    root = ground.gcs.upload(trainer_assets.root, ground.gcs.unique_uri("assets"))
+    return StoredAssets(root=root, model=f"{root}/model", data=f"{root}/data/train.jsonl")
+
+
+@pytest.fixture
+def storage(request, ground) -> str:
+    return ground.gcs.unique_uri("runs", re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower())[:40].strip("-"))
 
 
 @pytest.fixture(scope="session")

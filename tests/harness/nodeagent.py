@@ -1,38 +1,46 @@
 """The ground's node agent: plays the kubelet (and GKE's TPU device plugin) for the pods the
-scheduler binds to simulated nodes, by running each pod as a real local Ray process.
+scheduler binds to simulated nodes, by running each pod's container as local processes that
+get what a GKE pod gets and nothing else.
 
-- A pod bound to a node labelled `tpufinetune.dev/simulated-node` gets its own loopback
-  address (127.x.y.z) as its podIP, and its container's `ray start …` line (the one KubeRay
-  wrote, with the pod's rayStartParams) runs for real: the head with its own GCS, the
-  workers joined to their head.
-- The pod is reported Running and Ready only once its process answers: the head's
-  dashboard serves `/api/version`, a worker's `ray start` has registered its node.
-- Deleting the pod stops the process (SIGTERM, then SIGKILL after the grace period, every
-  descendant included) before the agent confirms the deletion, as a kubelet does. A process
-  that dies on its own is reported as a terminated container (restarted when the pod's
-  restartPolicy asks for it), so KubeRay sees it.
-- Faults a kubelet reports, on request, so the operator's pod-level reasons are tested end
-  to end: an image on a registry under the reserved `.invalid` top-level domain (RFC 2606:
-  it never resolves) fails to pull (ErrImagePull, then ImagePullBackOff, retried with
-  back-off, as a kubelet does); a pod annotated `ground.tpufinetune.dev/exit-code: "N"`
-  runs a container that exits N at once, restarted with back-off (CrashLoopBackOff).
+- One sync loop (as a kubelet's syncPod) moves every pod a step: mount its volumes, run its
+  init containers in order, start its container, report it; a missing Secret, ConfigMap or
+  volume is retried until it appears (CreateContainerConfigError, FailedMount meanwhile).
+- Each container runs through `podsandbox.py` (the ground's runc): in the pod's memory cgroup
+  (`podcgroup.py`, `limits.memory`), in a mount namespace of its own with the pod's own /tmp,
+  HOME (/home/ray, also the working directory), /dev/shm, its volumes (`podspec.py`: emptyDir,
+  Secret, ConfigMap, PVC, hostPath, GCS FUSE CSI from `--gcs-root`) and the ground's cluster
+  DNS as /etc/hosts; the checkout and its venv are the image. Its environment is the image's,
+  the node's (`node_env`), the spec's and the kubelet's service variables.
+- A KubeRay container's `ray start …` line runs with the addresses and ports this machine
+  needs (each pod has its own loopback address as podIP; all share one port space); other
+  containers run their command as given. KubeRay's `wait-gcs-ready` init container asks the
+  head's real GCS port. Running and Ready once the process answers: the head's dashboard,
+  a worker's registration, any other container's start.
+- An OOM kill in a container's cgroup kills the whole container (OOMKilled, exit 137); a
+  container that exits is reported terminated and restarted per restartPolicy with back-off
+  (CrashLoopBackOff; Init:CrashLoopBackOff blocks the pod). Deleting the pod SIGTERMs its
+  cgroup, SIGKILLs it after the grace period, removes its files and confirms the deletion.
+- Faults on request: an image under the reserved `.invalid` domain (RFC 2606) fails to pull
+  (ErrImagePull, then ImagePullBackOff); a pod annotated `ground.tpufinetune.dev/exit-code: "N"`
+  exits N at once (CrashLoopBackOff).
 - Workers on TPU nodes get the environment GKE gives TPU pods (TPU_WORKER_ID, TPU_NAME,
   TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY, TPU_WORKER_HOSTNAMES), so Ray's own TPU code advertises
   the slice head resource and the slice labels; the TPU count is the `TPU` resource KubeRay
   puts into `ray start` from the pod's `google.com/tpu` request.
-- It also plays cluster DNS for the ground: every Service's ready pods (picked by its
-  selector, as the endpoint-slice controller does) go into a hosts file, which processes
-  that should resolve Service names (the operator) see as their /etc/hosts.
+- Cluster DNS: every Service's ready pods (picked by its selector, as the endpoint-slice
+  controller does) go into a hosts file, every pod's (and the operator's) /etc/hosts.
+- The ground's volume provisioner (`provisioner.py`, StorageClass `standard-rwx`) runs here.
 
 Where this differs from GKE is listed in tests/README.md. Run as a process by `Ground`:
 
-    python tests/harness/nodeagent.py --kubeconfig K --workdir D --hosts-file H --ip-prefix 127.N
+    python tests/harness/nodeagent.py --kubeconfig K --workdir D --hosts-file H --ip-prefix 127.N \
+        --ground-id G [--gcs-root DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
+import dataclasses
 import json
 import logging
 import os
@@ -44,6 +52,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -52,21 +61,29 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from kubernetes import client, config, watch  # noqa: E402
+from kubernetes import client, config  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
-from nodepools import SIMULATED_LABEL  # noqa: E402
+import podcgroup  # noqa: E402
+from kubernetes.utils import parse_quantity  # noqa: E402
+from listwatch import list_and_watch  # noqa: E402
+from nodelife import NodeLife  # noqa: E402
+from nodepools import SIMULATED_LABEL, tpu_host  # noqa: E402
+from podspec import (  # noqa: E402
+    ConfigError, MountError, VolumePlan, container_env, expand, mount_targets, service_env, volume_plan)
 from ports import free_ports  # noqa: E402
+from provisioner import Provisioner  # noqa: E402
 from tpufinetune.core.generations import ACCELERATOR_LABEL, GENERATIONS, TOPOLOGY_LABEL, chips_in  # noqa: E402
 
 log = logging.getLogger("nodeagent")
 
-# Every process the agent starts carries this variable (Ray passes the environment down to
-# raylet, GCS and workers), so a sweep can find them all even after they re-parent.
-MARKER_ENV = "TPUFT_GROUND_POD"
+POD_HOME = "/home/ray"  # HOME and working directory of the Ray image (rayproject/ray), the pod's own
 DASHBOARD_PORT = 8265
 UNRESOLVABLE_DOMAIN = ".invalid"  # RFC 2606: no registry there ever resolves
 EXIT_CODE_ANNOTATION = "ground.tpufinetune.dev/exit-code"
+# A pod's grace period is honoured up to this (the operator's Ray pods ask for 60 s, to
+# checkpoint on notice); longer ones are cut, so a stuck pod cannot hold a test.
+MAX_GRACE_SECONDS = 120
 OBJECT_STORE_BYTES = 100 * 1024 * 1024  # Ray's default (30% of RAM per node) is for real hosts
 
 # `ray start` flags the agent decides itself: addresses and ports (every pod shares this
@@ -159,6 +176,13 @@ def tpu_environment(topology: str, worker_id: int, slice_name: str, hostnames: l
 RAY_ACCELERATOR_BY_LABEL = {g.accelerator_label: g.ray_accelerator_type for g in GENERATIONS if g.is_tpu}
 
 
+def image_repository(image: str) -> str:
+    """The repository's last path part of an image reference, without tag or digest
+    ('us-docker.pkg.dev/p/tpufinetune/trainer:0.1.0' -> 'trainer')."""
+    name = image.split("@", 1)[0].rsplit("/", 1)[-1]
+    return name.split(":", 1)[0]
+
+
 def registry_host(image: str) -> str:
     """The registry an image reference names ('' for Docker Hub's short names)."""
     first, _, rest = image.partition("/")
@@ -198,59 +222,59 @@ def service_names(service: str, namespace: str) -> list[str]:
     return [f"{service}.{namespace}", f"{service}.{namespace}.svc", f"{service}.{namespace}.svc.cluster.local"]
 
 
-# ---- processes -----------------------------------------------------------------------------
 
 
-def processes_marked(marker: str) -> list[int]:
-    """Pids whose environment carries MARKER_ENV=marker (or any value when marker == '*')."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for item in environ:
-            if item.startswith(MARKER_ENV.encode() + b"="):
-                value = item.split(b"=", 1)[1].decode(errors="replace")
-                if marker == "*" or value == marker or value.startswith(marker + "/"):
-                    found.append(int(entry))
-                break
-    return found
+def health_check_to_gcs(text: str, gcs_address: str) -> str:
+    """KubeRay's `wait-gcs-ready` init container asks `ray health-check --address
+    <head service>:<head port>`: the port is the one the head's GCS listens on elsewhere,
+    so it gets the head's real GCS address, as the worker's own `ray start --address`."""
+    return re.sub(r"(ray\s+health-check\s+--address[ =])[^\s;&|]+", lambda m: m.group(1) + gcs_address, text)
 
 
-def kill_marked(marker: str, grace: float) -> int:
-    """SIGTERM every process of `marker`, SIGKILL what is left after `grace` seconds."""
-    pids = processes_marked(marker)
-    _signal_all(pids, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _alive_any(pids):
-        time.sleep(0.1)
-    _signal_all(processes_marked(marker), signal.SIGKILL)
-    return len(pids)
+def plain_command(container: dict, env: dict) -> list[str]:
+    """A non-Ray container's command and args, with $(VAR) expanded as a kubelet does."""
+    argv = [expand(word, env) for word in [*(container.get("command") or []), *(container.get("args") or [])]]
+    if not container.get("command"):
+        raise ValueError("the ground's image has no entrypoint: give the container a command")
+    return argv
 
 
-def _signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+def last_line(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            lines = f.read()[-2000:].decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
-def _alive_any(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            return True
-    return False
+def exit_code(returncode: int) -> int:
+    return returncode if returncode >= 0 else 128 - returncode
 
 
 # ---- the agent -----------------------------------------------------------------------------
+
+
+@dataclass
+class ContainerState:
+    """One container's status as a kubelet reports it."""
+    name: str
+    image: str
+    state: dict = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
+    last: dict | None = None
+    restarts: int = 0
+    ready: bool = False
+    container_id: str = ""
+
+    def as_status(self) -> dict:
+        status = {"name": self.name, "image": self.image, "imageID": "", "ready": self.ready,
+                  "started": "running" in self.state, "restartCount": self.restarts, "state": self.state}
+        if self.last:
+            status["lastState"] = self.last
+        if self.container_id:
+            status["containerID"] = self.container_id
+        return status
 
 
 @dataclass
@@ -261,288 +285,605 @@ class PodRun:
     ip: str
     node: str
     head: bool
+    ray: bool  # its container runs `ray start` (a KubeRay pod)
     cluster: str
     cluster_uid: str  # the RayCluster object: a rebuilt cluster keeps its name, not its uid
-    marker: str
-    temp_dir: Path
+    dir: Path  # the pod's own directories (tmp, home, volumes), as /var/lib/kubelet/pods/<uid>
+    shm: Path  # its memory-backed ones (host /dev/shm is a tmpfs)
+    cgroup: Path
     log_path: Path
+    pod: object
     restart_policy: str = "Always"
+    started_at: str = field(default_factory=now)
+    stage: str = "setup"  # pull | setup | init | main | done
+    init_index: int = 0
+    inits: list[ContainerState] = field(default_factory=list)
+    mains: list[ContainerState] = field(default_factory=list)
+    volumes: dict[str, str] | None = None  # volume name -> its path, once set up
+    main_env: dict | None = None
     proc: subprocess.Popen | None = None
-    stopping: bool = False
-    restarts: int = 0
+    log_offset: int = 0
+    oom: bool = False
+    next_try: float = 0.0  # monotonic: back-off or retry
+    crashed: bool = False  # the last container exit is reported; the back-off comes next
+    tries: int = 0
     gcs_address: str = ""
     ready: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    deleting: bool = False
+    stop_deadline: float | None = None
+    hook: subprocess.Popen | None = None  # the preStop hook, while it runs
+    event_messages: set = field(default_factory=set)
+    conditions: dict = field(default_factory=dict)  # type -> (status, since)
+    written: str = ""  # the last status written
+
+    @property
+    def container(self) -> ContainerState:
+        return self.inits[self.init_index] if self.stage == "init" else self.mains[0]
 
 
 class NodeAgent:
     def __init__(self, api: client.ApiClient, workdir: Path, hosts_file: Path, ip_prefix: str,
-                 ground_id: str):
+                 ground_id: str, gcs_root: Path | None = None, node_env: dict | None = None,
+                 images: dict[str, Path] | None = None):
+        self.api = api
         self.core = client.CoreV1Api(api)
         self.workdir = workdir
         self.hosts_file = hosts_file
         self.ip_prefix = ip_prefix  # "127.N": pods get 127.N.x.y
         self.ground_id = ground_id
+        self.gcs_root = gcs_root  # the GCS emulator's objects as files, one directory per bucket
+        # Image repository name -> the environment built as its Dockerfile builds it
+        # (images.py); any other image runs this machine's own environment.
+        self.images = dict(images or {})
+        self.cgroup = podcgroup.create(podcgroup.ground_cgroup(ground_id))
+        self.pods_dir = workdir / "kubelet" / "pods"
+        self.shm_dir = Path("/dev/shm") / f"tpuft-{ground_id}"
+        # What the ground adds to every pod, as GKE's nodes add credentials and endpoints
+        # (tests/README.md lists them): nothing can be downloaded or reported from here.
+        self.node_env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                         "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+        if os.environ.get("PYTHONPATH"):  # a development tree the agent itself runs from
+            self.node_env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        self.node_env.update(node_env or {})
+        server = urllib.parse.urlsplit(api.configuration.host)
+        self.api_server = (server.hostname or "127.0.0.1", str(server.port or 443))
         self.runs: dict[str, PodRun] = {}  # by pod uid
         self.heads: dict[str, PodRun] = {}  # RayCluster uid -> head run
-        self.slice_ids: dict[tuple[str, str], list[str]] = {}  # (cluster uid, group) -> pod uids in order
-        self.nodes: dict[str, tuple[dict, int]] = {}  # name -> (labels, google.com/tpu allocatable)
-        # Every pod, as the watch last delivered it: cluster DNS reads it, never re-lists.
+        self.life = NodeLife(self)  # the nodes' heartbeats and failures (nodelife.py)
+        # Every pod, as the watch last delivered it: the sync loop and cluster DNS read it.
         self.pods: dict[str, object] = {}
-        self.started = 0
-        self.lock = threading.Lock()
         self.next_ip = 1
         self.stop_event = threading.Event()
-
-    # -- pods
+        self.wake = threading.Event()
 
     def allocate_ip(self) -> str:
-        with self.lock:
-            n = self.next_ip
-            self.next_ip += 1
+        n = self.next_ip
+        self.next_ip += 1
         return f"{self.ip_prefix}.{n // 250}.{n % 250 + 1}"
 
     def node(self, name: str) -> tuple[dict, int] | None:
-        """A node's labels and TPU chips (read once: simulated nodes never change)."""
-        if name not in self.nodes:
+        """A node's labels and TPU chips, as the node watch last saw them."""
+        node = self.life.node(name)
+        if node is None:
+            return None
+        allocatable = (node.status and node.status.allocatable) or {}
+        return node.metadata.labels or {}, int(allocatable.get("google.com/tpu", "0"))
+
+    def signal_pod(self, run: PodRun, sig: int) -> None:
+        """`sig` to every process of a pod (nodelife.py: a node killed or shut down)."""
+        podcgroup.signal_all(run.cgroup, sig)
+
+    def forget_node(self, name: str) -> None:
+        """A node is gone with its VM: its pods' processes, runs and files go too."""
+        for run in [r for r in list(self.runs.values()) if r.node == name]:
+            self.remove(run)
+
+    # -- the sync loop: every pod of our nodes moved one step, as a kubelet's syncPod
+
+    def sync_loop(self) -> None:
+        while not self.stop_event.is_set():
             try:
-                node = self.core.read_node(name)
+                self.sync_all()
+            except Exception:  # the API server restarting: next round
+                log.exception("sync")
+            self.wake.wait(0.5)
+            self.wake.clear()
+
+    def sync_all(self) -> None:
+        live = dict(self.pods)
+        for uid, pod in live.items():
+            run = self.runs.get(uid)
+            if run is None:
+                self.admit(pod)
+            elif pod.metadata.deletion_timestamp is not None and not run.deleting:
+                # The deletion's own grace period (kubectl delete --grace-period), else the pod's.
+                grace = pod.metadata.deletion_grace_period_seconds
+                if grace is None:
+                    grace = pod.spec.termination_grace_period_seconds
+                self.begin_stop(run, 30 if grace is None else grace)
+            elif run is not None:
+                run.pod = pod
+        for run in list(self.runs.values()):
+            if self.life.is_down(run.node):
+                continue  # a node that is down does nothing: its kubelet is gone
+            if run.uid not in live and not run.deleting:  # deleted at once (grace 0)
+                self.begin_stop(run, 0)
+            try:
+                self.sync(run)
+            except Exception:  # never take the agent down with one pod
+                log.exception("pod %s/%s", run.namespace, run.name)
+                run.next_try = time.monotonic() + 5
+
+    def admit(self, pod) -> None:
+        meta, spec = pod.metadata, pod.spec
+        if not spec.node_name or self.life.is_down(spec.node_name):
+            return  # a node that is down does nothing, as its kubelet is gone
+        node = self.node(spec.node_name)
+        if node is None or node[0].get(SIMULATED_LABEL) != "true":
+            return
+        if meta.deletion_timestamp is not None:
+            self.confirm_deletion(meta.namespace, meta.name, meta.uid)
+            return
+        if pod.status.phase not in (None, "Pending"):
+            return
+        body = self.api.sanitize_for_serialization(pod)
+        try:
+            ray_start_args(body["spec"]["containers"][0])
+            ray = True
+        except ValueError:
+            ray = False
+        labels = meta.labels or {}
+        cluster = labels.get("ray.io/cluster", "")
+        run = PodRun(
+            namespace=meta.namespace, name=meta.name, uid=meta.uid, ip=self.allocate_ip(), node=spec.node_name,
+            head=ray and labels.get("ray.io/node-type") == "head", ray=ray, cluster=cluster,
+            cluster_uid=next((ref.uid for ref in meta.owner_references or [] if ref.controller), f"{meta.namespace}/{cluster}"),
+            dir=self.pods_dir / meta.uid, shm=self.shm_dir / meta.uid, cgroup=self.cgroup / meta.uid,
+            log_path=self.workdir / "pods" / f"{meta.namespace}_{meta.name}.log", pod=pod,
+            restart_policy=spec.restart_policy or "Always",
+            inits=[ContainerState(c.name, c.image, {"waiting": {"reason": "PodInitializing"}}) for c in spec.init_containers or []],
+            mains=[ContainerState(c.name, c.image) for c in spec.containers],
+        )
+        if registry_host(spec.containers[0].image).endswith(UNRESOLVABLE_DOMAIN):
+            run.stage = "pull"
+        self.runs[meta.uid] = run
+        if run.head:
+            self.heads[run.cluster_uid] = run
+        for path in (run.dir / "tmp", run.dir / "home", run.shm):
+            path.mkdir(parents=True, exist_ok=True)
+        podcgroup.create(run.cgroup)
+        self.write_status(run)
+
+    def sync(self, run: PodRun) -> None:
+        if run.deleting:
+            self.sync_stop(run)
+            return
+        if run.stage == "done" or time.monotonic() < run.next_try:
+            return
+        if run.proc is not None:
+            self.sync_running(run)
+        elif run.crashed:  # the exit was reported (Error / Init:Error); now the back-off
+            run.crashed = False
+            c = run.container
+            c.last, c.state = c.state, {"waiting": {"reason": "CrashLoopBackOff", "message": (
+                f"back-off {self.backoff(c.restarts)}s restarting failed container={c.name} "
+                f"pod={run.name}_{run.namespace}({run.uid})")}}
+            run.next_try = time.monotonic() + self.backoff(c.restarts)
+            c.restarts += 1
+        elif run.stage == "pull":
+            self.sync_pull(run)
+        elif run.stage == "setup":
+            self.sync_volumes(run)
+        else:
+            self.start_container(run)
+        self.write_status(run)
+
+    @staticmethod
+    def backoff(restarts: int) -> int:
+        return min(10, 2 ** (restarts + 1))  # the kubelet's crash-loop back-off (10 s .. 5 min), shortened
+
+    def sync_pull(self, run: PodRun) -> None:
+        """What a kubelet reports for an image it cannot pull: ErrImagePull, then
+        ImagePullBackOff until the next try, with a growing back-off (shortened here)."""
+        c = run.mains[0]
+        host = registry_host(c.image)
+        if c.state.get("waiting", {}).get("reason") == "ErrImagePull":
+            c.state = {"waiting": {"reason": "ImagePullBackOff", "message": f'Back-off pulling image "{c.image}"'}}
+            run.next_try = time.monotonic() + min(10, 2 ** run.tries)
+        else:
+            run.tries += 1
+            c.state = {"waiting": {"reason": "ErrImagePull", "message": (
+                f'failed to pull and unpack image "{c.image}": failed to resolve reference "{c.image}": '
+                f"dial tcp: lookup {host}: no such host")}}
+            run.next_try = time.monotonic() + 1
+
+    # -- volumes and environment
+
+    def lookup(self, namespace: str):
+        readers = {
+            "Secret": lambda name: self.core.read_namespaced_secret(name, namespace),
+            "ConfigMap": lambda name: self.core.read_namespaced_config_map(name, namespace),
+            "PersistentVolumeClaim": lambda name: self.core.read_namespaced_persistent_volume_claim(name, namespace),
+            "PersistentVolume": lambda name: self.core.read_persistent_volume(name),
+        }
+
+        def read(kind: str, name: str) -> dict | None:
+            try:
+                return self.api.sanitize_for_serialization(readers[kind](name))
             except ApiException as error:
                 if error.status == 404:
                     return None
                 raise
-            chips = int((node.status.allocatable or {}).get("google.com/tpu", "0"))
-            self.nodes[name] = (node.metadata.labels or {}, chips)
-        return self.nodes[name]
+        return read
 
-    def handle(self, pod) -> None:
-        meta, spec = pod.metadata, pod.spec
-        if not spec.node_name:
-            return
-        node = self.node(spec.node_name)
-        if node is None or node[0].get(SIMULATED_LABEL) != "true":
-            return
-        labels = node[0]
-        run = self.runs.get(meta.uid)
-        if meta.deletion_timestamp is not None:
-            if run is not None and not run.stopping:
-                run.stopping = True
-                grace = spec.termination_grace_period_seconds
-                threading.Thread(target=self.terminate, args=(run, 30 if grace is None else grace),
-                                 daemon=True).start()
-            elif run is None:
-                self.confirm_deletion(meta.namespace, meta.name, meta.uid)
-            return
-        if run is None and (pod.status.phase in (None, "Pending")):
-            self.start(pod, labels)
-
-    def start(self, pod, node_labels: dict) -> None:
-        meta, spec = pod.metadata, pod.spec
-        pod_labels = meta.labels or {}
-        head = pod_labels.get("ray.io/node-type") == "head"
-        cluster = pod_labels.get("ray.io/cluster", "")
-        self.started += 1
-        index = self.started
-        temp_dir = Path(f"/tmp/tpuft-{self.ground_id}-{index}")
-        run = PodRun(
-            namespace=meta.namespace, name=meta.name, uid=meta.uid, ip=self.allocate_ip(),
-            node=spec.node_name, head=head, cluster=cluster,
-            cluster_uid=next((ref.uid for ref in meta.owner_references or [] if ref.controller), f"{meta.namespace}/{cluster}"),
-            marker=f"{self.ground_id}/{meta.uid}", temp_dir=temp_dir,
-            log_path=self.workdir / "pods" / f"{meta.namespace}_{meta.name}.log",
-            restart_policy=spec.restart_policy or "Always",
-        )
-        self.runs[meta.uid] = run
-        if head:
-            self.heads[run.cluster_uid] = run
-        threading.Thread(target=self.supervise, args=(run, pod, node_labels), daemon=True).start()
-
-    def supervise(self, run: PodRun, pod, node_labels: dict) -> None:
+    def sync_volumes(self, run: PodRun) -> None:
+        """Every volume of the pod set up, or a FailedMount event and a retry."""
+        body = self.api.sanitize_for_serialization(run.pod)
+        paths = {}
         try:
-            self._supervise(run, pod, node_labels)
-        except Exception:  # never take the agent down with one pod
-            log.exception("pod %s/%s", run.namespace, run.name)
-
-    def _supervise(self, run: PodRun, pod, node_labels: dict) -> None:
-        container = pod.spec.containers[0]
-        started_at = now()
-        self.patch_status(run, self.pending_status(run, pod, started_at))
-        if registry_host(container.image).endswith(UNRESOLVABLE_DOMAIN):
-            self.fail_pull(run, pod, started_at)
+            for volume in body["spec"].get("volumes") or []:
+                plan = volume_plan(volume, run.namespace, self.lookup(run.namespace),
+                                   str(self.gcs_root) if self.gcs_root else None)
+                paths[volume["name"]] = self.materialize(run, volume["name"], plan)
+        except MountError as error:
+            self.event(run, "FailedMount", f'MountVolume.SetUp failed for volume "{volume["name"]}" : {error}')
+            run.next_try = time.monotonic() + 2
             return
-        env = self.environment(run, pod, container, node_labels)
-        if env is None:
-            return
-        args = ray_start_args(client.ApiClient().sanitize_for_serialization(container))
-        exit_code = (pod.metadata.annotations or {}).get(EXIT_CODE_ANNOTATION)
-        while not run.stopping:
-            if not run.head:
-                head = self.wait_for_head(run)
-                if head is None:
-                    return
-                run.gcs_address = head.gcs_address
-            # On every address: Ray's GCS and some agents listen on 0.0.0.0.
-            names = ("gcs", "metrics", "agent_http", "agent_grpc", "runtime_env", "client")
-            ports = dict(zip(names, free_ports(len(names), "0.0.0.0")))
-            if run.head:
-                run.gcs_address = f"{run.ip}:{ports['gcs']}"
-            # KubeRay's RAY_ADDRESS / RAY_PORT name port 6379 on the head; here the GCS
-            # listens where the agent put it.
-            env.update(RAY_ADDRESS=run.gcs_address, RAY_PORT=run.gcs_address.rsplit(":", 1)[1])
-            argv = [str(Path(sys.executable).parent / "ray"), "start",
-                    *rewrite_ray_start(args, head=run.head, ip=run.ip, temp_dir=str(run.temp_dir),
-                                       gcs_address=run.gcs_address, ports=ports)]
-            if exit_code is not None:  # asked to crash: the container's command fails at once
-                argv = [sys.executable, "-c", f"import sys; print('asked to exit {int(exit_code)}'); sys.exit({int(exit_code)})"]
-            run.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with run.lock:
-                if run.stopping:
-                    return
-                with open(run.log_path, "ab") as out:
-                    out.write(f"\n---- {now()} {shlex.join(argv)}\n".encode())
-                    out.flush()
-                    run.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                                cwd=str(self.workdir))
-            container_started = now()
-            if self.wait_ready(run, env):
-                run.ready = True
-                self.patch_status(run, self.running_status(run, pod, started_at, container_started))
-            code = run.proc.wait()
-            run.ready = False
-            if run.stopping:
-                return
-            # The container's main process ended by itself: a kubelet reports it and
-            # restarts it when restartPolicy says so.
-            kill_marked(run.marker, grace=2)
-            log.info("pod %s/%s: ray exited %s", run.namespace, run.name, code)
-            restart = run.restart_policy == "Always" or (run.restart_policy == "OnFailure" and code != 0)
-            self.patch_status(run, self.terminated_status(run, pod, started_at, container_started, code, restart))
-            if not restart:
-                return
-            run.restarts += 1
-            time.sleep(min(10, 2 ** run.restarts))  # the kubelet's crash-loop back-off, shortened
+        run.volumes = paths
+        run.stage = "init" if run.inits else "main"
 
-    def fail_pull(self, run: PodRun, pod, started_at: str) -> None:
-        """What a kubelet reports for an image it cannot pull: ErrImagePull, then
-        ImagePullBackOff until the next try, with a growing back-off (shortened here)."""
-        image = pod.spec.containers[0].image
-        host = registry_host(image)
-        tries = 0
-        while not run.stopping and not self.stop_event.is_set():
-            tries += 1
-            self.patch_status(run, self.waiting_status(run, pod, started_at, "ErrImagePull", (
-                f'failed to pull and unpack image "{image}": failed to resolve reference "{image}": '
-                f"dial tcp: lookup {host}: no such host")))
-            if self.stop_event.wait(1) or run.stopping:
-                return
-            self.patch_status(run, self.waiting_status(run, pod, started_at, "ImagePullBackOff",
-                                                       f'Back-off pulling image "{image}"'))
-            self.stop_event.wait(min(10, 2 ** tries))
+    def materialize(self, run: PodRun, name: str, plan: VolumePlan) -> str:
+        if plan.kind == "host":
+            if not Path(plan.path).is_dir():
+                raise MountError(f"{plan.path} is not a directory on the node")
+            return plan.path
+        path = (run.shm if plan.kind == "memory" else run.dir / "volumes") / name
+        path.mkdir(parents=True, exist_ok=True)
+        for relative, (data, mode) in plan.files.items():
+            target = path / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            target.chmod(mode)
+        return str(path)
 
-    def wait_for_head(self, run: PodRun) -> PodRun | None:
-        while not run.stopping and not self.stop_event.is_set():
-            head = self.heads.get(run.cluster_uid)
-            if head is not None and head.ready and head.gcs_address:
-                return head
-            time.sleep(0.5)
-        return None
+    def mounts(self, run: PodRun, container: dict, env: dict) -> list[dict]:
+        """The pod's own /tmp, HOME and /dev/shm, the cluster's names as /etc/hosts, then the
+        container's volumeMounts (podspec.mount_targets)."""
+        own = [{"source": str(run.dir / "tmp"), "target": "/tmp"},
+               {"source": str(run.dir / "home"), "target": POD_HOME},
+               {"source": str(run.shm), "target": "/dev/shm"},
+               {"source": str(self.hosts_file), "target": "/etc/hosts", "readOnly": True}]
+        volume_mounts = mount_targets(container, run.volumes or {}, env)
+        for m in volume_mounts:  # a kubelet creates a missing subPath in the volume
+            if m.pop("subPath") and not os.path.lexists(m["source"]):
+                os.makedirs(m["source"], exist_ok=True)
+        return own + volume_mounts
 
-    def wait_ready(self, run: PodRun, env: dict) -> bool:
-        # The head's own token, from its resolved environment (KubeRay's secretKeyRef).
-        token = env.get("RAY_AUTH_TOKEN", "")
-        while run.proc.poll() is None and not run.stopping:
-            if run.head:
-                request = urllib.request.Request(
-                    f"http://{run.ip}:{DASHBOARD_PORT}/api/version",
-                    headers={"Authorization": f"Bearer {token}"} if token else {})
-                try:
-                    with urllib.request.urlopen(request, timeout=2) as response:
-                        if response.status == 200:
-                            return True
-                except OSError:
-                    pass
-            else:
-                try:
-                    if b"Ray runtime started" in run.log_path.read_bytes()[-20000:]:
-                        return True
-                except OSError:
-                    pass
-            time.sleep(0.5)
-        return False
+    def image_bin(self, image: str) -> Path:
+        """Where the image's Python and console scripts (ray, tpufinetune-train) are."""
+        venv = self.images.get(image_repository(image))
+        return venv / "bin" if venv else Path(sys.executable).parent
 
-    def environment(self, run: PodRun, pod, container, node_labels: dict) -> dict | None:
-        """What a kubelet gives the container, never the agent's own environment: a minimal
-        base, the kubelet's additions and the pod spec's env. The node-level additions
-        (HF_*_OFFLINE, PYTHONPATH of a development tree) are listed in tests/README.md."""
-        home = run.temp_dir / "home"
-        home.mkdir(parents=True, exist_ok=True)
+    def environment(self, run: PodRun, pod, container: dict, node_labels: dict, tpu: bool = True) -> dict:
+        """What a kubelet gives the container, never the agent's own environment: the
+        image's, the ground's node-level additions (self.node_env), the pod spec's env
+        (podspec.container_env) and the service variables. Raises ConfigError for a missing
+        Secret, ConfigMap or key."""
         # The pod's image is this machine's environment: its Python and its console scripts.
-        env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}/usr/local/bin:/usr/bin:/bin",
-               "HOME": str(home), "TMPDIR": str(run.temp_dir), "LANG": "C.UTF-8",
-               "HOSTNAME": run.name, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "443",
-               "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
-               # Nothing can be downloaded on the ground: models and datasets are local.
-               "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        if os.environ.get("PYTHONPATH"):  # a development tree the agent itself runs from
-            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-        env[MARKER_ENV] = run.marker
-        field_values = {
-            "metadata.name": run.name, "metadata.namespace": run.namespace,
-            "metadata.uid": run.uid, "status.podIP": run.ip, "spec.nodeName": run.node,
-            "status.hostIP": "127.0.0.1",
+        image = container.get("image") or ""
+        base = {"PATH": f"{self.image_bin(image)}{os.pathsep}/usr/local/bin:/usr/bin:/bin",
+                "HOME": POD_HOME, "LANG": "C.UTF-8", "HOSTNAME": pod.spec.hostname or run.name,
+                **self.node_env}
+        if image_repository(image) in self.images:
+            base.pop("PYTHONPATH", None)  # the image carries its own copy of the project
+        fields = {
+            "metadata.name": run.name, "metadata.namespace": run.namespace, "metadata.uid": run.uid,
+            "status.podIP": run.ip, "status.podIPs": run.ip, "spec.nodeName": run.node,
+            "spec.serviceAccountName": pod.spec.service_account_name or "default",
+            "status.hostIP": "127.0.0.1", "status.hostIPs": "127.0.0.1",
         }
-        for item in container.env or []:
-            if item.value is not None:
-                env[item.name] = _expand(item.value, env)
-            elif item.value_from is not None and item.value_from.field_ref is not None:
-                path = item.value_from.field_ref.field_path
-                if path in field_values:
-                    env[item.name] = field_values[path]
-                elif path.startswith("metadata.labels['"):
-                    env[item.name] = (pod.metadata.labels or {}).get(path[17:-2], "")
-            elif item.value_from is not None and item.value_from.secret_key_ref is not None:
-                ref = item.value_from.secret_key_ref
-                try:
-                    secret = self.core.read_namespaced_secret(ref.name, run.namespace)
-                    env[item.name] = base64.b64decode((secret.data or {})[ref.key]).decode()
-                except (ApiException, KeyError):
-                    if ref.optional:
-                        continue
-                    self.patch_status(run, {"status": {"containerStatuses": [{
-                        "name": container.name, "ready": False, "restartCount": 0, "image": container.image,
-                        "imageID": "", "state": {"waiting": {"reason": "CreateContainerConfigError",
-                        "message": f'secret "{ref.name}" key "{ref.key}" not found'}}}]}})
-                    return None
+        env = container_env(self.api.sanitize_for_serialization(pod), container, base=base, fields=fields,
+                            services=self.service_variables(pod), lookup=self.lookup(run.namespace))
         accelerator = node_labels.get(ACCELERATOR_LABEL)
-        if accelerator and not run.head:
+        if tpu and accelerator and not run.head:
             topology = node_labels.get(TOPOLOGY_LABEL, "")
-            slice_key = (run.cluster_uid, pod.metadata.labels.get("ray.io/group", ""))
-            members = self.slice_ids.setdefault(slice_key, [])
-            members.append(run.uid)
-            # GKE numbers the hosts of a slice 0..n-1; one slice per worker-group replica.
-            hosts = max(1, chips_in(topology) // max(1, self.nodes[run.node][1]))
-            replica, worker_id = divmod(len(members) - 1, hosts)
-            slice_name = f"{run.cluster}-{slice_key[1]}-{replica}"
-            env.update(tpu_environment(topology, worker_id, slice_name,
-                                       [f"host-{i}" for i in range(hosts)],
+            hosts = max(1, chips_in(topology) // max(1, (self.node(run.node) or ({}, 1))[1]))
+            host = tpu_host(pod.metadata.labels or {}, hosts)  # as GKE's TPU webhook: from KubeRay's labels
+            env.update(tpu_environment(topology, host.worker_id, host.slice_name, list(host.hostnames),
                                        RAY_ACCELERATOR_BY_LABEL.get(accelerator, "")))
         return env
 
-    def terminate(self, run: PodRun, grace: float) -> None:
-        with run.lock:
-            run.stopping = True
-        _sigterm_main(run)
-        kill_marked(run.marker, grace=max(1.0, min(grace, 30.0)))
-        if run.proc is not None:
+    def service_variables(self, pod) -> dict:
+        """The Services of the pod's namespace (with enableServiceLinks) and the API
+        server's, as a kubelet injects them; KUBERNETES_SERVICE_* name the real API server
+        (no ClusterIP routes on the ground)."""
+        services = []
+        if pod.spec.enable_service_links is not False:
+            services = self.api.sanitize_for_serialization(
+                self.core.list_namespaced_service(pod.metadata.namespace)).get("items") or []
+        services = [s for s in services if s["metadata"]["name"] != "kubernetes"]
+        host, port = self.api_server
+        services.append({"metadata": {"name": "kubernetes"}, "spec": {
+            "clusterIP": host, "ports": [{"name": "https", "port": int(port), "protocol": "TCP"}]}})
+        return service_env(services)
+
+    # -- containers
+
+    def start_container(self, run: PodRun) -> None:
+        pod = run.pod
+        body = self.api.sanitize_for_serialization(pod)
+        node_labels = self.node(run.node)[0]
+        c = run.container
+        init = run.stage == "init"
+        spec = body["spec"]["initContainers"][run.init_index] if init else body["spec"]["containers"][0]
+        if run.ray and not run.head:  # a worker reaches its head's GCS: wait for its address
+            head = self.heads.get(run.cluster_uid)
+            if head is None or not head.gcs_address or (not init and not head.ready):
+                run.next_try = time.monotonic() + 0.5
+                return
+            run.gcs_address = head.gcs_address
+        try:
+            if init:
+                env = self.environment(run, pod, spec, node_labels, tpu=False)
+            else:
+                if run.main_env is None:  # once: the TPU worker id is handed out here
+                    run.main_env = self.environment(run, pod, spec, node_labels)
+                env = dict(run.main_env)
+            argv = self.command(run, spec, env, init)
+            mounts = self.mounts(run, spec, env)
+        except ConfigError as error:
+            c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(error)}}
+            run.next_try = time.monotonic() + 2
+            return
+        except (MountError, ValueError) as error:  # a subPath outside its volume, no command
+            c.state = {"waiting": {"reason": "CreateContainerError", "message": str(error)}}
+            run.next_try = time.monotonic() + 2
+            return
+        cgroup = run.cgroup / spec["name"]
+        podcgroup.remove(cgroup)  # a restarted container starts with a fresh one
+        limit = ((spec.get("resources") or {}).get("limits") or {}).get("memory")
+        podcgroup.create(cgroup, int(parse_quantity(limit)) if limit else None)
+        sandbox = run.dir / f"{spec['name']}.json"
+        sandbox.write_text(json.dumps({"cgroup": str(cgroup), "mounts": mounts,
+                                       "cwd": spec.get("workingDir") or POD_HOME, "argv": argv}))
+        run.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(run.log_path, "ab") as out:
+            out.write(f"\n---- {now()} {spec['name']}: {shlex.join(argv)}\n".encode())
+            out.flush()
+            run.log_offset = out.tell()
+            run.proc = subprocess.Popen([sys.executable, "-I", str(HERE / "podsandbox.py"), str(sandbox)],
+                                        env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True)
+        run.oom = False
+        c.state = {"running": {"startedAt": now()}}
+        c.container_id = f"ground://{run.proc.pid}"
+
+    def command(self, run: PodRun, spec: dict, env: dict, init: bool) -> list[str]:
+        if init:
+            argv = plain_command(spec, env)
+            return [health_check_to_gcs(word, run.gcs_address) for word in argv] if run.ray and run.gcs_address else argv
+        exit_with = (run.pod.metadata.annotations or {}).get(EXIT_CODE_ANNOTATION)
+        if exit_with is not None:  # asked to crash: the container's command fails at once
+            return [str(self.image_bin(spec.get("image") or "") / "python"), "-c",
+                    f"import sys; print('asked to exit {int(exit_with)}'); sys.exit({int(exit_with)})"]
+        if not run.ray:
+            return plain_command(spec, env)
+        # On every address: Ray's GCS and some agents listen on 0.0.0.0.
+        names = ("gcs", "metrics", "agent_http", "agent_grpc", "runtime_env", "client")
+        ports = dict(zip(names, free_ports(len(names), "0.0.0.0")))
+        if run.head:
+            run.gcs_address = f"{run.ip}:{ports['gcs']}"
+        # KubeRay's RAY_ADDRESS / RAY_PORT name port 6379 on the head; here the GCS
+        # listens where the agent put it.
+        env.update(RAY_ADDRESS=run.gcs_address, RAY_PORT=run.gcs_address.rsplit(":", 1)[1])
+        return [str(self.image_bin(spec.get("image") or "") / "ray"), "start",
+                *rewrite_ray_start(ray_start_args(spec), head=run.head, ip=run.ip, temp_dir="/tmp/ray",
+                                   gcs_address=run.gcs_address, ports=ports)]
+
+    def sync_running(self, run: PodRun) -> None:
+        c = run.container
+        cgroup = run.cgroup / c.name
+        if not run.oom and podcgroup.oom_kills(cgroup):
+            # Kubernetes (cgroup v2, memory.oom.group) kills the whole container.
+            run.oom = True
+            podcgroup.kill_all(cgroup)
+        code = run.proc.poll()
+        if code is None:
+            if run.stage == "main" and not run.ready and self.answers(run):
+                run.ready = c.ready = True
+            return
+        run.proc = None
+        run.ready = c.ready = False
+        podcgroup.kill_all(cgroup)  # the container's processes end with its main one
+        code = 137 if run.oom else exit_code(code)
+        reason = "OOMKilled" if run.oom else "Error" if code else "Completed"
+        log.info("pod %s/%s: container %s exited %s (%s): %s", run.namespace, run.name, c.name, code, reason,
+                 last_line(run.log_path, run.log_offset))
+        c.state = {"terminated": {"exitCode": code, "reason": reason, "startedAt": c.state["running"]["startedAt"],
+                                  "finishedAt": now(), "containerID": c.container_id}}
+        if run.stage == "init" and code == 0:
+            run.init_index += 1
+            if run.init_index == len(run.inits):
+                run.stage = "main"
+            return
+        if run.restart_policy == "Always" or (run.restart_policy == "OnFailure" and code != 0):
+            run.crashed = True
+            run.next_try = time.monotonic() + 1
+        else:
+            run.stage = "done"
+
+    def answers(self, run: PodRun) -> bool:
+        """Readiness, decided by the agent: the head's dashboard answers, a worker's
+        `ray start` registered it, any other container has started."""
+        if not run.ray:
+            return True
+        if run.head:
+            token = (run.main_env or {}).get("RAY_AUTH_TOKEN", "")  # KubeRay's secretKeyRef
+            request = urllib.request.Request(f"http://{run.ip}:{DASHBOARD_PORT}/api/version",
+                                             headers={"Authorization": f"Bearer {token}"} if token else {})
             try:
-                run.proc.wait(5)
+                with urllib.request.urlopen(request, timeout=2) as response:
+                    return response.status == 200
+            except OSError:
+                return False
+        try:
+            with open(run.log_path, "rb") as f:
+                f.seek(run.log_offset)
+                return b"Ray runtime started" in f.read()
+        except OSError:
+            return False
+
+    # -- status and events: one builder, written when it changes
+
+    def pod_status(self, run: PodRun) -> dict:
+        initialized = run.stage in ("main", "done") and not (run.stage == "done" and run.init_index < len(run.inits))
+        ready = run.stage == "main" and run.ready
+        if run.stage == "done":
+            codes = [c.state.get("terminated", {}).get("exitCode", 1) for c in (run.mains if initialized else run.inits)]
+            phase = "Succeeded" if initialized and not any(codes) else "Failed"
+        elif run.stage == "main" and (run.proc is not None or run.mains[0].restarts or run.crashed):
+            phase = "Running"
+        else:
+            phase = "Pending"
+        stamp = now()
+        for kind, value in (("PodScheduled", True), ("Initialized", initialized),
+                            ("ContainersReady", ready), ("Ready", ready)):
+            if run.conditions.get(kind, (None,))[0] != value:
+                run.conditions[kind] = (value, stamp)
+        mains = run.mains
+        if run.stage in ("init", "setup"):
+            waiting = {"waiting": {"reason": "PodInitializing" if run.stage == "init" else "ContainerCreating"}}
+            mains = [dataclasses.replace(c, state=waiting) for c in run.mains]
+        elif len(run.mains) > 1:  # only the first container runs; the others report as it does
+            mains = [run.mains[0]] + [dataclasses.replace(run.mains[0], name=c.name, image=c.image) for c in run.mains[1:]]
+        status = {"phase": phase, "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
+                  "startTime": run.started_at, "podIP": run.ip, "podIPs": [{"ip": run.ip}],
+                  "conditions": [{"type": kind, "status": "True" if value else "False", "lastTransitionTime": since,
+                                  "lastProbeTime": None} for kind, (value, since) in run.conditions.items()],
+                  "containerStatuses": [c.as_status() for c in mains]}
+        if run.inits:
+            status["initContainerStatuses"] = [c.as_status() for c in run.inits]
+        return status
+
+    def write_status(self, run: PodRun) -> None:
+        status = self.pod_status(run)
+        text = json.dumps(status, sort_keys=True)
+        if text == run.written:
+            return
+        try:
+            self.core.patch_namespaced_pod_status(run.name, run.namespace, {"status": status})
+            run.written = text
+        except ApiException as error:
+            if error.status != 404:
+                log.warning("status of %s/%s: %s", run.namespace, run.name, error)
+
+    def patch_status(self, run: PodRun, patch: dict) -> None:
+        """A status written by another part of the kubelet (nodelife.py: the node shutdown
+        manager's Failed/Terminated), not by pod_status."""
+        try:
+            self.core.patch_namespaced_pod_status(run.name, run.namespace, patch)
+        except ApiException as error:
+            if error.status != 404:
+                log.warning("status of %s/%s: %s", run.namespace, run.name, error)
+
+    def event(self, run: PodRun, reason: str, message: str) -> None:
+        """A Warning event on the pod, once per distinct message (a kubelet repeats them)."""
+        if message in run.event_messages:
+            return
+        run.event_messages.add(message)
+        log.info("pod %s/%s: %s: %s", run.namespace, run.name, reason, message)
+        stamp = now()
+        try:
+            self.core.create_namespaced_event(run.namespace, {
+                "metadata": {"generateName": f"{run.name}."},
+                "involvedObject": {"kind": "Pod", "namespace": run.namespace, "name": run.name, "uid": run.uid,
+                                   "apiVersion": "v1"},
+                "reason": reason, "message": message, "type": "Warning", "count": 1,
+                "firstTimestamp": stamp, "lastTimestamp": stamp,
+                "source": {"component": "kubelet", "host": run.node}})
+        except ApiException as error:
+            log.warning("event on %s/%s: %s", run.namespace, run.name, error)
+
+    # -- deletion: one path
+
+    def begin_stop(self, run: PodRun, grace: float) -> None:
+        """A kubelet's killContainer: the preStop hook first, then SIGTERM to the container's
+        main process (PID 1 of a container), SIGKILL to all that is left once it has exited
+        or the grace period is over (sync_stop)."""
+        run.deleting = True
+        run.stop_deadline = time.monotonic() + max(1.0, min(grace, MAX_GRACE_SECONDS))
+        run.hook = self.start_pre_stop(run)
+        if run.hook is None:
+            self.terminate_main(run)
+
+    def start_pre_stop(self, run: PodRun) -> subprocess.Popen | None:
+        """The main container's preStop exec hook, run as a kubelet execs it: inside the
+        container (its mount namespace, cgroup and environment), before any signal."""
+        if run.stage != "main" or run.proc is None or run.proc.poll() is not None or run.main_env is None:
+            return None
+        spec = self.api.sanitize_for_serialization(run.pod)["spec"]["containers"][0]
+        command = (((spec.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
+        sandbox = run.dir / f"{spec['name']}.json"
+        if not command or not sandbox.exists():
+            return None
+        hook = run.dir / f"{spec['name']}-prestop.json"
+        hook.write_text(json.dumps({**json.loads(sandbox.read_text()), "argv": list(command)}))
+        with open(run.log_path, "ab") as out:
+            out.write(f"\n---- {now()} {spec['name']}: preStop {shlex.join(command)}\n".encode())
+            out.flush()
+            return subprocess.Popen([sys.executable, "-I", str(HERE / "podsandbox.py"), str(hook)],
+                                    env=dict(run.main_env), stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def run_pre_stop(self, run: PodRun, grace: float) -> None:
+        """The hook, waited for (graceful node shutdown runs it from its own thread)."""
+        hook = self.start_pre_stop(run)
+        if hook is not None:
+            try:
+                hook.wait(max(grace, 1.0))
             except subprocess.TimeoutExpired:
                 pass
-        # The container's files go with it, as a kubelet removes them (the pod's log stays
-        # under the ground's workdir).
-        shutil.rmtree(run.temp_dir, ignore_errors=True)
+            self.end_pre_stop(run, hook)
+
+    def end_pre_stop(self, run: PodRun, hook: subprocess.Popen) -> None:
+        if hook.poll() is None:  # past the grace period: the kubelet stops waiting for it
+            hook.kill()
+            outcome = "killed at the end of the grace period"
+        else:
+            outcome = f"exited {hook.returncode}"
+        hook.wait()
+        log.info("pod %s/%s: preStop hook %s", run.namespace, run.name, outcome)
+
+    @staticmethod
+    def terminate_main(run: PodRun) -> None:
+        if run.proc is not None and run.proc.poll() is None:
+            os.kill(run.proc.pid, signal.SIGTERM)
+
+    def sync_stop(self, run: PodRun) -> None:
+        now_ = time.monotonic()
+        if run.hook is not None:
+            if run.hook.poll() is None and now_ < run.stop_deadline:
+                return
+            self.end_pre_stop(run, run.hook)
+            run.hook = None
+            # A hook that took the whole grace period still leaves SIGTERM 2 s (the kubelet's).
+            run.stop_deadline = max(run.stop_deadline, now_ + 2)
+            self.terminate_main(run)
+        if run.proc is not None and run.proc.poll() is None and now_ < run.stop_deadline:
+            return
+        # The main process has exited: as when a container's PID 1 ends, the kernel kills
+        # the rest of its processes (remove).
+        self.remove(run)
         self.confirm_deletion(run.namespace, run.name, run.uid)
+
+    def remove(self, run: PodRun) -> None:
+        """The pod's processes, cgroups and files go with it, as a kubelet removes them
+        (its log stays under the ground's workdir)."""
+        podcgroup.remove(run.cgroup)
+        if run.proc is not None:
+            run.proc.wait()
+        shutil.rmtree(run.dir, ignore_errors=True)
+        shutil.rmtree(run.shm, ignore_errors=True)
         self.runs.pop(run.uid, None)
         if self.heads.get(run.cluster_uid) is run:
             del self.heads[run.cluster_uid]
@@ -556,99 +897,21 @@ class NodeAgent:
             if error.status not in (404, 409):
                 log.warning("confirming deletion of %s/%s: %s", namespace, name, error)
 
-    # -- pod status
-
-    def patch_status(self, run: PodRun, patch: dict) -> None:
-        try:
-            self.core.patch_namespaced_pod_status(run.name, run.namespace, patch)
-        except ApiException as error:
-            if error.status != 404:
-                log.warning("status of %s/%s: %s", run.namespace, run.name, error)
-
-    def _base(self, run: PodRun, pod, started_at: str) -> dict:
-        return {"hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}], "podIP": run.ip,
-                "podIPs": [{"ip": run.ip}], "startTime": started_at,
-                "initContainerStatuses": [
-                    {"name": c.name, "ready": True, "restartCount": 0, "image": c.image, "imageID": "",
-                     "started": False, "state": {"terminated": {"exitCode": 0, "reason": "Completed",
-                                                                "startedAt": started_at, "finishedAt": started_at}}}
-                    for c in pod.spec.init_containers or []]}
-
-    def pending_status(self, run: PodRun, pod, started_at: str) -> dict:
-        status = self._base(run, pod, started_at)
-        status.update(phase="Pending", conditions=_conditions(started_at, initialized=True, ready=False),
-                      containerStatuses=[_container(c, False, {"waiting": {"reason": "ContainerCreating"}}, 0)
-                                         for c in pod.spec.containers])
-        return {"status": status}
-
-    def waiting_status(self, run: PodRun, pod, started_at: str, reason: str, message: str) -> dict:
-        status = self._base(run, pod, started_at)
-        status.update(phase="Pending", conditions=_conditions(started_at, initialized=True, ready=False),
-                      containerStatuses=[_container(c, False, {"waiting": {"reason": reason, "message": message}}, 0)
-                                         for c in pod.spec.containers])
-        return {"status": status}
-
-    def running_status(self, run: PodRun, pod, started_at: str, container_started: str) -> dict:
-        status = self._base(run, pod, started_at)
-        pid = run.proc.pid if run.proc else 0
-        status.update(phase="Running", conditions=_conditions(now(), initialized=True, ready=True),
-                      containerStatuses=[_container(c, True, {"running": {"startedAt": container_started}},
-                                                    run.restarts, f"ray-process://{pid}")
-                                         for c in pod.spec.containers])
-        return {"status": status}
-
-    def terminated_status(self, run: PodRun, pod, started_at: str, container_started: str, code: int,
-                          restarting: bool) -> dict:
-        status = self._base(run, pod, started_at)
-        terminated = {"exitCode": code if code >= 0 else 128 - code, "reason": "Error" if code else "Completed",
-                      "startedAt": container_started, "finishedAt": now()}
-        if restarting:
-            state = {"waiting": {"reason": "CrashLoopBackOff", "message": f"ray exited {code}; restarting"}}
-            containers = [dict(_container(c, False, state, run.restarts + 1), lastState={"terminated": terminated})
-                          for c in pod.spec.containers]
-            phase = "Running"
-        else:
-            containers = [_container(c, False, {"terminated": terminated}, run.restarts) for c in pod.spec.containers]
-            phase = "Failed" if code else "Succeeded"
-        status.update(phase=phase, conditions=_conditions(now(), initialized=True, ready=False),
-                      containerStatuses=containers)
-        return {"status": status}
-
     # -- the watch loops
 
     def watch_pods(self) -> None:
-        resource_version = None
-        while not self.stop_event.is_set():
-            try:
-                if resource_version is None:
-                    listing = self.core.list_pod_for_all_namespaces()
-                    self.pods = {pod.metadata.uid: pod for pod in listing.items}
-                    for pod in listing.items:
-                        self.handle(pod)
-                    resource_version = listing.metadata.resource_version
-                stream = watch.Watch().stream(self.core.list_pod_for_all_namespaces,
-                                              resource_version=resource_version, timeout_seconds=60)
-                for event in stream:
-                    pod = event["object"]
-                    resource_version = pod.metadata.resource_version
-                    if event["type"] == "DELETED":
-                        self.pods.pop(pod.metadata.uid, None)
-                        run = self.runs.get(pod.metadata.uid)
-                        if run is not None and not run.stopping:
-                            run.stopping = True
-                            threading.Thread(target=self.terminate, args=(run, 0), daemon=True).start()
-                        continue
-                    self.pods[pod.metadata.uid] = pod
-                    self.handle(pod)
-            except ApiException as error:
-                if error.status == 410:  # expired: list again
-                    resource_version = None
-                else:
-                    log.warning("pod watch: %s", error)
-                    time.sleep(1)
-            except Exception as error:  # the API server restarting, a dropped stream
-                log.warning("pod watch: %s", error)
-                time.sleep(1)
+        def listed(items) -> None:
+            self.pods = {pod.metadata.uid: pod for pod in items}
+            self.wake.set()
+
+        def event(kind: str, pod) -> None:
+            if kind == "DELETED":
+                self.pods.pop(pod.metadata.uid, None)
+            else:
+                self.pods[pod.metadata.uid] = pod
+            self.wake.set()
+
+        list_and_watch(self.core.list_pod_for_all_namespaces, listed, event, self.stop_event, "pod")
 
     def resolve_services(self) -> None:
         """Cluster DNS: each Service name -> the IPs of the ready pods its selector picks
@@ -674,42 +937,14 @@ class NodeAgent:
 
     def shutdown(self) -> None:
         self.stop_event.set()
-        for run in list(self.runs.values()):
-            run.stopping = True
-            _sigterm_main(run)
-        kill_marked(self.ground_id, grace=10)
-        for run in list(self.runs.values()):
-            shutil.rmtree(run.temp_dir, ignore_errors=True)
-
-
-def _sigterm_main(run: PodRun) -> None:
-    """What a kubelet does first: SIGTERM the container's main process (its group)."""
-    if run.proc is not None and run.proc.poll() is None:
-        try:
-            os.killpg(run.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-
-
-def _expand(value: str, env: dict) -> str:
-    # $(VAR) references, as the kubelet expands them.
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), value)
-
-
-def _conditions(at: str, initialized: bool, ready: bool) -> list[dict]:
-    def condition(kind: str, value: bool) -> dict:
-        return {"type": kind, "status": "True" if value else "False", "lastTransitionTime": at,
-                "lastProbeTime": None}
-    return [condition("PodScheduled", True), condition("Initialized", initialized),
-            condition("ContainersReady", ready), condition("Ready", ready)]
-
-
-def _container(c, ready: bool, state: dict, restarts: int, container_id: str = "") -> dict:
-    status = {"name": c.name, "ready": ready, "started": ready, "restartCount": restarts,
-              "image": c.image, "imageID": "", "state": state}
-    if container_id:
-        status["containerID"] = container_id
-    return status
+        self.wake.set()
+        podcgroup.signal_all(self.cgroup, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while podcgroup.procs(self.cgroup) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        podcgroup.remove(self.cgroup)
+        shutil.rmtree(self.pods_dir, ignore_errors=True)
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:
@@ -719,15 +954,34 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hosts-file", required=True, type=Path)
     parser.add_argument("--ip-prefix", required=True, help="127.N: pods get 127.N.x.y")
     parser.add_argument("--ground-id", required=True)
+    parser.add_argument("--node-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="a variable every pod gets, as the node adds it (repeatable)")
+    parser.add_argument("--image-env", action="append", default=[], metavar="REPOSITORY=VENV",
+                        help="pods of images named REPOSITORY run the environment VENV (repeatable)")
+    parser.add_argument("--gcs-root", type=Path, default=None,
+                        help="the GCS emulator's directory of buckets: gcsfuse CSI volumes mount <dir>/<bucket>")
     args = parser.parse_args(argv)
+    node_env = {}
+    for item in args.node_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--node-env {item!r}: use KEY=VALUE")
+        node_env[key] = value
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config.load_kube_config(args.kubeconfig)
-    agent = NodeAgent(client.ApiClient(), args.workdir, args.hosts_file, args.ip_prefix, args.ground_id)
+    api = client.ApiClient()
+    agent = NodeAgent(api, args.workdir, args.hosts_file, args.ip_prefix, args.ground_id,
+                      gcs_root=args.gcs_root, node_env=node_env,
+                      images={k: Path(v) for k, _, v in (item.partition("=") for item in args.image_env)})
+    provisioner = Provisioner(api, args.workdir / "volumes")
+    provisioner.install()
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: agent.stop_event.set())
-    threading.Thread(target=agent.watch_pods, daemon=True).start()
-    threading.Thread(target=agent.resolve_services, daemon=True).start()
-    (args.workdir / "nodeagent.ready").write_text(json.dumps({"pid": os.getpid()}))
+    for loop in (agent.watch_pods, agent.sync_loop, agent.resolve_services, lambda: provisioner.run(agent.stop_event)):
+        threading.Thread(target=loop, daemon=True).start()
+    agent.life.start()
+    # The node-level variables every pod gets, for tests to tell them from the spec's.
+    (args.workdir / "nodeagent.ready").write_text(json.dumps({"pid": os.getpid(), "node_env": sorted(agent.node_env)}))
     agent.stop_event.wait()
     agent.shutdown()
     return 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tpufinetune.core.generations import (
     ACCELERATOR_LABEL,
+    SPOT_LABEL,
     TOPOLOGY_LABEL,
     TPU_RESOURCE,
     chips_in,
@@ -27,6 +28,13 @@ MACHINE_FAMILY_LABEL = "cloud.google.com/machine-family"
 # Marks the nodes whose pods the ground's node agent runs.
 SIMULATED_LABEL = "tpufinetune.dev/simulated-node"
 TPU_TAINT = {"key": TPU_RESOURCE, "value": "present", "effect": "NoSchedule"}
+# A Spot pool: GKE labels its nodes cloud.google.com/gke-spot=true, and the taint below is
+# the one node auto-provisioning puts on Spot pools (and GKE's docs advise for Standard pools),
+# so only pods that tolerate preemption land there.
+SPOT_TAINT = {"key": SPOT_LABEL, "value": "true", "effect": "NoSchedule"}
+# GKE announces a host maintenance event on the node: the label's value is its start time,
+# in seconds since the epoch.
+MAINTENANCE_LABEL = "cloud.google.com/scheduled-maintenance-time"
 MAX_PODS = 110  # GKE's default maximum pods per node (Standard clusters)
 EPHEMERAL_STORAGE_GIB = 100  # the boot disk of a default GKE node pool
 
@@ -45,6 +53,7 @@ class NodePool:
     tpu_chips: int = 0  # google.com/tpu per node; 0 for CPU nodes
     accelerator: str | None = None  # cloud.google.com/gke-tpu-accelerator
     topology: str | None = None  # cloud.google.com/gke-tpu-topology
+    spot: bool = False  # Spot VMs: GKE's spot label and taint; preempt_node() ends them
 
     def node_names(self) -> list[str]:
         return [f"gke-ground-{self.name}-{i}" for i in range(self.nodes)]
@@ -64,9 +73,9 @@ def tpu_pool(name: str, generation_name: str, topology: str, nodes: int | None =
     )
 
 
-def cpu_pool(name: str = "cpu-pool", nodes: int = 3) -> NodePool:
+def cpu_pool(name: str = "cpu-pool", nodes: int = 3, spot: bool = False) -> NodePool:
     return NodePool(name=name, machine_type=CPU_MACHINE_TYPE, nodes=nodes,
-                    vcpus=CPU_MACHINE_VCPUS, memory_gib=CPU_MACHINE_MEMORY_GIB)
+                    vcpus=CPU_MACHINE_VCPUS, memory_gib=CPU_MACHINE_MEMORY_GIB, spot=spot)
 
 
 def default_pools() -> list[NodePool]:
@@ -117,11 +126,15 @@ def node_manifest(pool: NodePool, name: str) -> dict:
         MACHINE_FAMILY_LABEL: pool.machine_type.split("-", 1)[0],
         SIMULATED_LABEL: "true",
     }
-    spec: dict = {}
+    taints = []
     if pool.tpu_chips:
         labels[ACCELERATOR_LABEL] = pool.accelerator
         labels[TOPOLOGY_LABEL] = pool.topology
-        spec["taints"] = [dict(TPU_TAINT)]
+        taints.append(dict(TPU_TAINT))
+    if pool.spot:
+        labels[SPOT_LABEL] = "true"
+        taints.append(dict(SPOT_TAINT))
+    spec = {"taints": taints} if taints else {}
     return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}, "spec": spec}
 
 
@@ -154,3 +167,43 @@ def node_status(pool: NodePool, now: str) -> dict:
                      "kernelVersion": "", "osImage": "", "kubeProxyVersion": "", "machineID": "",
                      "systemUUID": "", "bootID": ""},
     }
+
+
+# ---- what GKE's TPU webhook gives a TPU worker pod ----------------------------------------
+# KubeRay labels every worker pod with its replica's index in the group and, in a multi-host
+# group, its host index within the replica (feature gate RayMultiHostIndexing, on by default
+# since KubeRay v1.5; ray-operator/controllers/ray/common/pod.go). GKE's TPU webhook derives a
+# worker's identity from the same place: TPU_WORKER_ID is the host index, TPU_NAME is
+# "<group>-<replica>", and TPU_WORKER_HOSTNAMES (multi-host only) lists the replica's hosts by
+# the names the webhook gives them under the cluster's headless worker Service.
+REPLICA_INDEX_LABEL = "ray.io/worker-group-replica-index"
+HOST_INDEX_LABEL = "ray.io/replica-host-index"
+
+
+@dataclass(frozen=True)
+class TpuHost:
+    replica: int
+    worker_id: int
+    slice_name: str
+    hostnames: tuple[str, ...]  # empty for a single-host slice
+
+
+def tpu_host(pod_labels: dict, hosts: int) -> TpuHost:
+    """A TPU worker's place in its slice, from the labels KubeRay put on its pod. Pure: a
+    replacement pod gets the index of the one it replaces, so ids never grow."""
+    def index(label: str) -> int:
+        try:
+            return int(pod_labels[label])
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"TPU worker pod has no integer {label} label (labels: {sorted(pod_labels)}); KubeRay sets it "
+                "with its RayMultiHostIndexing feature gate (on by default since v1.5)") from None
+
+    replica = index(REPLICA_INDEX_LABEL)
+    worker_id = index(HOST_INDEX_LABEL) if hosts > 1 else 0
+    if not 0 <= worker_id < hosts:
+        raise ValueError(f"{HOST_INDEX_LABEL}={worker_id} is outside a slice of {hosts} hosts")
+    group, cluster = pod_labels.get("ray.io/group", ""), pod_labels.get("ray.io/cluster", "")
+    slice_name = f"{group}-{replica}"
+    hostnames = tuple(f"{slice_name}-{i}.{cluster}-headless-worker-svc" for i in range(hosts)) if hosts > 1 else ()
+    return TpuHost(replica, worker_id, slice_name, hostnames)

@@ -2,7 +2,8 @@
 TPUFT_CLUSTER_KIND=controlplane, only etcd + kube-apiserver) kept running in the background
 by a detached supervisor process, for use by hand.
 
-    python tests/harness/supervisor.py up      # detached; prints `export KUBECONFIG=...` and `export PATH=...`
+    python tests/harness/supervisor.py up      # detached; prints `export KUBECONFIG=...`, `export PATH=...`
+                                               # and (the ground) `export STORAGE_EMULATOR_HOST=...`
     python tests/harness/supervisor.py status
     python tests/harness/supervisor.py down
 """
@@ -40,20 +41,37 @@ def _read_state() -> dict | None:
 
 
 def _export_lines(state: dict) -> str:
-    return f"export KUBECONFIG={state['kubeconfig']}\nexport PATH={state['bin_dir']}:$PATH"
+    lines = [f"export KUBECONFIG={state['kubeconfig']}", f"export PATH={state['bin_dir']}:$PATH"]
+    if state.get("storage_emulator_host"):  # the ground's Cloud Storage, for gs:// by hand
+        lines.append(f"export STORAGE_EMULATOR_HOST={state['storage_emulator_host']}")
+    return "\n".join(lines)
 
 
 def _start_stack(workdir: Path):
-    """What `up` runs: the whole test ground with the operator (harness/ground.py), or,
-    with TPUFT_CLUSTER_KIND=controlplane, only etcd + kube-apiserver with the CRDs."""
+    """What `up` runs: the whole test ground with the operator (harness/ground.py) and Kueue,
+    or, with TPUFT_CLUSTER_KIND=controlplane, only etcd + kube-apiserver with the CRDs."""
     if os.environ.get("TPUFT_CLUSTER_KIND", "ground") == "controlplane":
         cp, _ = start_with_crds(workdir=workdir, out=sys.stdout)
         return cp, cp
     from ground import Ground
 
     ground = Ground(workdir=workdir, with_operator=True).start()
+    try:
+        start_queues(ground)
+    except BaseException:
+        ground.stop()
+        raise
     print(f"ground: up in {sum(ground.timings.values()):.1f}s {ground.timings}", flush=True)
     return ground, ground.cp
+
+
+def start_queues(ground, namespace: str = "default"):
+    """Kueue with the ground's queues (harness/kueue.py), and their LocalQueues in
+    `namespace`, so deploy/samples/finetune-v6e-4x4-queued.yaml applies as it is. Stopped
+    with the ground."""
+    kueue = ground.start_kueue()
+    kueue.add_local_queues(namespace)
+    return kueue
 
 
 def _serve() -> int:
@@ -80,6 +98,7 @@ def _serve() -> int:
             "version": cp.version,
             "pids": stack.pids,
             "kuberay_crd": str(KUBERAY_CRD) if KUBERAY_CRD.is_file() else None,
+            "storage_emulator_host": stack.gcs.endpoint if getattr(stack, "gcs", None) else None,
         })
         while not stop.wait(1.0):
             if not stack.alive():

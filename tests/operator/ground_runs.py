@@ -12,15 +12,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from harness.operator_process import OperatorProcess
 
 
-def resource(name: str, assets, storage, mode: str = "finetune", epochs: int = 2, **extra) -> dict:
+def resource(name: str, assets, storage: str, mode: str = "finetune", epochs: int = 2, **extra) -> dict:
+    """A cpu run of topology "2". `assets` is the `ground_assets` fixture and `storage` a gs://
+    prefix (the `storage` fixture): pods read nothing from this machine's paths."""
     spec = {
         "tpu": {"generation": "cpu", "topology": "2"},
         "mode": mode,
         "image": "registry.example/tpufinetune-trainer:test",
-        "model": {"id": str(assets.model)},
-        "dataset": {"id": str(assets.data), "split": "train"},
+        "model": {"id": assets.model},
+        "dataset": {"id": assets.data, "split": "train"},
         "training": {"epochs": epochs, "batchSizePerDevice": 4, "maxSeqLen": 128},
-        "checkpoint": {"storagePath": str(storage)},
+        "checkpoint": {"storagePath": storage},
     }
     for key, value in extra.items():
         spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value

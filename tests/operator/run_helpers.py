@@ -9,6 +9,7 @@ import functools
 import time
 
 from tpufinetune.core.phases import ClusterView
+from tpufinetune.core.podstatus import HEALTHY
 from tpufinetune.settings import Settings
 
 
@@ -21,7 +22,7 @@ def in_loop(test):
 
 
 SPEC = {"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
-        "checkpoint": {"storagePath": "/tmp/unused"}}
+        "checkpoint": {"storagePath": "gs://tpufinetune-ground/unused"}}
 
 
 class MemoryCluster:
@@ -40,6 +41,7 @@ class MemoryCluster:
         self.cancel_next_observe = False
         self.write_times: list[float] = []
         self.ready = True  # once it exists
+        self.health = HEALTHY  # what the slice's pods say once a job ended
 
     async def observe(self, ident, name):
         if self.cancel_next_observe:  # a cancelled inner future, not a cancellation of the run
@@ -61,6 +63,10 @@ class MemoryCluster:
     async def ray_token(self, ident):
         return None  # the head takes RayJobs' own headers
 
+    async def slice_health(self, ident, name, since, hosts):
+        self.calls.append("slice_health")
+        return self.health
+
     async def write_status(self, ident, patch, new, resource_version):
         self.calls.append(f"status:{new.get('phase')}")
         self.write_times.append(time.monotonic())
@@ -74,6 +80,9 @@ class MemoryCluster:
 
     def record(self, ident, type_, reason, message):
         self.events.append(reason)
+
+    async def maintenance(self, ident, cluster):
+        return ()  # no node of this cluster has maintenance scheduled
 
 
 def body(status: dict | None = None, **meta) -> dict:

@@ -4,7 +4,7 @@ in the pure state machine, and the Plan the driver derives from a spec."""
 from datetime import timedelta
 
 import pytest
-from phase_helpers import IDENT, READY, T0, step
+from phase_helpers import ENDED, IDENT, READY, T0, step
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
@@ -99,7 +99,7 @@ def test_by_default_the_cluster_is_released_at_once():
 @pytest.mark.parametrize("end", ["SUCCEEDED", "FAILED"])
 def test_the_ttl_keeps_the_cluster_then_releases_it(end):
     events = ({"event": "failure", "type": "RuntimeError", "message": "boom"},) if end == "FAILED" else ()
-    d = step(running(TTL), plan=TTL, cluster=READY, job=JobView(end), events=events)
+    d = step(running(TTL), plan=TTL, cluster=READY, job=JobView(end), events=events, **ENDED)
     assert d.phase in phases.TERMINAL
     assert not any(isinstance(a, phases.DeleteCluster) for a in d.actions)
     release = T0 + timedelta(minutes=10)
@@ -144,7 +144,7 @@ def test_each_attempt_gets_its_own_watchdog_time():
     plan = Plan(cluster_name="demo-rc", epochs=2, max_retries=1, no_progress_timeout=timedelta(minutes=30))
     late = T0 + timedelta(minutes=29)
     d = step(running(plan), plan=plan, now=late, cluster=READY, job=JobView("FAILED"),
-             events=({"event": "failure", "type": "RuntimeError", "message": "x"},))
+             events=({"event": "failure", "type": "RuntimeError", "message": "x"},), **ENDED)
     d = step(d.status, plan=plan, now=late, cluster=READY, job=None)
     d = step(d.status, plan=plan, now=late + timedelta(minutes=5), cluster=READY, job=JobView("RUNNING"))
     d = step(d.status, plan=plan, now=late + timedelta(minutes=20), cluster=READY, job=JobView("RUNNING"))

@@ -25,8 +25,8 @@ def handled_spec(status: dict) -> dict:
     return json.loads(text).get("spec", {}) if text else {}
 
 
-def test_the_deadline_stops_the_job_and_the_ttl_keeps_then_releases_the_slice(operator, ground, kube, trainer_assets, tmp_path):
-    manifest = resource("tiny-deadline", trainer_assets, tmp_path / "ckpt", epochs=200, ttlSecondsAfterFinished=3600)
+def test_the_deadline_stops_the_job_and_the_ttl_keeps_then_releases_the_slice(operator, ground, kube, ground_assets, storage):
+    manifest = resource("tiny-deadline", ground_assets, storage, epochs=200, ttlSecondsAfterFinished=3600)
     uid, cluster = start_run(kube, manifest)
     kube.wait_for(lambda: kube.status("tiny-deadline").get("phase") == "Running", "phase Running", timeout=300)
     job_id = kube.status("tiny-deadline")["jobId"]
@@ -56,9 +56,9 @@ def test_the_deadline_stops_the_job_and_the_ttl_keeps_then_releases_the_slice(op
     assert kube.status("tiny-deadline")["phase"] == "Failed"
 
 
-def test_the_ttl_keeps_the_raycluster_then_the_operator_wakes_up_to_release_it(operator, ground, kube, trainer_assets, tmp_path):
+def test_the_ttl_keeps_the_raycluster_then_the_operator_wakes_up_to_release_it(operator, ground, kube, ground_assets, storage):
     ttl = 20
-    manifest = resource("tiny-ttl", trainer_assets, tmp_path / "ckpt", mode="collectives", ttlSecondsAfterFinished=ttl)
+    manifest = resource("tiny-ttl", ground_assets, storage, mode="collectives", ttlSecondsAfterFinished=ttl)
     _, cluster = start_run(kube, manifest)
     kube.kubectl("wait", "tpufinetune/tiny-ttl", "--for=condition=Succeeded", "--timeout=400s", timeout=420)
     status = kube.status("tiny-ttl")
@@ -89,9 +89,9 @@ def test_the_ttl_keeps_the_raycluster_then_the_operator_wakes_up_to_release_it(o
      "registry.tpufinetune.invalid"),
     ({"head": {"annotations": {"ground.tpufinetune.dev/exit-code": "3"}}}, ("CrashLoopBackOff",), "exited 3"),
 ], ids=["image-pull", "crash-loop"])
-def test_provisioning_names_the_worst_pod_state_and_the_hosts_ready(operator, kube, trainer_assets, tmp_path,
+def test_provisioning_names_the_worst_pod_state_and_the_hosts_ready(operator, kube, ground_assets, storage,
                                                                    fault, reasons, detail):
-    manifest = resource("tiny-stuck", trainer_assets, tmp_path / "ckpt", mode="collectives", **fault)
+    manifest = resource("tiny-stuck", ground_assets, storage, mode="collectives", **fault)
     _, cluster = start_run(kube, manifest)
 
     def named():
@@ -111,10 +111,10 @@ def test_provisioning_names_the_worst_pod_state_and_the_hosts_ready(operator, ku
     kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released", timeout=60)
 
 
-def test_a_retry_after_an_edit_that_changes_the_slice_runs_on_a_rebuilt_cluster(operator, kube, trainer_assets, tmp_path):
+def test_a_retry_after_an_edit_that_changes_the_slice_runs_on_a_rebuilt_cluster(operator, kube, ground_assets, storage):
     """Fault 11 on real parts: the edit waits for the next attempt, which runs on a
     RayCluster built from the edited spec, never on the old one."""
-    manifest = resource("tiny-rebuild", trainer_assets, tmp_path / "ckpt", epochs=200, maxRetries=1,
+    manifest = resource("tiny-rebuild", ground_assets, storage, epochs=200, maxRetries=1,
                         tpu={"generation": "cpu", "topology": "1"})
     uid, cluster = start_run(kube, manifest)
     kube.wait_for(lambda: kube.status("tiny-rebuild").get("phase") == "Running", "phase Running", timeout=300)

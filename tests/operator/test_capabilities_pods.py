@@ -14,7 +14,7 @@ from tpufinetune.core.podstatus import PodProblem, hosts_ready, worst_problem
 PLAN = Plan(cluster_name="demo-rc", epochs=2, hosts=4)
 
 
-def pod(name, worker=True, ready=False, scheduled=None, waiting=None, last_exit=None):
+def pod(name, worker=True, ready=False, scheduled=None, waiting=None, last_exit=None, last_reason="Error"):
     conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
     if scheduled:
         conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
@@ -22,7 +22,7 @@ def pod(name, worker=True, ready=False, scheduled=None, waiting=None, last_exit=
     container = {"name": "ray-worker", "restartCount": 3 if last_exit else 0,
                  "state": {"waiting": waiting} if waiting else {"running": {}}}
     if last_exit is not None:
-        container["lastState"] = {"terminated": {"exitCode": last_exit, "reason": "Error"}}
+        container["lastState"] = {"terminated": {"exitCode": last_exit, "reason": last_reason}}
     return {"metadata": {"name": name, "labels": {"ray.io/node-type": "worker" if worker else "head"}},
             "status": {"conditions": conditions, "containerStatuses": [container]}}
 
@@ -47,10 +47,25 @@ def test_each_reason_in_its_owners_words():
         "CreateContainerConfigError", 'pod rc-w-4 is CreateContainerConfigError: secret "hf" not found')
     # A crash loop's own message names only the back-off: the last exit says why.
     assert worst_problem([CRASH]).message == (
-        "pod rc-head is CrashLoopBackOff: back-off 40s")
+        "pod rc-head is CrashLoopBackOff: container ray-worker exited 1 (Error), restarted 3 times; back-off 40s")
     bare_crash = pod("rc-head", worker=False, waiting={"reason": "CrashLoopBackOff"}, last_exit=137)
     assert worst_problem([bare_crash]).message == (
         "pod rc-head is CrashLoopBackOff: container ray-worker exited 137 (Error), restarted 3 times")
+
+
+def test_an_oom_killed_container_is_named_while_it_crash_loops_and_after_its_restart():
+    expected = PodProblem("OOMKilled", "pod rc-w-6 is OOMKilled: container ray-worker exceeded its memory limit "
+                                       "(limits.memory), restarted 3 times")
+    looping = pod("rc-w-6", waiting={"reason": "CrashLoopBackOff", "message": "back-off 20s"}, last_exit=137,
+                  last_reason="OOMKilled")
+    running_again = pod("rc-w-6", last_exit=137, last_reason="OOMKilled")
+    assert worst_problem([looping]) == expected and worst_problem([running_again]) == expected
+    ended = pod("rc-w-6")
+    ended["status"]["containerStatuses"][0].update(state={"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+                                                   restartCount=3)
+    assert worst_problem([ended]) == expected
+    # Before a crash loop elsewhere: the limit is what the user must change.
+    assert worst_problem([CRASH, UNSCHEDULABLE, looping]).reason == "OOMKilled"
 
 
 def test_the_worst_state_wins_whatever_the_pod_order():

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 
 import pytest
 
@@ -63,8 +64,8 @@ def delete_within_30s(kube, name: str) -> None:
     assert time.monotonic() - started < 30
 
 
-def test_deleting_after_the_head_died_releases_the_slice_within_30s(operator, ground, kube, trainer_assets, tmp_path):
-    _, cluster = start_run(kube, resource("dead-head", trainer_assets, tmp_path / "ckpt", epochs=50))
+def test_deleting_after_the_head_died_releases_the_slice_within_30s(operator, ground, kube, ground_assets, storage):
+    _, cluster = start_run(kube, resource("dead-head", ground_assets, storage, epochs=50))
     running(kube, "dead-head")
     pods = kube.pods_of(cluster)
     kill_head(ground, kube, cluster)
@@ -73,9 +74,9 @@ def test_deleting_after_the_head_died_releases_the_slice_within_30s(operator, gr
 
 
 def test_a_refused_token_fails_the_run_after_the_bound_and_never_blocks_a_delete(
-        operator, ground, kube, trainer_assets, tmp_path):
-    _, refused_cluster = start_run(kube, resource("token-refused", trainer_assets, tmp_path / "a", epochs=50))
-    _, deleted_cluster = start_run(kube, resource("token-delete", trainer_assets, tmp_path / "b", epochs=50))
+        operator, ground, kube, ground_assets, storage):
+    _, refused_cluster = start_run(kube, resource("token-refused", ground_assets, f"{storage}/a", epochs=50))
+    _, deleted_cluster = start_run(kube, resource("token-delete", ground_assets, f"{storage}/b", epochs=50))
     running(kube, "token-refused")
     running(kube, "token-delete")
     pods = kube.pods_of(refused_cluster) + kube.pods_of(deleted_cluster)
@@ -94,8 +95,8 @@ def test_a_refused_token_fails_the_run_after_the_bound_and_never_blocks_a_delete
 
 
 def test_a_head_killed_mid_run_is_retried_once_from_the_last_checkpoint(
-        operator, ground, kube, trainer_assets, tmp_path):
-    manifest = resource("head-killed", trainer_assets, tmp_path / "ckpt", epochs=4, maxRetries=1)
+        operator, ground, kube, ground_assets, storage):
+    manifest = resource("head-killed", ground_assets, storage, epochs=4, maxRetries=1)
     uid, cluster = start_run(kube, manifest)
     kube.wait_for(lambda: kube.status("head-killed").get("checkpointURI"), "a first checkpoint", timeout=400)
     assert kube.status("head-killed")["epoch"] < 4
@@ -125,8 +126,8 @@ def test_a_head_killed_mid_run_is_retried_once_from_the_last_checkpoint(
 
 
 def test_a_raycluster_deleted_mid_run_is_a_lost_job_retried_on_a_new_cluster(
-        operator, ground, kube, trainer_assets, tmp_path):
-    manifest = resource("cluster-deleted", trainer_assets, tmp_path / "ckpt", epochs=3, maxRetries=1)
+        operator, ground, kube, ground_assets, storage):
+    manifest = resource("cluster-deleted", ground_assets, storage, epochs=3, maxRetries=1)
     uid, cluster = start_run(kube, manifest)
     kube.wait_for(lambda: kube.status("cluster-deleted").get("checkpointURI"), "a first checkpoint", timeout=400)
     old_pods = [p["metadata"]["uid"] for p in kube.pods_of(cluster)]
@@ -145,3 +146,95 @@ def test_a_raycluster_deleted_mid_run_is_a_lost_job_retried_on_a_new_cluster(
     lost = [e for e in events if e["reason"] == "ClusterLost"]
     assert lost and lost[0]["type"] == "Warning" and "deleted outside the operator" in lost[0]["message"]
     assert not any(ground.ray_processes(pod) for pod in old_pods)
+
+
+def watch_workers(kube, cluster: str, seen: dict) -> None:
+    """Each worker pod's Ready time and, once seen, its deletion time (for its lifetime)."""
+    for p in kube.pods_of(cluster):
+        if p["metadata"]["labels"].get("ray.io/node-type") != "worker":
+            continue
+        entry = seen.setdefault(p["metadata"]["uid"], {})
+        ready = next((c for c in (p.get("status") or {}).get("conditions") or []
+                      if c["type"] == "Ready" and c["status"] == "True"), None)
+        if ready:
+            entry.setdefault("ready", cond.parse_time(ready["lastTransitionTime"]))
+        if p["metadata"].get("deletionTimestamp"):
+            # deletionTimestamp is the deadline (the request + the grace period), not the request.
+            grace = timedelta(seconds=p["metadata"].get("deletionGracePeriodSeconds") or 0)
+            entry.setdefault("deleted", cond.parse_time(p["metadata"]["deletionTimestamp"]) - grace)
+
+
+def retry_to_running(kube, name: str, watch=lambda: None) -> float:
+    """Seconds from attempt 1's end to attempt 2 Running (both from the status)."""
+    status = kube.wait_for(lambda: (watch(), s := kube.status(name))[1].get("phase") == "Running"
+                           and s.get("attempt") == 2 and s, f"{name}: attempt 2 Running", timeout=400, interval=1)
+    ended = cond.parse_time(status["attempts"][0]["endTime"])
+    return (cond.parse_time(status["phaseTransitionTime"]) - ended).total_seconds()
+
+
+def test_an_app_failure_retries_on_the_same_raycluster_faster_than_a_lost_pod_and_each_attempt_is_counted(
+        operator, ground, kube, ground_assets, storage):
+    """Attempt 1's driver killed (an application crash on a healthy slice): attempt 2 runs on
+    the same RayCluster, from the checkpoint. A worker pod deleted instead (the cloud taking
+    a host): attempt 1 is Preempted and attempt 2 runs on a new RayCluster, later. Both
+    attempts are in status.attempts with their reasons, and usage.hostHours is what the
+    worker pods lived."""
+    manifest = resource("app-crash", ground_assets, f"{storage}/a", epochs=3, maxRetries=1,
+                        training={"checkpointEverySteps": 2})
+    uid, cluster = start_run(kube, manifest)
+    cluster_uid = kube.wait_for(lambda: (kube.get("raycluster", cluster) or {}).get("metadata", {}).get("uid"),
+                                "the RayCluster")
+    workers: dict = {}
+    kube.wait_for(lambda: (watch_workers(kube, cluster, workers), kube.status("app-crash").get("checkpointURI"))[1],
+                  "a first checkpoint", timeout=400, interval=1)
+    checkpoint = kube.status("app-crash")["checkpointURI"]
+    driver = kube.head_job_client(cluster).get_job_info(f"tft-{uid}-1").driver_info
+    os.kill(int(driver.pid), signal.SIGKILL)  # the trainer's driver dies; every pod stays Ready
+    reuse = retry_to_running(kube, "app-crash", lambda: watch_workers(kube, cluster, workers))
+
+    def ended():
+        watch_workers(kube, cluster, workers)
+        status = kube.status("app-crash")
+        return status if status.get("phase") in ("Succeeded", "Failed") else None
+
+    status = kube.wait_for(ended, "app-crash to end", timeout=600, interval=1)
+    assert status["phase"] == "Succeeded", status.get("message")
+    kube.wait_for(lambda: (watch_workers(kube, cluster, workers), not kube.pods_of(cluster))[1], "pods gone",
+                  timeout=120, interval=1)
+    status = kube.status("app-crash")
+    first, second = status["attempts"]
+    assert first["reason"] == "AppFailed" and "log tail:" in first["message"], first
+    assert second["reason"] == "Succeeded"
+    # From the last checkpoint attempt 1 reported: the one seen before the kill, or a later one.
+    resumed, seen = second["resumedFrom"].rsplit("/", 1), checkpoint.rsplit("/", 1)
+    assert resumed[0] == seen[0] and resumed[1] >= seen[1], (resumed, seen)
+    assert first["rayClusterUID"] == second["rayClusterUID"] == cluster_uid
+    assert first["lostSteps"] >= 0
+    wide = kube.kubectl("get", "tpufinetunes", "app-crash", "-o", "wide").stdout.splitlines()
+    assert wide[1][wide[0].index("ATTEMPTS"):].split()[0] == "2", wide  # kubectl aligns columns
+    events = kube.items("events", "--field-selector", "involvedObject.name=app-crash")
+    assert any(e["reason"] == "AttemptFailed" and "AppFailed" in e["message"] for e in events)
+    # Host-hours: the two worker pods, from Ready to deleted (the slice was never rebuilt).
+    assert len(workers) == 2 and all({"ready", "deleted"} <= set(w) for w in workers.values()), workers
+    lived = sum((w["deleted"] - w["ready"]).total_seconds() for w in workers.values()) / 3600
+    usage = status["usage"]
+    assert usage["chipHours"] == 0 and usage["provisioningSeconds"] > 0
+    assert abs(usage["hostHours"] - lived) <= 0.1 * lived, (usage, lived)
+
+    # The same fault as the cloud's: a worker pod taken away. The slice is rebuilt.
+    uid, cluster = start_run(kube, resource("pod-lost", ground_assets, f"{storage}/b", epochs=50, maxRetries=1))
+    running(kube, "pod-lost")
+    kube.wait_for(lambda: kube.status("pod-lost").get("lastEventTime"), "the trainer's first event", timeout=300)
+    old_uid = kube.get("raycluster", cluster)["metadata"]["uid"]
+    worker = next(p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "worker")
+    kube.kubectl("delete", "pod", worker["metadata"]["name"], "--wait=false")
+    rebuild = retry_to_running(kube, "pod-lost")
+    first, second = kube.status("pod-lost")["attempts"]
+    # The pod is gone when the operator looks (its preStop hook had the trainer save and
+    # stop at once): the message names it, or its replacement.
+    assert first["reason"] == "Preempted", first
+    assert worker["metadata"]["name"] in first["message"] or "was replaced" in first["message"], first
+    assert first["rayClusterUID"] == old_uid != second["rayClusterUID"]
+    print(f"\nretry to Running: same RayCluster {reuse:.0f} s, rebuilt {rebuild:.0f} s")
+    assert reuse < rebuild, (reuse, rebuild)
+    kube.kubectl("delete", "tpufinetune", "pod-lost", "--wait=false")

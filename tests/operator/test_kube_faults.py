@@ -70,7 +70,7 @@ def test_a_refused_raycluster_says_why_and_fails_after_the_provisioning_timeout(
         wait_until_refused(kubectl, namespace)
         manifest = {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": "refused"},
                     "spec": {"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
-                             "checkpoint": {"storagePath": "/tmp/unused"}}}
+                             "checkpoint": {"storagePath": "gs://tpufinetune-ground/unused"}}}
         kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump(manifest))
         body = json.loads(kubectl("-n", namespace, "get", "tpufinetune", "refused", "-o", "json").stdout)
         settings = Settings(poll_interval=1, provision_timeout=4, operator_namespace=namespace)  # the signing key
@@ -105,7 +105,7 @@ UID = "00000000-0000-0000-0000-0000000000c1"
 def ready_raycluster(control_plane, namespace: str, **meta) -> dict:
     """A RayCluster as KubeRay would report it ready (no KubeRay runs here)."""
     spec = parse_spec({"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
-                       "checkpoint": {"storagePath": "/tmp/unused"}})
+                       "checkpoint": {"storagePath": "gs://tpufinetune-ground/unused"}})
     manifest = render_raycluster("cache", namespace, UID, spec)
     manifest["metadata"].update(meta)
     kubectl = control_plane.kubectl

@@ -147,7 +147,7 @@ def test_a_refused_write_is_retried_at_once_after_a_re_read():
         body = {"metadata": {"name": "demo", "namespace": "ns", "uid": "uid-1", "generation": 1,
                              "resourceVersion": "5"},
                 "spec": {"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
-                         "checkpoint": {"storagePath": "/tmp/unused"}}}
+                         "checkpoint": {"storagePath": "gs://tpufinetune-ground/unused"}}}
         run = Run(body, backend, None, Settings(poll_interval=60, leader_election=False))
         stopped = asyncio.Event()
         loop = asyncio.create_task(run.run(stopped))
@@ -288,7 +288,7 @@ def test_a_stale_writer_is_refused_and_the_newer_succeeded_status_stays(control_
     control_plane.kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump({
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "TPUFineTune", "metadata": {"name": "fenced"},
         "spec": {"tpu": {"generation": "cpu", "topology": "1"}, "image": "example/trainer:1",
-                 "checkpoint": {"storagePath": "/tmp/never"}}}))
+                 "checkpoint": {"storagePath": "gs://tpufinetune-ground/never"}}}))
     objects = client.CustomObjectsApi(k8s_api)
     body = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "fenced")
     settings = Settings(leader_election=False)

@@ -34,7 +34,7 @@ from tpufinetune.settings import Settings
 pytestmark = [pytest.mark.cluster]
 CRD = Path(__file__).resolve().parents[2] / "crds" / CRD_FILENAME
 SPEC = {"tpu": {"generation": "cpu", "topology": "2"}, "image": "registry.example/tpufinetune-trainer:test",
-        "checkpoint": {"storagePath": "/tmp/ckpt"}}
+        "checkpoint": {"storagePath": "gs://tpufinetune-ground/ckpt"}}
 
 
 class Backend(KubeBackend):

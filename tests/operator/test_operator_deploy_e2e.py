@@ -110,16 +110,16 @@ def manifest(name: str, spec: dict) -> dict:
 
 
 def test_a_full_run_leaves_the_spec_as_applied_and_reports_health_and_metrics(
-        operator, kube, ground, trainer_assets, tmp_path):
+        operator, kube, ground, ground_assets, storage):
     metrics_before = scrape(operator)
     watch = Watch(ground.cp, kube.ns)
     applied = manifest("gitops-run", {
         "tpu": {"generation": "cpu", "topology": "2"},
         "image": "registry.example/tpufinetune-trainer:test",
-        "model": {"id": str(trainer_assets.model)},
-        "dataset": {"id": str(trainer_assets.data), "split": "train[:64]"},
+        "model": {"id": ground_assets.model},
+        "dataset": {"id": ground_assets.data, "split": "train[:64]"},
         "training": {"epochs": 1, "batchSizePerDevice": 4, "maxSeqLen": 64},
-        "checkpoint": {"storagePath": str(tmp_path / "ckpt")},
+        "checkpoint": {"storagePath": storage},
     })
     kube.apply(applied)
     created = kube.get("tpufinetune", "gitops-run")
@@ -141,7 +141,8 @@ def test_a_full_run_leaves_the_spec_as_applied_and_reports_health_and_metrics(
 
     assert {"Pending", "Provisioning", "Submitting", "Running", "Succeeded"} <= set(seen), sorted(seen)
     check_health(seen)
-    capture(seen, {str(trainer_assets.root): "/assets", str(tmp_path): "/mnt/shared", kube.ns: "ml-team"})
+    capture(seen, {ground_assets.root: "gs://tpufinetune-ground/assets", storage: "gs://tpufinetune-ground/runs/gitops",
+                   kube.ns: "ml-team"})
 
     after = scrape(operator)
     for phase in ("New", "Pending", "Provisioning", "Submitting", "Running"):

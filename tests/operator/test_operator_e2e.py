@@ -20,8 +20,12 @@ from ground_runs import jobs_of, reconciles, released, resource, start_run
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
 
-def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground, kube, trainer_assets, tmp_path):
-    manifest = resource("tiny-finetune", trainer_assets, tmp_path / "ckpt")
+def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground, kube, ground_assets, storage,
+                                                               tmp_path):
+    """Model, data and checkpoints all in the ground's bucket (gs://), as on GKE."""
+    manifest = resource("tiny-finetune", ground_assets, storage)
+    assert all(v.startswith("gs://") for v in (manifest["spec"]["model"]["id"], manifest["spec"]["dataset"]["id"],
+                                                manifest["spec"]["checkpoint"]["storagePath"]))
     uid, cluster = start_run(kube, manifest)
 
     body = kube.wait_for(lambda: kube.get("raycluster", cluster), "RayCluster")
@@ -45,10 +49,7 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
     assert all(entry["loss"] > 0 and entry["tokensPerSecond"] > 0 for entry in status["history"])
     assert status["history"][-1]["loss"] < status["history"][0]["loss"]
     assert status["epochProgress"] == "2/2"
-    assert status["checkpointURI"] and str(tmp_path / "ckpt") in status["checkpointURI"]
-    export = Path(status["exportedModelURI"])  # the trainer's export, where the spec's storage is
-    assert export.parent.parent == tmp_path / "ckpt" and export.name == "export", export
-    assert {"config.json", "model.safetensors"} <= {p.name for p in export.iterdir()}
+    _check_storage(ground.gcs, storage, status, tmp_path)
     assert status["jobId"] == f"tft-{uid}-1"
     assert status["observedGeneration"] == 1
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
@@ -70,6 +71,25 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
     assert {"Accepted", "ClusterReady", "JobSubmitted", "Succeeded"} <= reasons
 
 
+def _check_storage(gcs, storage: str, status: dict, tmp_path: Path) -> None:
+    """The checkpoints and the export are objects in the bucket, read back from the emulator:
+    each checkpoint holds both ranks' shards, and the export loads with transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint, export = status["checkpointURI"], status["exportedModelURI"]
+    assert checkpoint.startswith(storage + "/") and export.startswith(storage + "/"), (checkpoint, export)
+    assert export.rsplit("/", 1) == [checkpoint.rsplit("/", 1)[0], "export"], (checkpoint, export)
+    shards = {name for name in gcs.list(checkpoint) if name.endswith(".distcp")}
+    assert shards == {"__0_0.distcp", "__1_0.distcp"}, gcs.list(checkpoint)  # rank 0's and rank 1's
+    assert ".metadata" in gcs.list(checkpoint)
+    assert json.loads(gcs.read(f"{checkpoint}/trainer_state.json"))["epoch"] in (1, 2)
+    local = gcs.download(export, tmp_path / "export")
+    assert {"config.json", "model.safetensors"} <= {p.name for p in local.iterdir()}
+    model = AutoModelForCausalLM.from_pretrained(local)
+    tokenizer = AutoTokenizer.from_pretrained(local)
+    assert model.num_parameters() > 0 and tokenizer("hello")["input_ids"]
+
+
 def _train_worker_ips(kube, cluster: str) -> set[str]:
     """Node IPs of the live Ray Train worker actors, from the head's state API."""
 
@@ -84,10 +104,10 @@ def _train_worker_ips(kube, cluster: str) -> set[str]:
     return {n["node_ip"] for n in nodes if n["node_id"] in node_ids}
 
 
-def test_collectives_check_passes_in_pods_that_carry_the_users_pod_settings(operator, kube, trainer_assets, tmp_path):
+def test_collectives_check_passes_in_pods_that_carry_the_users_pod_settings(operator, kube, ground_assets, storage):
     settings = {"annotations": {"example.com/team": "ml"}, "labels": {"team": "ml"},
                 "env": [{"name": "TEAM_NAME", "value": "ml"}]}
-    _, cluster = start_run(kube, resource("tiny-collectives", trainer_assets, tmp_path / "ckpt", mode="collectives",
+    _, cluster = start_run(kube, resource("tiny-collectives", ground_assets, storage, mode="collectives",
                                           workers=settings))
     workers = kube.wait_for(lambda: [p for p in kube.pods_of(cluster)
                                      if p["metadata"]["labels"].get("ray.io/node-type") == "worker"],
@@ -103,8 +123,8 @@ def test_collectives_check_passes_in_pods_that_carry_the_users_pod_settings(oper
     assert status["collectives"]["ranks"] == 2
 
 
-def test_deleting_mid_run_stops_everything_and_the_finalizer_goes_within_30s(operator, ground, kube, trainer_assets, tmp_path):
-    uid, cluster = start_run(kube, resource("tiny-delete", trainer_assets, tmp_path / "ckpt", epochs=50))
+def test_deleting_mid_run_stops_everything_and_the_finalizer_goes_within_30s(operator, ground, kube, ground_assets, storage):
+    uid, cluster = start_run(kube, resource("tiny-delete", ground_assets, storage, epochs=50))
     kube.wait_for(lambda: kube.status("tiny-delete").get("epoch", 0) >= 1 or
                   kube.status("tiny-delete").get("phase") == "Running", "phase Running", timeout=300)
     pods = kube.pods_of(cluster)
@@ -121,8 +141,8 @@ def test_deleting_mid_run_stops_everything_and_the_finalizer_goes_within_30s(ope
     assert not [e for e in events if e["type"] not in ("Normal", "Warning")], events
 
 
-def test_operator_restart_mid_run_reattaches_without_a_second_submission(operator, kube, trainer_assets, tmp_path):
-    uid, cluster = start_run(kube, resource("tiny-restart", trainer_assets, tmp_path / "ckpt", epochs=3))
+def test_operator_restart_mid_run_reattaches_without_a_second_submission(operator, kube, ground_assets, storage):
+    uid, cluster = start_run(kube, resource("tiny-restart", ground_assets, storage, epochs=3))
     kube.wait_for(lambda: kube.status("tiny-restart").get("phase") == "Running", "phase Running", timeout=300)
     before = kube.status("tiny-restart")["jobId"]
     operator.kill()
@@ -138,8 +158,8 @@ def test_operator_restart_mid_run_reattaches_without_a_second_submission(operato
     assert [entry["epoch"] for entry in status["history"]] == [1, 2, 3]
 
 
-def test_a_problem_only_the_trainer_can_see_ends_failed_with_its_reason(operator, kube, trainer_assets, tmp_path):
-    manifest = resource("tiny-baddata", trainer_assets, tmp_path / "ckpt", dataset={"id": str(tmp_path / "missing.jsonl")})
+def test_a_problem_only_the_trainer_can_see_ends_failed_with_its_reason(operator, kube, ground_assets, storage):
+    manifest = resource("tiny-baddata", ground_assets, storage, dataset={"id": f"{storage}/missing.jsonl"})
     _, cluster = start_run(kube, manifest)
     kube.kubectl("wait", "tpufinetune/tiny-baddata", "--for=condition=Failed", "--timeout=400s", timeout=420)
     status = kube.status("tiny-baddata")

@@ -14,9 +14,9 @@ from tpufinetune.core.sizing import render_raycluster
 
 
 @pytest.mark.cluster
-def test_a_raycluster_it_does_not_own_is_refused_with_a_condition_and_left_alone(operator, kube, tmp_path):
+def test_a_raycluster_it_does_not_own_is_refused_with_a_condition_and_left_alone(operator, kube):
     spec = {"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
-            "checkpoint": {"storagePath": str(tmp_path)}}
+            "checkpoint": {"storagePath": "gs://tpufinetune-ground/taken"}}
     foreign = render_raycluster("taken", kube.ns, "00000000-0000-0000-0000-000000000001", parse_spec(spec))
     del foreign["metadata"]["ownerReferences"]
     kube.apply(foreign)

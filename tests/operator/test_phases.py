@@ -7,9 +7,10 @@ import pytest
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
 from tpufinetune.core.runevents import split_malformed
+from tpufinetune.core.status import checked_status
 from tpufinetune.core.phases import ClusterView, Identity, JobView, Observations, Plan
 
-from phase_helpers import IDENT, PLAN, READY, T0, kinds, step
+from phase_helpers import ENDED, IDENT, PLAN, READY, T0, kinds, step
 
 def running_status():
     d = step({})
@@ -119,21 +120,83 @@ def test_success_records_result_and_releases_the_cluster():
     assert "completionTime" in d.status
 
 
+def test_a_checkpoint_on_notice_is_kept_in_status_and_recorded_as_an_event():
+    events = (
+        {"event": "checkpoint", "epoch": 1, "step": 7, "epoch_end": False, "uri": "gs://b/run/step_0000007"},
+        {"event": "notice", "reason": "Requested", "requested_by": "Maintenance", "detail": "node n1",
+         "epoch": 1, "step": 7, "uri": "gs://b/run/step_0000007", "save_s": 2.5},
+    )
+    d = step(running_status(), cluster=READY, job=JobView("RUNNING"), events=events)
+    assert d.status["notice"] == {"reason": "Requested", "requestedBy": "Maintenance", "detail": "node n1",
+                                  "step": 7, "checkpointURI": "gs://b/run/step_0000007", "saveSeconds": 2.5,
+                                  "time": cond.timestamp(T0)}
+    assert d.status["checkpointURI"] == "gs://b/run/step_0000007"
+    recorded = [a for a in d.actions if isinstance(a, phases.RecordEvent) and a.reason == "CheckpointOnNotice"]
+    assert len(recorded) == 1 and "step 7" in recorded[0].message and "Maintenance" in recorded[0].message
+    assert split_malformed(running_status(), list(events))[1] == []  # the status model takes it
+    # The driver repeats a SIGTERM's notice (rank 0's line may be lost with its pod): once.
+    sigterm = {"event": "notice", "reason": "SIGTERM", "step": 9, "uri": "gs://b/run/step_0000009", "save_s": 1.0}
+    first = step(d.status, cluster=READY, job=JobView("RUNNING"), events=(sigterm,))
+    again = step(first.status, cluster=READY, job=JobView("FAILED"), events=(sigterm,), now=T0 + timedelta(seconds=5))
+    assert first.status["checkpointURI"] == again.status["checkpointURI"] == "gs://b/run/step_0000009"
+    assert again.status["notice"] == first.status["notice"]  # its time too
+    assert "CheckpointOnNotice" not in [a.reason for a in again.actions if isinstance(a, phases.RecordEvent)]
+
+
+def test_an_early_stop_at_the_target_fills_time_to_target():
+    events = ({"event": "early_stop", "reason": "TargetEvalLoss", "epoch": 2, "step": 30, "eval_loss": 1.23456,
+               "target_eval_loss": 1.3, "training_s": 812.345, "uri": "gs://b/run/step_0000030"},
+              {"event": "result", "best_checkpoint_uri": "gs://b/run/step_0000030", "stopped_early": "TargetEvalLoss"})
+    d = step(running_status(), cluster=READY, job=JobView("SUCCEEDED"), events=events)
+    assert d.phase == phases.SUCCEEDED
+    assert d.status["timeToTarget"] == 812.3
+    assert d.status["earlyStop"] == {"reason": "TargetEvalLoss", "step": 30, "evalLoss": 1.2346,
+                                     "checkpointURI": "gs://b/run/step_0000030"}
+    patience = ({"event": "early_stop", "reason": "Patience", "step": 12, "eval_loss": 2.0, "training_s": 5.0},)
+    assert "timeToTarget" not in step(running_status(), cluster=READY, job=JobView("RUNNING"),
+                                      events=patience).status
+    assert split_malformed(running_status(), list(events))[1] == []
+
+
+def test_maintenance_on_a_node_of_the_run_asks_for_a_checkpoint_once_per_node_and_attempt():
+    labelled = (("gke-tpu-a", "1767272400"),)
+    d = step(running_status(), cluster=READY, job=JobView("RUNNING"), maintenance=labelled)
+    request = [a for a in d.actions if isinstance(a, phases.RequestCheckpoint)]
+    assert request == [phases.RequestCheckpoint("tft-uid-1-1-checkpoint-1", 1, 1, "Maintenance",
+                                                "node gke-tpu-a at 2026-01-01T13:00:00Z")]
+    assert d.status["maintenance"]["nodes"] == ["gke-tpu-a"] and d.status["maintenance"]["requests"] == 1
+    assert [a.reason for a in d.actions if isinstance(a, phases.RecordEvent)] == ["Maintenance"]
+    assert d.phase == phases.RUNNING
+    # Seen again (every poll while the label stays): nothing more is asked.
+    again = step(d.status, cluster=READY, job=JobView("RUNNING"), maintenance=labelled)
+    assert not [a for a in again.actions if isinstance(a, phases.RequestCheckpoint)]
+    # A second node: a second request, with its own submission id.
+    both = labelled + (("gke-tpu-b", "1767272400"),)
+    second = step(again.status, cluster=READY, job=JobView("RUNNING"), maintenance=both)
+    assert [a.submission_id for a in second.actions if isinstance(a, phases.RequestCheckpoint)] == [
+        "tft-uid-1-1-checkpoint-2"]
+    assert second.status["maintenance"]["nodes"] == ["gke-tpu-a", "gke-tpu-b"]
+    # Not while the job is not running (nothing to checkpoint).
+    idle = step(running_status(), cluster=READY, job=JobView("SUCCEEDED"), maintenance=labelled)
+    assert not [a for a in idle.actions if isinstance(a, phases.RequestCheckpoint)]
+
+
 def test_trainer_failure_event_becomes_the_message():
     status = running_status()
     events = ({"event": "failure", "type": "DatasetError", "message": "column 'response' missing"},)
-    d = step(status, cluster=READY, job=JobView("FAILED", "exit 1"), events=events)
+    d = step(status, cluster=READY, job=JobView("FAILED", "exit 1"), events=events, **ENDED)
     assert d.phase == phases.FAILED
     assert d.status["message"] == "DatasetError: column 'response' missing"
     assert cond.find(d.status, cond.FAILED)["reason"] == "TrainerFailed"
 
 
-def test_failure_without_event_reads_the_log_tail_once():
+def test_a_failed_job_is_decided_once_its_log_tail_and_its_slice_are_read():
     status = running_status()
     d = step(status, cluster=READY, job=JobView("FAILED", "Job entrypoint command failed"))
-    assert d.actions == [phases.ReadLogTail("tft-uid-1-1")]
+    assert d.actions == [phases.ReadLogTail("tft-uid-1-1"), phases.ReadSliceHealth("2026-01-01T12:00:00Z")]
     assert d.phase == phases.RUNNING
-    d = step(status, cluster=READY, job=JobView("FAILED", "Job entrypoint command failed"), log_tail="Killed")
+    d = step(status, cluster=READY, job=JobView("FAILED", "Job entrypoint command failed"),
+             **{**ENDED, "log_tail": "Killed"})
     assert d.phase == phases.FAILED
     assert "Killed" in d.status["message"]
 
@@ -142,19 +205,19 @@ def test_retry_resubmits_with_the_next_deterministic_id():
     plan = Plan(cluster_name="demo-rc", epochs=2, max_retries=1)
     status = running_status()
     failure = ({"event": "failure", "type": "RuntimeError", "message": "preempted"},)
-    d = step(status, plan=plan, cluster=READY, job=JobView("FAILED"), events=failure)
+    d = step(status, plan=plan, cluster=READY, job=JobView("FAILED"), events=failure, **ENDED)
     assert d.phase == phases.SUBMITTING
     assert d.status["attempt"] == 2 and d.status["jobId"] == "tft-uid-1-2"
     assert "trainerFailure" not in d.status
     d = step(d.status, plan=plan, cluster=READY, job=None)
     assert d.actions == [phases.SubmitJob("tft-uid-1-2", 2)]
     # the second failure is final
-    d = step(step(d.status, plan=plan, cluster=READY, job=JobView("RUNNING")).status, plan=plan, cluster=READY, job=JobView("FAILED"), events=failure)
+    d = step(step(d.status, plan=plan, cluster=READY, job=JobView("RUNNING")).status, plan=plan, cluster=READY, job=JobView("FAILED"), events=failure, **ENDED)
     assert d.phase == phases.FAILED
 
 
 def test_a_job_stopped_outside_the_operator_fails_the_run():
-    d = step(running_status(), cluster=READY, job=JobView("STOPPED"))
+    d = step(running_status(), cluster=READY, job=JobView("STOPPED"), **ENDED)
     assert d.phase == phases.FAILED
     assert cond.find(d.status, cond.FAILED)["reason"] == "JobStopped"
 
@@ -280,7 +343,7 @@ def resume(status, plan):
 def test_a_suspend_uses_up_no_retry():
     status = resume(running_with(RETRY_ONCE), RETRY_ONCE)
     assert status["attempt"] == 2
-    d = step(status, plan=RETRY_ONCE, cluster=READY, job=JobView("FAILED"), events=FAILURE)
+    d = step(status, plan=RETRY_ONCE, cluster=READY, job=JobView("FAILED"), events=FAILURE, **ENDED)
     assert d.phase == phases.SUBMITTING, d.status["message"]
     assert d.status["retries"] == 1 and d.status["attempt"] == 3
 
@@ -296,17 +359,15 @@ def test_a_suspend_clears_the_stopped_attempts_trainer_failure():
     d = step(d.status, plan=RETRY_ONCE, cluster=READY, job=JobView("RUNNING"))
     # The next attempt's end is judged on its own log, not on the stopped attempt's report.
     d = step(d.status, plan=RETRY_ONCE, cluster=READY, job=JobView("FAILED", "exit 1"))
-    assert d.actions == [phases.ReadLogTail("tft-uid-1-2")]
+    assert phases.ReadLogTail("tft-uid-1-2") in d.actions and d.phase == phases.RUNNING
 
 
 def test_a_retry_after_an_edit_that_changes_the_slice_rebuilds_the_cluster():
     status = running_with(RETRY_ONCE)
     assert status["clusterHash"] == "slice-a"
     edited = Plan(cluster_name="demo-rc", epochs=2, max_retries=1, cluster_hash="slice-b")
-    d = step(status, plan=edited, cluster=READY, job=JobView("FAILED"), events=FAILURE)
-    assert d.phase == phases.SUBMITTING
+    d = step(status, plan=edited, cluster=READY, job=JobView("FAILED"), events=FAILURE, **ENDED)
     # the next attempt is not submitted to the old cluster ...
-    d = step(d.status, plan=edited, cluster=READY, job=None)
     assert d.phase == phases.PENDING
     assert not any(isinstance(a, phases.SubmitJob) for a in d.actions)
     assert phases.DeleteCluster("demo-rc") in d.actions
@@ -325,7 +386,7 @@ def test_a_retry_after_an_edit_that_changes_the_slice_rebuilds_the_cluster():
 
 def test_a_retry_after_an_edit_that_keeps_the_slice_reuses_the_cluster():
     status = running_with(RETRY_ONCE)
-    d = step(status, plan=RETRY_ONCE, cluster=READY, job=JobView("FAILED"), events=FAILURE)
+    d = step(status, plan=RETRY_ONCE, cluster=READY, job=JobView("FAILED"), events=FAILURE, **ENDED)
     d = step(d.status, plan=RETRY_ONCE, cluster=READY, job=None)
     assert d.actions == [phases.SubmitJob("tft-uid-1-2", 2)]
 
@@ -339,7 +400,7 @@ def test_observed_generation_names_only_an_applied_generation():
     assert d.status["observedGeneration"] == 3
     assert all(c["observedGeneration"] == 3 for c in d.status["conditions"])
     d = phases.transition(edited, RETRY_ONCE, d.status,
-                          Observations(now=T0, cluster=READY, job=JobView("FAILED"), events=FAILURE))
+                          Observations(now=T0, cluster=READY, job=JobView("FAILED"), events=FAILURE, **ENDED))
     assert d.status["observedGeneration"] == 3
     # the retry submits with generation 4: now it is applied
     d = phases.transition(edited, RETRY_ONCE, d.status, Observations(now=T0, cluster=READY, job=None))
@@ -402,3 +463,54 @@ def test_a_refused_raycluster_is_shown_with_the_servers_words_and_times_out():
     failed = cond.find(late.status, cond.FAILED)
     assert failed["reason"] == "ProvisioningTimeout" and "could not be created in 30 min" in failed["message"]
     assert refusal in failed["message"]
+
+
+PREFLIGHT = Plan(cluster_name="demo-rc", epochs=2, provision_timeout=timedelta(minutes=30), preflight=True)
+
+
+def submitting_status(plan=PREFLIGHT):
+    d = step({}, plan=plan)
+    d = step(d.status, plan=plan)
+    d = step(d.status, plan=plan, cluster=READY)
+    assert d.phase == phases.SUBMITTING
+    return d
+
+
+def test_preflight_runs_on_the_cluster_before_the_fine_tune_is_submitted():
+    d = step(submitting_status().status, plan=PREFLIGHT, cluster=READY)
+    assert [a for a in d.actions if isinstance(a, (phases.SubmitPreflight, phases.SubmitJob))] == [
+        phases.SubmitPreflight("tft-uid-1-1-preflight", 1)]
+    assert d.status["preflight"] == {"phase": "Running", "attempt": 1, "jobId": "tft-uid-1-1-preflight"}
+    running = step(d.status, plan=PREFLIGHT, cluster=READY, preflight_job=JobView("RUNNING"))
+    assert not [a for a in running.actions if isinstance(a, (phases.SubmitPreflight, phases.SubmitJob))]
+    events = ({"event": "collectives", "passed": True, "world_size": 2, "hosts": 2, "bus_bandwidth_gbps": 1.25,
+               "devices_per_host": {"127.0.0.3": 1, "127.0.0.4": 1}},)
+    passed = step(running.status, plan=PREFLIGHT, cluster=READY, preflight_job=JobView("SUCCEEDED"),
+                  preflight_events=events)
+    assert phases.SubmitJob("tft-uid-1-1", 1) in passed.actions
+    assert passed.status["preflight"]["phase"] == "Passed" and passed.status["preflight"]["busBandwidthGBps"] == 1.25
+    assert passed.status["preflight"]["devicesPerHost"] == {"127.0.0.3": 1, "127.0.0.4": 1}
+    assert "PreflightPassed" in [a.reason for a in passed.actions if isinstance(a, phases.RecordEvent)]
+    checked_status(passed.status)  # the status model takes it
+
+
+def test_a_failed_preflight_fails_the_run_and_releases_the_slice_without_a_fine_tune():
+    d = step(submitting_status().status, plan=PREFLIGHT, cluster=READY)
+    events = ({"event": "collectives", "passed": False, "world_size": 8, "hosts": 2,
+               "short_hosts": {"127.0.0.4": 0}},
+              {"event": "failure", "type": "CollectivesError", "message": "1 host(s) short of TPU devices: ..."})
+    failed = step(d.status, plan=PREFLIGHT, cluster=READY, preflight_job=JobView("FAILED"), preflight_events=events)
+    assert failed.phase == phases.FAILED
+    assert cond.find(failed.status, cond.FAILED)["reason"] == "PreflightFailed"
+    assert "short of TPU devices" in failed.status["message"]
+    assert failed.status["preflight"]["phase"] == "Failed" and failed.status["preflight"]["shortHosts"] == {"127.0.0.4": 0}
+    assert phases.DeleteCluster("demo-rc") in failed.actions
+    assert not [a for a in failed.actions if isinstance(a, phases.SubmitJob)]
+    (attempt,) = failed.status["attempts"]
+    assert attempt["reason"] == "PreflightFailed" and "short of TPU devices" in attempt["message"]
+    checked_status(failed.status)
+
+
+def test_without_preflight_the_fine_tune_is_submitted_at_once():
+    d = step(submitting_status(PLAN).status, cluster=READY)
+    assert phases.SubmitJob("tft-uid-1-1", 1) in d.actions and "preflight" not in d.status

@@ -8,7 +8,7 @@ from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
 from tpufinetune.core.phases import ClusterView, JobView, QueueView
 
-from phase_helpers import PLAN, T0, kinds, step
+from phase_helpers import ENDED, PLAN, T0, kinds, step
 
 QPLAN = phases.Plan(cluster_name="demo-rc", epochs=2, max_retries=0,
                     provision_timeout=timedelta(minutes=30), queue="tpu-queue")
@@ -113,7 +113,7 @@ def test_eviction_goes_back_to_queued_as_a_new_attempt_that_is_not_a_failure():
     # the run (the eviction took nothing from the retries, which were none).
     resumed = running(d.status)
     assert resumed["attempt"] == 2
-    failed = qstep(resumed, cluster=READY, job=JobView("FAILED"), log_tail="boom")
+    failed = qstep(resumed, cluster=READY, job=JobView("FAILED"), **ENDED)
     assert failed.phase == phases.FAILED
 
 
@@ -124,7 +124,7 @@ def test_an_evicted_attempt_leaves_max_retries_untouched():
     d = step(status, plan=plan, cluster=ClusterView(exists=True, suspended=True, queue=PREEMPTED))
     status = running(d.status)
     # attempt 2 fails: one retry is left, because attempt 1 was evicted, not failed
-    d = step(status, plan=plan, cluster=READY, job=JobView("FAILED"), log_tail="boom")
+    d = step(status, plan=plan, cluster=READY, job=JobView("FAILED"), **ENDED)
     assert d.phase == phases.SUBMITTING and d.status["attempt"] == 3
 
 

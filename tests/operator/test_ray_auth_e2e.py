@@ -32,7 +32,7 @@ def answer(url: str, token: str | None) -> int:
         return error.code
 
 
-def test_each_head_takes_only_its_own_runs_token(operator, ground, kube, trainer_assets, tmp_path):
+def test_each_head_takes_only_its_own_runs_token(operator, ground, kube, ground_assets, storage):
     other_ns = kube.ns + "-b"
     ground.kubectl("create", "namespace", other_ns)
     try:
@@ -40,7 +40,7 @@ def test_each_head_takes_only_its_own_runs_token(operator, ground, kube, trainer
         runs = {}
         for key, k in kubes.items():
             # Kept after the end (ttlSecondsAfterFinished), so the heads can be asked.
-            manifest = resource(f"auth-{key}", trainer_assets, tmp_path / key, mode="collectives",
+            manifest = resource(f"auth-{key}", ground_assets, f"{storage}/{key}", mode="collectives",
                                 ttlSecondsAfterFinished=300)
             runs[key] = start_run(k, manifest)
         for key, k in kubes.items():

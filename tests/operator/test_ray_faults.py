@@ -109,7 +109,7 @@ def test_the_log_tail_of_a_failed_job_is_cut_on_the_head(ray_head, tmp_path):
 def test_a_job_that_failed_before_its_driver_started_is_decided_on_its_own_message(ray_head):
     body = {"metadata": {"name": "no-driver", "namespace": "default", "uid": str(uuid.uuid4()), "generation": 1},
             "spec": {"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
-                     "checkpoint": {"storagePath": "/tmp/unused"}}}
+                     "checkpoint": {"storagePath": "gs://tpufinetune-ground/unused"}}}
     job_id = f"tft-{body['metadata']['uid']}-1"
     client = ray_head.job_client()
     # The head cannot set this runtime_env up (no such package): no driver ever runs.
@@ -342,6 +342,9 @@ def test_a_retry_never_overlaps_its_previous_attempt_and_leaves_no_task_behind(r
     status, left = asyncio.run(scenario())
     assert status["phase"] == phases.FAILED and status["attempt"] == 2
     assert "missing.jsonl" in status["message"]
+    # Each attempt kept its reason and its driver log's last lines.
+    assert [a["reason"] for a in status["attempts"]] == ["AppFailed", "AppFailed"]
+    assert all("missing.jsonl" in a["message"] and "log tail:" in a["message"] for a in status["attempts"])
     # Nothing of the run was active when either attempt went in.
     assert jobs.active_at_submit == [(f"tft-{uid}-1", []), (f"tft-{uid}-2", [])]
     # Attempt 1's follower was closed before attempt 2's started (each attempt has one).

@@ -58,8 +58,8 @@ def job_ended(kube, cluster: str, uid: str) -> bool:
 
 
 def test_refused_status_writes_around_the_job_end_lose_nothing_and_fail_healthz_past_the_bound(
-        operator, ground, kube, trainer_assets, tmp_path):
-    manifest = resource("refused", trainer_assets, tmp_path / "ckpt", epochs=2, dataset={"split": "train[:64]"})
+        operator, ground, kube, ground_assets, storage):
+    manifest = resource("refused", ground_assets, storage, epochs=2, dataset={"split": "train[:64]"})
     policy = yaml.safe_dump_all(refuse_status_writes(kube.ns))
     env = {**shipped_settings(), "TPUFT_STALL_TIMEOUT": str(STALL_S)}
     with operator_with(operator, **env) as deployed:
@@ -84,7 +84,7 @@ def test_refused_status_writes_around_the_job_end_lose_nothing_and_fail_healthz_
     assert status["phase"] == "Succeeded", status.get("message")
     assert [entry["epoch"] for entry in status["history"]] == [1, 2]
     assert status["epochProgress"] == "2/2"
-    assert status["checkpointURI"] and str(tmp_path / "ckpt") in status["checkpointURI"]
+    assert status["checkpointURI"] and storage in status["checkpointURI"]
     assert status["exportedModelURI"]
     log = operator.log_path.read_text(errors="replace")
     assert REFUSAL in log  # the writes were refused, not merely absent

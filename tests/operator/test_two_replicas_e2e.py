@@ -40,7 +40,7 @@ def answers(url: str) -> str:
 
 
 def test_the_standby_takes_over_a_killed_leader_within_the_lease_and_the_run_succeeds(
-        operator, ground, kube, trainer_assets, tmp_path):
+        operator, ground, kube, ground_assets, storage):
     kube.wait_for(lambda: lease(kube).get("holderIdentity") == OPERATOR_PODS[0], "the session's operator leads")
     standby = ground.start_replica()
     try:
@@ -51,8 +51,8 @@ def test_the_standby_takes_over_a_killed_leader_within_the_lease_and_the_run_suc
         assert lease(kube)["holderIdentity"] == OPERATOR_PODS[0]
 
         # The RayCluster is kept a while after the end, so its head can list the jobs.
-        manifest = resource("two-replicas", trainer_assets, tmp_path / "ckpt", epochs=3,
-                            dataset={"id": str(trainer_assets.data), "split": "train[:64]"},
+        manifest = resource("two-replicas", ground_assets, storage, epochs=3,
+                            dataset={"id": ground_assets.data, "split": "train[:64]"},
                             ttlSecondsAfterFinished=300)
         uid, cluster = start_run(kube, manifest)
         kube.wait_for(lambda: kube.status("two-replicas").get("phase") == "Running", "phase Running", timeout=300)
@@ -72,9 +72,9 @@ def test_the_standby_takes_over_a_killed_leader_within_the_lease_and_the_run_suc
         print(f"takeover {took:.1f} s after SIGKILL (lease {DEFAULTS.lease_duration:g} s, "
               f"retry {DEFAULTS.retry_period:g} s)")
 
-        kube.kubectl("wait", "tpufinetune/two-replicas", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
-        status = kube.status("two-replicas")
-        assert status["phase"] == "Succeeded"
+        status = kube.wait_for(lambda: (s := kube.status("two-replicas")).get("phase") in ("Succeeded", "Failed")
+                               and s, "the run to end", timeout=600)
+        assert status["phase"] == "Succeeded", (status.get("message"), status.get("attempts"))
         assert status["attempt"] == 1 and status["jobId"] == f"tft-{uid}-1"
         assert [entry["epoch"] for entry in status["history"]] == [1, 2, 3]
         # One Ray job for the one attempt: the new leader re-attached to the running job.

@@ -42,3 +42,23 @@ def test_a_corrupted_shard_fails_loudly(ray_head):
     assert result["tp_max_abs_err"] > 1e-2
     assert failure["type"] == "CollectivesError" and "[1]" in failure["message"]
     assert "verified" not in run.output
+
+
+def test_the_bus_bandwidth_is_measured_and_a_floor_above_it_fails(ray_head):
+    run = run_trainer(["collectives", "--num-workers", "2", "--device", "cpu", "--bandwidth-mib", "8",
+                       "--min-bus-bandwidth-gbps", "1000000"], ray_head.env(), timeout=240)
+    assert run.rc != 0
+    result, failure = run.one("collectives"), run.one("failure")
+    assert result["passed"] is False and result["failed_ranks"] == []  # the checks agreed; the link is slow
+    assert 0 < result["bus_bandwidth_gbps"] < 1000000 and result["min_bus_bandwidth_gbps"] == 1000000
+    assert result["hosts"] == 1 and sum(result["devices_per_host"].values()) == 2
+    assert failure["type"] == "CollectivesError" and "under the floor" in failure["message"]
+
+
+def test_a_host_short_of_tpu_devices_is_named():
+    from tpufinetune_trainer.collectives import devices_per_host, short_hosts
+
+    places = [{"node_ip": "10.0.0.1", "device_files": 4}] * 4 + [{"node_ip": "10.0.0.2", "device_files": 2}] * 4
+    assert short_hosts(places, 4) == {"10.0.0.2": 2}
+    assert devices_per_host(places) == {"10.0.0.1": 4, "10.0.0.2": 4}
+    assert short_hosts([{"node_ip": "10.0.0.1", "device_files": None}] * 2, None) == {}  # off TPU

@@ -85,7 +85,11 @@ def test_events_tell_the_whole_run(trained):
 def test_the_plan_states_the_global_batch_and_the_schedule(trained):
     run = trained[0]
     plans = run.of("plan")  # once per worker-group start: the first and the one after the failure
+    resumed = [{k: p.pop(k) for k in ("resumed_step", "resumed_from")} for p in plans]
     assert len(plans) == 2 and plans[0] == plans[1]
+    # The restart after the failure at step 7 resumed from the step-5 checkpoint.
+    assert resumed[0] == {"resumed_step": None, "resumed_from": None}
+    assert resumed[1]["resumed_step"] == EVERY and resumed[1]["resumed_from"].endswith(f"/first/step_{EVERY:07d}")
     plan = plans[0]
     steps = run.of("epoch")[-1]["steps"]  # epoch 1 restarted at step 5 and ran only the rest
     assert (plan["global_batch_blocks"], plan["global_batch_tokens"], plan["accumulation"]) == (2, 1024, 1)

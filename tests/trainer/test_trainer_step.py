@@ -224,3 +224,26 @@ def test_a_checkpoint_loads_in_place_from_a_uri(trainer_assets, prepared, proces
     for before, param in zip(saved, trainer.params):
         assert torch.equal(before, param.detach().full_tensor())
     assert isinstance(ckpt.storage_reader("gs://bucket/run/step_0000010"), ckpt.ArrowReader)
+
+
+def test_early_stopping_counts_evaluations_without_a_lower_eval_loss(trainer_assets, prepared, process_group,
+                                                                     tmp_path):
+    trainer = make_trainer(trainer_assets, prepared, tmp_path, early_stopping_patience=3)
+    for step, eval_loss in enumerate([3.0, 2.5, 2.6, 2.5], start=1):
+        trainer.global_step = step
+        trainer.early_stop_check(eval_loss)
+        assert trainer.stopped is None, (step, trainer.stopped)
+        trainer.history.append({"step": step, "eval_loss": eval_loss, "uri": f"s{step}"})
+    trainer.global_step = 5
+    trainer.early_stop_check(2.7)  # the third evaluation in a row not below the best (2.5)
+    assert trainer.stopped["reason"] == "Patience" and trainer.stopped["best_eval_loss"] == 2.5
+    assert trainer.stopped["step"] == 5
+
+
+def test_a_target_eval_loss_stops_at_the_first_evaluation_that_reaches_it(trainer_assets, prepared, process_group,
+                                                                          tmp_path):
+    trainer = make_trainer(trainer_assets, prepared, tmp_path, target_eval_loss=2.0)
+    trainer.early_stop_check(2.01)
+    assert trainer.stopped is None
+    trainer.early_stop_check(2.0)
+    assert trainer.stopped["reason"] == "TargetEvalLoss" and trainer.stopped["training_s"] >= 0

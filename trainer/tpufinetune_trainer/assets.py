@@ -1,9 +1,9 @@
 """Offline assets: a tiny random Gemma 4, a BPE tokenizer and a dolly-format dataset.
 
-    python -m tpufinetune_trainer.assets --out DIR [--size tiny|100m]
+    python -m tpufinetune_trainer.assets --out DIR|gs://bucket/prefix [--size tiny|100m]
 
 writes ``DIR/model`` (``from_pretrained``-loadable model + tokenizer) and
-``DIR/data/train.jsonl``. Nothing is downloaded. The dataset is generated from a seeded
+``DIR/data/train.jsonl`` (to a bucket: written locally, then uploaded). Nothing is downloaded. The dataset is generated from a seeded
 random world (invented countries and people, real animals and produce) so a tiny model
 can learn its templates and facts within a few CPU epochs; lengths follow the shape of
 databricks-dolly-15k (many short answers, a long tail of stories and long contexts).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -306,12 +307,21 @@ def write_assets(out: Path, size: str = "tiny", rows: int = 1500, seed: int = 12
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path, help="directory to write model/ and data/ into")
+    parser.add_argument("--out", required=True, help="directory or gs:// prefix to write model/ and data/ into")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--rows", type=int, default=1500, help="dataset rows")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
-    info = write_assets(args.out, args.size, args.rows, args.seed)
+    from . import storage
+
+    if not storage.is_uri(args.out):
+        info = write_assets(Path(args.out), args.size, args.rows, args.seed)
+    else:
+        with tempfile.TemporaryDirectory(prefix="tpuft-assets-") as local:
+            info = write_assets(Path(local), args.size, args.rows, args.seed)
+            storage.upload_dir(local, args.out)
+        base = args.out.rstrip("/")
+        info.update(model=f"{base}/model", data=f"{base}/data/train.jsonl")
     print(json.dumps(info))
     return 0
 

@@ -119,14 +119,34 @@ def scaling_config(backend: Backend, num_workers: int, topology: str, accelerato
 
 
 def torch_config(backend: Backend):
-    if backend.name == "tpu":
-        # Each worker checks for its chips before tpu_dist starts (tpu_guard.py).
-        from .tpu_guard import guarded_torch_config
-
-        return guarded_torch_config(backend.dist_backend)
+    """Ray Train's TorchConfig, whose backend first runs on every worker (an actor call, so
+    on the worker's main thread): the SIGTERM handler of checkpoint on notice (notice.py),
+    and on TPU the device check before tpu_dist starts (tpu_guard.py)."""
     from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
 
-    return TorchConfig(backend=backend.dist_backend)
+    from .notice import install_sigterm_handler
+    from .tpu_guard import require_tpu_device
+
+    is_tpu = backend.name == "tpu"
+
+    class _WorkerSetupBackend(_TorchBackend):
+        def on_start(self, worker_group, backend_config):
+            import ray
+
+            size = len(worker_group)
+            if is_tpu:
+                ray.get([worker_group.execute_single_async(i, require_tpu_device, worker_rank=i, world_size=size)
+                         for i in range(size)])
+            ray.get([worker_group.execute_single_async(i, install_sigterm_handler) for i in range(size)])
+            super().on_start(worker_group, backend_config)
+
+    class WorkerSetupTorchConfig(TorchConfig):
+        @property
+        def backend_cls(self):
+            return _WorkerSetupBackend
+
+    return WorkerSetupTorchConfig(backend=backend.dist_backend)
 
 
 def compute_dtype(backend: Backend, requested: str = "auto"):

@@ -7,8 +7,8 @@ Rank 0 adds the DCP ``.metadata`` and ``trainer_state.json``. No rank ever holds
 whole model while checkpointing. The frozen per-layer embeddings
 are left out: they never change, and a reload starts from the base model that has them.
 
-A load reads straight from storage (a path, or a URI such as gs:// through pyarrow's
-file systems): each rank reads only the byte ranges of the shards it owns, and nothing
+A load reads straight from storage (a path, or a URI such as gs:// through
+storage.filesystem): each rank reads only the byte ranges of the shards it owns, and nothing
 downloads the whole checkpoint to every host.
 
 DCP's own coordination (gathering plans, the final barrier) is pickled Python objects:
@@ -19,6 +19,7 @@ collective backend.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import tempfile
@@ -34,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+from . import storage
 
 STATE_FILE = "trainer_state.json"
 _SHARDED = StateDictOptions(ignore_frozen_params=True)
@@ -79,22 +82,14 @@ def load_sharded(model, optimizer, location: str, group=None) -> dict:
 
 
 def read_trainer_state(location: str) -> dict:
-    fs, path = _arrow_fs(location)
     import pyarrow.fs as pafs
 
+    fs, path = storage.filesystem(location)
     target = f"{path.rstrip('/')}/{STATE_FILE}"
     if fs.get_file_info(target).type != pafs.FileType.File:
         return {}
     with fs.open_input_stream(target) as f:
         return json.loads(f.read().decode("utf-8"))
-
-
-def _arrow_fs(location: str):
-    import pyarrow.fs as pafs
-
-    if "://" in location:
-        return pafs.FileSystem.from_uri(location)
-    return pafs.LocalFileSystem(), os.path.abspath(location)
 
 
 class ArrowFileSystem(FileSystemBase):
@@ -105,7 +100,7 @@ class ArrowFileSystem(FileSystemBase):
         self.fs = None
 
     def init_path(self, path):
-        self.fs, root = _arrow_fs(str(path))
+        self.fs, root = storage.filesystem(str(path))
         return root
 
     def concat_path(self, path, suffix: str):
@@ -114,7 +109,7 @@ class ArrowFileSystem(FileSystemBase):
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
         if "r" in mode:
-            stream = self.fs.open_input_file(str(path))
+            stream = RangeReader(self.fs.open_input_file(str(path)))
         else:
             stream = self.fs.open_output_stream(str(path))
         try:
@@ -141,6 +136,52 @@ class ArrowFileSystem(FileSystemBase):
         self.fs.delete_file(str(path))
 
 
+class RangeReader(io.RawIOBase):
+    """A pyarrow random-access file read by byte ranges. Seeking costs nothing (a GCS read
+    that starts at the object's end is refused with 416, and torch.load seeks there), and
+    small reads come from one read-ahead block, so a rank's items cost a few requests."""
+
+    READ_AHEAD = 8 << 20
+
+    def __init__(self, file) -> None:
+        super().__init__()
+        self.file, self.size, self.pos = file, file.size(), 0
+        self.block_start, self.block = 0, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence] + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.size - self.pos))
+        if n == 0:
+            return 0
+        start = self.pos - self.block_start
+        if start < 0 or start + n > len(self.block):
+            if n >= self.READ_AHEAD:  # a large tensor: one request of its own
+                buffer[:n] = self.file.read_at(n, self.pos)
+                self.pos += n
+                return n
+            self.block_start, start = self.pos, 0
+            self.block = self.file.read_at(min(self.READ_AHEAD, self.size - self.pos), self.pos)
+        buffer[:n] = self.block[start:start + n]
+        self.pos += n
+        return n
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
 class ArrowReader(dcp.FileSystemReader):
     def __init__(self, uri: str) -> None:
         super().__init__(uri)
@@ -155,11 +196,7 @@ def storage_reader(location: str):
 
 def checkpoint_location(checkpoint) -> str:
     """A Ray Train Checkpoint's storage location as a path (local) or URI (remote)."""
-    import pyarrow.fs as pafs
-
-    if isinstance(checkpoint.filesystem, pafs.LocalFileSystem):
-        return checkpoint.path
-    return f"{checkpoint.filesystem.type_name}://{checkpoint.path.lstrip('/')}"
+    return storage.uri_of(checkpoint.filesystem, checkpoint.path)
 
 
 def export_hf(model, tokenizer, destination: str, group=None) -> None:
@@ -173,7 +210,7 @@ def export_hf(model, tokenizer, destination: str, group=None) -> None:
             model.save_pretrained(tmp, state_dict=full)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-            upload_dir(tmp, destination)
+            storage.upload_dir(tmp, destination)
     del full
     dist.barrier(group=group)
 
@@ -185,16 +222,6 @@ def tied_weight_copies(model) -> list[str]:
     if not getattr(config, "tie_word_embeddings", getattr(model.config, "tie_word_embeddings", False)):
         return []
     return list(tied) if isinstance(tied, (dict, list)) else []
-
-
-def upload_dir(local: str, destination: str) -> None:
-    """Copy a local directory to a path or URI (gs://, s3://, file system path)."""
-    import pyarrow.fs as pafs
-
-    fs, path = pafs.FileSystem.from_uri(destination) if "://" in destination else (
-        pafs.LocalFileSystem(), os.path.abspath(destination))
-    fs.create_dir(path, recursive=True)
-    pafs.copy_files(local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
 
 def join_uri(base: str, *parts: str) -> str:

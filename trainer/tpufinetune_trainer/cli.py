@@ -17,7 +17,7 @@ from .config import (DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET, DEFAULT_DEC
                      SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig)
 from .data import DATASET_FORMATS, PROMPT_FORMATS
 from .schedule import SCHEDULES
-from .errors import TrainerError, UsageError
+from .errors import Preempted, TrainerError, UsageError
 from .events import emit
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     ft = sub.add_parser("finetune", help="supervised fine-tuning with Ray Train + FSDP2")
-    ft.add_argument("--model-id", default=DEFAULT_MODEL, help="hub id or local model directory")
-    ft.add_argument("--dataset", default=DEFAULT_DATASET, help="hub id, or a local JSONL/Parquet file or directory")
+    ft.add_argument("--model-id", default=DEFAULT_MODEL, help="hub id, local model directory, or one in a bucket (gs://...)")
+    ft.add_argument("--dataset", default=DEFAULT_DATASET, help="hub id, or a JSONL/Parquet file or directory, local or in a bucket (gs://...)")
     ft.add_argument("--dataset-split", default="train[:1024]")
     _slice_flags(ft)
     ft.add_argument("--num-epochs", type=int, default=3)
@@ -95,17 +95,45 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--max-failures", type=int, default=0,
                     help="worker failures Ray Train recovers from inside this job, each resuming from the "
                          "latest checkpoint")
+    ft.add_argument("--target-eval-loss", type=float, default=0.0,
+                    help="stop after the evaluation whose eval loss is at or below this, and export the "
+                         "checkpoint it reached (0: off; needs --eval-fraction > 0)")
+    ft.add_argument("--early-stopping-patience", type=int, default=0,
+                    help="stop after this many evaluations in a row without a lower eval loss "
+                         "(0: off; needs --eval-fraction > 0)")
     ft.add_argument("--fail-at-step", type=int, default=0,
                     help="fault injection for tests: fail once after this optimizer step (not after a restore)")
+
+    now = sub.add_parser("checkpoint-now", help="ask the running finetune of --run-name for a step checkpoint "
+                                                "now (run as a Ray job on the same cluster)")
+    now.add_argument("--run-name", required=True, help="the finetune's --run-name")
+    now.add_argument("--reason", default="Requested", help="why, shown in the trainer's notice event")
+    now.add_argument("--detail", default="", help="e.g. the node and its maintenance time")
 
     co = sub.add_parser("collectives", help="interconnect check: DTensor TP parity + all_reduce")
     _slice_flags(co)
     co.add_argument("--hidden-dim", type=int, default=128)
     co.add_argument("--batch-size", type=int, default=64)
     co.add_argument("--placement-timeout", type=float, default=600.0, help="seconds to wait for the devices")
+    co.add_argument("--bandwidth-mib", type=float, default=64.0,
+                    help="MiB of fp32 all_reduced to measure the bus bandwidth (0: not measured)")
+    co.add_argument("--min-bus-bandwidth-gbps", type=float, default=0.0,
+                    help="fail when the measured all_reduce bus bandwidth is under this many GB/s (0: no floor)")
     co.add_argument("--corrupt-rank", type=int, default=None,
                     help="fault injection for tests: perturb this rank's weight shard (the check must fail)")
     return parser
+
+
+def request_checkpoint(args: argparse.Namespace) -> int:
+    import ray
+
+    from .notice import put_request
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False)
+    request = put_request(args.run_name, args.reason, args.detail)
+    print(f"asked run {args.run_name} for a checkpoint now ({request['reason']}"
+          f"{': ' + request['detail'] if request['detail'] else ''})", flush=True)
+    return 0
 
 
 def _config(args: argparse.Namespace):
@@ -126,11 +154,13 @@ def _config(args: argparse.Namespace):
             run_name=args.run_name, long_prompts=args.long_prompts, prompt_format=args.prompt_format,
             dataset_format=args.dataset_format, compile=args.compile, compute_dtype=args.compute_dtype,
             progress_interval_s=args.progress_interval, max_failures=args.max_failures,
+            target_eval_loss=args.target_eval_loss, early_stopping_patience=args.early_stopping_patience,
             fail_at_step=args.fail_at_step)
     return CollectivesConfig(topology=args.topology, accelerator_type=args.accelerator_type,
                              num_workers=args.num_workers, device=args.device, hidden_dim=args.hidden_dim,
                              batch_size=args.batch_size, placement_timeout_s=args.placement_timeout,
-                             corrupt_rank=args.corrupt_rank)
+                             corrupt_rank=args.corrupt_rank, bandwidth_mib=args.bandwidth_mib,
+                             min_bus_bandwidth_gbps=args.min_bus_bandwidth_gbps)
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -156,6 +186,8 @@ def _message(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "checkpoint-now":
+            return request_checkpoint(args)
         cfg = _config(args)
         if args.command == "finetune":
             from .finetune import run
@@ -169,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         cause = root_cause(exc)
         if not isinstance(cause, TrainerError):
             traceback.print_exc(file=sys.stderr)
+        if isinstance(cause, Preempted) and cause.notice:
+            emit("notice", **cause.notice)  # again, from the driver: rank 0's line may have gone with its pod
         emit("failure", type=type(cause).__name__, message=_message(cause))
         print(f"ERROR: {type(cause).__name__}: {_message(cause)}", file=sys.stderr, flush=True)
         return EXIT_USAGE if isinstance(cause, UsageError) else EXIT_FAILURE

@@ -6,6 +6,12 @@ Each rank checks three things and the run fails if any rank disagrees:
 2. the block's DTensor output (colwise w1, rowwise w2) equals the reference output;
 3. an all_reduce of (rank + 1) sums to n(n+1)/2.
 
+Before that, each TPU host must hold the devices Ray gave it (device files, as the TPU
+runtime will need them): a host short of devices fails the check at once, named. After it,
+an all_reduce of --bandwidth-mib MiB measures the bus bandwidth (as NCCL's tests define it:
+bytes x 2(n-1)/n / time), checked against --min-bus-bandwidth-gbps when given. This is the
+operator's preflight (spec.preflight) before a fine-tune on the same cluster.
+
 On TPU the slice is reserved with `slice_placement_group` and ranks come from the
 webhook's TPU_WORKER_ID and Ray's device id, as in the tutorial. On CPU/GPU, N bundles
 in one placement group get the same arithmetic: rank = host index * devices per host +
@@ -60,9 +66,12 @@ class RankWorker:
         self.accelerator_id = int((ids.get(backend.ray_resource) or ["0"])[0]) if backend.ray_resource else 0
 
     def where(self) -> dict:
+        from .tpu_guard import tpu_device_files
+
         return {"node_ip": self.node_ip, "accelerator_id": self.accelerator_id,
                 "tpu_worker_id": int(os.environ.get("TPU_WORKER_ID", "0")),
-                "tpu_hosts": os.environ.get("TPU_WORKER_HOSTNAMES", "")}
+                "tpu_hosts": os.environ.get("TPU_WORKER_HOSTNAMES", ""),
+                "device_files": len(tpu_device_files()) if self.backend.name == "tpu" else None}
 
     def free_port(self) -> int:
         return _free_port()
@@ -73,7 +82,7 @@ class RankWorker:
         os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "WORLD_SIZE": str(world),
                            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world)})
 
-    def check(self, hidden_dim: int, batch_size: int, corrupt: bool) -> dict:
+    def check(self, hidden_dim: int, batch_size: int, corrupt: bool, bandwidth_mib: float = 0.0) -> dict:
         import torch
         import torch.distributed as dist
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -107,11 +116,56 @@ class RankWorker:
             contribution = torch.full((4,), float(self.rank + 1), dtype=torch.float32, device=device)
             dist.all_reduce(contribution, op=dist.ReduceOp.SUM)
             sums = contribution.cpu().tolist()
+            seconds = _all_reduce_seconds(device, bandwidth_mib) if bandwidth_mib > 0 else None
         finally:
             dist.destroy_process_group()
         return {"rank": self.rank, "local_rank": self.local_rank, "worker_id": self.worker_id,
                 "node_ip": self.node_ip, "all_reduce_sum": sums, "max_abs_diff": err,
-                "shard_ok": shard_ok, "parity_ok": parity_ok}
+                "shard_ok": shard_ok, "parity_ok": parity_ok, "all_reduce_s": seconds}
+
+
+BANDWIDTH_ITERS = 5
+
+
+def _all_reduce_seconds(device, mib: float) -> float:
+    """Mean seconds of one all_reduce of `mib` MiB of fp32, after a warm-up, read on the
+    host once (one sync for all iterations)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(max(1, int(mib * 2**20 / 4)), dtype=torch.float32, device=device)
+    dist.all_reduce(tensor)
+    float(tensor[0].item())
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(BANDWIDTH_ITERS):
+        dist.all_reduce(tensor)
+    float(tensor[0].item())
+    return (time.perf_counter() - start) / BANDWIDTH_ITERS
+
+
+def bus_bandwidth_gbps(mib: float, world: int, seconds: float) -> float:
+    """NCCL tests' bus bandwidth of an all_reduce: what each link carries, in GB/s."""
+    return mib * 2**20 * 2 * (world - 1) / world / max(seconds, 1e-12) / 1e9
+
+
+def short_hosts(places: list[dict], per_host: int | None) -> dict[str, int]:
+    """TPU hosts whose device files are fewer than the devices Ray placed there: node ip ->
+    files found (empty off TPU)."""
+    found: dict[str, int] = {}
+    for p in places:
+        if p.get("device_files") is not None:
+            found[p["node_ip"]] = p["device_files"]
+    return {ip: n for ip, n in found.items() if per_host and n < per_host}
+
+
+def devices_per_host(places: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for p in places:
+        counts[p["node_ip"]] = counts.get(p["node_ip"], 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _mesh(device_type: str, world: int):
@@ -187,6 +241,13 @@ def run(cfg: CollectivesConfig) -> int:
         placement_group=pg, placement_group_bundle_index=i)).remote(backend) for i in range(bundles)]
     try:
         places = ray.get([w.where.remote() for w in workers])
+        short = short_hosts(places, per_host)
+        if short:
+            emit("collectives", world_size=len(workers), passed=False, hosts=len(devices_per_host(places)),
+                 devices_per_host=devices_per_host(places), short_hosts=short, failed_ranks=[], bad_shards=[])
+            detail = ", ".join(f"{ip} has {n} of {per_host}" for ip, n in short.items())
+            raise CollectivesError(f"{len(short)} host(s) short of TPU devices: {detail} (device files "
+                                   f"/dev/accel* or /dev/vfio; Ray placed {per_host} devices on each)")
         ranks = assign_ranks(places, per_host)
         world, local_world = len(workers), per_host or bundles
         rank0 = workers[[r["rank"] for r in ranks].index(0)]
@@ -198,16 +259,19 @@ def run(cfg: CollectivesConfig) -> int:
              devices=[f"host{r['worker_id']}/{backend.device_type}:{r['local_rank']}" for r in ranks])
         ray.get([w.setup.remote(r["rank"], r["local_rank"], r["worker_id"], world, local_world, master, port)
                  for w, r in zip(workers, ranks)])
-        results = ray.get([w.check.remote(cfg.hidden_dim, cfg.batch_size, r["rank"] == cfg.corrupt_rank)
+        results = ray.get([w.check.remote(cfg.hidden_dim, cfg.batch_size, r["rank"] == cfg.corrupt_rank,
+                                          cfg.bandwidth_mib)
                            for w, r in zip(workers, ranks)])
     finally:
         for w in workers:
             ray.kill(w)
         release()
-    return report(sorted(results, key=lambda r: r["rank"]), "TorchTPU" if backend.name == "tpu" else backend.dist_backend)
+    return report(sorted(results, key=lambda r: r["rank"]), "TorchTPU" if backend.name == "tpu" else backend.dist_backend,
+                  cfg, devices_per_host(places))
 
 
-def report(results: list[dict], label: str) -> int:
+def report(results: list[dict], label: str, cfg: CollectivesConfig | None = None,
+           per_host: dict[str, int] | None = None) -> int:
     world = len(results)
     expected = world * (world + 1) / 2
     failed = []
@@ -218,9 +282,21 @@ def report(results: list[dict], label: str) -> int:
         if not (sum_ok and r["shard_ok"] and r["parity_ok"]):
             failed.append(r["rank"])
     err = max(r["max_abs_diff"] for r in results)
-    emit("collectives", world_size=world, passed=not failed, all_reduce_sum=results[0]["all_reduce_sum"][0],
-         expected_sum=expected, tp_max_abs_err=err, failed_ranks=failed,
-         bad_shards=[r["rank"] for r in results if not r["shard_ok"]])
+    timed = [r["all_reduce_s"] for r in results if r.get("all_reduce_s")]
+    bandwidth = round(bus_bandwidth_gbps(cfg.bandwidth_mib, world, max(timed)), 3) if timed and cfg else None
+    floor = cfg.min_bus_bandwidth_gbps if cfg else 0.0
+    slow = bool(floor) and (bandwidth is None or bandwidth < floor)
+    emit("collectives", world_size=world, passed=not failed and not slow,
+         all_reduce_sum=results[0]["all_reduce_sum"][0], expected_sum=expected, tp_max_abs_err=err,
+         failed_ranks=failed, bad_shards=[r["rank"] for r in results if not r["shard_ok"]],
+         bus_bandwidth_gbps=bandwidth, min_bus_bandwidth_gbps=floor or None,
+         hosts=len(per_host or {}) or None, devices_per_host=per_host)
+    if bandwidth is not None:
+        print(f"all_reduce of {cfg.bandwidth_mib:g} MiB over {world} ranks: bus bandwidth {bandwidth:.3f} GB/s",
+              flush=True)
+    if slow and not failed:
+        raise CollectivesError(f"all_reduce bus bandwidth {bandwidth} GB/s is under the floor of {floor:g} GB/s "
+                               "(--min-bus-bandwidth-gbps): a slow or degraded interconnect")
     if failed:
         bad = [r["rank"] for r in results if not r["shard_ok"]]
         raise CollectivesError(f"{len(failed)} of {world} ranks disagree: ranks {failed} "

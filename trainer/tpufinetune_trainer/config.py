@@ -83,6 +83,8 @@ class FinetuneConfig(SliceConfig):
     compute_dtype: str = "auto"
     progress_interval_s: float = 30.0
     max_failures: int = 0
+    target_eval_loss: float = 0.0  # 0: off; else stop after the evaluation that reaches it
+    early_stopping_patience: int = 0  # 0: off; else evaluations without improvement before stopping
     fail_at_step: int = 0  # fault injection for tests: every rank fails once after this step
 
     def validate(self) -> "FinetuneConfig":
@@ -118,12 +120,18 @@ class FinetuneConfig(SliceConfig):
             (self.checkpoint_score_attribute in SCORE_ATTRIBUTES,
              f"--checkpoint-score-attribute must be one of {', '.join(SCORE_ATTRIBUTES)}"),
             (self.long_prompts in ("skip", "fail"), "--long-prompts must be skip or fail"),
+            (self.target_eval_loss >= 0, "--target-eval-loss must not be negative (0 turns it off)"),
+            (self.early_stopping_patience >= 0, "--early-stopping-patience must not be negative (0 turns it off)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
         if self.checkpoint_score_attribute == "eval_loss" and self.eval_fraction == 0:
             raise ConfigError("--checkpoint-score-attribute eval_loss needs --eval-fraction > 0")
+        for flag, value in (("--target-eval-loss", self.target_eval_loss),
+                            ("--early-stopping-patience", self.early_stopping_patience)):
+            if value and self.eval_fraction == 0:
+                raise ConfigError(f"{flag} needs --eval-fraction > 0: it acts on the evaluation loss")
         if self.checkpoint_score_attribute == "auto":
             self.checkpoint_score_attribute = "eval_loss" if self.eval_fraction > 0 else "loss"
         self.batch_plan()
@@ -158,10 +166,16 @@ class CollectivesConfig(SliceConfig):
     batch_size: int = 64
     placement_timeout_s: float = 600.0
     corrupt_rank: int | None = None  # fault injection for tests: perturb this rank's shard
+    bandwidth_mib: float = 64.0  # all_reduce size that measures the bus bandwidth (0: not measured)
+    min_bus_bandwidth_gbps: float = 0.0  # 0: no floor
 
     def validate(self) -> "CollectivesConfig":
         if self.num_workers < 1:
             raise ConfigError(f"--num-workers must be at least 1, got {self.num_workers}")
+        if self.bandwidth_mib < 0 or self.min_bus_bandwidth_gbps < 0:
+            raise ConfigError("--bandwidth-mib and --min-bus-bandwidth-gbps must not be negative")
+        if self.min_bus_bandwidth_gbps and not self.bandwidth_mib:
+            raise ConfigError("--min-bus-bandwidth-gbps needs --bandwidth-mib > 0 (the measurement)")
         if self.corrupt_rank is not None and not 0 <= self.corrupt_rank < self.num_workers:
             raise ConfigError(f"--corrupt-rank {self.corrupt_rank} is not a rank of {self.num_workers} workers")
         return self

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import storage
 from .errors import DataError
 
 IGNORE_INDEX = -100
@@ -50,11 +51,25 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or Path(name).suffix in _FILE_BUILDERS
 
 
+def local_dataset(dataset: str) -> Path:
+    """The local path to read: a file or directory in storage (gs://…) is downloaded
+    first, once per host; anything else is taken as it is."""
+    if not storage.is_uri(dataset):
+        return Path(dataset).expanduser()
+    try:
+        return storage.local_copy(dataset)
+    except FileNotFoundError as exc:
+        raise DataError(f"--dataset {dataset}: no such object or directory") from exc
+    except Exception as exc:
+        raise DataError(f"--dataset {dataset}: cannot download it: {type(exc).__name__}: {exc}") from exc
+
+
 def load_rows(dataset: str, split: str):
-    """A `datasets.Dataset`: a hub id, a local JSONL/JSON/Parquet/CSV file, or a directory."""
+    """A `datasets.Dataset`: a hub id, a JSONL/JSON/Parquet/CSV file, or a directory, local
+    or in storage (gs://bucket/train.jsonl)."""
     from datasets import load_dataset
 
-    path = Path(dataset).expanduser()
+    path = local_dataset(dataset)
     if path.is_file() and path.stat().st_size == 0:
         raise DataError(f"--dataset {dataset} is empty: split {split!r} has no rows")
     try:

@@ -27,3 +27,14 @@ class StorageError(TrainerError):
 
 class CollectivesError(TrainerError):
     """At least one rank disagreed in the collectives check."""
+
+
+class Preempted(TrainerError):
+    """SIGTERM (the pod is going away): a step checkpoint was written and the workers
+    stopped; the next attempt (or Ray Train's in-job recovery) resumes from it. Carries the
+    `notice` event's fields, which the driver emits again: rank 0's own line may be lost
+    with its pod (its node's log monitor goes with it)."""
+
+    def __init__(self, message: str, notice: dict | None = None):
+        super().__init__(message)
+        self.notice = notice or {}

@@ -11,22 +11,17 @@ from __future__ import annotations
 import os
 import uuid
 
-from . import backends
+from . import backends, storage
 from .config import FinetuneConfig
 from .data import PreparedData, pad_id_of, prepare
 from .errors import ConfigError, StorageError
-from .model import check_local_model, load_config, load_tokenizer
+from .model import check_model, load_config, load_tokenizer
 
 
 def check_storage(storage_path: str, run_name: str) -> None:
     """Write and delete a probe file where checkpoints will go."""
-    import pyarrow.fs as pafs
-
     try:
-        if "://" in storage_path:
-            fs, root = pafs.FileSystem.from_uri(storage_path)
-        else:
-            fs, root = pafs.LocalFileSystem(), storage_path
+        fs, root = storage.filesystem(storage_path)
         run_dir = f"{root.rstrip('/')}/{run_name}"
         fs.create_dir(run_dir, recursive=True)
         probe = f"{run_dir}/.tpuft-write-probe-{uuid.uuid4().hex}"
@@ -38,14 +33,11 @@ def check_storage(storage_path: str, run_name: str) -> None:
 
 
 def check_resume_from(uri: str) -> None:
-    import pyarrow.fs as pafs
-
-    fs, path = pafs.FileSystem.from_uri(uri) if "://" in uri else (pafs.LocalFileSystem(), uri)
     try:
-        info = fs.get_file_info(f"{path.rstrip('/')}/.metadata")
+        found = storage.exists(f"{uri.rstrip('/')}/.metadata", "file")
     except Exception as exc:
         raise ConfigError(f"--resume-from {uri}: cannot read it: {exc}") from exc
-    if info.type != pafs.FileType.File:
+    if not found:
         raise ConfigError(f"--resume-from {uri} is not a checkpoint of this trainer (no DCP .metadata)")
 
 
@@ -68,7 +60,7 @@ def check(cfg: FinetuneConfig) -> None:
     check_storage(cfg.storage_path, cfg.run_name)
     if cfg.resume_from:
         check_resume_from(cfg.resume_from)
-    check_local_model(cfg.model_id)
+    check_model(cfg.model_id)
 
 
 def prepare_data(cfg: FinetuneConfig) -> tuple[PreparedData, int]:
@@ -115,7 +107,7 @@ def build_trainer(cfg: FinetuneConfig, data: PreparedData, pad_id: int):
         scaling_config=scaling,
         run_config=RunConfig(
             name=cfg.run_name,
-            storage_path=cfg.storage_path,
+            **storage.ray_storage(cfg.storage_path),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints,
                                                checkpoint_score_attribute=cfg.checkpoint_score_attribute,
                                                checkpoint_score_order=cfg.checkpoint_score_order),

@@ -1,10 +1,12 @@
-"""Loading a causal LM (hub id or local directory), with the tutorial's Gemma 4 handling."""
+"""Loading a causal LM (hub id, local directory, or a directory in storage such as
+gs://bucket/models/x), with the tutorial's Gemma 4 handling."""
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
 
+from . import storage
 from .errors import ModelError
 
 # Multimodal sub-configs a text fine-tune does not need (Gemma 4 has both).
@@ -33,12 +35,37 @@ def check_local_model(model_id: str) -> None:
         raise ModelError(f"--model-id {model_id}: no model directory there (no config.json)")
 
 
+def check_model(model_id: str) -> None:
+    """A path or URI --model-id must be a model directory (checked without downloading)."""
+    if not storage.is_uri(model_id):
+        check_local_model(model_id)
+        return
+    try:
+        found = storage.exists(f"{model_id.rstrip('/')}/config.json", "file")
+    except Exception as exc:
+        raise ModelError(f"--model-id {model_id}: cannot read it: {type(exc).__name__}: {exc}") from exc
+    if not found:
+        raise ModelError(f"--model-id {model_id}: no model directory there (no config.json)")
+
+
+def model_source(model_id: str) -> str:
+    """What transformers loads: a hub id or local directory as it is; a directory in
+    storage is downloaded once per host (storage.local_copy) and loaded from there."""
+    check_model(model_id)
+    if not storage.is_uri(model_id):
+        return model_id
+    try:
+        return str(storage.local_copy(model_id))
+    except Exception as exc:
+        raise ModelError(f"--model-id {model_id}: cannot download it: {type(exc).__name__}: {exc}") from exc
+
+
 def load_config(model_id: str):
     from transformers import AutoConfig
 
-    check_local_model(model_id)
+    source = model_source(model_id)
     try:
-        return AutoConfig.from_pretrained(model_id)
+        return AutoConfig.from_pretrained(source)
     except Exception as exc:
         raise ModelError(f"cannot load the config of --model-id {model_id}: {type(exc).__name__}: {exc}") from exc
 
@@ -46,9 +73,9 @@ def load_config(model_id: str):
 def load_tokenizer(model_id: str):
     from transformers import AutoTokenizer
 
-    check_local_model(model_id)
+    source = model_source(model_id)
     try:
-        return AutoTokenizer.from_pretrained(model_id)
+        return AutoTokenizer.from_pretrained(source)
     except Exception as exc:
         raise ModelError(f"cannot load the tokenizer of --model-id {model_id}: {type(exc).__name__}: {exc}") from exc
 
@@ -62,10 +89,11 @@ def load_causal_lm(model_id: str, dtype, attn_implementation: str):
     from transformers import AutoModelForCausalLM
 
     config = load_config(model_id)
+    source = model_source(model_id)
     try:
         with _quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(
-                model_id, dtype=dtype, attn_implementation=attn_implementation, **text_only_kwargs(config))
+                source, dtype=dtype, attn_implementation=attn_implementation, **text_only_kwargs(config))
     except Exception as exc:
         raise ModelError(f"cannot load --model-id {model_id} as a causal LM: {type(exc).__name__}: {exc}") from exc
     model.config.get_text_config().use_cache = False

@@ -5,7 +5,7 @@ advertises TPUs without having them (a mislabelled pool, a device plugin that di
 run, a test ground) gets its workers placed and the slice reserved. Bringing up the TPU
 runtime there does not fail cleanly: libtpu polls a cloud metadata server and stalls.
 So before Ray Train opens the `tpu_dist` process group, every worker checks for the
-device files first and fails at once, saying where it was placed.
+device files first and fails at once, saying where it was placed (backends.torch_config).
 """
 
 from __future__ import annotations
@@ -43,26 +43,3 @@ def require_tpu_device(worker_rank: int, world_size: int) -> None:
         f"(host {host}, {ray.util.get_node_ip_address()}), but that host has no /dev/accel* "
         "or /dev/vfio TPU device. The node advertises TPU resources without chips: check that "
         "the pod runs on a TPU node pool and that GKE's TPU device plugin gave it the chips.")
-
-
-def guarded_torch_config(dist_backend: str):
-    """Ray Train's TorchConfig for `tpu_dist`, with the device check run on every worker
-    before the process group starts."""
-    from ray.train.torch import TorchConfig
-    from ray.train.torch.config import _TorchBackend
-
-    class _GuardedTorchBackend(_TorchBackend):
-        def on_start(self, worker_group, backend_config):
-            import ray
-
-            size = len(worker_group)
-            ray.get([worker_group.execute_single_async(i, require_tpu_device, worker_rank=i, world_size=size)
-                     for i in range(size)])
-            super().on_start(worker_group, backend_config)
-
-    class GuardedTorchConfig(TorchConfig):
-        @property
-        def backend_cls(self):
-            return _GuardedTorchBackend
-
-    return GuardedTorchConfig(backend=dist_backend)

@@ -14,7 +14,6 @@ loss), at a checkpoint, and at most once per --progress-interval on rank 0.
 
 from __future__ import annotations
 
-import math
 import sys
 import tempfile
 import time
@@ -25,8 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
+from . import notice
 from .backends import BACKENDS, Backend, compute_dtype, setup_device
 from .config import FinetuneConfig
+from .errors import Preempted
 from .data import IGNORE_INDEX, BatchPlan, Packed, epoch_permutation, eval_order, global_label_tokens, \
     step_blocks, steps_per_epoch
 from .events import emit
@@ -120,6 +121,14 @@ class Trainer:
         self.carried = (0.0, 0)  # (loss sum, label tokens) of the resumed epoch's earlier steps
         self.weights_uri: str | None = None  # which checkpoint's weights the model holds
         self.restored = False
+        self.resumed_from: str | None = None
+        self.notice = notice.NoticeWatch(rank)  # SIGTERM only; train_func adds Ray's KV requests
+        self.saved_step = -1  # the global step of the last checkpoint written
+        # Early stopping: training seconds (across attempts, from the checkpoint's state),
+        # evaluations in a row without a lower eval loss, and why the run stopped early.
+        self.training_s_before, self.started = 0.0, time.perf_counter()
+        self.stale_evals = 0
+        self.stopped: dict | None = None
 
     def _build_optimizer(self) -> None:
         cfg, capturable = self.cfg, self.backend.capturable_optimizer
@@ -153,6 +162,7 @@ class Trainer:
         if not location:
             return
         self.restored = True
+        self.resumed_from = location
         state = ckpt.load_sharded(self.model, self.optimizer, location, self.cpu_group)
         self._attach_lr()  # the loaded param groups carry a copy of the learning rate
         self.history = list(state.get("history", []))
@@ -163,6 +173,9 @@ class Trainer:
         self.global_step = (self.epoch - 1) * self.epoch_steps + self.epoch_step
         if not finished:
             self.carried = (float(state.get("epoch_loss_sum", 0.0)), int(state.get("epoch_label_tokens", 0)))
+        self.training_s_before = float(state.get("training_s", 0.0))
+        self.stale_evals = int(state.get("stale_evals", 0))
+        self.saved_step = self.global_step
         self.step_counter.fill_(min(self.global_step, max(self.total_steps - 1, 0)))  # once, at start
         if self.rank == 0:
             where = f"epoch {epoch}" if finished else f"epoch {epoch} step {done}/{self.epoch_steps}"
@@ -208,12 +221,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ epochs
     def run(self) -> None:
+        self.started = time.perf_counter()
         if self.rank == 0:
             self.announce()
-        while self.global_step < self.total_steps:
+        while self.global_step < self.total_steps and self.stopped is None:
             metrics = self.train_epoch()
-            self.report(metrics, epoch_end=True)
+            if self.stopped is None:
+                self.report(metrics, epoch_end=True)
         self.export()
+        notice.done()
+
+    def training_s(self) -> float:
+        """Seconds of training so far, earlier attempts included (loading and export not)."""
+        return self.training_s_before + time.perf_counter() - self.started
 
     def announce(self) -> None:
         cfg, plan = self.cfg, self.plan
@@ -226,7 +246,8 @@ class Trainer:
         emit("plan", global_batch_blocks=plan.global_blocks, global_batch_tokens=plan.global_blocks * cfg.max_seq_len,
              accumulation=plan.accum, steps_per_epoch=self.epoch_steps, total_steps=self.total_steps,
              warmup_steps=self.warmup, lr_schedule=cfg.lr_schedule, compute_dtype=str(self.dtype).split(".")[-1],
-             compile=self.compiled)
+             compile=self.compiled, resumed_step=self.global_step if self.resumed_from else None,
+             resumed_from=self.resumed_from)
 
     def schedule_words(self) -> str:
         cfg = self.cfg
@@ -266,7 +287,32 @@ class Trainer:
                 self.report(self.epoch_metrics(loss_sum, label_tokens, real_tokens, elapsed, steps),
                             epoch_end=False)
                 self.model.train()
+            code = self.notice.agreed(self.cpu_group)
+            if code:
+                self.on_notice(code, lambda: self.epoch_metrics(loss_sum, label_tokens, real_tokens,
+                                                                time.perf_counter() - start, steps))
+            if self.stopped is not None:
+                break
         return self.epoch_metrics(loss_sum, label_tokens, real_tokens, time.perf_counter() - start, steps)
+
+    def on_notice(self, code: int, metrics) -> None:
+        """Every rank agreed on a notice after the same step: write that step's checkpoint
+        (no evaluation: the fastest safe save) unless one was just written, report it, and
+        on SIGTERM stop. The step in flight when the signal came is finished and kept."""
+        received = time.perf_counter()
+        request = self.notice.served()
+        if self.saved_step != self.global_step:
+            self.report(metrics(), epoch_end=False, evaluate=False)
+        uri = self.weights_uri
+        fields = {"reason": notice.REASONS[code], "requested_by": request.get("reason"),
+                  "detail": request.get("detail"), "epoch": self.epoch, "step": self.global_step,
+                  "epoch_step": self.epoch_step, "uri": uri, "save_s": round(time.perf_counter() - received, 3)}
+        if self.rank == 0:
+            emit("notice", **fields)
+        if code == notice.TERMINATING:
+            notice.done()
+            raise Preempted(f"SIGTERM: the checkpoint of step {self.global_step} is {uri}; the next attempt "
+                            "resumes from it", fields)
 
     def epoch_metrics(self, loss_sum: torch.Tensor, label_tokens: int, real_tokens: int, elapsed: float,
                       steps: int) -> dict:
@@ -315,9 +361,9 @@ class Trainer:
         return float(total.item()) / label_tokens if label_tokens else None
 
     # ------------------------------------------------------------------ checkpoints
-    def report(self, m: dict, epoch_end: bool) -> None:
+    def report(self, m: dict, epoch_end: bool, evaluate: bool = True) -> None:
         cfg = self.cfg
-        eval_loss = self.evaluate()
+        eval_loss = self.evaluate() if evaluate else None
         metrics = {"epoch": m["epoch"], "step": m["step"], "loss": round(m["loss"], 4),
                    "eval_loss": None if eval_loss is None else round(eval_loss, 4),
                    "epoch_time_s": round(m["epoch_time_s"], 2), "tokens_per_s": round(m["tokens_per_s"], 1),
@@ -326,15 +372,36 @@ class Trainer:
             self.print_epoch(metrics)
             emit("epoch", epochs=cfg.num_epochs, steps=m["steps"], total_steps=self.total_steps,
                  batch_shapes=m["batch_shapes"], **metrics)
+        if eval_loss is not None:
+            self.early_stop_check(eval_loss)
         state_extra = {"epoch_step": m["epoch_step"], "epoch_steps": self.epoch_steps,
-                       "epoch_loss_sum": m["epoch_loss_sum"], "epoch_label_tokens": m["epoch_label_tokens"]}
+                       "epoch_loss_sum": m["epoch_loss_sum"], "epoch_label_tokens": m["epoch_label_tokens"],
+                       "training_s": round(self.training_s(), 3), "stale_evals": self.stale_evals}
         name = f"epoch_{m['epoch']:04d}" if epoch_end else f"step_{m['step']:07d}"
         uri = self.checkpoint(name, {k: v for k, v in metrics.items() if v is not None}, state_extra)
+        if self.stopped is not None:
+            self.stopped.setdefault("uri", uri)
         if self.rank == 0:
             emit("checkpoint", epoch=m["epoch"], step=m["step"], epoch_end=epoch_end, uri=uri,
                  save_s=self.history[-1]["save_s"])
+            if self.stopped is not None and self.stopped["uri"] == uri:
+                emit("early_stop", **self.stopped)
         if epoch_end:
             self.epoch, self.epoch_step, self.carried = self.epoch + 1, 0, (0.0, 0)
+
+    def early_stop_check(self, eval_loss: float) -> None:
+        """After an evaluation: stop at --target-eval-loss, or after --early-stopping-patience
+        evaluations in a row that did not lower the best eval loss."""
+        cfg = self.cfg
+        best = min((e["eval_loss"] for e in self.history if e.get("eval_loss") is not None), default=None)
+        self.stale_evals = 0 if best is None or eval_loss < best else self.stale_evals + 1
+        common = {"epoch": self.epoch, "step": self.global_step, "eval_loss": round(eval_loss, 4),
+                  "training_s": round(self.training_s(), 3)}
+        if cfg.target_eval_loss and eval_loss <= cfg.target_eval_loss:
+            self.stopped = {"reason": "TargetEvalLoss", "target_eval_loss": cfg.target_eval_loss, **common}
+        elif cfg.early_stopping_patience and self.stale_evals >= cfg.early_stopping_patience:
+            self.stopped = {"reason": "Patience", "patience": cfg.early_stopping_patience,
+                            "best_eval_loss": best, **common}
 
     def checkpoint(self, name: str, metrics: dict, state_extra: dict) -> str:
         """Sharded save + report; returns the checkpoint's URI in storage.
@@ -348,21 +415,28 @@ class Trainer:
 
         uri = ckpt.join_uri(self.cfg.storage_path, self.cfg.run_name, name)
         entry = dict(metrics, uri=uri)
+        # Ray Train ranks by the score attribute; a checkpoint saved without evaluation (on
+        # notice) ranks last there instead of being logged as missing the key. Finite: Ray
+        # Train keeps its checkpoint list as JSON, where NaN and infinities become null, and
+        # a controller that restores a null score (the next attempt's) fails on it.
+        worst = -sys.float_info.max if self.cfg.checkpoint_score_order == "max" else sys.float_info.max
+        reported = {self.cfg.checkpoint_score_attribute: worst, **metrics}
         state = {"epoch": metrics["epoch"], "step": metrics["step"], "history": self.history + [entry],
                  "run_name": self.cfg.run_name, **state_extra}
         start = time.perf_counter()
         if "://" in uri:
             with tempfile.TemporaryDirectory(prefix="tpuft-ckpt-") as local:
                 ckpt.save_sharded(self.model, self.optimizer, local, state, self.cpu_group)
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(local),
+                ray.train.report(reported, checkpoint=ray.train.Checkpoint.from_directory(local),
                                  checkpoint_dir_name=name)
         else:
             ckpt.save_sharded(self.model, self.optimizer, uri, state, self.cpu_group)
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint(uri), checkpoint_dir_name=name,
+            ray.train.report(reported, checkpoint=ray.train.Checkpoint(uri), checkpoint_dir_name=name,
                              checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         entry["save_s"] = round(time.perf_counter() - start, 3)
         self.history.append(entry)
         self.weights_uri = uri
+        self.saved_step = metrics["step"]
         return uri
 
     def print_epoch(self, m: dict) -> None:
@@ -375,6 +449,9 @@ class Trainer:
     def export(self) -> None:
         cfg = self.cfg
         best = best_entry(self.history, cfg.checkpoint_score_attribute, cfg.checkpoint_score_order)
+        if self.stopped is not None and self.stopped["reason"] == "TargetEvalLoss":
+            # The checkpoint that reached the target is the one asked for.
+            best = next(e for e in self.history if e["uri"] == self.stopped["uri"])
         if best is None:
             raise RuntimeError("no checkpoint to export (was every epoch already done?)")
         if best["uri"] != self.weights_uri:
@@ -387,7 +464,8 @@ class Trainer:
                 f"{best[cfg.checkpoint_score_attribute]}) to {destination} in {time.perf_counter() - start:.1f}s")
             final = {k: v for k, v in self.history[-1].items() if k not in ("uri", "save_s")}
             emit("result", best_checkpoint_uri=best["uri"], best_epoch=best["epoch"], best_step=best.get("step"),
-                 exported_model_uri=destination, metrics=final)
+                 exported_model_uri=destination, metrics=final,
+                 stopped_early=self.stopped["reason"] if self.stopped else None)
 
 
 class ProgressWindow:
@@ -434,5 +512,6 @@ def train_func(config: dict) -> None:
     # On GPU, Ray Train decides which visible CUDA device is this worker's.
     local = ray.train.torch.get_device().index if backend.name == "cuda" else ctx.get_local_rank()
     trainer = Trainer(cfg, backend, data, rank, world, local)
+    trainer.notice = notice.ray_kv_watch(rank, cfg.run_name)
     trainer.restore()
     trainer.run()

@@ -23,7 +23,7 @@ from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.core.errors import StatusConflict
 from tpufinetune.driver import Run
-from tpufinetune.adapters.kube import RAY_GROUP, RAY_PLURAL, RAY_VERSION, KubeBackend
+from tpufinetune.adapters.kube import MAINTENANCE_LABEL, RAY_GROUP, RAY_PLURAL, RAY_VERSION, KubeBackend
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.settings import Settings
 
@@ -89,6 +89,22 @@ async def raycluster_changed(type: str, body: kopf.Body, memo: kopf.Memo, **_) -
     run = RUNS.get((body.get("metadata", {}).get("namespace"), owner))
     if run is not None:
         run.wake.set()
+
+
+@kopf.on.event("", "v1", "nodes")
+async def node_maintenance(type: str, body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    """GKE labels a node before its maintenance: the runs are woken to look at their pods'
+    nodes (RBAC: nodes list/watch). Every node is watched, not only labelled ones, so a
+    label that goes away is seen too."""
+    name = body.get("metadata", {}).get("name", "")
+    value = (body.get("metadata", {}).get("labels") or {}).get(MAINTENANCE_LABEL)
+    if type == "DELETED" or value is None:
+        memo.backend.maintenance_nodes.pop(name, None)
+        return
+    if memo.backend.maintenance_nodes.get(name) != value:
+        memo.backend.maintenance_nodes[name] = value
+        for run in list(RUNS.values()):
+            run.wake.set()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -29,6 +29,8 @@ RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
 KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
 # Kueue labels each Workload with the uid of the job (here the RayCluster) it stands for.
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+# GKE puts it on a node with maintenance scheduled (seconds since the epoch).
+MAINTENANCE_LABEL = "cloud.google.com/scheduled-maintenance-time"
 
 
 def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> ClusterView:
@@ -58,7 +60,8 @@ def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> Clust
     url = settings.dashboard_for(cluster=name, namespace=meta.get("namespace", ""), service=service)
     suspended = (body.get("spec") or {}).get("suspend") is True
     return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url,
-                       suspended=suspended, deleting=bool(meta.get("deletionTimestamp")))
+                       suspended=suspended, deleting=bool(meta.get("deletionTimestamp")),
+                       uid=meta.get("uid", ""))
 
 
 NO_KUEUE = QueueView(reason="KueueNotInstalled",
@@ -169,6 +172,8 @@ class KubeBackend:
         # worker thread for this long, never a run for ever.
         self._timeout = (settings.kube_timeout, settings.kube_timeout)
         self.tokens = RayTokens(api, settings.operator_namespace, self._timeout)
+        # Nodes carrying the maintenance label, from the node watch (handlers.node_maintenance).
+        self.maintenance_nodes: dict[str, str] = {}
 
     async def observe(self, ident: Identity, name: str) -> ClusterView:
         body = self.watched.get(ident.namespace, name)
@@ -177,6 +182,10 @@ class KubeBackend:
             body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
             self.watched.fetched(ident.namespace, name, body)
             view = cluster_view(body, ident.uid, self.settings)
+            if view.ready and view.owned:
+                # Once per version of a ready cluster: when its hosts were ready (usage counts from then).
+                pods = await asyncio.to_thread(self._cluster_pods, ident.namespace, name)
+                view = dataclasses.replace(view, hosts_ready_since=podstatus.hosts_ready_since(pods))
         if view.exists and view.owned and view.suspended and QUEUE_NAME_LABEL in body["metadata"].get("labels", {}):
             # Not kept until Kueue has said something: its Workload appears just after the cluster.
             queue = await self._every(("workloads", body["metadata"]), lambda: self._queue_view(ident.namespace, body["metadata"]["uid"]),
@@ -201,9 +210,36 @@ class KubeBackend:
             self._checks[key] = (version, now, value)
         return value
 
+    async def maintenance(self, ident: Identity, cluster: str) -> tuple[tuple[str, str], ...]:
+        """(node, label value) for the nodes of the cluster's pods with maintenance
+        scheduled. The pods are listed only while some node has the label at all."""
+        if not self.maintenance_nodes:
+            return ()
+        pods = await asyncio.to_thread(self._cluster_pods, ident.namespace, cluster)
+        nodes = {(p.get("spec") or {}).get("nodeName") for p in pods}
+        return tuple(sorted((n, v) for n, v in self.maintenance_nodes.items() if n in nodes))
+
     def _pod_state(self, namespace: str, name: str) -> tuple:
         pods = self._cluster_pods(namespace, name)
         return podstatus.worst_problem(pods), podstatus.hosts_ready(pods)
+
+    async def slice_health(self, ident: Identity, name: str, since, hosts: int) -> podstatus.SliceHealth:
+        """The cluster's pods and their nodes, read once a job ended without success (RBAC:
+        list pods, get nodes)."""
+        return await asyncio.to_thread(self._slice_health, ident.namespace, name, since, hosts)
+
+    def _slice_health(self, namespace: str, name: str, since, hosts: int) -> podstatus.SliceHealth:
+        pods = self._cluster_pods(namespace, name)
+        nodes = {}
+        for node_name in sorted({(p.get("spec") or {}).get("nodeName") for p in pods} - {None, ""}):
+            try:
+                node = self.core.read_node(node_name, _request_timeout=self._timeout)
+                nodes[node_name] = self.core.api_client.sanitize_for_serialization(node)
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+                nodes[node_name] = None
+        return podstatus.slice_health(pods, nodes, since, hosts)
 
     def _queue_view(self, namespace: str, cluster_uid: str) -> QueueView:
         workloads = self._workloads(namespace, cluster_uid)

@@ -9,6 +9,7 @@
 | tpufinetune_apply_to_job_submitted_seconds | histogram | | metadata.creationTimestamp → first Ray job submitted |
 | tpufinetune_job_outcomes_total | counter | outcome, reason | runs that ended (Succeeded, Failed) or retried (Retried) |
 | tpufinetune_trainer_events_dropped_total | counter | | trainer event lines the status cannot hold (a wrong type, a refused value), dropped with a Warning Event |
+| tpufinetune_chip_seconds_total | counter | namespace, generation, reason | TPU chip-seconds of ended attempts (slice ready to released), by the attempt's end reason (status.attempts[].reason); counted once the attempt's slice is released |
 
 The driver (Run.step) and one kopf watch handler (handlers.phase_seen) report through the
 few functions below; nothing here touches Kubernetes or Ray. Phases are the status phases; a
@@ -45,6 +46,10 @@ TO_SUBMITTED = Histogram(
 )
 OUTCOMES = Counter(
     "tpufinetune_job_outcomes", "Runs that ended or were retried, by outcome and reason.", ["outcome", "reason"]
+)
+CHIP_SECONDS = Counter(
+    "tpufinetune_chip_seconds", "TPU chip-seconds of ended attempts, by namespace, TPU generation and end reason.",
+    ["namespace", "generation", "reason"],
 )
 DROPPED_EVENTS = Counter(
     "tpufinetune_trainer_events_dropped", "Trainer event lines the status cannot hold, dropped."
@@ -100,6 +105,12 @@ def stepped(before: str, after: str, recorded: list[tuple[str, str]]) -> None:
     else:
         for reason in (r for _, r in recorded if r in RETRIED):
             OUTCOMES.labels("Retried", reason).inc()
+
+
+def attempt_ended(namespace: str, generation: str, reason: str, chip_seconds: float) -> None:
+    """An attempt's usage is final (it ended and its slice is released or handed over)."""
+    if chip_seconds > 0:
+        CHIP_SECONDS.labels(namespace, generation, reason).inc(chip_seconds)
 
 
 def events_dropped(count: int) -> None:

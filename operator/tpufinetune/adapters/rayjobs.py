@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from ray.job_submission import JobSubmissionClient
 
 from tpufinetune.core.phases import JOB_ACTIVE, JobView
-from tpufinetune_trainer.events import EventStream
+from tpufinetune_trainer.events import EventStream, parse_text
 
 log = logging.getLogger(__name__)
 LOG_TAIL_CHARS = 2000
+LOG_EVENTS_CHARS = 1 << 20  # a preflight's whole log is a few KiB; never hold more than this
 LOG_TAIL_LINES = 8
 LOG_HEARTBEAT_S = 30.0  # a ping on the log stream this often; no pong in half of it ends the stream
 # Reconnecting a log stream waits this long, doubling up to the most, again after each
@@ -119,6 +120,36 @@ class TimedJobClient(JobSubmissionClient):
                     total[key] = total.get(key, 0.0) + float(value)
         return total
 
+    def leftovers(self, submission_id: str) -> str:
+        """What of the job is still in Ray: its actors that are not dead and its placement
+        groups that are not removed (the state API, filtered by the job's Ray job id); ""
+        when nothing is, or the head does not know the job. Ray Train's workers are actors
+        of the driver's job inside its placement group, so once both lists are empty every
+        CPU and TPU they held is back with the raylets. Detached actors outlive their job
+        by design (Ray Train's state actor, created once per cluster, and its placement
+        group cleaner, which holds no CPU and ends once it removed the group) and are not
+        counted; a placement group is, detached or not, until it is removed."""
+        info = self.job_or_none(submission_id) or {}
+        job_id = info.get("job_id")
+        if not job_id:
+            return ""
+        found = []
+        for path, what, key, gone, detached_count in (
+                ("/api/v0/actors", "actors", "job_id", "DEAD", False),
+                ("/api/v0/placement_groups", "placement groups", "creator_job_id", "REMOVED", True)):
+            params = [("filter_keys", key), ("filter_predicates", "="), ("filter_values", job_id),
+                      ("filter_keys", "state"), ("filter_predicates", "!="), ("filter_values", gone),
+                      ("limit", 1000), ("detail", "true")]
+            response = self._do_request("GET", path, params=params)
+            if response.status_code != 200:
+                self._raise_error(response)
+            left = [item for item in response.json()["data"]["result"]["result"]
+                    if detached_count or not item.get("is_detached")]
+            if left:
+                names = sorted({str(item.get("class_name") or item.get("name") or "") for item in left} - {""})
+                found.append(f"{len(left)} {what}" + (f" ({', '.join(names[:3])})" if names else ""))
+        return ", ".join(found)
+
     def stop_if_exists(self, submission_id: str) -> None:
         response = self._do_request("POST", f"/api/jobs/{submission_id}/stop")
         if response.status_code not in (200, 404):
@@ -179,9 +210,17 @@ class RayJobs:
     def alive_resources(self, address: str) -> dict[str, float]:
         return self.client(address).alive_resources()
 
+    def leftovers(self, address: str, submission_id: str) -> str:
+        return self.client(address).leftovers(submission_id)
+
     def stop(self, address: str, submission_id: str) -> None:
         """Ask the job to stop; a job the head does not know (404) is already stopped."""
         self.client(address).stop_if_exists(submission_id)
+
+    def events(self, address: str, submission_id: str) -> list[dict]:
+        """Every trainer event of a short job's whole log (a preflight's)."""
+        text = self.client(address).get_job_logs(submission_id)
+        return [event_dict(event) for event in parse_text(text[-LOG_EVENTS_CHARS:])]
 
     def log_tail(self, address: str, submission_id: str) -> str:
         """Last lines of the log, read once when a job failed without a failure event."""

@@ -11,13 +11,14 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      WithJsonSchema, model_validator)
+                      ValidationInfo, WithJsonSchema, model_validator)
 from pydantic.alias_generators import to_camel
 
 from . import validation
 from .errors import SpecError
 from .generations import ALL_GENERATION_NAMES, MAX_CHIPS_PER_HOST, MAX_CPU_WORKERS
 from .quantity import QUANTITY_PATTERN, normalize_quantity
+from .sizing import DEFAULT_TERMINATION_GRACE_SECONDS
 
 from .names import API_VERSION, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION  # noqa: F401  (re-exported)
 
@@ -95,8 +96,9 @@ class SecretKeyRef(_Model):
 
 class ModelSource(_Model):
     id: str = Field(DEFAULT_MODEL_ID, min_length=1, max_length=512,
-                    description="Hugging Face model id, or a path inside the image or on "
-                                "a shared filesystem.")
+                    description="Hugging Face model id, a model directory in a bucket "
+                                "(gs://bucket/path, downloaded once per host), or a path inside "
+                                "the image or on a shared filesystem.")
     token_secret: SecretKeyRef | None = Field(
         None, description="Secret holding a Hugging Face token. The pods read it as the "
                           "HF_TOKEN environment variable (secretKeyRef); the operator and "
@@ -105,7 +107,8 @@ class ModelSource(_Model):
 
 class DatasetSource(_Model):
     id: str = Field(DEFAULT_DATASET_ID, min_length=1, max_length=512,
-                    description="Hugging Face dataset id, or a path to local files "
+                    description="Hugging Face dataset id, a file or directory in a bucket "
+                                "(gs://bucket/train.jsonl), or a path to files "
                                 "(json/jsonl/csv/parquet) on a shared filesystem.")
     split: str = Field("train[:1024]", min_length=1, max_length=128,
                        description="Dataset split expression, e.g. train[:1024].")
@@ -168,6 +171,30 @@ class Training(_Model):
         0, ge=0, le=100,
         description="Worker failures Ray Train recovers from inside one job, each resuming "
                     "from the latest checkpoint (maxRetries resubmits the whole job).")
+    # No schema default (an older operator would report a filled-in default as unknown on
+    # every run): unset is off.
+    target_eval_loss: float | None = Field(
+        None, gt=0, le=1e6,
+        description="Stop after the evaluation whose eval loss is at or below this, and export "
+                    "the checkpoint it reached; status.timeToTarget says how many seconds of "
+                    "training it took. Unset: off. Needs evalFraction > 0.")
+    early_stopping_patience: int | None = Field(
+        None, ge=1, le=1000,
+        description="Stop after this many evaluations in a row without a lower eval loss, and "
+                    "export the best checkpoint. Unset: off. Needs evalFraction > 0.")
+
+
+class Preflight(_Model):
+    enabled: bool = Field(
+        False, description="Before the fine-tune, run the collectives check on the same "
+                           "RayCluster: every host holds its devices, tensor-parallel parity and "
+                           "an all_reduce agree, and the all_reduce bus bandwidth is measured "
+                           "(status.preflight). A failure ends the run (reason PreflightFailed) "
+                           "and releases the slice before any fine-tune starts.")
+    min_bus_bandwidth_gbps: float | None = Field(
+        None, gt=0, le=1e6, alias="minBusBandwidthGBps",
+        description="Fail the preflight when the all_reduce bus bandwidth (GB/s, as NCCL's tests "
+                    "define it) is under this. Unset: measured and shown, not checked.")
 
 
 class Checkpoint(_Model):
@@ -372,6 +399,9 @@ class TPUFineTuneSpec(_Model):
         None, max_length=253, pattern=DNS_SUBDOMAIN,
         description="ServiceAccount of the Ray pods (e.g. one bound to a GCS bucket via "
                     "Workload Identity).")
+    preflight: Preflight | None = Field(
+        None, description="Check the slice with the collectives entrypoint before the fine-tune "
+                          "(mode finetune). Unset: no preflight.")
     max_retries: int = Field(0, ge=0, le=10,
                              description="Times a failed job is resubmitted; a retry "
                                          "resumes from the latest checkpoint.")
@@ -390,6 +420,14 @@ class TPUFineTuneSpec(_Model):
                     "or Failed), e.g. to debug on its Ray dashboard; "
                     "status.rayClusterReleaseTime says when it goes. 0: released at once. "
                     "Deleting the TPUFineTune releases it at once.")
+    termination_grace_period_seconds: int | None = Field(
+        None, ge=1, le=3600,
+        description="Grace period of the Ray pods (terminationGracePeriodSeconds). On notice "
+                    "(the pod is deleted, its node drained or preempted) the trainer finishes "
+                    "its step, writes a step checkpoint and stops within it. Unset: "
+                    f"{DEFAULT_TERMINATION_GRACE_SECONDS}, a step plus a sharded save of the "
+                    "default model with room to spare; a Spot VM's preemption gives at most "
+                    "what GKE's graceful node shutdown allows, whatever is set here.")
     no_progress_timeout_seconds: int = Field(
         DEFAULT_NO_PROGRESS_TIMEOUT, ge=0, le=INT32_MAX,
         description="No-progress watchdog: when the trainer reports nothing (no progress, "
@@ -411,18 +449,23 @@ class TPUFineTuneSpec(_Model):
                     "Needs queueName.")
 
     @model_validator(mode="after")
-    def _cross_field_rules(self) -> TPUFineTuneSpec:
-        validation.check_spec(self)
+    def _cross_field_rules(self, info: ValidationInfo) -> TPUFineTuneSpec:
+        validation.check_spec(self, one_machine=bool((info.context or {}).get(ONE_MACHINE)))
         return self
 
 
-def parse_spec(spec: dict) -> TPUFineTuneSpec:
+# Validation context: every Ray process of the run shares one machine's filesystem (a local
+# Ray head, `tpufinetune run --local`), so a local checkpoint path needs no shared volume.
+ONE_MACHINE = "one_machine"
+
+
+def parse_spec(spec: dict, one_machine: bool = False) -> TPUFineTuneSpec:
     """Validate a TPUFineTune `spec` as admission does (an unknown field is refused);
     SpecError if invalid. The CLI and `run --local` check what a user wrote with it."""
-    return _parse(spec, ignore_unknown=False)[0]
+    return _parse(spec, ignore_unknown=False, one_machine=one_machine)[0]
 
 
-def parse_stored_spec(spec: dict) -> tuple[TPUFineTuneSpec, tuple[str, ...]]:
+def parse_stored_spec(spec: dict, one_machine: bool = False) -> tuple[TPUFineTuneSpec, tuple[str, ...]]:
     """A spec as the API server stored it, the operator's view: (the model, the paths of
     the fields this version does not know, which were ignored). Everything else is
     validated as `parse_spec` does; SpecError if invalid.
@@ -432,17 +475,18 @@ def parse_stored_spec(spec: dict) -> tuple[TPUFineTuneSpec, tuple[str, ...]]:
     the run then proceeds with what this version understands, and says which fields it
     ignored, rather than failing a valid object. The models stay `extra="forbid"`: they
     are the CRD's source, and the CRD keeps refusing unknown fields."""
-    return _parse(spec, ignore_unknown=True)
+    return _parse(spec, ignore_unknown=True, one_machine=one_machine)
 
 
-def _parse(spec: dict, ignore_unknown: bool) -> tuple[TPUFineTuneSpec, tuple[str, ...]]:
+def _parse(spec: dict, ignore_unknown: bool, one_machine: bool = False) -> tuple[TPUFineTuneSpec, tuple[str, ...]]:
     if not isinstance(spec, dict):
         raise SpecError("spec", "must be a mapping")
     ignored: list[str] = []
     known = spec
     while True:
         try:
-            return TPUFineTuneSpec.model_validate(known), tuple(sorted(ignored))
+            return (TPUFineTuneSpec.model_validate(known, context={ONE_MACHINE: one_machine}),
+                    tuple(sorted(ignored)))
         except ValidationError as exc:
             unknown = [e["loc"] for e in exc.errors() if e["type"] == "extra_forbidden"]
             if not ignore_unknown or not unknown:

@@ -69,9 +69,11 @@ def set_condition(
 
 
 def parse_time(text: str | None) -> datetime | None:
-    """A timestamp() string back to a datetime; None for None."""
+    """An RFC 3339 time back to an aware UTC datetime; None for None. Takes timestamp()'s
+    form and the Kubernetes client's (a datetime serialised as `+00:00`, with fractions)."""
     if not text:
         return None
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    parsed = datetime.fromisoformat(text)
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)).astimezone(timezone.utc)
 
 

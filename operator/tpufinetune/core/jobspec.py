@@ -24,6 +24,12 @@ def submission_id(uid: str, attempt: int) -> str:
     return f"tft-{uid}-{attempt}"
 
 
+def checkpoint_request_id(uid: str, attempt: int, request: int) -> str:
+    """Ray submission id of the `request`-th (from 1) checkpoint request of `attempt`:
+    deterministic, so a request repeated after a crash is refused by Ray as a duplicate."""
+    return f"{submission_id(uid, attempt)}-checkpoint-{request}"
+
+
 def run_name(name: str, uid: str) -> str:
     """Ray Train RunConfig name: the same for every attempt of one resource, so a retry
     resumes the run's checkpoints; the uid part keeps a re-created namesake from resuming
@@ -81,6 +87,10 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         f"--checkpoint-score-attribute={checkpoint.score_attribute}",
         f"--checkpoint-score-order={checkpoint.score_order}",
     ]
+    if training.target_eval_loss is not None:
+        argv.append(f"--target-eval-loss={training.target_eval_loss!r}")
+    if training.early_stopping_patience is not None:
+        argv.append(f"--early-stopping-patience={training.early_stopping_patience}")
     if run_name:
         argv.append(f"--run-name={run_name}")
     if resume_from:
@@ -97,6 +107,45 @@ class JobSubmission:
     entrypoint: str
     runtime_env: dict = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+
+
+def preflight_id(uid: str, attempt: int) -> str:
+    """Ray submission id of `attempt`'s preflight (the collectives check before it)."""
+    return f"{submission_id(uid, attempt)}-preflight"
+
+
+def preflight_submission(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec,
+                         attempt: int) -> JobSubmission:
+    """The collectives check on the run's own slice, before `attempt`'s fine-tune."""
+    argv = [TRAINER, "collectives", *_slice_flags(spec)]
+    floor = spec.preflight.min_bus_bandwidth_gbps if spec.preflight else None
+    if floor is not None:
+        argv.append(f"--min-bus-bandwidth-gbps={floor!r}")
+    return JobSubmission(
+        submission_id=preflight_id(uid, attempt),
+        entrypoint_argv=argv,
+        entrypoint=shlex.join(argv),
+        runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
+        metadata={f"{LABEL_PREFIX}name": name, f"{LABEL_PREFIX}namespace": namespace, f"{LABEL_PREFIX}uid": uid,
+                  f"{LABEL_PREFIX}attempt": str(attempt), f"{LABEL_PREFIX}preflight": "true"},
+    )
+
+
+def checkpoint_request(name: str, namespace: str, uid: str, attempt: int, request: int, reason: str,
+                       detail: str) -> JobSubmission:
+    """A short job on the run's head that asks its running trainer for a step checkpoint
+    now (the trainer's `checkpoint-now`: a key in Ray's internal KV store that rank 0 reads
+    at most once a second)."""
+    argv = [TRAINER, "checkpoint-now", f"--run-name={run_name(name, uid)}", f"--reason={reason}",
+            f"--detail={detail}"]
+    return JobSubmission(
+        submission_id=checkpoint_request_id(uid, attempt, request),
+        entrypoint_argv=argv,
+        entrypoint=shlex.join(argv),
+        runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
+        metadata={f"{LABEL_PREFIX}name": name, f"{LABEL_PREFIX}namespace": namespace, f"{LABEL_PREFIX}uid": uid,
+                  f"{LABEL_PREFIX}attempt": str(attempt), f"{LABEL_PREFIX}checkpoint-request": str(request)},
+    )
 
 
 def job_submission(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec,

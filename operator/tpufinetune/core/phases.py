@@ -24,12 +24,13 @@ import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
+from tpufinetune.core import attempts
 from tpufinetune.core import conditions as cond
-from tpufinetune.core.jobspec import submission_id
+from tpufinetune.core.jobspec import checkpoint_request_id, preflight_id, submission_id
 from tpufinetune.core.api import TPUFineTuneSpec
-from tpufinetune.core.podstatus import PodProblem
+from tpufinetune.core.podstatus import PodProblem, SliceHealth
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
 from tpufinetune.core.runevents import apply_event
 from tpufinetune.core.sizing import raycluster_name, slice_shape
@@ -69,10 +70,12 @@ class Plan:
     suspended: bool = False
     cluster_hash: str = ""  # cluster_fingerprint() of the RayCluster the spec renders
     hosts: int = 0  # worker pods of the slice(s), for "hosts ready 3/4"
+    chips: int = 0  # TPU chips of the slice(s), for usage.chipHours (0: cpu)
     active_deadline: timedelta | None = None  # spec.activeDeadlineSeconds
     ttl_after_finished: timedelta = timedelta(0)  # spec.ttlSecondsAfterFinished
     no_progress_timeout: timedelta | None = None  # spec.noProgressTimeoutSeconds (None: off)
     queue: str = ""  # spec.queueName: Kueue admits the RayCluster
+    preflight: bool = False  # spec.preflight.enabled (mode finetune): collectives first
 
 
 def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: timedelta) -> Plan:
@@ -89,10 +92,12 @@ def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: t
         suspended=spec.suspend,
         cluster_hash=cluster_fingerprint(raycluster),
         hosts=slice_shape(spec).hosts * spec.tpu.slices,
+        chips=(slice_shape(spec).chips * spec.tpu.slices) if slice_shape(spec).generation.is_tpu else 0,
         active_deadline=_seconds(spec.active_deadline_seconds),
         ttl_after_finished=timedelta(seconds=spec.ttl_seconds_after_finished),
         no_progress_timeout=_seconds(spec.no_progress_timeout_seconds),
         queue=spec.queue_name or "",
+        preflight=spec.mode == "finetune" and spec.preflight is not None and spec.preflight.enabled,
     )
 
 
@@ -130,6 +135,8 @@ class ClusterView:
     suspended: bool = False  # spec.suspend: Kueue has not admitted it (or evicted it)
     deleting: bool = False  # metadata.deletionTimestamp is set: it is going away
     queue: QueueView | None = None  # read only for a suspended cluster with a queue
+    uid: str = ""  # metadata.uid: which RayCluster an attempt ran on
+    hosts_ready_since: str = ""  # when its last worker pod became Ready (read once it is ready)
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,13 @@ class Observations:
     deleting: bool = False
     ray_unreachable: str = ""  # why, once the job's head has not answered for too long
     create_refused: str = ""  # the API server's words when it refused to create the RayCluster
+    slice_health: SliceHealth | None = None  # read only once a job ended without success
+    # (node, GKE's cloud.google.com/scheduled-maintenance-time value) for the nodes of the
+    # run's pods that carry it; read only while Running.
+    maintenance: tuple[tuple[str, str], ...] = ()
+    # The attempt's preflight job (None: Ray has none) and, once it ended, its events.
+    preflight_job: JobView | None = None
+    preflight_events: tuple[dict, ...] = ()
 
 
 # ---- actions (performed by the driver) -------------------------------------------------
@@ -166,8 +180,25 @@ class SubmitJob:
 
 
 @dataclass(frozen=True)
+class SubmitPreflight:
+    submission_id: str
+    attempt: int
+
+
+@dataclass(frozen=True)
 class StopJob:
     submission_id: str
+
+
+@dataclass(frozen=True)
+class RequestCheckpoint:
+    """Ask the running trainer for a step checkpoint now (a short Ray job on the head)."""
+
+    submission_id: str
+    attempt: int
+    request: int
+    reason: str
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -180,6 +211,14 @@ class ReadLogTail:
     """Ask the driver for the log tail (only when a job failed without a failure event)."""
 
     submission_id: str
+
+
+@dataclass(frozen=True)
+class ReadSliceHealth:
+    """Ask the driver for the slice's pods and nodes (once a job ended without success):
+    they decide the attempt's reason and whether the retry may keep the RayCluster."""
+
+    since: str  # when the slice was ready for the attempt: a pod newer than this replaced one
 
 
 @dataclass(frozen=True)
@@ -209,10 +248,23 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
     new = _copy(status)
     decision = Decision(new)
     for event in obs.events:
+        previous = dict(new.get("notice") or {})
         apply_event(new, event)
+        if event.get("event") != "notice":
+            continue
+        if new["notice"] == {k: v for k, v in previous.items() if k != "time"}:
+            new["notice"] = previous  # the driver repeats a SIGTERM's (rank 0's line may be lost)
+        else:
+            # Recorded where `kubectl describe` shows it, and kept in status.notice.
+            new["notice"]["time"] = cond.timestamp(obs.now)
+            decision.actions.append(RecordEvent(
+                "Normal", "CheckpointOnNotice",
+                f"{event.get('reason')}{' (' + str(event['requested_by']) + ')' if event.get('requested_by') else ''}: "
+                f"checkpoint of step {event.get('step')} written to {event.get('uri')}"[: cond.MESSAGE_LIMIT]))
+    phase = new.get("phase") or ""
     if obs.events:
         new["lastEventTime"] = cond.timestamp(obs.now)
-    phase = new.get("phase") or ""
+        attempts.note_steps(new, obs.events, running=phase == RUNNING)
     if obs.deleting:
         _deleting(ident, new, obs, decision)
     elif phase in TERMINAL:
@@ -238,7 +290,29 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
     if new.get("phase") != phase:
         # Timers of a phase (provisioning timeout, no-progress) count from here.
         new["phaseTransitionTime"] = cond.timestamp(obs.now)
+    _count_attempts(plan, status or {}, new, obs, decision, phase)
     return decision
+
+
+ATTEMPT_PHASES = frozenset({PENDING, QUEUED, PROVISIONING, SUBMITTING, RUNNING})
+
+
+def _count_attempts(plan: Plan, old: dict, s: dict, obs: Observations, d: Decision, before: str) -> None:
+    """An attempt is open whenever the run works towards a result; a slice deleted, lost or
+    taken back by Kueue costs no more from now; usage is brought up to now whenever the
+    status changes anyway (a phase, the trainer's events, an attempt's end), so a run
+    that only waits writes nothing new."""
+    cluster = obs.cluster
+    if s.get("phase") in ATTEMPT_PHASES and not plan.suspended and s.get("attempt"):
+        attempts.begin(s, obs.now)
+        if s["phase"] in (SUBMITTING, RUNNING):  # a run an older operator started: ready already
+            attempts.slice_ready(s, obs.now, cluster.uid if cluster is not None else "")
+    gone = cluster_lost(cluster) and before in (SUBMITTING, RUNNING)
+    taken_back = bool(plan.queue) and cluster is not None and cluster.suspended
+    if gone or taken_back or any(isinstance(a, DeleteCluster) for a in d.actions):
+        attempts.release(s, obs.now)
+    if obs.events or s.get("phase") != before or attempts.shape(s) != attempts.shape(old):
+        attempts.account(old, s, obs.now, plan.chips, plan.hosts)
 
 
 def _start(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
@@ -298,6 +372,7 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
         d.actions.append(RecordEvent("Normal", "Admitted", message))
     if cluster.ready:
         _set(s, obs, cond.CLUSTER_READY, True, "Ready", f"RayCluster {name} is ready")
+        attempts.slice_ready(s, obs.now, cluster.uid, cond.parse_time(cluster.hosts_ready_since or None))
         s["dashboardURL"] = cluster.dashboard_url
         _enter(s, d, SUBMITTING, "ClusterReady", f"RayCluster {name} is ready")
         return
@@ -349,12 +424,71 @@ def _submitting(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Deci
         if plan.cluster_hash and s.get("clusterHash") not in (None, plan.cluster_hash):
             _rebuild(s, obs, d)
             return
+        if plan.preflight and not _preflight_passed(ident, plan, s, obs, d):
+            return
         _applied(s, ident)
         d.actions.append(SubmitJob(job_id, int(s["attempt"])))
+        # The driver resumes a later attempt from the last checkpoint reported.
+        attempts.resumed_from(s, (s.get("checkpointURI") or "") if int(s["attempt"]) > 1 else "")
         return
     _set(s, obs, cond.JOB_SUBMITTED, True, "Submitted", f"Ray job {job_id}")
     _set(s, obs, cond.RUNNING, True, "JobRunning", f"Ray job {job_id} is {obs.job.status}")
     _enter(s, d, RUNNING, "JobSubmitted", f"Ray job {job_id} submitted (attempt {s['attempt']})")
+
+
+def _preflight_passed(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> bool:
+    """spec.preflight: the collectives check runs on this attempt's cluster first. True once
+    it passed; a failure ends the run (reason PreflightFailed) and releases the slice before
+    any fine-tune job exists."""
+    attempt = int(s["attempt"])
+    job_id = preflight_id(ident.uid, attempt)
+    result = s.get("preflight") or {}
+    if result.get("attempt") == attempt and result.get("phase") == "Passed":
+        return True
+    if result.get("attempt") != attempt:
+        s["preflight"] = {"phase": "Running", "attempt": attempt, "jobId": job_id}
+        d.actions.append(SubmitPreflight(job_id, attempt))
+        _enter(s, d, SUBMITTING, "Preflight", f"preflight {job_id}: checking the slice before the fine-tune")
+        return False
+    job = obs.preflight_job
+    if job is None or job.status in JOB_ACTIVE:
+        if job is None:
+            d.actions.append(SubmitPreflight(job_id, attempt))  # level-based: Ray refuses a duplicate
+        return False
+    result = s["preflight"]
+    result.update(_preflight_figures(obs.preflight_events))
+    if job.status == "SUCCEEDED" and result.get("message", "").startswith("passed"):
+        result["phase"] = "Passed"
+        d.actions.append(RecordEvent("Normal", "PreflightPassed", result["message"][: cond.MESSAGE_LIMIT]))
+        return True
+    result["phase"] = "Failed"
+    if not result.get("message"):
+        result["message"] = _first_and_last_line(job.message) or f"preflight job {job.status.lower()}"
+    _fail(plan, s, obs, d, "PreflightFailed", f"preflight {job_id}: {result['message']}"[:1024])
+    return False
+
+
+def _preflight_figures(events: tuple[dict, ...]) -> dict:
+    """status.preflight from the preflight job's collectives and failure events."""
+    figures: dict = {}
+    failure = ""
+    for event in events:
+        if event.get("event") == "collectives":
+            for key, field in (("bus_bandwidth_gbps", "busBandwidthGBps"),
+                               ("min_bus_bandwidth_gbps", "minBusBandwidthGBps"), ("hosts", "hosts"),
+                               ("devices_per_host", "devicesPerHost"), ("short_hosts", "shortHosts"),
+                               ("world_size", "ranks")):
+                if event.get(key) is not None:
+                    figures[field] = event[key]
+            figures["passed"] = bool(event.get("passed"))
+        elif event.get("event") == "failure":
+            failure = f"{event.get('type') or 'Error'}: {event.get('message') or ''}"
+    passed = figures.pop("passed", False) and not failure
+    bandwidth = figures.get("busBandwidthGBps")
+    shown = f"all_reduce bus bandwidth {bandwidth} GB/s" if bandwidth is not None else "no bandwidth measured"
+    where = f" on {figures['ranks']} ranks, {figures.get('hosts')} hosts" if figures.get("ranks") else ""
+    figures["message"] = (f"passed: {shown}{where}" if passed else (failure or f"failed: {shown}{where}"))[:1024]
+    return figures
 
 
 def _rebuild(s: dict, obs: Observations, d: Decision) -> None:
@@ -381,25 +515,84 @@ def _running(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decisio
             return
         if not s.get("message", "").startswith("epoch"):
             s["message"] = f"Ray job {s['jobId']} is {job.status.lower()}"
+        _maintenance(ident, s, obs, d)
         return
     if job is not None and job.status == "SUCCEEDED":
         _set(s, obs, cond.RUNNING, False, "Completed", "the job finished")
         _set(s, obs, cond.SUCCEEDED, True, "JobSucceeded", _success_message(s))
         s["completionTime"] = cond.timestamp(obs.now)
         _enter(s, d, SUCCEEDED, "Succeeded", _success_message(s))
+        attempts.end(s, obs.now, "Succeeded", _success_message(s))
         _release(plan, s, obs, d)
         return
-    reason, message = _job_failure(s, job, obs)
-    if not message:
-        d.actions.append(ReadLogTail(s["jobId"]))
+    # The log's last lines (kept with the attempt: they outlive the cluster) and the
+    # slice's pods and nodes (why the attempt ended; whether a retry may keep the slice).
+    reads = []
+    if job is not None and not obs.log_tail:
+        reads.append(ReadLogTail(s["jobId"]))
+    if obs.slice_health is None:
+        entry = attempts.current(s) or {}
+        reads.append(ReadSliceHealth(entry.get("sliceReadyTime") or s.get("phaseTransitionTime") or ""))
+    if reads:
+        d.actions.extend(reads)
         return
+    reason, message = _job_failure(s, job, obs)
+    ended_as = attempt_reason(reason, obs.slice_health)
+    detail = message
+    if obs.log_tail and obs.log_tail not in message:
+        detail = f"{message}; log tail: {obs.log_tail}"
+    if obs.slice_health.reason or (not obs.slice_health.healthy and obs.slice_health.detail):
+        detail = f"{detail}; slice: {obs.slice_health.detail}"
     retries = int(s.get("retries") or 0)
     if retries < plan.max_retries:
         s["retries"] = retries + 1
         s.pop("trainerFailure", None)
-        _retry(ident, s, obs, d, message)
+        keep = ended_as == "AppFailed" and obs.slice_health.healthy and (
+            not plan.cluster_hash or s.get("clusterHash") in (None, plan.cluster_hash))
+        ended = attempts.end(s, obs.now, ended_as, detail, keep_slice=keep)
+        d.actions.append(RecordEvent("Warning", "AttemptFailed",
+                                     attempts.bounded(f"attempt {s['attempt']} ended ({ended_as}): {detail}",
+                                                      cond.MESSAGE_LIMIT)))
+        _retry(ident, s, obs, d, message, took_over=ended if keep else None)
         return
-    _fail(plan, s, obs, d, reason, message)
+    _fail(plan, s, obs, d, reason, message, attempt_as=ended_as, attempt_detail=detail)
+
+
+def attempt_reason(job_reason: str, health: SliceHealth | None) -> str:
+    """Why an attempt whose job ended without success ended: what its slice shows (a pod
+    taken away with the cloud's reason, a node gone or under maintenance) comes first; a
+    job the head lost or someone stopped says so; anything else is the application's."""
+    if health is not None and health.reason:
+        return health.reason
+    return attempts.JOB_END_REASONS.get(job_reason, "AppFailed")
+
+
+def _maintenance(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
+    """A node of the run's pods has maintenance scheduled (GKE's label): ask the trainer for
+    a checkpoint now, once per node and attempt, so the maintenance costs at most the steps
+    after it; recorded in status.maintenance and as an Event."""
+    attempt = int(s["attempt"])
+    seen = s.get("maintenance") or {}
+    known = set(seen.get("nodes") or []) if seen.get("attempt") == attempt else set()
+    new = [(node, when) for node, when in obs.maintenance if node not in known]
+    if not new:
+        return
+    request = int(seen.get("requests") or 0) + 1 if seen.get("attempt") == attempt else 1
+    detail = ", ".join(f"node {node} at {maintenance_time(when)}" for node, when in new)
+    message = f"maintenance scheduled ({detail}): asked the trainer for a checkpoint now"
+    s["maintenance"] = {"nodes": sorted(known | {node for node, _ in new}), "attempt": attempt,
+                        "requests": request, "requestTime": cond.timestamp(obs.now),
+                        "message": message[: cond.MESSAGE_LIMIT]}
+    d.actions.append(RequestCheckpoint(checkpoint_request_id(ident.uid, attempt, request), attempt, request,
+                                       "Maintenance", detail[:512]))
+    d.actions.append(RecordEvent("Warning", "Maintenance", message[: cond.MESSAGE_LIMIT]))
+
+
+def maintenance_time(value: str) -> str:
+    """GKE's label value is seconds since the epoch; shown as RFC 3339 (else as it is)."""
+    if value.isdigit():
+        return cond.timestamp(datetime.fromtimestamp(int(value), tz=timezone.utc))
+    return value
 
 
 def _silent_for(s: dict, obs: Observations) -> timedelta:
@@ -422,12 +615,26 @@ def _stop_and_fail(plan: Plan, s: dict, obs: Observations, d: Decision, reason: 
     _fail(plan, s, obs, d, reason, message)
 
 
-def _retry(ident: Identity, s: dict, obs: Observations, d: Decision, message: str) -> None:
+def _retry(ident: Identity, s: dict, obs: Observations, d: Decision, message: str,
+           took_over: dict | None = None) -> None:
+    """The next attempt: on the same RayCluster after an application failure on a healthy
+    slice (`took_over`: the ended attempt that hands it over), else on a new one (a pod or
+    node lost, a slice not well, a spec that changes the cluster)."""
     attempt = int(s["attempt"]) + 1
     s["attempt"] = attempt
     s["jobId"] = submission_id(ident.uid, attempt)
     _set(s, obs, cond.RUNNING, False, "Retrying", message)
-    _enter(s, d, SUBMITTING, "Retrying", f"attempt {attempt - 1} failed ({message}); resubmitting as {s['jobId']}", warn=True)
+    if took_over is not None:
+        attempts.begin(s, obs.now, took_over=took_over)
+        _enter(s, d, SUBMITTING, "Retrying", f"attempt {attempt - 1} failed ({message}); resubmitting as "
+               f"{s['jobId']} on the same RayCluster", warn=True)
+        return
+    name = s["rayClusterName"]
+    _set(s, obs, cond.CLUSTER_READY, False, "Rebuilding", f"attempt {attempt} runs on a new RayCluster {name}")
+    s.pop("dashboardURL", None)
+    d.actions.append(DeleteCluster(name))
+    _enter(s, d, PENDING, "Retrying", f"attempt {attempt - 1} failed ({message}); attempt {attempt} runs "
+           f"on a new RayCluster", warn=True)
 
 
 def cluster_lost(cluster: ClusterView | None) -> bool:
@@ -446,6 +653,7 @@ def _lost_cluster(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
     if retries >= plan.max_retries:
         _fail(plan, s, obs, d, "ClusterLost", f"{why}; no retries left (spec.maxRetries: {plan.max_retries})")
         return
+    attempts.end(s, obs.now, "ClusterLost", why)
     attempt = int(s["attempt"]) + 1
     s.update(retries=retries + 1, attempt=attempt, jobId=submission_id(ident.uid, attempt))
     s.pop("trainerFailure", None)  # the workers died with the cluster, not of their own
@@ -465,10 +673,12 @@ def _suspended(ident: Identity, s: dict, obs: Observations, d: Decision) -> None
     _applied(s, ident)
     s.pop("trainerFailure", None)
     s.pop("startTime", None)  # the deadline's clock stops, and restarts on resume
-    if s["phase"] in (SUBMITTING, RUNNING):
+    ended = attempts.end(s, obs.now, "Stopped", "spec.suspend is true")
+    if s["phase"] in (SUBMITTING, RUNNING) or ended is not None:
         if obs.job is not None and obs.job.status in JOB_ACTIVE:
             d.actions.append(StopJob(s["jobId"]))
-        attempt = int(s["attempt"]) + (1 if obs.job is not None else 0)
+        # An ended attempt's number is not used again (its entry keeps it).
+        attempt = int(s["attempt"]) + (1 if obs.job is not None or ended is not None else 0)
         s.update(attempt=attempt, jobId=submission_id(ident.uid, attempt))
         for type_ in (cond.JOB_SUBMITTED, cond.RUNNING):
             if cond.find(s, type_):
@@ -498,12 +708,13 @@ def _to_queue(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decisi
     if s["phase"] in (SUBMITTING, RUNNING):
         if obs.job is not None and obs.job.status in JOB_ACTIVE:
             d.actions.append(StopJob(s["jobId"]))
+        why = f"evicted by Kueue ({queue.evicted or 'the RayCluster was suspended'})"
+        attempts.end(s, obs.now, "Evicted", why)
         attempt = int(s["attempt"]) + 1
         s.update(attempt=attempt, jobId=submission_id(ident.uid, attempt),
                  evictions=int(s.get("evictions") or 0) + 1)
         s.pop("trainerFailure", None)  # the workers died with the eviction, not of their own
         s.pop("startTime", None)  # as for a suspend: the deadline's clock restarts on admission
-        why = f"evicted by Kueue ({queue.evicted or 'the RayCluster was suspended'})"
         for type_ in (cond.CLUSTER_READY, cond.JOB_SUBMITTED, cond.RUNNING):
             if cond.find(s, type_):
                 _set(s, obs, type_, False, "Evicted", why)
@@ -576,6 +787,7 @@ def _deleting(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
     with it, and so does any job on it: stopping the job first is a courtesy (the trainer
     ends cleanly), not a condition."""
     if s.get("phase") != DELETING:
+        attempts.end(s, obs.now, "Stopped", "the TPUFineTune was deleted")
         _enter(s, d, DELETING, "Deleting", "stopping the job and releasing the RayCluster")
     cluster_up = obs.cluster is not None and obs.cluster.exists and obs.cluster.owned
     if cluster_up and obs.job is not None and obs.job.status in JOB_ACTIVE and s.get("jobId"):
@@ -627,7 +839,12 @@ def _success_message(s: dict) -> str:
     return ", ".join(parts)
 
 
-def _fail(plan: Plan, s: dict, obs: Observations, d: Decision, reason: str, message: str) -> None:
+def _fail(plan: Plan, s: dict, obs: Observations, d: Decision, reason: str, message: str,
+          attempt_as: str = "", attempt_detail: str = "") -> None:
+    if attempts.end(s, obs.now, attempt_as or attempts.FAILED_REASONS.get(reason, "AppFailed"),
+                    attempt_detail or message) is not None and attempt_detail:
+        d.actions.append(RecordEvent("Warning", "AttemptFailed", attempts.bounded(
+            f"attempt {s['attempt']} ended ({attempt_as}): {attempt_detail}", cond.MESSAGE_LIMIT)))
     _set(s, obs, cond.FAILED, True, reason, message)
     if cond.find(s, cond.RUNNING):
         _set(s, obs, cond.RUNNING, False, reason, message)

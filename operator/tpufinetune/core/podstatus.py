@@ -7,6 +7,7 @@ words of whoever knows it (the scheduler, the kubelet), and how many hosts are r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 # Waiting reasons a kubelet reports while a container is being set up as usual.
 ROUTINE_WAITING = frozenset({"ContainerCreating", "PodInitializing"})
@@ -19,6 +20,7 @@ _SEVERITY = (
     "ErrImageNeverPull",
     "ErrImagePull",
     "ImagePullBackOff",
+    "OOMKilled",  # over its memory limit: a restart runs into the same limit
     "CrashLoopBackOff",
     "CreateContainerError",
     "RunContainerError",
@@ -44,6 +46,15 @@ def hosts_ready(pods: list[dict]) -> int:
     return sum(1 for pod in pods if _is_worker(pod) and _ready(pod))
 
 
+def hosts_ready_since(pods: list[dict]) -> str:
+    """When the last worker pod became Ready (its Ready condition's transition time), if
+    every worker is Ready: the slice is usable from then, whatever the head still does."""
+    workers = [p for p in pods if _is_worker(p)]
+    times = [c.get("lastTransitionTime") or "" for p in workers for c in (p.get("status") or {}).get("conditions") or []
+             if c.get("type") == "Ready" and c.get("status") == "True"]
+    return max(times) if workers and len(times) == len(workers) and all(times) else ""
+
+
 def _problems(pod: dict) -> list[PodProblem]:
     name = _name(pod)
     status = pod.get("status") or {}
@@ -53,17 +64,27 @@ def _problems(pod: dict) -> list[PodProblem]:
             reason = condition.get("reason") or "Unschedulable"
             problems.append(PodProblem(reason, f"pod {name} is {reason}: {condition.get('message') or 'not scheduled'}"))
     for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
-        waiting = (container.get("state") or {}).get("waiting") or {}
+        state = container.get("state") or {}
+        waiting = state.get("waiting") or {}
         reason = waiting.get("reason")
-        if reason and reason not in ROUTINE_WAITING:
-            detail = waiting.get("message") or _last_exit(container)
+        # The kubelet's OOMKilled outranks the crash loop it causes, and shows while the
+        # restarted container runs again (lastState) or after its last exit (state).
+        if _exit(container).get("reason") == "OOMKilled" or (state.get("terminated") or {}).get("reason") == "OOMKilled":
+            problems.append(PodProblem("OOMKilled", f"pod {name} is OOMKilled: container {container.get('name', '')} "
+                                       f"exceeded its memory limit (limits.memory), restarted {container.get('restartCount', 0)} times"))
+        elif reason and reason not in ROUTINE_WAITING:
+            detail = "; ".join(filter(None, [_last_exit(container), waiting.get("message")]))
             problems.append(PodProblem(reason, f"pod {name} is {reason}" + (f": {detail}" if detail else "")))
     return problems
 
 
+def _exit(container: dict) -> dict:
+    return (container.get("lastState") or {}).get("terminated") or {}
+
+
 def _last_exit(container: dict) -> str:
     # CrashLoopBackOff's own message names only the back-off; the last exit says why.
-    terminated = (container.get("lastState") or {}).get("terminated") or {}
+    terminated = _exit(container)
     if "exitCode" not in terminated:
         return ""
     return f"container {container.get('name', '')} exited {terminated['exitCode']} ({terminated.get('reason') or 'Error'}), restarted {container.get('restartCount', 0)} times"
@@ -86,3 +107,95 @@ def _is_worker(pod: dict) -> bool:
 def _ready(pod: dict) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True"
                for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+# ---- a slice's health after a job ended (pure) ----------------------------------------------
+
+# GKE labels a node this way when its maintenance is scheduled; kept on the node until then.
+MAINTENANCE_LABEL = "cloud.google.com/scheduled-maintenance-time"
+# The pod condition Kubernetes sets (reason = who) on a pod it is about to take away.
+DISRUPTION_TARGET = "DisruptionTarget"
+_DISRUPTIONS = {
+    "TerminationByKubelet": "Preempted",  # graceful node shutdown: a spot VM's notice
+    "PreemptionByScheduler": "Preempted",  # a pod of a higher priority needed the room
+    "EvictionByEvictionAPI": "Maintenance",  # a drain: a node upgrade, a repair
+    "DeletionByTaintManager": "NodeLost",  # the node went NotReady or unreachable
+    "DeletionByPodGC": "NodeLost",  # the node is gone
+}
+# When several pods say different things, the most specific wins.
+_REASON_RANK = ("Maintenance", "NodeLost", "Preempted")
+
+
+@dataclass(frozen=True)
+class SliceHealth:
+    """Whether the slice can take another attempt as it is: every pod Ready, none lost,
+    replaced or restarted since `since`, every node there and Ready. `reason` names a
+    disruption (Preempted, NodeLost, Maintenance); "" for a slice that is merely not well
+    (a container restarted, a pod not Ready), or healthy."""
+
+    healthy: bool
+    reason: str = ""
+    detail: str = ""
+
+
+HEALTHY = SliceHealth(True)
+
+
+def slice_health(pods: list[dict], nodes: dict, since, hosts: int) -> SliceHealth:
+    """`nodes`: node name -> the Node (None: it is gone) for the pods' nodes; `since`: when
+    the slice was ready for the attempt (a datetime, or None: not known); `hosts`: the
+    worker pods the slice has."""
+    found: list[tuple[str, str]] = []  # (reason, detail)
+    live = [p for p in sorted(pods, key=_name) if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    for pod in sorted(pods, key=_name):
+        found += _pod_health(pod, nodes, since)
+    workers = sum(1 for p in live if _is_worker(p))
+    if hosts and workers < hosts:
+        found.append(("Preempted", f"{hosts - workers} of {hosts} worker pods are gone"))
+    if not any(not _is_worker(p) for p in live):
+        found.append(("", "the head pod is gone"))
+    if not found:
+        return HEALTHY
+    ranked = sorted(found, key=lambda f: _REASON_RANK.index(f[0]) if f[0] in _REASON_RANK else len(_REASON_RANK))
+    return SliceHealth(False, ranked[0][0], ranked[0][1])
+
+
+def _pod_health(pod: dict, nodes: dict, since) -> list[tuple[str, str]]:
+    name, meta, status = _name(pod), pod.get("metadata") or {}, pod.get("status") or {}
+    node_name = (pod.get("spec") or {}).get("nodeName") or ""
+    node = nodes.get(node_name) if node_name else {}
+    problems = []
+    if node_name and node is None:
+        problems.append(("NodeLost", f"node {node_name} of pod {name} is gone"))
+    elif node:
+        if MAINTENANCE_LABEL in ((node.get("metadata") or {}).get("labels") or {}):
+            problems.append(("Maintenance", f"node {node_name} of pod {name} has maintenance scheduled"))
+        ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
+        if ready and ready[0].get("status") != "True":
+            problems.append(("NodeLost", f"node {node_name} of pod {name} is not Ready ({ready[0].get('reason') or ready[0].get('status')})"))
+    disruption = next((c for c in status.get("conditions") or []
+                       if c.get("type") == DISRUPTION_TARGET and c.get("status") == "True"), None)
+    if disruption is not None:
+        why = disruption.get("reason") or ""
+        reason = _DISRUPTIONS.get(why, "Preempted")
+        if why == "TerminationByKubelet" and any(p[0] == "Maintenance" for p in problems):
+            reason = "Maintenance"
+        problems.append((reason, f"pod {name}: {why}: {disruption.get('message') or 'disrupted'}"))
+    elif meta.get("deletionTimestamp"):
+        problems.append(("Preempted", f"pod {name} was deleted"))
+    created = _time(meta.get("creationTimestamp"))
+    if since is not None and created is not None and created > since:
+        problems.append(("Preempted", f"pod {name} was replaced during the attempt (created {meta['creationTimestamp']})"))
+    for container in status.get("containerStatuses") or []:
+        finished = _time(((container.get("lastState") or {}).get("terminated") or {}).get("finishedAt"))
+        if since is not None and finished is not None and finished > since:
+            problems.append(("", f"pod {name}: {_last_exit(container)}"))
+    if not _ready(pod) and not meta.get("deletionTimestamp"):
+        problems.append(("", f"pod {name} is not Ready"))
+    return problems
+
+
+def _time(text):
+    if not text:
+        return None
+    return datetime.fromisoformat(str(text).replace("Z", "+00:00"))

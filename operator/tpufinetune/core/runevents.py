@@ -58,9 +58,18 @@ def _on_checkpoint(status: dict, event: dict) -> None:
     if not uri:
         return
     status["checkpointURI"] = uri
+    _checkpoint_step(status, event.get("step"))
     # A step checkpoint inside an epoch is not that epoch's checkpoint.
     if event.get("epoch") is not None and event.get("epoch_end", True):
         _history_entry(status, int(event["epoch"]))["checkpointURI"] = uri
+
+
+def _checkpoint_step(status: dict, step) -> None:
+    """The step of checkpointURI (a new checkpoint without one has none known)."""
+    if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+        status["checkpointStep"] = step
+    else:
+        status.pop("checkpointStep", None)
 
 
 def _duration(seconds: float) -> str:
@@ -110,6 +119,7 @@ def _on_result(status: dict, event: dict) -> None:
         progress.update(step=total, percent=100.0, etaSeconds=0, summary=f"100% {total}/{total}")
     if event.get("best_checkpoint_uri"):
         status["checkpointURI"] = event["best_checkpoint_uri"]
+        _checkpoint_step(status, event.get("best_step"))
     if event.get("exported_model_uri"):
         status["exportedModelURI"] = event["exported_model_uri"]
 
@@ -131,7 +141,29 @@ def _on_collectives(status: dict, event: dict) -> None:
     status["collectives"] = {"passed": passed, "ranks": world, "message": message}
 
 
+def _on_notice(status: dict, event: dict) -> None:
+    notice = {"reason": event.get("reason"), "requestedBy": event.get("requested_by"),
+              "detail": event.get("detail"), "step": event.get("step"), "checkpointURI": event.get("uri"),
+              "saveSeconds": _round(event.get("save_s"), 3)}
+    status["notice"] = {k: v for k, v in notice.items() if v is not None}
+    if event.get("uri"):
+        # The checkpoint event before it may have been lost with rank 0's pod: the next
+        # attempt resumes from this one.
+        status["checkpointURI"] = event["uri"]
+        _checkpoint_step(status, event.get("step"))
+
+
+def _on_early_stop(status: dict, event: dict) -> None:
+    stop = {"reason": event.get("reason"), "step": event.get("step"), "evalLoss": _round(event.get("eval_loss"), 4),
+            "checkpointURI": event.get("uri")}
+    status["earlyStop"] = {k: v for k, v in stop.items() if v is not None}
+    if event.get("reason") == "TargetEvalLoss" and event.get("training_s") is not None:
+        status["timeToTarget"] = _round(event["training_s"], 1)
+
+
 HANDLERS = {
+    "notice": _on_notice,
+    "early_stop": _on_early_stop,
     "start": _on_start,
     "plan": _on_plan,
     "progress": _on_progress,

@@ -73,11 +73,128 @@ class CollectivesResult(_Status):
     message: str | None = Field(None, description="Summary line from the check.")
 
 
+class NoticeCheckpoint(_Status):
+    """The last checkpoint the trainer wrote on notice."""
+
+    reason: str | None = Field(None, max_length=64,
+                               description="SIGTERM (the pod was going away) or Requested "
+                                           "(asked for, e.g. before node maintenance).")
+    requested_by: str | None = Field(None, max_length=64,
+                                     description="Who asked, for Requested (e.g. Maintenance).")
+    detail: str | None = Field(None, max_length=1024, description="e.g. the node and its "
+                                                                  "maintenance time.")
+    step: int | None = Field(None, ge=0, description="Optimizer steps the checkpoint holds.")
+    checkpoint_uri: str | None = Field(None, alias="checkpointURI",
+                                       description="The checkpoint written.")
+    save_seconds: float | None = Field(None, ge=0, description="Seconds from the agreed notice "
+                                                               "to the checkpoint saved.")
+    time: str | None = Field(None, json_schema_extra={"format": "date-time"},
+                             description="When the operator read the notice.")
+
+
+class PreflightResult(_Status):
+    """The collectives check run on the slice before the fine-tune (spec.preflight)."""
+
+    phase: Literal["Running", "Passed", "Failed"] | None = Field(None, description="Running, Passed or Failed.")
+    attempt: int | None = Field(None, ge=0, description="The attempt it checked the slice for.")
+    job_id: str | None = Field(None, description="Its Ray submission id.")
+    bus_bandwidth_gbps: float | None = Field(None, alias="busBandwidthGBps",
+                                             description="all_reduce bus bandwidth, GB/s.")
+    min_bus_bandwidth_gbps: float | None = Field(None, alias="minBusBandwidthGBps",
+                                                 description="The floor it was checked against.")
+    hosts: int | None = Field(None, ge=0, description="Hosts that took part.")
+    devices_per_host: dict[str, int] | None = Field(None, description="Devices placed per host (by IP).")
+    short_hosts: dict[str, int] | None = Field(None, description="TPU hosts with fewer device files "
+                                                                "than devices placed there: IP -> found.")
+    ranks: int | None = Field(None, ge=0, description="Ranks (devices) that took part.")
+    message: str | None = Field(None, max_length=1024, description="What it found.")
+
+
+class EarlyStop(_Status):
+    """Why the trainer stopped before its planned steps (training.targetEvalLoss or
+    training.earlyStoppingPatience)."""
+
+    reason: str | None = Field(None, max_length=64, description="TargetEvalLoss or Patience.")
+    step: int | None = Field(None, ge=0, description="Optimizer step of the deciding evaluation.")
+    eval_loss: float | None = Field(None, description="Its eval loss.")
+    checkpoint_uri: str | None = Field(None, alias="checkpointURI",
+                                       description="The checkpoint of that evaluation.")
+
+
+class Maintenance(_Status):
+    """Nodes of the run's pods with maintenance scheduled (GKE's
+    cloud.google.com/scheduled-maintenance-time label), and the checkpoint asked for."""
+
+    nodes: list[str] | None = Field(None, max_length=256, description="The nodes, in this attempt.")
+    attempt: int | None = Field(None, ge=0, description="The attempt they were seen in.")
+    requests: int | None = Field(None, ge=0, description="Checkpoints asked for in that attempt.")
+    request_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
+                                     description="When the last checkpoint was asked for.")
+    message: str | None = Field(None, max_length=1024, description="Which node, and when.")
+
+
 class TrainerFailure(_Status):
     """What the trainer reported before it failed."""
 
     type: str | None = Field(None, max_length=128, description="Exception type.")
     message: str | None = Field(None, max_length=1024, description="What went wrong.")
+
+
+# Why an attempt ended: a closed set, decided by the pure core (core/attempts.py) from what
+# the operator observed (docs/api.md, "Attempts").
+AttemptReason = Literal["Succeeded", "AppFailed", "NoProgress", "Preempted", "NodeLost", "Maintenance",
+                        "Evicted", "ClusterLost", "DeadlineExceeded", "Stopped", "NotStarted",
+                        "PreflightFailed"]
+ATTEMPT_REASONS: tuple[str, ...] = AttemptReason.__args__  # type: ignore[attr-defined]
+
+
+class Usage(_Status):
+    """What the slice cost: chip-hours and host-hours from the slice being ready to its
+    release, and the time spent waiting for it."""
+
+    chip_hours: float = Field(0.0, ge=0, description="TPU chips x hours the slice was held "
+                                                     "(ready to released); 0 for cpu runs.")
+    host_hours: float = Field(0.0, ge=0, description="TPU hosts (worker pods) x hours the "
+                                                     "slice was held.")
+    provisioning_seconds: float = Field(0.0, ge=0, description="Seconds spent waiting for "
+                                                               "the slice (queued, scheduled, "
+                                                               "starting).")
+
+
+class Attempt(_Status):
+    """One attempt: from asking for its slice (or taking over the previous attempt's) to
+    its end."""
+
+    attempt: int = Field(ge=1, description="Attempt number, from 1 (status.attempt).")
+    start_time: str = Field(json_schema_extra={"format": "date-time"},
+                            description="When the attempt began (waiting for its slice).")
+    end_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
+                                 description="When it ended; absent while it runs.")
+    reason: AttemptReason | None = Field(None, description="Why it ended: Succeeded, "
+                                         "AppFailed, NoProgress, Preempted, NodeLost, "
+                                         "Maintenance, Evicted, ClusterLost, "
+                                         "DeadlineExceeded, Stopped or NotStarted.")
+    message: str | None = Field(None, max_length=2048,
+                                description="Why it ended; for a failed job, the last lines "
+                                            "of its driver log (bounded).")
+    resumed_from: str | None = Field(None, max_length=2048,
+                                     description="Checkpoint URI it resumed from; empty: "
+                                                 "from the start.")
+    last_step: int | None = Field(None, ge=0, description="Highest optimizer step the "
+                                                          "trainer reported in it.")
+    lost_steps: int | None = Field(None, ge=0, description="Steps done in it after the "
+                                                           "checkpoint the next attempt "
+                                                           "resumes from (as reported).")
+    ray_cluster_uid: str | None = Field(None, alias="rayClusterUID", max_length=64,
+                                        description="uid of the RayCluster it ran on.")
+    slice_ready_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
+                                         description="When its slice was ready: its last "
+                                                     "worker pod Ready (usage counts from "
+                                                     "here).")
+    slice_release_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
+                                           description="When its slice was released or "
+                                                       "handed to the next attempt.")
+    usage: Usage | None = Field(None, description="What this attempt cost.")
 
 
 class TPUFineTuneStatus(_Status):
@@ -151,6 +268,27 @@ class TPUFineTuneStatus(_Status):
     collectives: CollectivesResult | None = Field(None, description="Result of mode "
                                                                     "collectives.")
     log_job_id: str | None = Field(None, description="The job whose log logCursor counts.")
+    attempts: list[Attempt] | None = Field(
+        None, max_length=20, description="The last 20 attempts, oldest first, each with "
+                                         "why it ended and what it cost; older ones are "
+                                         "counted in usage only.")
+    usage: Usage | None = Field(None, description="What every attempt cost, summed.")
+    checkpoint_step: int | None = Field(None, ge=0, description="Optimizer step of "
+                                                                "checkpointURI.")
+    notice: NoticeCheckpoint | None = Field(
+        None, description="The last checkpoint written on notice (SIGTERM, or asked for before "
+                          "node maintenance).")
+    maintenance: Maintenance | None = Field(
+        None, description="Set when a node of the run's pods has maintenance scheduled: the "
+                          "trainer was asked for a checkpoint now (status.notice says when it "
+                          "was written).")
+    early_stop: EarlyStop | None = Field(None, description="Set when the trainer stopped early.")
+    preflight: PreflightResult | None = Field(None, description="The slice's check before the "
+                                                                "fine-tune (spec.preflight).")
+    time_to_target: float | None = Field(
+        None, ge=0, description="Seconds of training (every attempt's, loading and export left "
+                                "out) until the evaluation that reached "
+                                "training.targetEvalLoss.")
     trainer_failure: TrainerFailure | None = Field(
         None, description="The trainer's failure event of the current attempt, if any.")
 

@@ -9,6 +9,7 @@ in the operator before anything is created.
 """
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from . import generations as g
@@ -23,9 +24,22 @@ SLICES_MESSAGE = ("must be 1 when mode is finetune: Ray Train runs PyTorch on on
                   "slice only (mode: collectives may span several slices)")
 STORAGE_MESSAGE = ("is required when mode is finetune: a gs:// bucket path or a shared "
                    "filesystem path where Ray Train writes checkpoints")
+# A local checkpoint path is one filesystem for the head and every worker only when it lies
+# under one shared volume mounted at the same place on both (Ray Train's workers write their
+# shards, the driver on the head checks and reports them).
+SHARED_SOURCES = ("persistentVolumeClaim", "nfs", "csi")
+SHARED_STORAGE_MESSAGE = ("is a local path, which each Ray pod would write on its own disk: "
+                          "use a gs:// bucket path, or mount one shared volume "
+                          "(persistentVolumeClaim, nfs or csi), by the same name, writable at "
+                          "the same mountPath in spec.head and spec.workers and put the path "
+                          "under it")
 EVAL_SCORE_MESSAGE = ("eval_loss needs training.evalFraction greater than 0: with no "
                       "evaluation no epoch reports eval_loss; set training.evalFraction "
                       "(e.g. 0.05) or rank checkpoints by loss")
+EARLY_STOP_MESSAGE = ("needs training.evalFraction greater than 0: it acts on the evaluation "
+                      "loss, and with no evaluation there is none; set training.evalFraction "
+                      "(e.g. 0.05) or remove it")
+EARLY_STOP_FIELDS = ("targetEvalLoss", "earlyStoppingPatience")
 GLOBAL_BATCH_MESSAGE = ("must be 0 (no gradient accumulation) or a multiple of the slice's "
                         "devices x training.batchSizePerDevice, the factor being the "
                         "accumulation steps")
@@ -180,6 +194,41 @@ def _global_batch_rule(is_collectives: str) -> dict:
     }
 
 
+def _shared_storage_rule(is_collectives: str) -> dict:
+    path = "self.checkpoint.storagePath"
+    local = f"(!{path}.matches('^[a-zA-Z][a-zA-Z0-9+.-]*://') || {path}.startsWith('file://'))"
+    # The path with any file:// scheme removed, so a mountPath prefix compares.
+    bare = f"({path}.startsWith('file://') ? {path}.substring(7) : {path})"
+    under = (f"({bare} == m.mountPath || {bare}.startsWith(m.mountPath.endsWith('/') ? "
+             "m.mountPath : m.mountPath + '/'))")
+    same_source = " || ".join([
+        "(has(h.persistentVolumeClaim) && has(v.persistentVolumeClaim) && "
+        "h.persistentVolumeClaim.claimName == v.persistentVolumeClaim.claimName)",
+        "(has(h.nfs) && has(v.nfs) && h.nfs.server == v.nfs.server && h.nfs.path == v.nfs.path)",
+        # CSI: the same driver (comparing volumeAttributes, e.g. GCS FUSE's bucketName, is
+        # beyond the apiserver's CEL cost budget for this rule).
+        "(has(h.csi) && has(v.csi) && h.csi.driver == v.csi.driver)",
+    ])
+    # Matched by volume name (head and workers are distinct schema types, and one loop per
+    # list keeps the rule inside the apiserver's cost budget).
+    workers_mount = ("self.workers.volumeMounts.exists(w, w.name == m.name && w.mountPath == m.mountPath "
+                     "&& !(has(w.readOnly) && w.readOnly) && has(w.subPath) == has(m.subPath) && "
+                     "(!has(m.subPath) || w.subPath == m.subPath))")
+    one_volume = ("self.head.volumes.exists(h, h.name == m.name && "
+                  f"self.workers.volumes.exists(v, v.name == m.name && ({same_source})))")
+    shared = ("has(self.head.volumeMounts) && has(self.head.volumes) && "
+              "has(self.workers.volumeMounts) && has(self.workers.volumes) && "
+              f"self.head.volumeMounts.exists(m, {under} && !(has(m.readOnly) && m.readOnly) && "
+              f"{workers_mount} && {one_volume})")
+    return {
+        "rule": (f"{is_collectives} || !has(self.checkpoint) || "
+                 f"!has(self.checkpoint.storagePath) || !{local} || ({shared})"),
+        "message": SHARED_STORAGE_MESSAGE,
+        "fieldPath": ".checkpoint.storagePath",
+        "reason": "FieldValueInvalid",
+    }
+
+
 def spec_rules() -> list[dict]:
     """CEL rules on `spec` (cross-object: mode against tpu and checkpoint)."""
     is_collectives = "(has(self.mode) && self.mode == 'collectives')"
@@ -197,6 +246,7 @@ def spec_rules() -> list[dict]:
             "fieldPath": ".checkpoint.storagePath",
             "reason": "FieldValueRequired",
         },
+        _shared_storage_rule(is_collectives),
         {
             # evalFraction is a number, so CEL sees a double: compare with 0.0.
             "rule": (f"{is_collectives} || !has(self.checkpoint) || "
@@ -208,6 +258,13 @@ def spec_rules() -> list[dict]:
             "fieldPath": ".checkpoint.scoreAttribute",
             "reason": "FieldValueInvalid",
         },
+        *[{
+            "rule": (f"{is_collectives} || !has(self.training) || !has(self.training.{name}) || "
+                     "!has(self.training.evalFraction) || self.training.evalFraction > 0.0"),
+            "message": EARLY_STOP_MESSAGE,
+            "fieldPath": f".training.{name}",
+            "reason": "FieldValueInvalid",
+        } for name in EARLY_STOP_FIELDS],
         _global_batch_rule(is_collectives),
         {
             "rule": ("!has(self.noProgressTimeoutSeconds) || self.noProgressTimeoutSeconds == 0 "
@@ -287,8 +344,10 @@ def pod_group_rules() -> list[dict]:
     ]
 
 
-def check_spec(spec: TPUFineTuneSpec) -> None:
-    """Raise SpecError for the first rule `spec` breaks (CEL twins first, then the rest)."""
+def check_spec(spec: TPUFineTuneSpec, one_machine: bool = False) -> None:
+    """Raise SpecError for the first rule `spec` breaks (CEL twins first, then the rest).
+    `one_machine`: every Ray process shares one filesystem (a local Ray head), so the
+    shared-storage rule does not apply."""
     tpu = spec.tpu
     gen = g.generation(tpu.generation)
     problem = g.topology_error(gen, tpu.topology)
@@ -303,8 +362,13 @@ def check_spec(spec: TPUFineTuneSpec) -> None:
             raise SpecError("spec.tpu.slices", SLICES_MESSAGE)
         if not spec.checkpoint.storage_path:
             raise SpecError("spec.checkpoint.storagePath", STORAGE_MESSAGE)
+        if not one_machine and not storage_is_shared(spec):
+            raise SpecError("spec.checkpoint.storagePath", SHARED_STORAGE_MESSAGE)
         if spec.checkpoint.score_attribute == "eval_loss" and spec.training.eval_fraction == 0:
             raise SpecError("spec.checkpoint.scoreAttribute", EVAL_SCORE_MESSAGE)
+        for name in EARLY_STOP_FIELDS:
+            if getattr(spec.training, _snake(name)) is not None and spec.training.eval_fraction == 0:
+                raise SpecError(f"spec.training.{name}", EARLY_STOP_MESSAGE)
         _check_global_batch(spec)
     if 0 < spec.no_progress_timeout_seconds < MIN_NO_PROGRESS_TIMEOUT:
         raise SpecError("spec.noProgressTimeoutSeconds", NO_PROGRESS_MESSAGE)
@@ -318,6 +382,41 @@ def check_spec(spec: TPUFineTuneSpec) -> None:
             _check_overrides(f"spec.{group}.resources", resources)
         _check_pod_group(f"spec.{group}", getattr(spec, group))
     _check_merged_resources(spec)
+
+
+def storage_is_shared(spec: TPUFineTuneSpec) -> bool:
+    """Whether every Ray pod sees the same checkpoint storage: a URI (gs://, s3://, ...) or a
+    local path under one shared volume, of the same name, mounted writable at the same place
+    on the head and the workers."""
+    path = spec.checkpoint.storage_path or ""
+    scheme, sep, rest = path.partition("://")
+    if sep and scheme != "file" and re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*", scheme):
+        return True
+    bare = rest if sep and scheme == "file" else path
+
+    def shared_mounts(group: PodGroup) -> dict[tuple[str, str, str | None], tuple]:
+        sources = {v.name: _shared_source(v) for v in group.volumes or []}
+        return {(m.name, m.mount_path, m.sub_path): sources.get(m.name)
+                for m in group.volume_mounts or [] if not m.read_only and sources.get(m.name)}
+
+    workers = shared_mounts(spec.workers)
+    for key, source in shared_mounts(spec.head).items():
+        mount_path = key[1]
+        prefix = mount_path if mount_path.endswith("/") else mount_path + "/"
+        if (bare == mount_path or bare.startswith(prefix)) and workers.get(key) == source:
+            return True
+    return False
+
+
+def _shared_source(volume) -> tuple | None:
+    """What makes two volumes one filesystem (the claim, the export, the CSI volume)."""
+    if volume.persistent_volume_claim is not None:
+        return ("pvc", volume.persistent_volume_claim.claim_name)
+    if volume.nfs is not None:
+        return ("nfs", volume.nfs.server, volume.nfs.path)
+    if volume.csi is not None:
+        return ("csi", volume.csi.driver)
+    return None
 
 
 def _check_global_batch(spec: TPUFineTuneSpec) -> None:

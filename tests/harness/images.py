@@ -1,0 +1,206 @@
+"""The ground's stand-in for the trainer image, built the way Dockerfile.trainer builds it.
+
+Dockerfile.trainer starts FROM the TorchTPU image (Python, torch, torch_tpu, libtpu), installs
+the hashed lock for that Python with `--require-hashes --no-deps`, then the project itself
+with `pip install --no-deps .`. Here, with no container engine:
+
+- the base image's layer: torch_tpu and libtpu from PyPI (the pinned release below, with
+  the dependencies its wheel declares), and torch itself from this checkout's .venv (the
+  same torch the dev environment tests; PyPI's linux torch is the CUDA build, several GB,
+  which the base image does not carry either). torch and the packages only it needs are
+  linked into a directory that a `.pth` file appends to sys.path, the way a base image's
+  dist-packages sit under a venv;
+- the lock: `pip install --require-hashes --no-deps -r requirements/trainer-py311.lock.txt`;
+- the project: `pip install --no-deps .` (a copy, not an editable install), refreshed when
+  the sources change (`ensure()`, called by the ground at start).
+
+Pods whose image is the trainer's run this environment (tests/harness/nodeagent.py), so the
+lock and the TPU import path are what the ground exercises.
+
+    python tests/harness/images.py        # build or refresh (silent when up to date)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCH_TPU = "torch-tpu==0.2.0"
+# Repository names (the last path part of an image reference) that are the trainer's image.
+TRAINER_REPOSITORIES = ("trainer", "tpufinetune-trainer")
+# What the project copy is built from: a change here reinstalls it.
+PACKAGE_SOURCES = ("pyproject.toml", "operator", "trainer")
+
+
+def python_tag() -> str:
+    return f"py{sys.version_info[0]}{sys.version_info[1]}"
+
+
+def lock_file() -> Path:
+    return ROOT / "requirements" / f"trainer-{python_tag()}.lock.txt"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TPUFT_IMAGES_DIR", ROOT / ".cache" / "images"))
+
+
+def environment_key() -> str:
+    digest = hashlib.sha256(lock_file().read_bytes())
+    digest.update(TORCH_TPU.encode())
+    digest.update(metadata.version("torch").encode())
+    return digest.hexdigest()[:12]
+
+
+def trainer_env() -> Path:
+    """The trainer image's environment for this lock (a venv)."""
+    return cache_root() / f"trainer-{python_tag()}-{environment_key()}"
+
+
+def sources_key() -> str:
+    digest = hashlib.sha256()
+    for name in PACKAGE_SOURCES:
+        path = ROOT / name
+        files = [path] if path.is_file() else sorted(
+            p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+            and not p.name.endswith(".pyc") and ".egg-info" not in str(p))
+        for file in files:
+            digest.update(str(file.relative_to(ROOT)).encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _pip(env: Path, *args: str) -> None:
+    subprocess.run([str(env / "bin" / "python"), "-m", "pip", "--disable-pip-version-check",
+                    "--quiet", *args], check=True, cwd=ROOT)
+
+
+def _site_packages(env: Path) -> Path:
+    out = subprocess.run([str(env / "bin" / "python"), "-c",
+                          "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip())
+
+
+def _torch_closure(installed: set[str]) -> list[metadata.Distribution]:
+    """torch and every distribution it needs that the image does not already have, from
+    this interpreter's environment."""
+    wanted, seen, found = ["torch"], set(), []
+    while wanted:
+        name = wanted.pop().lower().replace("_", "-")
+        if name in seen or name in installed:
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        found.append(dist)
+        for text in dist.requires or []:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                wanted.append(requirement.name)
+    return found
+
+
+def _link_base_layer(env: Path) -> None:
+    """torch (and what only it needs) linked into base/, appended to the venv's sys.path."""
+    site = _site_packages(env)
+    installed = {p.name.split("-")[0].lower().replace("_", "-")
+                 for p in site.glob("*.dist-info")}
+    base = env / "base"
+    base.mkdir()
+    for dist in _torch_closure(installed):
+        top = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for part in top:
+            source = Path(dist.locate_file(part))
+            if source.exists() and not (base / part).exists():
+                (base / part).symlink_to(source)
+    (site / "zz_base_image.pth").write_text(str(base) + "\n")
+
+
+def build_environment(env: Path) -> None:
+    partial = env.with_name(env.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(partial)], check=True)
+    # The lock first and alone, as the Dockerfile's RUN does.
+    _pip(partial, "install", "--require-hashes", "--no-deps", "-r", str(lock_file()))
+    # The base image's TPU runtime: torch_tpu without torch (linked below), its other needs.
+    _pip(partial, "install", "--no-deps", TORCH_TPU)
+    _pip(partial, "install", *_torch_tpu_needs(partial))
+    _link_base_layer(partial)
+    # venv scripts name their interpreter by path: build in place, then move.
+    shutil.rmtree(env, ignore_errors=True)
+    partial.rename(env)
+    for script in (env / "bin").iterdir():
+        if script.is_file() and not script.is_symlink():
+            text = script.read_bytes()
+            if text.startswith(b"#!") and str(partial).encode() in text:
+                script.write_bytes(text.replace(str(partial).encode(), str(env).encode()))
+    for cfg in [env / "pyvenv.cfg", *(env / "bin").glob("activate*")]:
+        cfg.write_text(cfg.read_text().replace(str(partial), str(env)))
+    (_site_packages(env) / "zz_base_image.pth").write_text(str(env / "base") + "\n")
+
+
+def _torch_tpu_needs(env: Path) -> list[str]:
+    """torch_tpu's declared requirements except torch (the base layer's)."""
+    out = subprocess.run([str(env / "bin" / "python"), "-c",
+                          "import json; from importlib import metadata; "
+                          "print(json.dumps(metadata.distribution('torch-tpu').requires or []))"],
+                         check=True, capture_output=True, text=True)
+    needs = [Requirement(text) for text in json.loads(out.stdout)]
+    return [str(r) for r in needs if r.name.lower() != "torch"
+            and (r.marker is None or r.marker.evaluate({"extra": ""}))]
+
+
+def install_project(env: Path, key: str) -> None:
+    build_dir = cache_root() / "project-build"
+    shutil.rmtree(build_dir, ignore_errors=True)
+    # A clean copy of the sources, as the Dockerfile's COPY lines make (no egg-info, no
+    # build leftovers of the checkout).
+    for name in PACKAGE_SOURCES:
+        source = ROOT / name
+        if source.is_file():
+            build_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, build_dir / name)
+        else:
+            shutil.copytree(source, build_dir / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+    shutil.copy2(ROOT / "README.md", build_dir / "README.md")
+    _pip(env, "install", "--no-deps", "--force-reinstall", str(build_dir))
+    shutil.rmtree(build_dir, ignore_errors=True)
+    (env / ".project").write_text(key)
+
+
+def ensure() -> Path:
+    """The trainer image's environment, built or refreshed; returns its venv."""
+    env = trainer_env()
+    if not (env / "bin" / "python").exists():
+        build_environment(env)
+    key = sources_key()
+    stamp = env / ".project"
+    if not stamp.exists() or stamp.read_text() != key:
+        install_project(env, key)
+    return env
+
+
+def main() -> int:
+    env = ensure()
+    check = subprocess.run([str(env / "bin" / "python"), "-c",
+                            "import torch, torch_tpu, ray, tpufinetune_trainer; print(ray.__version__)"],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        print(check.stderr[-2000:], file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Nodes of the test ground fail as GKE nodes do (harness/nodelife.py, Ground's node API).
+
+Pure: a TPU worker's id and slice come from KubeRay's replica and host index labels, as GKE's
+TPU webhook reads them; a Spot pool carries GKE's label and taint; a pod shut down with its
+node is reported as the kubelet reports it.
+
+On the ground (two runs, each proving several things):
+- A node killed under a cpu run: it goes NotReady with the `unreachable` taints, its pods are
+  evicted by the real taint-eviction controller, and once GKE would have deleted the Node the
+  pod garbage collector removes them; KubeRay makes the lost pods again on other nodes and Ray
+  Train (maxFailures) restarts its workers from the last checkpoint: the run ends Succeeded.
+- A run whose worker is on a Spot node: the node's scheduled-maintenance label is visible, a
+  drain is refused by the worker's PodDisruptionBudget, and a preemption gives the worker
+  SIGTERM (Ray's own handler logs it and drains; SIGKILL only after the pod's 15 s share of
+  the notice) and the Failed/Terminated status of graceful node shutdown, before the node
+  goes away.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from harness.kubewatch import KubeWatch
+from harness.nodelife import POD_SHUTDOWN_SECONDS, PREEMPTION_NOTICE_SECONDS, SHUTDOWN_MESSAGE, shutdown_status
+from harness.nodepools import MAINTENANCE_LABEL, SPOT_TAINT, cpu_pool, node_manifest, tpu_host
+from ground_runs import resource, running, start_run
+from tpufinetune.core.generations import SPOT_LABEL
+
+
+
+# ---- pure ----------------------------------------------------------------------------------
+
+
+def labels(replica: str | None, host: str | None = None) -> dict:
+    found = {"ray.io/cluster": "rc", "ray.io/group": "tpu-group"}
+    if replica is not None:
+        found["ray.io/worker-group-replica-index"] = replica
+    if host is not None:
+        found["ray.io/replica-host-index"] = host
+    return found
+
+
+def test_a_tpu_workers_id_and_slice_come_from_kuberays_index_labels():
+    host = tpu_host(labels("1", "2"), hosts=4)
+    assert (host.replica, host.worker_id, host.slice_name) == (1, 2, "tpu-group-1")
+    assert host.hostnames == tuple(f"tpu-group-1-{i}.rc-headless-worker-svc" for i in range(4))
+    # A replacement pod carries the index of the pod it replaces: the same id, nothing grows.
+    assert tpu_host(labels("1", "2"), hosts=4) == host
+    single = tpu_host(labels("3"), hosts=1)  # single-host: no host index, no hostnames
+    assert (single.worker_id, single.slice_name, single.hostnames) == (0, "tpu-group-3", ())
+
+
+def test_a_worker_without_kuberays_labels_is_refused_by_name():
+    with pytest.raises(ValueError, match="worker-group-replica-index.*RayMultiHostIndexing"):
+        tpu_host(labels(None), hosts=1)
+    with pytest.raises(ValueError, match="replica-host-index"):
+        tpu_host(labels("0"), hosts=4)
+    with pytest.raises(ValueError, match="outside a slice of 4"):
+        tpu_host(labels("0", "4"), hosts=4)
+
+
+def test_a_spot_pool_has_gkes_spot_label_and_taint():
+    pool = cpu_pool("spot", nodes=1, spot=True)
+    node = node_manifest(pool, pool.node_names()[0])
+    assert node["metadata"]["labels"][SPOT_LABEL] == "true"
+    assert node["spec"]["taints"] == [SPOT_TAINT]
+    assert "taints" not in node_manifest(cpu_pool(), "n")["spec"]
+
+
+class _Container:
+    name, image = "ray-worker", "img"
+
+
+def test_a_pod_shut_down_with_its_node_reads_as_the_kubelet_reports_it():
+    status = shutdown_status([_Container()], -15, "2026-01-01T00:00:00Z", restarts=0)["status"]
+    assert (status["phase"], status["reason"], status["message"]) == ("Failed", "Terminated", SHUTDOWN_MESSAGE)
+    assert status["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 143  # SIGTERM
+    target = next(c for c in status["conditions"] if c["type"] == "DisruptionTarget")
+    assert (target["status"], target["reason"]) == ("True", "TerminationByKubelet")
+
+
+# ---- on the ground -------------------------------------------------------------------------
+
+
+def node_of(ground, name: str) -> dict | None:
+    result = ground.kubectl("get", "node", name, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def ready_of(node: dict) -> dict:
+    return next(c for c in node["status"]["conditions"] if c["type"] == "Ready")
+
+
+def pods_by_uid(kube, cluster: str) -> dict[str, dict]:
+    return {p["metadata"]["uid"]: p for p in kube.pods_of(cluster)}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_killed_node_fails_over_and_the_run_resumes_from_its_checkpoint(
+        operator, ground, kube, ground_assets, storage):
+    # maxFailures: Ray Train restarts its worker group from the latest checkpoint inside the
+    # job once KubeRay has replaced the lost worker.
+    manifest = resource("node-killed", ground_assets, storage, epochs=3, training={"maxFailures": 1})
+    uid, cluster = start_run(kube, manifest)
+    kube.wait_for(lambda: kube.status("node-killed").get("checkpointURI"), "a first checkpoint", timeout=400)
+    pods = pods_by_uid(kube, cluster)
+    head_node = next(p["spec"]["nodeName"] for p in pods.values() if p["metadata"]["labels"]["ray.io/node-type"] == "head")
+    victims = [p["spec"]["nodeName"] for p in pods.values()
+               if p["metadata"]["labels"]["ray.io/node-type"] == "worker" and p["spec"]["nodeName"] != head_node]
+    assert victims, f"the scheduler put every worker beside the head on {head_node}: {pods}"
+    victim = victims[0]
+    lost = {u for u, p in pods.items() if p["spec"]["nodeName"] == victim}
+    try:
+        ground.kill_node(victim)
+        # The real node-lifecycle controller: no heartbeat -> Unknown, unreachable taints.
+        node = kube.wait_for(lambda: (n := node_of(ground, victim)) and ready_of(n)["status"] == "Unknown" and any(
+            t["key"] == "node.kubernetes.io/unreachable" and t["effect"] == "NoExecute"
+            for t in n["spec"].get("taints") or []) and n, f"{victim} NotReady and tainted", timeout=90)
+        assert ready_of(node)["reason"] == "NodeStatusUnknown"
+        # The taint-eviction controller deletes its pods once their tolerations run out; no
+        # kubelet confirms, so they stay Terminating.
+        kube.wait_for(lambda: all((p := pods_by_uid(kube, cluster).get(u)) is None or p["metadata"].get("deletionTimestamp")
+                                  for u in lost), "the lost pods evicted", timeout=90)
+        ground.delete_node(victim)  # what GKE does for a VM that is gone
+        kube.wait_for(lambda: not lost & set(pods_by_uid(kube, cluster)), "the lost pods garbage-collected", timeout=150)
+
+        def replaced():
+            now = pods_by_uid(kube, cluster)
+            return len(now) == len(pods) and all(p["status"].get("phase") == "Running" for p in now.values()) and now
+        again = kube.wait_for(replaced, "KubeRay's replacements Running", timeout=300, interval=2)
+        assert not lost & set(again) and victim not in {p["spec"]["nodeName"] for p in again.values()}
+
+        def resumed():  # read while the run lasts: its RayCluster goes when it ends
+            try:
+                return "Resumed from " in kube.head_job_client(cluster).get_job_logs(f"tft-{uid}-1")
+            except Exception:  # the head between answers, or already released
+                return kube.status("node-killed").get("phase") not in ("Running", None) and "run ended first"
+        assert kube.wait_for(resumed, "Ray Train's restart from the checkpoint", timeout=300, interval=2) is True
+
+        status = kube.wait_for(lambda: (s := kube.status("node-killed")).get("phase") in ("Succeeded", "Failed") and s,
+                               "the run to end", timeout=600, interval=2)
+        assert status["phase"] == "Succeeded", status.get("message")
+        assert status["attempt"] == 1 and [e["epoch"] for e in status["history"]] == [1, 2, 3]
+    finally:
+        ground.restore_node(victim)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_preemption(
+        operator, ground, kube, ground_assets, storage):
+    pool = cpu_pool("cpu-spot", nodes=1, spot=True)
+    spot_node = pool.node_names()[0]
+    ground.add_pools([pool])
+    try:
+        toleration = {"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+        manifest = resource("spot", ground_assets, storage, epochs=50,
+                            tpu={"topology": "1", "spot": True}, workers={"tolerations": [toleration]})
+        _, cluster = start_run(kube, manifest)
+        running(kube, "spot")
+        worker = next(p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "worker")
+        assert worker["spec"]["nodeName"] == spot_node
+
+        start = int(time.time()) + 3600
+        ground.set_maintenance(spot_node, start)
+        assert node_of(ground, spot_node)["metadata"]["labels"][MAINTENANCE_LABEL] == str(start)
+
+        kube.apply({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "spot-worker"},
+                    "spec": {"minAvailable": 1, "selector": {"matchLabels": {
+                        "ray.io/cluster": cluster, "ray.io/node-type": "worker"}}}})
+        kube.wait_for(lambda: (kube.get("pdb", "spot-worker").get("status") or {}).get("expectedPods") == 1,
+                      "the disruption controller to count the worker")
+        drain = ground.drain_node(spot_node, timeout=10)
+        assert drain.returncode != 0 and "disruption budget" in drain.stdout + drain.stderr, drain
+        assert node_of(ground, spot_node)["spec"].get("unschedulable") is True  # cordoned
+        same = kube.get("pod", worker["metadata"]["name"])
+        assert same["metadata"]["uid"] == worker["metadata"]["uid"] and not same["metadata"].get("deletionTimestamp")
+
+        # KubeRay deletes a Failed worker at once: the watch sees the status it had.
+        uid = worker["metadata"]["uid"]
+
+        def shutdown_exit_code(pods: list[dict]) -> int:
+            return max((s["state"]["terminated"]["exitCode"] for p in pods if p["metadata"]["uid"] == uid
+                        and p["status"].get("reason") == "Terminated" and p["status"].get("message") == SHUTDOWN_MESSAGE
+                        for s in p["status"].get("containerStatuses") or [] if "terminated" in s["state"]), default=0)
+
+        with KubeWatch(ground.cp.kubeconfig, kube.ns, shutdown=shutdown_exit_code) as pods:
+            noticed = time.monotonic()
+            ground.preempt_node(spot_node)
+            kube.wait_for(lambda: (n := node_of(ground, spot_node)) is None or
+                          ready_of(n)["message"] == "node is shutting down", "the node shutting down", timeout=30)
+            kube.wait_for(lambda: pods.most["shutdown"], "the worker shut down with its node", timeout=60)
+            shut_down_after = time.monotonic() - noticed
+        # SIGTERM first: Ray's own handler answered it (it drains the node as preempted).
+        # Either it finished and exited 1, or the drain outlasted the pod's 15 s share of
+        # the notice and SIGKILL ended it (137).
+        log = (ground.workdir / "pods" / f"{kube.ns}_{worker['metadata']['name']}.log").read_text()
+        assert "received SIGTERM" in log, log[-2000:]
+        code = pods.most["shutdown"]
+        assert code == 1 or (code == 137 and shut_down_after >= POD_SHUTDOWN_SECONDS - 1), (code, shut_down_after)
+        kube.wait_for(lambda: node_of(ground, spot_node) is None, "the preempted node gone", timeout=90)
+        assert time.monotonic() - noticed >= PREEMPTION_NOTICE_SECONDS - 1
+    finally:
+        kube.kubectl("delete", "tpufinetune", "spot", "--wait=false", check=False)
+        ground.remove_pool(pool)
+

@@ -1,0 +1,174 @@
+"""Checkpoint on notice: a SIGTERM (the pod is going away) or a request (the node has
+maintenance scheduled) makes every rank save a step checkpoint together.
+
+How a notice reaches the training loop:
+- SIGTERM. Ray Train runs the training function in a thread of the worker actor, and
+  Python runs signal handlers on a process's main thread only, so the handler is installed
+  there before training starts (the backend's `on_start` runs `install_sigterm_handler` on
+  every worker, as an actor call: the actor's main thread). It replaces Ray's own handler
+  (which exits at once) and only records the notice; a second SIGTERM gets Ray's handler.
+  On GKE the kubelet signals only the container's first process (`ray start`): the Ray
+  pods' preStop hook (`tpufinetune.core.podtemplate`) sends SIGTERM to the Ray workers of
+  its pod first and waits, within the grace period, until they have exited.
+- A request. `tpufinetune-train checkpoint-now` (a short Ray job the operator submits
+  through the head's Job API when a node of the run gets GKE's
+  `cloud.google.com/scheduled-maintenance-time` label) puts a key in Ray's internal KV
+  store; rank 0 reads it at most once per `POLL_S`.
+
+Ranks agree once per optimizer step: one all_reduce (MAX) of each rank's notice on the
+CPU (gloo) group, so a notice seen by any rank makes all ranks save after the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+NONE, REQUESTED, TERMINATING = 0, 1, 2
+REASONS = {REQUESTED: "Requested", TERMINATING: "SIGTERM"}
+KV_NAMESPACE = "tpufinetune"
+POLL_S = 1.0
+# Where a worker announces itself to its pod's preStop hook: the directory (per pod, from
+# the pod's environment) holds one empty file per worker pid, removed once that worker has
+# saved on notice (or has finished); the hook signals those pids and waits for the files.
+NOTICE_DIR_ENV = "TPUFT_NOTICE_DIR"
+
+_lock = threading.Lock()
+_state = {"code": NONE, "at": 0.0}
+_previous_handler = None
+
+
+def request_key(run_name: str) -> str:
+    return f"checkpoint-request/{run_name}"
+
+
+def _on_sigterm(signum, frame) -> None:
+    with _lock:
+        again = _state["code"] == TERMINATING
+        _state.update(code=TERMINATING, at=_state["at"] or time.time())
+    if again and callable(_previous_handler):
+        _previous_handler(signum, frame)
+
+
+def install_sigterm_handler() -> bool:
+    """Record SIGTERM instead of exiting; call on the process's main thread (a Ray actor
+    call). Returns whether it was installed."""
+    global _previous_handler
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    if previous is not _on_sigterm:
+        _previous_handler = previous
+    _announce(True)
+    return True
+
+
+def _pid_file() -> str | None:
+    directory = os.environ.get(NOTICE_DIR_ENV)
+    return os.path.join(directory, str(os.getpid())) if directory else None
+
+
+def _announce(present: bool) -> None:
+    path = _pid_file()
+    if path is None:
+        return
+    try:
+        if present:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "w").close()
+        else:
+            os.remove(path)
+    except OSError:
+        pass
+
+
+def done() -> None:
+    """This worker has saved on notice, or has nothing left to save: its pod's preStop hook
+    may let the pod go."""
+    _announce(False)
+
+
+def received() -> int:
+    """This process's own notice (NONE or TERMINATING)."""
+    with _lock:
+        return _state["code"]
+
+
+def reset() -> None:
+    """Forget a notice (tests; a restarted worker group is a new process anyway)."""
+    with _lock:
+        _state.update(code=NONE, at=0.0)
+
+
+class NoticeWatch:
+    """What all ranks agree on after each step. `read_request` (rank 0 only) returns a
+    pending request's JSON text or None; `clear_request` removes it once served."""
+
+    def __init__(self, rank: int, read_request=None, clear_request=None, poll_s: float = POLL_S):
+        self.rank = rank
+        self.read_request, self.clear_request = read_request, clear_request
+        self.poll_s = poll_s
+        self._next_poll = 0.0
+        self.request: dict | None = None  # the request being served
+
+    def _local(self) -> int:
+        code = received()
+        if self.rank == 0 and self.read_request is not None and code == NONE and self.request is None:
+            now = time.monotonic()
+            if now >= self._next_poll:
+                self._next_poll = now + self.poll_s
+                text = self.read_request()
+                if text:
+                    try:
+                        self.request = json.loads(text)
+                    except ValueError:
+                        self.request = {"reason": "Requested"}
+        if self.request is not None:
+            code = max(code, REQUESTED)
+        return code
+
+    def agreed(self, group) -> int:
+        """Collective: the strongest notice any rank holds."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([self._local()], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return int(flag.item())
+
+    def served(self) -> dict:
+        """The request just served (rank 0), removed from the store so it is served once."""
+        request, self.request = self.request or {}, None
+        if self.rank == 0 and self.clear_request is not None:
+            self.clear_request()
+        return request
+
+
+def ray_kv_watch(rank: int, run_name: str) -> NoticeWatch:
+    """A watch that reads requests from the Ray cluster's internal KV store."""
+    from ray.experimental import internal_kv
+
+    key = request_key(run_name)
+
+    def read() -> str | None:
+        value = internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+        return value.decode() if value else None
+
+    def clear() -> None:
+        internal_kv._internal_kv_del(key, namespace=KV_NAMESPACE)
+
+    return NoticeWatch(rank, read, clear)
+
+
+def put_request(run_name: str, reason: str, detail: str = "") -> dict:
+    """Ask the running trainer of `run_name` for a checkpoint now (a driver connected to
+    the cluster: `tpufinetune-train checkpoint-now`)."""
+    from ray.experimental import internal_kv
+
+    request = {"reason": reason, "detail": detail, "at": time.time()}
+    internal_kv._internal_kv_put(request_key(run_name), json.dumps(request), overwrite=True,
+                                 namespace=KV_NAMESPACE)
+    return request
