@@ -553,11 +553,25 @@ class NodeAgent:
                {"source": str(run.dir / "home"), "target": POD_HOME},
                {"source": str(run.shm), "target": "/dev/shm"},
                {"source": str(self.hosts_file), "target": "/etc/hosts", "readOnly": True}]
+        # The image's filesystem (this checkout, its environments, the Python they link to)
+        # stays visible when it lies under one of the pod's own directories (a checkout in
+        # /tmp): bound back at its own path, above the pod's /tmp.
+        private = [Path(m["target"]) for m in own[:3]]
+        own += [{"source": str(path), "target": str(path)} for path in self.image_roots()
+                if any(path.is_relative_to(p) for p in private)]
         volume_mounts = mount_targets(container, run.volumes or {}, env)
         for m in volume_mounts:  # a kubelet creates a missing subPath in the volume
             if m.pop("subPath") and not os.path.lexists(m["source"]):
                 os.makedirs(m["source"], exist_ok=True)
         return own + volume_mounts
+
+    def image_roots(self) -> list[Path]:
+        """Where the images' files are on this machine: the checkout (the dev venv and
+        every image environment live in it) and the Python installations they run."""
+        roots = {HERE.parents[1], Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(),
+                 *(Path(venv).resolve() for venv in self.images.values())}
+        # Only the outermost of nested roots: binding the checkout brings its venvs.
+        return sorted(r for r in roots if not any(r != o and r.is_relative_to(o) for o in roots))
 
     def image_bin(self, image: str) -> Path:
         """Where the image's Python and console scripts (ray, tpufinetune-train) are."""
