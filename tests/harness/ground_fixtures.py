@@ -112,13 +112,57 @@ def pytest_runtest_makereport(item, call):
     setattr(item, f"rep_{report.when}", report)
 
 
+# Reads go to the API server through the Python client: the waits poll them every half
+# second, and a forked kubectl costs a core's worth of CPU the trainer needs on two cores.
+# kind -> (API prefix, plural, namespaced); any other kind is read through kubectl.
+_READS = {
+    "pod": ("api/v1", "pods", True), "pods": ("api/v1", "pods", True),
+    "pvc": ("api/v1", "persistentvolumeclaims", True), "secret": ("api/v1", "secrets", True),
+    "events": ("api/v1", "events", True), "nodes": ("api/v1", "nodes", False),
+    "pdb": ("apis/policy/v1", "poddisruptionbudgets", True),
+    "raycluster": ("apis/ray.io/v1", "rayclusters", True),
+    "tpufinetune": ("apis/tpufinetune.dev/v1alpha1", "tpufinetunes", True),
+}
+
+
+def _selectors(args: tuple[str, ...]) -> dict | None:
+    """kubectl's -l / --field-selector arguments as list query parameters (None for others)."""
+    query, rest = {}, list(args)
+    while rest:
+        flag = rest.pop(0)
+        if flag in ("-l", "--selector") and rest:
+            query["labelSelector"] = rest.pop(0)
+        elif flag == "--field-selector" and rest:
+            query["fieldSelector"] = rest.pop(0)
+        else:
+            return None
+    return query
+
+
 class Kube:
-    """Small helpers over the real kubectl, for one namespace of the ground."""
+    """Small helpers for one namespace of the ground: reads through the API server's REST
+    API, everything else through the real kubectl."""
 
     def __init__(self, ground: Ground, namespace: str):
         self.ground = ground
         self.cp = ground.cp
         self.ns = namespace
+
+    def _read(self, kind: str, name: str = "", query: dict | None = None) -> dict | None:
+        """GET one object (None when it does not exist) or a list, as kubectl -o json gives
+        it (list items carry apiVersion and kind)."""
+        prefix, plural, namespaced = _READS[kind]
+        path = f"/{prefix}/" + (f"namespaces/{self.ns}/" if namespaced else "") + plural + (f"/{name}" if name else "")
+        status, body = self.cp.get_json(path, query)
+        if status == 404 and name:
+            return None
+        if status != 200:
+            raise AssertionError(f"GET {path} answered {status}: {body}")
+        if not name:
+            for item in body["items"]:
+                item.setdefault("apiVersion", body.get("apiVersion"))
+                item.setdefault("kind", body.get("kind", "").removesuffix("List"))
+        return body
 
     def kubectl(self, *args, **kwargs):
         return self.cp.kubectl("-n", self.ns, *args, **kwargs)
@@ -127,10 +171,15 @@ class Kube:
         return self.kubectl("apply", "-f", "-", input=yaml.safe_dump(manifest))
 
     def get(self, kind: str, name: str) -> dict | None:
+        if kind in _READS:
+            return self._read(kind, name)
         result = self.kubectl("get", kind, name, "-o", "json", check=False)
         return json.loads(result.stdout) if result.returncode == 0 else None
 
     def items(self, kind: str, *selector: str) -> list[dict]:
+        query = _selectors(selector)
+        if kind in _READS and query is not None:
+            return self._read(kind, query=query)["items"]
         return json.loads(self.kubectl("get", kind, *selector, "-o", "json").stdout)["items"]
 
     def pods_of(self, cluster: str) -> list[dict]:
