@@ -3,7 +3,8 @@
 - Two v6e 4x4 runs in one queue with the quota of one slice: the first runs, the second is
   Queued with Kueue's message and is admitted when the first ends; at no time do more than
   16 google.com/tpu of pods exist.
-- A Queued run deleted leaves nothing behind and takes nothing from the quota.
+  A third run deleted while Queued leaves nothing behind and takes nothing from the quota;
+  the second, deleted once admitted, gives its quota back.
 - Preemption: a higher-priority run evicts a running one, which goes back to Queued and,
   admitted again, resumes from its checkpoint as a new attempt that is not a failure. On the
   ground TPU workers stop for want of a chip, so this one uses cpu runs, which really train
@@ -130,53 +131,42 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
         capture_for_argocd(live, {ground_assets.root: "gs://tpufinetune-ground/assets", storage: "gs://tpufinetune-ground/runs/gitops",
                                   kube.ns: "ml-team"})
 
+        # A third run queued behind them and deleted while Queued leaves nothing behind and
+        # takes nothing from the quota.
+        before = kube.wait_for(lambda: (u := cluster_queue_usage(kube, "tpu-v6e"))["usage"].get(TPU_RESOURCE)
+                               == str(V6E_4X4_TPU) and u["pending"] == 1 and u, "16 google.com/tpu reserved", 60)
+        kube.apply(tpu_run("deleted", ground_assets, f"{storage}/deleted"))
+        deleted_cluster = kube.wait_for(phase_is(kube, "deleted", "Queued"), "deleted Queued", 60)["rayClusterName"]
+        deleted_uid = kube.get("raycluster", deleted_cluster)["metadata"]["uid"]
+        kube.wait_for(lambda: workloads_of(kube, deleted_uid), "Kueue's Workload for the queued cluster", 60)
+        kube.wait_for(lambda: cluster_queue_usage(kube, "tpu-v6e")["pending"] == 2, "two pending workloads", 60)
+        kube.kubectl("delete", "tpufinetune", "deleted", "--timeout=60s", timeout=70)
+        kube.wait_for(lambda: kube.get("raycluster", deleted_cluster) is None, "queued RayCluster deleted", 60)
+        kube.wait_for(lambda: not workloads_of(kube, deleted_uid), "its Workload gone", 90)
+        assert not kube.pods_of(deleted_cluster)
+        after = kube.wait_for(lambda: (u := cluster_queue_usage(kube, "tpu-v6e"))["pending"] == 1 and u,
+                              "one pending again", 60)
+        assert after["usage"] == before["usage"] and after["admitted"] == before["admitted"], (before, after)
+
         # The first runs (its job reaches the trainer, which stops for want of a chip) and ends.
         kube.kubectl("wait", "tpufinetune/first", "--for=condition=Failed", "--timeout=500s", timeout=520)
         first = kube.status("first")
         assert cond.is_true(first, cond.JOB_SUBMITTED)
         assert "no TPU device" in first["message"], first["message"]
 
-        # The quota came back with the first's RayCluster: the second is admitted and runs.
+        # The quota came back with the first's RayCluster: the second is admitted and its
+        # pods come up. Deleting it, admitted, releases the quota as well.
         kube.wait_for(lambda: cond.is_true(kube.status("second"), cond.ADMITTED),
                       "second admitted after the first ended", timeout=180)
-        kube.kubectl("wait", "tpufinetune/second", "--for=condition=Failed", "--timeout=500s", timeout=520)
-        second = kube.status("second")
-        assert cond.is_true(second, cond.JOB_SUBMITTED)
-        assert "no TPU device" in second["message"], second["message"]
-        assert cond.find(second, cond.ADMITTED)["lastTransitionTime"] >= first["completionTime"]
+        assert cond.find(kube.status("second"), cond.ADMITTED)["lastTransitionTime"] >= first["completionTime"]
+        kube.wait_for(lambda: len(kube.pods_of(second_cluster)) == 5, "second's head and four workers", 120)
+        kube.kubectl("delete", "tpufinetune", "second", "--timeout=90s", timeout=100)
         kube.wait_for(lambda: kube.get("raycluster", second_cluster) is None, "second's RayCluster released", 60)
+        kube.wait_for(lambda: not kube.pods_of(second_cluster), "second's pods gone", 120)
     assert watch.events > 10  # every pod of both runs came and went under the watch
     assert watch.most["live"] == V6E_4X4_TPU, f"at most {watch.most['live']} google.com/tpu of pods at once"
     print(f"google.com/tpu of pods at once: {watch.most['live']}, terminating ones included: "
           f"{watch.most['with_terminating']}")
-    kube.wait_for(lambda: cluster_queue_usage(kube, "tpu-v6e")["reserving"] == 0, "quota released", timeout=60)
-
-
-def test_a_queued_run_deleted_leaves_nothing_and_takes_no_quota(operator, kueue, queued_namespace, kube,
-                                                                 ground_assets, storage):
-    kube.apply(tpu_run("holder", ground_assets, f"{storage}/holder"))
-    kube.wait_for(lambda: cond.is_true(kube.status("holder"), cond.ADMITTED), "holder admitted", 120)
-    # Kueue writes the ClusterQueue's usage a moment after the admission.
-    before = kube.wait_for(lambda: (u := cluster_queue_usage(kube, "tpu-v6e"))["usage"].get(TPU_RESOURCE)
-                           == str(V6E_4X4_TPU) and u, "16 google.com/tpu reserved", 60)
-
-    kube.apply(tpu_run("waiting", ground_assets, f"{storage}/waiting"))
-    status = kube.wait_for(phase_is(kube, "waiting", "Queued"), "waiting Queued", timeout=60)
-    cluster = status["rayClusterName"]
-    cluster_uid = kube.get("raycluster", cluster)["metadata"]["uid"]
-    kube.wait_for(lambda: workloads_of(kube, cluster_uid), "Kueue's Workload for the queued cluster", 60)
-    kube.wait_for(lambda: cluster_queue_usage(kube, "tpu-v6e")["pending"] == 1, "one pending workload", 60)
-
-    kube.kubectl("delete", "tpufinetune", "waiting", "--timeout=60s", timeout=70)
-    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "queued RayCluster deleted", 60)
-    kube.wait_for(lambda: not workloads_of(kube, cluster_uid), "its Workload gone", 90)
-    assert not kube.pods_of(cluster)
-    after = kube.wait_for(lambda: (u := cluster_queue_usage(kube, "tpu-v6e"))["pending"] == 0 and u, "no pending", 60)
-    assert after["usage"] == before["usage"] and after["admitted"] == before["admitted"], (before, after)
-    assert cond.is_true(kube.status("holder"), cond.ADMITTED)
-
-    # Deleting the admitted run releases the quota as well.
-    kube.kubectl("delete", "tpufinetune", "holder", "--timeout=60s", timeout=70)
     kube.wait_for(lambda: cluster_queue_usage(kube, "tpu-v6e")["reserving"] == 0, "quota released", timeout=90)
 
 

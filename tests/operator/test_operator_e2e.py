@@ -22,8 +22,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mar
 
 def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground, kube, ground_assets, storage,
                                                                tmp_path):
-    """Model, data and checkpoints all in the ground's bucket (gs://), as on GKE."""
-    manifest = resource("tiny-finetune", ground_assets, storage)
+    """Model, data and checkpoints all in the ground's bucket (gs://), as on GKE. The operator
+    is restarted mid-run: it reattaches without a second submission."""
+    manifest = resource("tiny-finetune", ground_assets, storage, epochs=3)
     assert all(v.startswith("gs://") for v in (manifest["spec"]["model"]["id"], manifest["spec"]["dataset"]["id"],
                                                 manifest["spec"]["checkpoint"]["storagePath"]))
     uid, cluster = start_run(kube, manifest)
@@ -39,18 +40,26 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
     worker_ips = {p["status"]["podIP"] for p in pods if p["metadata"]["labels"]["ray.io/node-type"] == "worker"}
     (job,) = jobs_of(kube, cluster, uid)
     assert job.status in ("PENDING", "RUNNING")
+    before = kube.status("tiny-finetune")["jobId"]
+    operator.kill()
+    operator.start()
+    # The new process counts its own steps from 0: once it has completed two of the
+    # running run's (each after its status write and its actions), any second submission
+    # would be on the head.
+    kube.wait_for(lambda: reconciles(operator, "Running") >= 2, "two steps of the restarted operator", timeout=120)
+    assert [job.submission_id for job in jobs_of(kube, cluster, uid)] == [before]
     actors = _train_worker_ips(kube, cluster)
     assert actors and actors <= worker_ips, (actors, worker_ips)
 
     kube.kubectl("wait", "tpufinetune/tiny-finetune", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
     status = kube.status("tiny-finetune")
     assert status["phase"] == "Succeeded"
-    assert [entry["epoch"] for entry in status["history"]] == [1, 2]
+    assert [entry["epoch"] for entry in status["history"]] == [1, 2, 3]
     assert all(entry["loss"] > 0 and entry["tokensPerSecond"] > 0 for entry in status["history"])
     assert status["history"][-1]["loss"] < status["history"][0]["loss"]
-    assert status["epochProgress"] == "2/2"
+    assert status["epochProgress"] == "3/3"
     _check_storage(ground.gcs, storage, status, tmp_path)
-    assert status["jobId"] == f"tft-{uid}-1"
+    assert status["jobId"] == before == f"tft-{uid}-1"
     assert status["observedGeneration"] == 1
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
     assert conditions["Succeeded"] == "True" and conditions["ClusterReady"] == "True"
@@ -60,7 +69,7 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
     for column in ("NAME", "GENERATION", "TOPOLOGY", "MODE", "PHASE", "EPOCH", "LOSS", "AGE"):
         assert column in header, table
     row = table.splitlines()[1].split()
-    assert row[:6] == ["tiny-finetune", "cpu", "2", "finetune", "Succeeded", "2/2"]
+    assert row[:6] == ["tiny-finetune", "cpu", "2", "finetune", "Succeeded", "3/3"]
     assert "CHECKPOINT" in kube.kubectl("get", "tpufinetunes", "-o", "wide").stdout
 
     # Nothing expensive is left running, and the spec is exactly what was applied.
@@ -82,7 +91,7 @@ def _check_storage(gcs, storage: str, status: dict, tmp_path: Path) -> None:
     shards = {name for name in gcs.list(checkpoint) if name.endswith(".distcp")}
     assert shards == {"__0_0.distcp", "__1_0.distcp"}, gcs.list(checkpoint)  # rank 0's and rank 1's
     assert ".metadata" in gcs.list(checkpoint)
-    assert json.loads(gcs.read(f"{checkpoint}/trainer_state.json"))["epoch"] in (1, 2)
+    assert json.loads(gcs.read(f"{checkpoint}/trainer_state.json"))["epoch"] in (1, 2, 3)  # the best of the three
     local = gcs.download(export, tmp_path / "export")
     assert {"config.json", "model.safetensors"} <= {p.name for p in local.iterdir()}
     model = AutoModelForCausalLM.from_pretrained(local)
@@ -139,23 +148,6 @@ def test_deleting_mid_run_stops_everything_and_the_finalizer_goes_within_30s(ope
     events = json.loads(kube.kubectl("get", "events", "--field-selector", "involvedObject.name=tiny-delete",
                                      "-o", "json").stdout)["items"]
     assert not [e for e in events if e["type"] not in ("Normal", "Warning")], events
-
-
-def test_operator_restart_mid_run_reattaches_without_a_second_submission(operator, kube, ground_assets, storage):
-    uid, cluster = start_run(kube, resource("tiny-restart", ground_assets, storage, epochs=3))
-    kube.wait_for(lambda: kube.status("tiny-restart").get("phase") == "Running", "phase Running", timeout=300)
-    before = kube.status("tiny-restart")["jobId"]
-    operator.kill()
-    operator.start()
-    # The new process counts its own steps from 0: once it has completed two of the
-    # running run's (each after its status write and its actions), any second submission
-    # would be on the head.
-    kube.wait_for(lambda: reconciles(operator, "Running") >= 2, "two steps of the restarted operator", timeout=120)
-    assert [job.submission_id for job in jobs_of(kube, cluster, uid)] == [before]
-    kube.kubectl("wait", "tpufinetune/tiny-restart", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
-    status = kube.status("tiny-restart")
-    assert status["jobId"] == before == f"tft-{uid}-1"
-    assert [entry["epoch"] for entry in status["history"]] == [1, 2, 3]
 
 
 def test_a_problem_only_the_trainer_can_see_ends_failed_with_its_reason(operator, kube, ground_assets, storage):

@@ -11,8 +11,8 @@ from trainer_helpers import run_trainer
 pytestmark = pytest.mark.ray
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_collectives_pass(ray_head, ranks):
+def test_collectives_pass(ray_head):
+    ranks = 4  # two ranks run in the failure cases below
     run = run_trainer(["collectives", "--num-workers", str(ranks), "--device", "cpu"], ray_head.env(), timeout=240)
     assert run.rc == 0, run.tail()
     start, result = run.one("start"), run.one("collectives")
