@@ -54,18 +54,41 @@ def _case_unknown_device(tmp, assets):
 CASES = {name[len("_case_"):]: fn for name, fn in list(globals().items()) if name.startswith("_case_")}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_input_fails_with_a_named_problem(case, ray_head, trainer_assets, tmp_path):
+def _check_failure(rc: int, events: list, kind: str, text: str) -> None:
+    assert rc != 0
+    failure = next(e for e in events if e.kind == "failure")
+    assert events[-1] is failure and [e.kind for e in events].count("failure") == 1, events
+    assert failure["type"] == kind and text in failure["message"], failure
+    assert not [e for e in events if e.kind == "start"]  # found before any worker (or slice) was reserved
+    if kind == "UsageError":
+        assert rc == 2
+
+
+# Every input check runs in the driver before Ray is reached, so the cases call the CLI's
+# main() in this process (no interpreter start per case); one case runs the real command.
+IN_PROCESS = sorted(set(CASES) - {"unwritable_storage"})
+
+
+@pytest.mark.parametrize("case", IN_PROCESS)
+def test_bad_input_fails_with_a_named_problem(case, trainer_assets, tmp_path, capsys, monkeypatch):
+    from tpufinetune_trainer import cli
+
+    for name, value in offline_env({}).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # nothing here may reach a Ray cluster
     overrides, kind, text = CASES[case](tmp_path, trainer_assets)
     args = dict(base_args(trainer_assets, tmp_path / "storage"), **overrides)
+    rc = cli.main(_argv(args))
+    output = capsys.readouterr().out
+    _check_failure(rc, events_of(output), kind, text)
+
+
+def test_the_command_fails_with_a_named_problem_and_its_exit_code(ray_head, trainer_assets, tmp_path):
+    """The real `tpufinetune-train`, as the job entrypoint runs it: one case end to end."""
+    overrides, kind, text = CASES["unwritable_storage"](tmp_path, trainer_assets)
+    args = dict(base_args(trainer_assets, tmp_path / "storage"), **overrides)
     run = run_trainer(_argv(args), offline_env(ray_head.env()), timeout=300)  # a hang fails here
-    assert run.rc != 0, run.tail()
-    failure = run.one("failure")
-    assert run.events[-1] is failure
-    assert failure["type"] == kind and text in failure["message"], failure
-    assert not run.of("start")  # found before any worker (or slice) was reserved
-    if kind == "UsageError":
-        assert run.rc == 2
+    _check_failure(run.rc, run.events, kind, text)
 
 
 @pytest.mark.slow
