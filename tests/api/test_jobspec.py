@@ -91,7 +91,7 @@ def test_runtime_env_never_carries_the_token():
     assert "HF_TOKEN" not in text and "hf-secret" not in text and "hf_api_token" not in text
     assert job.runtime_env == {"env_vars": {
         "PYTHONUNBUFFERED": "1", "TPUFINETUNE_NAME": "run", "TPUFINETUNE_NAMESPACE": "ns",
-        "TPUFINETUNE_ATTEMPT": "1"}}
+        "TPUFINETUNE_ATTEMPT": "1", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}}
 
 
 def test_ids_are_deterministic_and_attempts_share_the_run_name():

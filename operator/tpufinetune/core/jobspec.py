@@ -13,6 +13,11 @@ from .api import TPUFineTuneSpec
 from .sizing import slice_shape, total_devices
 
 TRAINER = "tpufinetune-train"
+# How long Ray Train waits for its workers when it restarts the worker group in the job
+# (maxFailures) after a host was lost. Ray's default (60 s) gives up before a replacement
+# node can come up (minutes for a TPU host on GKE), and its retry after that restarts the
+# group again without waiting for the host either.
+WORKER_GROUP_START_TIMEOUT_S = 600
 LABEL_PREFIX = "tpufinetune.dev/"
 
 
@@ -159,6 +164,7 @@ def job_submission(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec,
         "TPUFINETUNE_NAME": name,
         "TPUFINETUNE_NAMESPACE": namespace,
         "TPUFINETUNE_ATTEMPT": str(attempt),
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(WORKER_GROUP_START_TIMEOUT_S),
     }
     metadata = {
         f"{LABEL_PREFIX}name": name,
