@@ -116,3 +116,39 @@ def test_a_sharded_checkpoint_in_a_bucket_loads_in_place(gcs, tmp_path, monkeypa
     for part in saved:
         for key in saved[part]:
             assert torch.equal(loaded[part][key], saved[part][key]), (part, key)
+
+
+def test_a_restart_finds_the_newest_complete_checkpoint_of_its_run(tmp_path):
+    """What a restarted worker group resumes from when Ray Train registered nothing: the
+    checkpoint with the most steps whose state and every shard its metadata names exist."""
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tpufinetune_trainer import checkpoint as ckpt
+
+    run = tmp_path / "storage" / "tft-run"
+
+    def write(name: str, step: int | None) -> Path:
+        directory = run / name
+        dcp.save({"model": {"w": torch.full((4,), float(step or 0))}},
+                 storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+        if step is not None:
+            (directory / ckpt.STATE_FILE).write_text(json.dumps({"epoch": 1, "step": step}))
+        return directory
+
+    assert ckpt.latest_complete(str(run)) is None  # a first start: nothing there yet
+    write("epoch_0001", 10)
+    torn = write("step_0000020", 20)
+    write("step_0000030", None)  # no trainer state: rank 0 died before writing it
+    (run / "export").mkdir()
+    (run / "checkpoint_manager_snapshot.json").write_text("{}")
+    shard = next(torn.glob("*.distcp"))
+    kept = shard.read_bytes()
+    shard.unlink()  # a rank's shard never arrived
+    assert not ckpt.is_complete(str(torn))
+    assert ckpt.latest_complete(str(run)) == str(run / "epoch_0001")
+    shard.write_bytes(kept)
+    assert ckpt.is_complete(str(torn))
+    assert ckpt.latest_complete(str(run)) == str(run / "step_0000020")

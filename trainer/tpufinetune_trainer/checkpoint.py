@@ -189,6 +189,48 @@ class ArrowReader(dcp.FileSystemReader):
         self.path = self.fs.init_path(uri)
 
 
+def is_complete(location: str) -> bool:
+    """Whether the checkpoint at `location` can be loaded: its trainer state and DCP
+    metadata are there, and every shard file the metadata names exists (a rank that died
+    mid-upload leaves one out)."""
+    import pyarrow.fs as pafs
+
+    fs, path = storage.filesystem(location)
+    root = path.rstrip("/")
+    if fs.get_file_info(f"{root}/{STATE_FILE}").type != pafs.FileType.File:
+        return False
+    try:
+        metadata = storage_reader(location).read_metadata()
+    except (OSError, EOFError, ValueError):
+        return False
+    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    return bool(files) and all(info.type == pafs.FileType.File
+                               for info in fs.get_file_info([f"{root}/{name}" for name in files]))
+
+
+def latest_complete(run_dir: str) -> str | None:
+    """The checkpoint under `run_dir` (Ray Train's `<storage>/<run name>`) that holds the most
+    optimizer steps and is complete, or None. Ray Train hands a restarted worker group only
+    what its controller registered; a checkpoint every rank wrote and reported just before a
+    host died may not be registered yet, and its work would be lost."""
+    import pyarrow.fs as pafs
+
+    fs, path = storage.filesystem(run_dir)
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(path.rstrip("/"), allow_not_found=True))
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for entry in entries:
+        if entry.type != pafs.FileType.Directory:
+            continue
+        location = storage.uri_of(fs, entry.path)
+        state = read_trainer_state(location)
+        if "step" in state and is_complete(location) and (best is None or int(state["step"]) > best[0]):
+            best = (int(state["step"]), location)
+    return best[1] if best else None
+
+
 def storage_reader(location: str):
     """A DCP reader for a checkpoint path or URI (read in place, never copied first)."""
     return ArrowReader(location) if "://" in location else dcp.FileSystemReader(location)

@@ -160,6 +160,14 @@ class Trainer:
         checkpoint = ray.train.get_checkpoint()
         location = ckpt.checkpoint_location(checkpoint) if checkpoint is not None else self.cfg.resume_from
         if not location:
+            # The first job of a run, restarted in the job (maxFailures) before Ray Train
+            # registered any checkpoint: what the ranks wrote is still in the run's
+            # directory (empty on a first start). Rank 0 looks, so all ranks agree.
+            run_dir = f"{self.cfg.storage_path.rstrip('/')}/{self.cfg.run_name}"  # Ray Train's layout
+            found = [ckpt.latest_complete(run_dir) if self.rank == 0 else None]
+            dist.broadcast_object_list(found, src=0, group=self.cpu_group)
+            location = found[0]
+        if not location:
             return
         self.restored = True
         self.resumed_from = location
