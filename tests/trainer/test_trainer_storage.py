@@ -118,7 +118,7 @@ def test_a_sharded_checkpoint_in_a_bucket_loads_in_place(gcs, tmp_path, monkeypa
             assert torch.equal(loaded[part][key], saved[part][key]), (part, key)
 
 
-def test_a_restart_finds_the_newest_complete_checkpoint_of_its_run(tmp_path):
+def test_a_restart_finds_the_newest_complete_checkpoint_of_its_run(tmp_path, gcs, monkeypatch):
     """What a restarted worker group resumes from when Ray Train registered nothing: the
     checkpoint with the most steps whose state and every shard its metadata names exist."""
     import json
@@ -152,3 +152,9 @@ def test_a_restart_finds_the_newest_complete_checkpoint_of_its_run(tmp_path):
     shard.write_bytes(kept)
     assert ckpt.is_complete(str(torn))
     assert ckpt.latest_complete(str(run)) == str(run / "step_0000020")
+
+    # In a bucket, where there are objects and no directories to list.
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.endpoint)
+    uri = gcs.upload(run, gcs.unique_uri("runs", "restart"))
+    assert ckpt.latest_complete(uri) == f"{uri}/step_0000020"
+    assert ckpt.latest_complete(f"{uri}-never-written") is None

@@ -216,15 +216,17 @@ def latest_complete(run_dir: str) -> str | None:
     import pyarrow.fs as pafs
 
     fs, path = storage.filesystem(run_dir)
-    try:
-        entries = fs.get_file_info(pafs.FileSelector(path.rstrip("/"), allow_not_found=True))
+    root = path.rstrip("/")
+    try:  # recursive: a bucket has objects, not directories, to list
+        entries = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True, recursive=True))
     except OSError:
         return None
     best: tuple[int, str] | None = None
     for entry in entries:
-        if entry.type != pafs.FileType.Directory:
-            continue
-        location = storage.uri_of(fs, entry.path)
+        parent, _, name = entry.path.rpartition("/")
+        if name != STATE_FILE or parent.rpartition("/")[0] != root:
+            continue  # only <run dir>/<checkpoint>/trainer_state.json
+        location = storage.uri_of(fs, parent)
         state = read_trainer_state(location)
         if "step" in state and is_complete(location) and (best is None or int(state["step"]) > best[0]):
             best = (int(state["step"]), location)
