@@ -159,6 +159,7 @@ class Trainer:
 
         checkpoint = ray.train.get_checkpoint()
         location = ckpt.checkpoint_location(checkpoint) if checkpoint is not None else self.cfg.resume_from
+        source = "Ray Train's latest" if checkpoint is not None else "--resume-from"
         if not location:
             # The first job of a run, restarted in the job (maxFailures) before Ray Train
             # registered any checkpoint: what the ranks wrote is still in the run's
@@ -166,7 +167,7 @@ class Trainer:
             run_dir = f"{self.cfg.storage_path.rstrip('/')}/{self.cfg.run_name}"  # Ray Train's layout
             found = [ckpt.latest_complete(run_dir) if self.rank == 0 else None]
             dist.broadcast_object_list(found, src=0, group=self.cpu_group)
-            location = found[0]
+            location, source = found[0], "the newest complete one in the run's directory"
         if not location:
             return
         self.restored = True
@@ -187,7 +188,7 @@ class Trainer:
         self.step_counter.fill_(min(self.global_step, max(self.total_steps - 1, 0)))  # once, at start
         if self.rank == 0:
             where = f"epoch {epoch}" if finished else f"epoch {epoch} step {done}/{self.epoch_steps}"
-            say(f"Resumed from {location} at {where} (global step {self.global_step})")
+            say(f"Resumed from {location} at {where} (global step {self.global_step}): {source}")
 
     # ------------------------------------------------------------------ one step
     def token_loss_sum(self, batch: dict) -> torch.Tensor:
