@@ -22,7 +22,7 @@ import yaml
 from kubernetes.utils import parse_quantity
 
 from harness.argocd_health import health
-from harness.kueue import CPU_QUEUE, TPU_QUEUE, V6E_4X4_TPU
+from harness.kueue import API as KUEUE_API, CPU_QUEUE, TPU_QUEUE, V6E_4X4_TPU
 from harness.kubewatch import KubeWatch
 from harness.waiting import wait_for
 from tpufinetune.core import conditions as cond
@@ -95,7 +95,8 @@ def capture_for_argocd(obj: dict, scrub: dict[str, str]) -> None:
 
 def cluster_queue_usage(kube, name: str) -> dict:
     """The ClusterQueue's reserved quota by resource, and its admitted/pending counts."""
-    body = json.loads(kube.cp.kubectl("get", "clusterqueue", name, "-o", "json").stdout)
+    status_code, body = kube.cp.get_json(f"/apis/{KUEUE_API}/clusterqueues/{name}")  # polled: no kubectl fork
+    assert status_code == 200, body
     status = body.get("status") or {}
     usage = {r["name"]: str(r["total"]) for flavor in status.get("flavorsReservation") or []
              for r in flavor.get("resources") or []}

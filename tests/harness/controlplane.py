@@ -15,6 +15,7 @@ the background for `make cluster`.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import secrets
@@ -164,7 +165,6 @@ class ControlPlane:
         self.etcd: subprocess.Popen | None = None
         self.apiserver: subprocess.Popen | None = None
         self.server = ""
-        self._read_context: ssl.SSLContext | None = None  # made once, on the first get_json
         self.admin_token = secrets.token_hex(16)
         self.user_token = secrets.token_hex(16)
         self.user_name = TEST_USER
@@ -344,14 +344,16 @@ class ControlPlane:
         env["KUBECACHEDIR"] = str(self.workdir / "kubectl-cache")
         return env
 
+    @functools.cached_property
+    def _read_context(self) -> ssl.SSLContext:
+        return self._ssl_context()  # once: the CA exists from start() on
+
     def get_json(self, path: str, query: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
         """GET an API path as the admin: (HTTP status, JSON body). Waits poll reads this way
         rather than forking kubectl, which costs far more CPU per call."""
         url = self.server + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
         request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.admin_token}",
                                                        "Accept": "application/json"})
-        if self._read_context is None:
-            self._read_context = self._ssl_context()
         try:
             with urllib.request.urlopen(request, context=self._read_context, timeout=timeout) as response:
                 return response.status, json.loads(response.read())

@@ -112,8 +112,8 @@ def pytest_runtest_makereport(item, call):
     setattr(item, f"rep_{report.when}", report)
 
 
-# Reads go to the API server through the Python client: the waits poll them every half
-# second, and a forked kubectl costs a core's worth of CPU the trainer needs on two cores.
+# Reads go to the API server's REST API (ControlPlane.get_json): the waits poll them every
+# half second, and a forked kubectl costs CPU the trainer needs on two cores.
 # kind -> (API prefix, plural, namespaced); any other kind is read through kubectl.
 _READS = {
     "pod": ("api/v1", "pods", True), "pods": ("api/v1", "pods", True),

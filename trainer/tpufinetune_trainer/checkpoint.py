@@ -189,47 +189,57 @@ class ArrowReader(dcp.FileSystemReader):
         self.path = self.fs.init_path(uri)
 
 
+def _files_under(fs, root: str) -> set[str]:
+    """Every file under `root`, relative to it (recursive: a bucket has objects, not
+    directories, to list); empty when nothing is there."""
+    import pyarrow.fs as pafs
+
+    entries = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True, recursive=True))
+    return {entry.path[len(root) + 1:] for entry in entries if entry.type == pafs.FileType.File}
+
+
+def _shard_files(location: str) -> set[str]:
+    """The files a checkpoint's DCP metadata names (empty when it cannot be read)."""
+    try:
+        metadata = storage_reader(location).read_metadata()
+    except (OSError, EOFError, ValueError):
+        return set()
+    return {info.relative_path for info in (metadata.storage_data or {}).values()}
+
+
 def is_complete(location: str) -> bool:
     """Whether the checkpoint at `location` can be loaded: its trainer state and DCP
     metadata are there, and every shard file the metadata names exists (a rank that died
     mid-upload leaves one out)."""
-    import pyarrow.fs as pafs
-
     fs, path = storage.filesystem(location)
-    root = path.rstrip("/")
-    if fs.get_file_info(f"{root}/{STATE_FILE}").type != pafs.FileType.File:
-        return False
-    try:
-        metadata = storage_reader(location).read_metadata()
-    except (OSError, EOFError, ValueError):
-        return False
-    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
-    return bool(files) and all(info.type == pafs.FileType.File
-                               for info in fs.get_file_info([f"{root}/{name}" for name in files]))
+    present, shards = _files_under(fs, path.rstrip("/")), _shard_files(location)
+    return STATE_FILE in present and bool(shards) and shards <= present
 
 
 def latest_complete(run_dir: str) -> str | None:
     """The checkpoint under `run_dir` (Ray Train's `<storage>/<run name>`) that holds the most
     optimizer steps and is complete, or None. Ray Train hands a restarted worker group only
     what its controller registered; a checkpoint every rank wrote and reported just before a
-    host died may not be registered yet, and its work would be lost."""
-    import pyarrow.fs as pafs
-
+    host died may not be registered yet, and its work would be lost. One listing of the run
+    serves every candidate."""
     fs, path = storage.filesystem(run_dir)
     root = path.rstrip("/")
-    try:  # recursive: a bucket has objects, not directories, to list
-        entries = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True, recursive=True))
+    try:
+        present = _files_under(fs, root)
     except OSError:
         return None
     best: tuple[int, str] | None = None
-    for entry in entries:
-        parent, _, name = entry.path.rpartition("/")
-        if name != STATE_FILE or parent.rpartition("/")[0] != root:
+    for name in present:
+        checkpoint, _, file = name.partition("/")
+        if file != STATE_FILE:
             continue  # only <run dir>/<checkpoint>/trainer_state.json
-        location = storage.uri_of(fs, parent)
-        state = read_trainer_state(location)
-        if "step" in state and is_complete(location) and (best is None or int(state["step"]) > best[0]):
-            best = (int(state["step"]), location)
+        location = storage.uri_of(fs, f"{root}/{checkpoint}")
+        shards = _shard_files(location)
+        if not shards or not {f"{checkpoint}/{shard}" for shard in shards} <= present:
+            continue
+        step = read_trainer_state(location).get("step")
+        if step is not None and (best is None or int(step) > best[0]):
+            best = (int(step), location)
     return best[1] if best else None
 
 
