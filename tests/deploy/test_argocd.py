@@ -1,7 +1,8 @@
 """Argo CD: the TPUFineTune health check (deploy/argocd/health.lua) run in a real Lua 5.1
 interpreter on objects the end-to-end tests watched live (testdata/argocd/, one per phase;
-recaptured by TPUFT_CAPTURE_ARGOCD=1 on tests/operator/test_operator_deploy_e2e.py), the
-argocd-cm snippet that installs it, and the two Application examples."""
+recaptured by TPUFT_CAPTURE_ARGOCD=1 on tests/operator/test_operator_e2e.py and
+test_operator_deploy_e2e.py), the argocd-cm snippet that installs it, and the two
+Application examples."""
 
 from __future__ import annotations
 

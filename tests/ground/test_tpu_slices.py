@@ -18,6 +18,7 @@ from harness import images
 from harness.nodepools import NODEPOOL_LABEL, tpu_pool
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.generations import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
+from harness.timing import within
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
@@ -200,8 +201,8 @@ def test_a_pool_short_of_capacity_shows_the_schedulers_reason_within_60s(operato
             ready = cond.find(kube.status("short"), cond.CLUSTER_READY) or {}
             return ready if "Insufficient google.com/tpu" in (ready.get("message") or "") else None
 
-        condition = kube.wait_for(explained, "ClusterReady with the scheduler's reason", timeout=60)
-        assert time.monotonic() - started < 60
+        condition = kube.wait_for(explained, "ClusterReady with the scheduler's reason", timeout=within(60))
+        assert time.monotonic() - started < within(60)
         assert condition["status"] == "False"
         assert "Unschedulable" in condition["message"] or "nodes are available" in condition["message"]
         kube.kubectl("delete", "tpufinetune", "short", "--timeout=60s", timeout=70)

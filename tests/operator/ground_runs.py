@@ -1,14 +1,24 @@
 """Shared steps of the operator's end-to-end tests on the test ground (test_*_e2e.py): a
 TPUFineTune manifest, applying it, its jobs on the head, its release, and the operator's
-own metrics (what it has done, observed from outside)."""
+own metrics (what it has done, observed from outside), and what GitOps sees of a run (a live
+watch of the objects, Argo CD's health of each phase).
+
+TPUFT_CAPTURE_ARGOCD=1 also writes the watched objects, one per phase, to
+tests/deploy/testdata/argocd/ (the fast Lua tests' data; machine paths scrubbed)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import threading
 import urllib.request
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.argocd_health import health
 from harness.operator_process import OperatorProcess
 
 
@@ -85,3 +95,86 @@ def operator_with(operator, setup=None, **env):
 
 def running(kube, name: str, timeout: float = 300) -> None:
     kube.wait_for(lambda: kube.status(name).get("phase") == "Running", f"{name} Running", timeout=timeout)
+
+
+CAPTURE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "testdata" / "argocd"
+EXPECTED_HEALTH = {
+    "Pending": "Progressing", "Provisioning": "Progressing", "Submitting": "Progressing",
+    "Running": "Progressing", "Deleting": "Progressing", "Succeeded": "Healthy",
+    "Failed": "Degraded", "Suspended": "Suspended",
+}
+
+
+class Watch:
+    """`kubectl get tpufinetunes -w -o json` in one namespace: every version of every
+    object, as the API server sends them."""
+
+    def __init__(self, control_plane, namespace: str):
+        self.objects: list[dict] = []
+        self.proc = subprocess.Popen(
+            [str(control_plane.kubectl_path), "-n", namespace, "get", "tpufinetunes", "-w", "-o", "json"],
+            env=control_plane.env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        decoder, buffer = json.JSONDecoder(), ""
+        for line in self.proc.stdout:
+            buffer += line
+            try:
+                obj, end = decoder.raw_decode(buffer.strip())
+            except ValueError:
+                continue
+            self.objects.append(obj)
+            buffer = buffer.strip()[end:]
+
+    def stop(self) -> list[dict]:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.thread.join(10)
+        return self.objects
+
+
+def by_phase(objects: list[dict], name: str) -> dict[str, dict]:
+    """The last version of `name` seen in each phase; a suspended Pending is 'Suspended'."""
+    seen: dict[str, dict] = {}
+    for obj in objects:
+        if obj["metadata"]["name"] != name:
+            continue
+        phase = (obj.get("status") or {}).get("phase")
+        if phase == "Pending" and (obj.get("spec") or {}).get("suspend"):
+            phase = "Suspended"
+        if phase:
+            seen[phase] = obj
+    return seen
+
+
+def check_health(seen: dict[str, dict]) -> None:
+    for phase, obj in seen.items():
+        result = health(obj)
+        assert result["status"] == EXPECTED_HEALTH[phase], (phase, result)
+        assert obj["status"]["message"] in result["message"], (phase, result)
+
+
+def capture(seen: dict[str, dict], scrub: dict[str, str]) -> None:
+    if os.environ.get("TPUFT_CAPTURE_ARGOCD") != "1":
+        return
+    CAPTURE_DIR.mkdir(parents=True, exist_ok=True)
+    for phase, obj in seen.items():
+        obj = {**obj, "metadata": {k: v for k, v in obj["metadata"].items() if k != "managedFields"}}
+        text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+        for real, placeholder in scrub.items():
+            text = text.replace(real, placeholder)
+        (CAPTURE_DIR / f"{phase.lower()}.json").write_text(text)
+
+
+def delta(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def holds_applied(applied, live) -> bool:
+    """Everything applied is in the live object unchanged (the schema may add defaults)."""
+    if isinstance(applied, dict):
+        return isinstance(live, dict) and all(k in live and holds_applied(v, live[k]) for k, v in applied.items())
+    return applied == live

@@ -22,6 +22,7 @@ import pytest
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.raytoken import SIGNING_KEY_SECRET
 from ground_runs import jobs_of, operator_with, released, resource, running, start_run
+from harness.timing import within
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
@@ -60,8 +61,8 @@ def other_signing_key(ground):
 def delete_within_30s(kube, name: str) -> None:
     started = time.monotonic()
     kube.kubectl("delete", "tpufinetune", name, "--wait=false")
-    kube.wait_for(lambda: kube.get("tpufinetune", name) is None, f"{name}'s finalizer removed", timeout=30)
-    assert time.monotonic() - started < 30
+    kube.wait_for(lambda: kube.get("tpufinetune", name) is None, f"{name}'s finalizer removed", timeout=within(30))
+    assert time.monotonic() - started < within(30)
 
 
 def test_a_refused_token_fails_the_run_after_the_bound_and_never_blocks_a_delete(

@@ -3,6 +3,11 @@ head and worker pods -> the scheduler binds them -> the node agent runs them as 
 processes -> KubeRay reports ready -> the operator submits through the real Ray Job API at
 the head's Service name -> the trainer runs for real on CPU in the worker pods -> status,
 conditions, printer columns, Events -> the cluster and every Ray process are released.
+
+The finetune run also carries what a deployment depends on: GitOps sees no drift after it
+(the spec as applied, only kubectl ever wrote spec fields), the Argo CD health check reads
+every phase of the object as a live watch saw it, and /metrics moves with the run in the
+operator process that saw each step (the run outlives one operator restart).
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import pytest
 
 from tpufinetune.core import conditions as cond
 
-from ground_runs import jobs_of, reconciles, released, resource, start_run
+from ground_runs import (Watch, by_phase, capture, check_health, delta, jobs_of, reconciles, released,
+                         holds_applied, resource, scrape, start_run)
+from harness.timing import within
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
@@ -27,7 +34,10 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
     manifest = resource("tiny-finetune", ground_assets, storage, epochs=3)
     assert all(v.startswith("gs://") for v in (manifest["spec"]["model"]["id"], manifest["spec"]["dataset"]["id"],
                                                 manifest["spec"]["checkpoint"]["storagePath"]))
+    metrics_before = scrape(operator)
+    watch = Watch(ground.cp, kube.ns)
     uid, cluster = start_run(kube, manifest)
+    created = kube.get("tpufinetune", "tiny-finetune")
 
     body = kube.wait_for(lambda: kube.get("raycluster", cluster), "RayCluster")
     assert body["metadata"]["ownerReferences"][0]["uid"] == uid
@@ -41,6 +51,13 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
     (job,) = jobs_of(kube, cluster, uid)
     assert job.status in ("PENDING", "RUNNING")
     before = kube.status("tiny-finetune")["jobId"]
+    # The first operator process took every step up to Running and timed apply -> RayCluster
+    # and apply -> job submitted once each.
+    first_process = scrape(operator)
+    for phase in ("New", "Pending", "Provisioning", "Submitting"):
+        assert delta(metrics_before, first_process, "tpufinetune_reconciles_total", phase=phase) >= 1, phase
+    assert delta(metrics_before, first_process, "tpufinetune_apply_to_raycluster_seconds_count") == 1
+    assert delta(metrics_before, first_process, "tpufinetune_apply_to_job_submitted_seconds_count") == 1
     operator.kill()
     operator.start()
     # The new process counts its own steps from 0: once it has completed two of the
@@ -72,12 +89,39 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
     assert row[:6] == ["tiny-finetune", "cpu", "2", "finetune", "Succeeded", "3/3"]
     assert "CHECKPOINT" in kube.kubectl("get", "tpufinetunes", "-o", "wide").stdout
 
-    # Nothing expensive is left running, and the spec is exactly what was applied.
+    # Nothing expensive is left running.
     released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])
-    assert kube.get("tpufinetune", "tiny-finetune")["metadata"]["generation"] == 1
+    _check_gitops(kube, watch, manifest, created, ground_assets, storage)
+    # The restarted process saw the run end (its counters start at 0) and timed nothing
+    # again: it created no RayCluster and submitted no job.
+    after = scrape(operator)
+    assert after.get(("tpufinetune_job_outcomes_total", (("outcome", "Succeeded"), ("reason", "Succeeded")))) == 1
+    assert after.get(("tpufinetune_apply_to_raycluster_seconds_count", ()), 0) == 0
+    assert after.get(("tpufinetune_apply_to_job_submitted_seconds_count", ()), 0) == 0
+    assert after[("tpufinetune_resources", (("phase", "Succeeded"),))] >= 1
     events = kube.kubectl("get", "events", "--field-selector", "involvedObject.name=tiny-finetune", "-o", "json").stdout
     reasons = {item["reason"] for item in json.loads(events)["items"]}
     assert {"Accepted", "ClusterReady", "JobSubmitted", "Succeeded"} <= reasons
+
+
+def _check_gitops(kube, watch, manifest: dict, created: dict, ground_assets, storage: str) -> None:
+    """No drift: what Argo CD compares is exactly what was applied (the API server's schema
+    defaults included), and only kubectl ever wrote spec fields; Argo CD's health of every
+    phase the watch saw."""
+    final = json.loads(kube.kubectl("get", "tpufinetune", "tiny-finetune", "-o", "json",
+                                    "--show-managed-fields").stdout)
+    seen = by_phase(watch.stop(), "tiny-finetune")
+    assert final["spec"] == created["spec"]
+    assert holds_applied(manifest["spec"], final["spec"])
+    assert final["metadata"]["generation"] == created["metadata"]["generation"] == 1
+    assert set(final["metadata"].get("annotations") or {}) <= {"kubectl.kubernetes.io/last-applied-configuration"}
+    spec_writers = {entry["manager"] for entry in final["metadata"]["managedFields"]
+                    if "f:spec" in (entry.get("fieldsV1") or {})}
+    assert spec_writers == {"kubectl-client-side-apply"}, final["metadata"]["managedFields"]
+    assert {"Pending", "Provisioning", "Submitting", "Running", "Succeeded"} <= set(seen), sorted(seen)
+    check_health(seen)
+    capture(seen, {ground_assets.root: "gs://tpufinetune-ground/assets", storage: "gs://tpufinetune-ground/runs/gitops",
+                   kube.ns: "ml-team"})
 
 
 def _check_storage(gcs, storage: str, status: dict, tmp_path: Path) -> None:
@@ -140,8 +184,8 @@ def test_deleting_mid_run_stops_everything_and_the_finalizer_goes_within_30s(ope
     assert len(pods) == 3 and all(ground.ray_processes(p["metadata"]["uid"]) for p in pods)
     started = time.monotonic()
     kube.kubectl("delete", "tpufinetune", "tiny-delete", "--wait=false")
-    kube.wait_for(lambda: kube.get("tpufinetune", "tiny-delete") is None, "finalizer removed", timeout=30)
-    assert time.monotonic() - started < 30
+    kube.wait_for(lambda: kube.get("tpufinetune", "tiny-delete") is None, "finalizer removed", timeout=within(30))
+    assert time.monotonic() - started < within(30)
     # The head died with its cluster, as in production; the garbage collector took the pods.
     released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])
     # A normal delete is not an error: no Error-type event was posted for it.

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 from harness.ground_fixtures import Kube
-from test_operator_e2e import resource, start_run
+from ground_runs import resource, start_run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 

@@ -51,7 +51,9 @@ def resource(assets, storage, mode: str = "finetune", **extra) -> dict:
 
 
 def settings(ray_head, **values) -> Settings:
-    return Settings(poll_interval=1, ray_timeout=5, ray_token=ray_head.token or "", **values)
+    # The deployed Ray call timeout (10 s), not a shorter one: the head here serves a
+    # training job on two loaded cores, as a slice's head does.
+    return Settings(poll_interval=1, ray_token=ray_head.token or "", **values)
 
 
 def local_run(ray_head, body: dict, address: str | None = None, jobs: RayJobs | None = None) -> Run:
