@@ -25,6 +25,7 @@ import secrets
 import pytest
 
 from harness import controlplane as cpmod
+from harness import session_order
 
 _CLUSTER_FIXTURES = {"control_plane", "kuberay_crd", "k8s_api", "namespace"}
 
@@ -52,6 +53,7 @@ def control_plane():
     except BaseException:
         cp.stop()
         raise
+    session_order.hold(session_order.CONTROL_PLANE, cp.stop)
     try:
         yield cp
     finally:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import session_order
 from harness.rayhead import RayHead
 
 # Nothing in the tests may reach a model hub.
@@ -36,6 +37,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def ray_head():
     head = RayHead.start(num_cpus=int(os.environ.get("TPUFT_TEST_RAY_CPUS", "4")))
+    session_order.hold(session_order.RAY_HEAD, head.stop)
     try:
         yield head
     finally:

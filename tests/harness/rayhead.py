@@ -171,6 +171,7 @@ class RayHead:
             if not _wait_gone(lambda: _group_alive(self.pid), grace_s):
                 _signal_group(self.pid, signal.SIGKILL)
                 _wait_gone(lambda: _group_alive(self.pid), 5)
+            self.pid = 0  # stopped: a second stop (the session's, after an early one) signals nothing
         strays = self._stray_pids()
         for pid in strays:
             _kill(pid, signal.SIGTERM)
