@@ -76,6 +76,42 @@ def _operator(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _plot_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", help="the TPUFineTune's name")
+    parser.add_argument("-n", "--namespace", help="its namespace (default: the kubeconfig "
+                                                  "context's, else default)")
+    parser.add_argument("-o", "--output", type=Path, help="PNG to write (default NAME.png)")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default $KUBECONFIG or "
+                                             "~/.kube/config)")
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .plot import EXTRA_HINT, PlotUnavailable, figure, figure_class, save
+
+    try:
+        figure_class()  # before reaching for the cluster
+    except PlotUnavailable as exc:
+        print(f"tpufinetune plot: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        from .adapters.readrun import read_tpufinetune
+    except ImportError as exc:
+        print(f"tpufinetune plot: {exc.name or exc} is not installed: {EXTRA_HINT}", file=sys.stderr)
+        return EXIT_INVALID
+    output = args.output or Path(f"{args.name}.png")
+    try:
+        namespace, obj = read_tpufinetune(args.name, args.namespace, args.kubeconfig)
+        save(figure(obj.get("status") or {}, title=f"{namespace}/{args.name}"), output)
+    except LookupError as exc:
+        print(f"tpufinetune plot: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"tpufinetune plot: {output}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(output)
+    return 0
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("render", "print the RayCluster and Ray job a TPUFineTune would produce "
                          "(validated exactly as the operator does); no cluster needed",
@@ -86,6 +122,9 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("operator", "start the operator (kopf) against the current kubeconfig "
                            "or in-cluster credentials",
                _operator_arguments, _operator),
+    Subcommand("plot", "write a PNG of a TPUFineTune's training loss, eval loss and "
+                       "learning rate against the step (needs the plot extra)",
+               _plot_arguments, _plot),
 ]
 
 

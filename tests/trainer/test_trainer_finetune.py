@@ -122,6 +122,25 @@ def test_progress_events_move_within_an_epoch(trained):
     assert any(e["epoch_step"] < e["epoch_steps"] for e in progress)  # inside an epoch, not at its end
 
 
+def test_the_operators_curve_of_the_run_only_moves_forward_across_the_restart(trained):
+    """The run's events folded as the operator folds them: the restart after step 7
+    repeats steps 6 and 7, and their second report replaces the first (no zig-zag)."""
+    from tpufinetune.core.runevents import apply_event
+
+    run, status = trained[0], {}
+    for event in run.events:
+        apply_event(status, event)
+    steps = [p["step"] for p in status["curve"]]
+    assert steps == sorted(set(steps)) and steps[-1] == run.of("progress")[-1]["step"]
+    last = {}
+    for e in run.of("progress"):  # the last report of each step is the one kept
+        last[e["step"]] = e
+    assert all(p["loss"] == last[p["step"]]["loss"] and p["trainingSeconds"] == round(last[p["step"]]["training_s"], 1)
+               for p in status["curve"])
+    assert [(h["step"], h["evalLoss"]) for h in status["history"]] == \
+        [(e["step"], round(e["eval_loss"], 4)) for e in run.of("epoch")]
+
+
 def test_loss_falls_and_eval_loss_is_reported(trained):
     first, second = trained[0].of("epoch")
     assert second["loss"] < 0.9 * first["loss"], (first, second)

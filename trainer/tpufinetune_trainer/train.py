@@ -350,7 +350,7 @@ class Trainer:
              total_steps=self.total_steps, epoch_step=self.epoch_step, epoch_steps=self.epoch_steps,
              loss=round(loss, 4), lr=float(self.lr_host[min(self.global_step, self.total_steps) - 1]),
              tokens_per_s=round(window.real_tokens / max(seconds, 1e-9), 1),
-             step_time_s=round(seconds / max(window.steps, 1), 4))
+             step_time_s=round(seconds / max(window.steps, 1), 4), training_s=round(self.training_s(), 1))
         window.reset(now)
 
     @torch.no_grad()

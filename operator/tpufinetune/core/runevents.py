@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import json
 
-from tpufinetune.core.status import checked_status
+from tpufinetune.core.status import CURVE_LIMIT, checked_status
 
 HISTORY_LIMIT = 20  # enough for `kubectl get -o yaml`; the full record is in the job log
 
@@ -40,6 +40,7 @@ def _on_epoch(status: dict, event: dict) -> None:
     epoch = int(event["epoch"])
     epochs = int(event.get("epochs") or status.get("epochs") or epoch)
     metrics = {
+        "step": event.get("step") if _is_step(event.get("step")) else None,
         "loss": _round(event.get("loss"), 4),
         "evalLoss": _round(event.get("eval_loss"), 4),
         "tokensPerSecond": _round(event.get("tokens_per_s"), 1),
@@ -48,7 +49,7 @@ def _on_epoch(status: dict, event: dict) -> None:
     metrics = {k: v for k, v in metrics.items() if v is not None}
     _history_entry(status, epoch).update(metrics)
     if epoch >= int(status.get("epoch") or 0):
-        status.update(metrics, epoch=epoch, epochs=epochs, epochProgress=f"{epoch}/{epochs}")
+        status.update({k: v for k, v in metrics.items() if k != "step"}, epoch=epoch, epochs=epochs, epochProgress=f"{epoch}/{epochs}")
         loss = f"loss={metrics['loss']}" if "loss" in metrics else ""
         status["message"] = f"epoch {epoch}/{epochs} done {loss}".strip()
 
@@ -64,9 +65,13 @@ def _on_checkpoint(status: dict, event: dict) -> None:
         _history_entry(status, int(event["epoch"]))["checkpointURI"] = uri
 
 
+def _is_step(step) -> bool:
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0
+
+
 def _checkpoint_step(status: dict, step) -> None:
     """The step of checkpointURI (a new checkpoint without one has none known)."""
-    if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+    if _is_step(step):
         status["checkpointStep"] = step
     else:
         status.pop("checkpointStep", None)
@@ -101,9 +106,27 @@ def _on_progress(status: dict, event: dict) -> None:
         summary += f" ETA {_duration(progress['etaSeconds'])}"
     progress["summary"] = summary
     status["progress"] = progress
+    point = {"step": step, "loss": progress.get("loss"), "learningRate": progress.get("learningRate"),
+             "tokensPerSecond": progress.get("tokensPerSecond"),
+             "trainingSeconds": _round(event.get("training_s"), 1)}
+    status["curve"] = add_curve_point(status.get("curve") or [], {k: v for k, v in point.items() if v is not None})
     if event.get("epoch") is not None and event.get("epochs"):
         status["message"] = f"epoch {event['epoch']}/{event['epochs']}: step {step}/{total}" + (
             f" loss={progress['loss']}" if "loss" in progress else "")
+
+
+def add_curve_point(curve: list[dict], point: dict, limit: int = CURVE_LIMIT) -> list[dict]:
+    """`curve` with `point` added; steps stay strictly increasing. A point at or before
+    the last one's step (a resumed attempt repeating the steps after its checkpoint, or the
+    same event read twice) replaces the points from its step on, so the curve shows the
+    attempt that counts and never zig-zags. Past `limit`, every other point is dropped,
+    keeping the first and the newest: deterministic, and the shape of a long run stays."""
+    if limit < 2:
+        raise ValueError(f"a curve keeps at least its first and newest points, not {limit}")
+    curve = [p for p in curve if p["step"] < point["step"]] + [point]
+    while len(curve) > limit:
+        curve = curve[:-1:2] + curve[-1:]
+    return curve
 
 
 def _on_plan(status: dict, event: dict) -> None:

@@ -37,6 +37,9 @@ class EpochRecord(_Status):
     """Metrics of one finished epoch."""
 
     epoch: int = Field(ge=0, description="Epoch number, from 1.")
+    step: int | None = Field(None, ge=0, description="Optimizer steps done at its end (whole "
+                                                     "run): where its evalLoss sits on "
+                                                     "status.curve.")
     loss: float | None = Field(None, description="Mean training loss of the epoch.")
     eval_loss: float | None = Field(None, description="Mean evaluation loss, if evaluated.")
     tokens_per_second: float | None = Field(None, description="Training throughput.")
@@ -62,6 +65,22 @@ class Progress(_Status):
                                                           "and evaluation not included).")
     summary: str | None = Field(None, max_length=128,
                                 description="e.g. '37% 120/320 ETA 12m', for kubectl get.")
+
+
+# Points status.curve keeps at most; when full, every other point is dropped (the first and
+# the newest kept), so a long run keeps its shape in a bounded status.
+CURVE_LIMIT = 200
+
+
+class CurvePoint(_Status):
+    """One progress sample of the training loss curve."""
+
+    step: int = Field(ge=0, description="Optimizer steps done (whole run).")
+    loss: float | None = Field(None, description="Training loss over the progress window.")
+    learning_rate: float | None = Field(None, description="Learning rate of the last step.")
+    tokens_per_second: float | None = Field(None, description="Throughput over the window.")
+    training_seconds: float | None = Field(None, ge=0, description="Seconds of training when it "
+                                                                  "was taken (every attempt's).")
 
 
 class CollectivesResult(_Status):
@@ -233,6 +252,12 @@ class TPUFineTuneStatus(_Status):
                                               description="Per-epoch metrics.")
     progress: Progress | None = Field(None, description="Progress within the run, updated "
                                                         "during an epoch.")
+    curve: list[CurvePoint] | None = Field(
+        None, max_length=CURVE_LIMIT,
+        description=f"The training loss curve: progress samples by step, at most "
+                    f"{CURVE_LIMIT} (when full, every other point is dropped, the first and "
+                    f"the newest kept); a resumed attempt's repeated steps replace the "
+                    f"earlier attempt's from there on.")
     checkpoint_uri: str | None = Field(None, alias="checkpointURI",
                                        description="Latest (best-kept) checkpoint.")
     exported_model_uri: str | None = Field(None, alias="exportedModelURI",
