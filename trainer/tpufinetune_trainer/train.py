@@ -9,7 +9,7 @@ blocks (every rank knows the global batch's label count), each step's block indi
 count reach the device in one host-to-device copy, the attention masks are built there
 from segment ids, the learning rate is read from a table on the device, and the loss is
 summed on the device in fp32. The host reads a device value only once per epoch (the
-loss), at a checkpoint, and at most once per --progress-interval on rank 0.
+loss), at a checkpoint, at most once per --progress-interval on rank 0, and at each epoch's end.
 """
 
 from __future__ import annotations
@@ -302,6 +302,11 @@ class Trainer:
                                                                 time.perf_counter() - start, steps))
             if self.stopped is not None:
                 break
+        if self.rank == 0 and window.steps:
+            # The epoch's last window: at a step every rank agrees on (the epoch's end, whose
+            # metrics all_reduce follows), so status.progress and its curve are current at
+            # each epoch's end, however short the epoch.
+            self.emit_progress(window, loss_sum)
         return self.epoch_metrics(loss_sum, label_tokens, real_tokens, time.perf_counter() - start, steps)
 
     def on_notice(self, code: int, metrics) -> None:
