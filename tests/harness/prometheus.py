@@ -7,7 +7,10 @@ into a temporary storage directory, and the few HTTP API calls the tests make.
         prometheus.query('tpufinetune_resources{phase="Succeeded"}')
 
 Targets are URLs (`http://127.0.0.1:PORT/metrics`), by job name; every sample carries the
-labels `job` and `instance` (`127.0.0.1:PORT`) as a static_configs scrape gives them.
+labels `job` and `instance` (`127.0.0.1:PORT`) as a static_configs scrape gives them, plus
+`labels` (the target labels a Kubernetes scrape would attach: `namespace`, `pod`, ...). A
+scraped label that clashes with a target label is renamed `exported_<label>` unless
+`honor_labels` (Prometheus' rule, the same for a ServiceMonitor's `honorLabels`).
 """
 
 from __future__ import annotations
@@ -55,9 +58,11 @@ def prometheus_binary() -> Path:
     return ROOT / ".cache" / "prometheus" / prometheus_version() / "bin" / "prometheus"
 
 
-def scrape_config(targets: dict[str, list[str]], interval_s: int = SCRAPE_INTERVAL_S) -> dict:
+def scrape_config(targets: dict[str, list[str]], interval_s: int = SCRAPE_INTERVAL_S,
+                  labels: dict[str, str] | None = None, honor_labels: bool = False) -> dict:
     """The configuration file's content (JSON is YAML) for `targets`: job -> metrics URLs.
-    One scrape job per (job, scheme, path), the URLs' host:port as static targets."""
+    One scrape job per (job, scheme, path), the URLs' host:port as static targets with
+    `labels` as their target labels."""
     jobs = []
     for job, urls in targets.items():
         groups: dict[tuple[str, str], list[str]] = {}
@@ -67,8 +72,8 @@ def scrape_config(targets: dict[str, list[str]], interval_s: int = SCRAPE_INTERV
                 raise ValueError(f"target {url!r} of job {job!r} is not an http(s) URL (http://HOST:PORT/metrics)")
             groups.setdefault((parts.scheme, parts.path or "/metrics"), []).append(parts.netloc)
         for (scheme, path), hosts in groups.items():
-            jobs.append({"job_name": job, "scheme": scheme, "metrics_path": path,
-                         "static_configs": [{"targets": hosts}]})
+            jobs.append({"job_name": job, "scheme": scheme, "metrics_path": path, "honor_labels": honor_labels,
+                         "static_configs": [{"targets": hosts, "labels": dict(labels or {})}]})
     if len({job["job_name"] for job in jobs}) != len(jobs):
         raise ValueError("a job's targets must share one scheme and path")
     return {"global": {"scrape_interval": f"{interval_s}s", "scrape_timeout": f"{interval_s}s",
@@ -81,8 +86,11 @@ class Prometheus:
     TSDB closes cleanly) and removes its storage."""
 
     def __init__(self, targets: dict[str, list[str]], workdir: Path | None = None,
-                 interval_s: int = SCRAPE_INTERVAL_S):
+                 interval_s: int = SCRAPE_INTERVAL_S, labels: dict[str, str] | None = None,
+                 honor_labels: bool = False):
         self.targets = targets
+        self.labels = labels
+        self.honor_labels = honor_labels
         self.interval_s = interval_s
         self._own_dir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tpuft-prometheus-"))
@@ -101,7 +109,8 @@ class Prometheus:
                                     "(`make test` runs it for you)")
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "prometheus.yml"
-        config.write_text(json.dumps(scrape_config(self.targets, self.interval_s), indent=2))
+        config.write_text(json.dumps(scrape_config(self.targets, self.interval_s, self.labels, self.honor_labels),
+                                      indent=2))
         storage = self.workdir / "data"
         self.port = free_port()
         self.proc = spawn([str(binary), f"--config.file={config}", f"--storage.tsdb.path={storage}",
