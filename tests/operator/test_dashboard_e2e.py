@@ -45,7 +45,7 @@ class FinishedRun:
     prometheus: Prometheus
     namespace: str
     name: str
-    start: float  # Unix seconds: just before it was applied
+    start: float  # Unix seconds: just before it was applied, after a scrape
     end: float  # Prometheus has scraped the operator after Succeeded
     status: dict
 
@@ -66,7 +66,8 @@ def finished_run(request, ground, operator, prometheus, ground_assets) -> Finish
     ground.kubectl("create", "namespace", namespace)
     kube = Kube(ground, namespace)
     try:
-        start = time.time() - 2
+        prometheus.wait_scraped()  # what the operator served before the run is in the TSDB at `start`
+        start = time.time()
         kube.apply(resource(RUN, ground_assets, ground.gcs.unique_uri("runs", "dashboard"), epochs=1,
                             dataset={"split": "train[:64]"}, training={"maxSeqLen": 64}))
         kube.kubectl("wait", f"tpufinetune/{RUN}", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
