@@ -117,14 +117,21 @@ def test_every_query_of_the_dashboard_returns_the_runs_series(finished_run):
 def test_the_runs_series_hold_its_final_status(finished_run):
     prometheus, run = finished_run.prometheus, finished_run
     selector = f'namespace="{run.namespace}", name="{run.name}"'
-    progress = run.status.get("progress") or {}
-    assert progress.get("loss") is not None, run.status
+    progress, history = run.status.get("progress") or {}, run.status.get("history") or []
+    print(json.dumps({"progress": progress, "history": history}))
+    # The trainer reports the loss every 30 s within an epoch (status.progress) and at each
+    # epoch's end (status.history): a run this short may have only the latter.
+    final_loss = progress.get("loss", history[-1].get("loss") if history else None)
+    assert final_loss is not None and progress.get("step"), run.status
 
-    loss = prometheus.query_range(f"tpufinetune_run_loss{{{selector}}}", run.start, run.end)
-    assert loss, f"no tpufinetune_run_loss series for the run {run.namespace}/{run.name}"
-    assert any(math.isclose(v, progress["loss"], rel_tol=1e-9) for v in values(loss)), \
-        (progress["loss"], sorted(set(values(loss))))
-    steps = prometheus.query_range(f"tpufinetune_run_step{{{selector}}}", run.start, run.end)
-    assert max(values(steps), default=None) == progress["step"], json.dumps(progress)
-    [phase] = prometheus.query(f'tpufinetune_run_phase{{{selector}, phase="Succeeded"}}', at=run.end)
-    assert float(phase["value"][1]) == 1
+    def series(metric: str, **labels) -> list[dict]:
+        matchers = "".join(f', {k}="{v}"' for k, v in labels.items())
+        found = prometheus.query_range(f"{metric}{{{selector}{matchers}}}", run.start, run.end)
+        assert found, f"no {metric} series for the run {run.namespace}/{run.name} over the run"
+        return found
+
+    loss = values(series("tpufinetune_run_loss"))
+    assert any(math.isclose(v, final_loss, rel_tol=1e-9) for v in loss), (final_loss, sorted(set(loss)))
+    assert max(values(series("tpufinetune_run_step"))) == progress["step"], progress
+    succeeded = series("tpufinetune_run_phase", phase="Succeeded")
+    assert values(succeeded)[-1] == 1, succeeded
