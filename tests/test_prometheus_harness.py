@@ -85,6 +85,9 @@ def test_sound_queries_pass_and_every_broken_one_fails_naming_why(prometheus):
             target("other namespace", 'tpufinetune_run_loss{namespace!="$namespace"}'),
             target("broken", 'sum(tpufinetune_run_loss{name="$name"}'),
             target("unknown variable", 'tpufinetune_run_loss{cluster="$cluster"}'),
+            target("allowed empty", 'sum(rate(tpufinetune_chips_total{namespace="$namespace"}[$__rate_interval]))'),
+            target("not all allowed", 'tpufinetune_chips_total or tpufinetune_run_losses{name="$name"}'),
+            target("allowed broken", 'sum(tpufinetune_chips_total'),
         ],
         "templating": {"list": [
             {"name": "namespace", "type": "query", "query": "label_values(tpufinetune_run_loss, namespace)"},
@@ -95,10 +98,12 @@ def test_sound_queries_pass_and_every_broken_one_fails_naming_why(prometheus):
         ]},
     }
     end = time.time()
-    outcomes = {o.query.where: o for o in dashboard_check.check(board, prometheus, **RUN, start=end - 10, end=end)}
+    outcomes = {o.query.where: o for o in dashboard_check.check(
+        board, prometheus, **RUN, start=end - 10, end=end, may_be_empty={"tpufinetune_chips": "no chips here"})}
     assert {w for w, o in outcomes.items() if o.ok} == {
         "panel 'loss' target A", "panel 'steps' target A", "panel 'namespace loss' target A",
-        "variable 'namespace'", "variable 'name'", "variable 'metric'"}
+        "panel 'allowed empty' target A", "variable 'namespace'", "variable 'name'", "variable 'metric'"}
+    assert outcomes["panel 'allowed empty' target A"].note == "empty, allowed: no chips here"
     problems = {w: " ".join(o.problems) for w, o in outcomes.items() if not o.ok}
     assert "no series" in problems["panel 'renamed' target A"]
     assert "keep the labels" in problems["panel 'aggregated' target A"]
@@ -107,7 +112,9 @@ def test_sound_queries_pass_and_every_broken_one_fails_naming_why(prometheus):
     assert "PrometheusError" in problems["panel 'broken' target A"]
     assert "unknown variable(s) $cluster" in problems["panel 'unknown variable' target A"]
     assert "lists no value" in problems["variable 'nothing'"]
-    with pytest.raises(AssertionError, match="7 of 13 dashboard queries failed"):
+    assert "no series" in problems["panel 'not all allowed' target A"]
+    assert "PrometheusError" in problems["panel 'allowed broken' target A"]
+    with pytest.raises(AssertionError, match="9 of 16 dashboard queries failed"):
         dashboard_check.assert_ok(list(outcomes.values()))
     # The substituted text is what ran.
     assert outcomes["panel 'steps' target A"].substituted.endswith('name="run-a"}[4s]))')

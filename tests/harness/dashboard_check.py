@@ -20,6 +20,10 @@ A query that uses `$name` is run-scoped: every series it returns must carry the 
 `by (namespace, name)`). One that uses `$namespace` but not `$name` must not return
 another namespace's series. A `namespace` variable must list the run's namespace, a `name`
 variable the run's name.
+
+`may_be_empty` names metrics the run cannot produce (with the reason, e.g. chip-seconds of a
+run without chips): a target whose every tpufinetune_* metric is one of them (or its
+_bucket/_sum/_count/_total) passes empty; it must still be accepted by Prometheus.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class Outcome:
     substituted: str
     series: list[dict] = field(default_factory=list)  # label sets (targets), or [{"value": v}] (variables)
     problems: list[str] = field(default_factory=list)
+    note: str = ""  # why an empty answer passed
 
     @property
     def ok(self) -> bool:
@@ -59,7 +64,8 @@ class Outcome:
 
     def __str__(self) -> str:
         return (f"{self.query.where}: {self.query.expr!r} -> {self.substituted!r}: "
-                f"{len(self.series)} series{'; ' + '; '.join(self.problems) if self.problems else ''}")
+                f"{len(self.series)} series{'; ' + '; '.join(self.problems) if self.problems else ''}"
+                f"{' (' + self.note + ')' if self.note else ''}")
 
 
 def load(path: Path) -> dict:
@@ -160,8 +166,26 @@ def variable_values(prometheus, query: str, start: float, end: float) -> list[st
     raise ValueError(f"variable query {query!r} is none of label_values(), label_names(), metrics(), query_result()")
 
 
+def project_metrics(expr: str) -> set[str]:
+    """The project's metric names an expression reads."""
+    return set(re.findall(r"\btpufinetune_\w+", expr))
+
+
+def _allowed_empty(expr: str, may_be_empty: dict[str, str]) -> str:
+    """The reason `expr` may return nothing ("" when it must return series)."""
+    names = project_metrics(expr)
+    reasons = []
+    for metric in names:
+        base = next((b for b in may_be_empty if metric == b or (metric.startswith(b + "_") and metric[len(b) + 1:]
+                                                                 in ("bucket", "sum", "count", "total"))), None)
+        if base is None:
+            return ""
+        reasons.append(may_be_empty[base])
+    return "; ".join(sorted(set(reasons)))
+
+
 def check(dashboard: dict, prometheus, namespace: str, name: str, start: float, end: float,
-          step: float = 1.0) -> list[Outcome]:
+          step: float = 1.0, may_be_empty: dict[str, str] | None = None) -> list[Outcome]:
     """Every query of `dashboard` for the run `namespace`/`name`, over [start, end] (Unix
     seconds) on `prometheus` (harness.prometheus.Prometheus)."""
     found = queries(dashboard)
@@ -187,7 +211,11 @@ def check(dashboard: dict, prometheus, namespace: str, name: str, start: float, 
                 result = (prometheus.query(text, at=end) if query.instant
                           else prometheus.query_range(text, start, end, step))
                 outcome.series = [s["metric"] for s in result]
-                _check_target(outcome, query, namespace, name)
+                allowed = _allowed_empty(query.expr, may_be_empty or {})
+                if allowed and not outcome.series:
+                    outcome.note = f"empty, allowed: {allowed}"
+                else:
+                    _check_target(outcome, query, namespace, name)
         except Exception as error:  # noqa: BLE001 - a refused query is an outcome to report
             outcome.problems.append(f"{type(error).__name__}: {error}")
     return outcomes
