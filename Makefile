@@ -4,7 +4,7 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 PIP_STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv controlplane kuberay kueue gcs images ground helm test test-fast crds demo cluster cluster-down bench lint clean
+.PHONY: venv controlplane kuberay kueue gcs prometheus images ground helm test test-fast crds demo cluster cluster-down bench lint clean
 
 ## Python environment: pinned stack from pyproject.toml (pip's cache keeps re-runs fast).
 $(PIP_STAMP): pyproject.toml
@@ -32,14 +32,19 @@ kueue:
 gcs:
 	@bash tests/gcs/build.sh
 
+## Prometheus, which scrapes the operator in the dashboard test, from its pinned Go module
+## (built without service discovery: the test's targets are static).
+prometheus:
+	@bash tests/prometheus/build.sh
+
 ## The trainer image's environment, built as Dockerfile.trainer builds it (the hashed lock,
 ## torch_tpu, the project installed as a copy): pods of the trainer image run it.
 images: venv
 	@$(PYTHON) tests/harness/images.py
 
 ## Everything the test ground runs (control plane, scheduler, controller-manager, KubeRay, Kueue,
-## the GCS emulator, the trainer image).
-ground: controlplane kuberay kueue gcs images
+## the GCS emulator, Prometheus, the trainer image).
+ground: controlplane kuberay kueue gcs prometheus images
 
 ## helm, for the chart tests (tests/deploy), built from Go modules (rebuilt only when the pin changes).
 helm:

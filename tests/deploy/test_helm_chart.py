@@ -133,6 +133,9 @@ def test_service_monitor_is_off_by_default_and_selects_the_metrics_service(helm)
     selected = monitor["spec"]["selector"]["matchLabels"]
     assert selected.items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    # The run's `namespace` label is kept, not moved to exported_namespace (the dashboard's
+    # queries select by it: tests/operator/test_dashboard_e2e.py scrapes the same way).
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
 
 
 def test_aggregated_roles_can_be_left_out(helm):

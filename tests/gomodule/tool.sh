@@ -1,16 +1,17 @@
-# Sourced by tests/helmbuild/build.sh and tests/gcs/build.sh: builds one binary from the Go
+# Sourced by tests/helmbuild/build.sh, tests/gcs/build.sh and tests/prometheus/build.sh: builds one binary from the Go
 # module beside the calling script (its go.mod pins the release through a `tool` line) into
 # .cache/<name>/<version>/bin/<binary>. Skipped, silently, when the binary for the pinned
 # version exists and was built from the same go.mod/go.sum (a stamp file records their hash);
 # a heartbeat line a minute while it compiles. Go's usual caches (GOMODCACHE, GOCACHE) are
 # used and reused.
 #
-#   build_tool NAME DIR MODULE PACKAGE BINARY [LDFLAGS_FUNCTION]
+#   build_tool NAME DIR MODULE PACKAGE BINARY [LDFLAGS_FUNCTION] [TAGS]
 #     DIR: the Go module's folder; MODULE: the requirement whose version is the pin;
 #     PACKAGE: the main package to build; LDFLAGS_FUNCTION: prints extra -ldflags (run in DIR,
-#     with the version as $1, only when a build is needed).
+#     with the version as $1, only when a build is needed; "" for none); TAGS: Go build tags,
+#     comma-separated (none when absent).
 build_tool() {
-  local name=$1 dir=$2 module=$3 package=$4 binary=$5 ldflags_fn=${6:-}
+  local name=$1 dir=$2 module=$3 package=$4 binary=$5 ldflags_fn=${6:-} tags=${7:-}
   local root version dest bin stamp_value ldflags start beat
   root="$(cd "$dir/../.." && pwd)"
   die() {
@@ -55,7 +56,7 @@ build_tool() {
   # Two packages at a time at most: the machines are small and shared. GOFLAGS from the
   # environment could carry -mod=vendor or similar.
   GOFLAGS= CGO_ENABLED=0 go build -trimpath -buildvcs=false -p "${CONTROLPLANE_BUILD_P:-2}" -ldflags "$ldflags" \
-    -o "$bin/.$binary.tmp" "$package" ||
+    -tags "$tags" -o "$bin/.$binary.tmp" "$package" ||
     die "building $binary failed (output above). Check that the Go module proxy is reachable (GOPROXY=$(go env GOPROXY)) and that 'go version' is 1.26 or newer, then run 'make $name' again."
   mv -f "$bin/.$binary.tmp" "$bin/$binary"
   echo "$stamp_value" >"$dest/stamp"
