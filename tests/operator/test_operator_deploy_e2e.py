@@ -19,6 +19,7 @@ import pytest
 
 from ground_runs import scrape
 from harness.argocd_health import health
+from tpufinetune.core import runmetrics
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
@@ -151,6 +152,15 @@ def test_a_full_run_leaves_the_spec_as_applied_and_reports_health_and_metrics(
     assert delta(metrics_before, after, "tpufinetune_apply_to_raycluster_seconds_count") == 1
     assert delta(metrics_before, after, "tpufinetune_apply_to_job_submitted_seconds_count") == 1
     assert after[("tpufinetune_resources", (("phase", "Succeeded"),))] >= 1
+    # The run's own series, labelled by namespace and name: what its final status says.
+    run = (("name", "gitops-run"), ("namespace", kube.ns))
+    assert after[("tpufinetune_run_phase", (*run, ("phase", "Succeeded")))] == 1
+    assert [key for key in after if key[0] == "tpufinetune_run_phase" and dict(key[1])["name"] == "gitops-run"] == [
+        ("tpufinetune_run_phase", (*run, ("phase", "Succeeded")))]
+    expected = runmetrics.values(final["status"])
+    assert {"tpufinetune_run_loss", "tpufinetune_run_epoch", "tpufinetune_run_attempts"} <= set(expected)
+    for metric in ("tpufinetune_run_loss", "tpufinetune_run_epoch", "tpufinetune_run_attempts"):
+        assert after[(metric, run)] == pytest.approx(expected[metric]), metric
 
 
 def test_suspended_deleted_and_invalid_resources_report_their_health(operator, kube, ground):
@@ -177,4 +187,7 @@ def test_suspended_deleted_and_invalid_resources_report_their_health(operator, k
 
     after = scrape(operator)
     assert delta(metrics_before, after, "tpufinetune_job_outcomes_total", outcome="Failed", reason="InvalidSpec") == 1
+    # A deleted run's series are gone; a failed one keeps its phase.
+    assert not [key for key in after if key[0].startswith("tpufinetune_run_") and ("name", "held") in key[1]]
+    assert after[("tpufinetune_run_phase", (("name", "refused"), ("namespace", kube.ns), ("phase", "Failed")))] == 1
     assert delta(metrics_before, after, "tpufinetune_apply_to_raycluster_seconds_count") == 0
