@@ -1,12 +1,19 @@
 """A run's own metrics from its status (core/runmetrics.py): which values each gauge takes,
-which are left out, and the queue wait of a Kueue admission."""
+which are left out, and the queue wait of a Kueue admission, which the driver observes."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
+import pytest
+from prometheus_client import REGISTRY
+
+from run_helpers import MemoryCluster, body, in_loop, settings
+from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.core import runmetrics
+from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.core.status import TPUFineTuneStatus
+from tpufinetune.driver import Run
 
 RUNNING = {
     "phase": "Running", "attempt": 2, "epoch": 1, "loss": 2.5, "evalLoss": 2.7,
@@ -73,3 +80,30 @@ def test_queue_wait_is_measured_only_for_an_admission():
     assert runmetrics.queue_wait(queued, {**queued, "phaseTransitionTime": "2026-01-01T10:09:00Z"}) is None
     assert runmetrics.queue_wait({**queued, "phase": "Pending"}, admitted) is None
     assert runmetrics.queue_wait({"phase": "Queued"}, admitted) is None
+
+
+class KueueCluster(MemoryCluster):
+    """The run's RayCluster as Kueue leaves it: suspended until the test admits it."""
+
+    admitted = False
+
+    async def observe(self, ident, name):
+        view = await super().observe(ident, name)
+        return dataclasses.replace(view, suspended=self.exists and not self.admitted,
+                                   ready=view.ready and self.admitted)
+
+
+@in_loop
+async def test_the_driver_observes_the_queue_wait_once_kueue_admits_the_run():
+    count = REGISTRY.get_sample_value("tpufinetune_queue_wait_seconds_count") or 0.0
+    cluster = KueueCluster()
+    resource = body()
+    resource["spec"]["queueName"] = "tpu-queue"
+    run = Run(resource, cluster, RayJobs(), settings(status_write_interval=0), ProgressTracker())
+    phases_seen = [(await run.step()).phase for _ in range(3)]
+    assert phases_seen == ["Pending", "Provisioning", "Queued"]
+    assert (await run.step()).phase == "Queued"
+    assert (REGISTRY.get_sample_value("tpufinetune_queue_wait_seconds_count") or 0.0) == count
+    cluster.admitted = True
+    assert (await run.step()).phase == "Provisioning"
+    assert REGISTRY.get_sample_value("tpufinetune_queue_wait_seconds_count") == count + 1
