@@ -4,7 +4,7 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 PIP_STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv controlplane kuberay kueue gcs prometheus images ground helm test test-fast crds demo cluster cluster-down bench lint clean
+.PHONY: venv controlplane kuberay kueue gcs prometheus images ground helm test test-fast crds dashboards demo cluster cluster-down bench lint clean
 
 ## Python environment: pinned stack from pyproject.toml (pip's cache keeps re-runs fast).
 $(PIP_STAMP): pyproject.toml
@@ -58,6 +58,11 @@ demo: venv ground
 ## Regenerate crds/ from the pydantic models.
 crds: venv
 	$(PYTHON) -m tpufinetune.crdgen --out crds/
+
+## Regenerate the Grafana dashboard (deploy/grafana and the chart's copy) from
+## operator/tpufinetune/dashboard.py.
+dashboards: venv
+	$(PYTHON) -m tpufinetune.dashboard --out deploy/
 
 ## Everything: unit, control-plane, Ray and end-to-end tests. Non-zero on any failure
 ## (pytest's "no tests collected", exit 5, included).

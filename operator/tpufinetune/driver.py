@@ -255,6 +255,7 @@ class Run:
         async with self.lock:
             deleting = deleting or self.being_deleted() or self.status.get("phase") == phases.DELETING
             before = self.status.get("phase", "")
+            queued = {k: self.status.get(k) for k in ("phase", "phaseTransitionTime")}
             try:
                 decision = await self._step(deleting)
             except StatusConflict:
@@ -264,6 +265,7 @@ class Run:
                 raise
         recorded = [(a.type, a.reason) for a in decision.actions if isinstance(a, phases.RecordEvent)]
         metrics.stepped(before, decision.phase, recorded)
+        metrics.left_queue(queued, decision.status)
         return decision
 
     async def _step(self, deleting: bool) -> Decision:

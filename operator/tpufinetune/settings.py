@@ -14,6 +14,7 @@
 | TPUFT_KUBE_TIMEOUT | 30 | seconds any one Kubernetes API call may take (connect and answer); an API server that never answers holds one worker thread no longer |
 | TPUFT_STATUS_WRITE_INTERVAL | 1 | least seconds between two status writes of one run: a chatty trainer's events are gathered into fewer writes |
 | TPUFT_NAMESPACE | (all) | watch only this namespace |
+| TPUFT_RUN_METRICS | true | export each run's own series on /metrics (tpufinetune_run_*: phase, loss, progress, throughput, cost; up to 12 series per run, see adapters/metrics.py); false keeps only the operator's own, whose series do not grow with the number of runs |
 | TPUFT_LEADER_ELECTION | true | run kopf's handlers only while holding a Lease, so several replicas can run with one active; false for a single operator outside a cluster |
 | TPUFT_LEASE_NAME | tpufinetune-operator | the coordination.k8s.io Lease the replicas compete for |
 | TPUFT_LEASE_DURATION | 15 | seconds a standby waits, after the Lease last changed, before it takes over (leaseDurationSeconds) |
@@ -56,6 +57,7 @@ class Settings(BaseModel):
     kube_timeout: float = Field(30.0, gt=0, le=600)
     status_write_interval: float = Field(1.0, ge=0, le=60)
     namespace: str = ""
+    run_metrics: bool = True
     operator_namespace: str = Field("tpufinetune-system", min_length=1, max_length=63)
     leader_election: bool = True
     lease_name: str = Field("tpufinetune-operator", min_length=1)

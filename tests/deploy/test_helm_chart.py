@@ -15,6 +15,7 @@ HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubern
 EVERY_OPTION = [
     "--set", "rayToken.secretName=ray-token", "--set", "settings.namespace=ml-team",
     "--set", "metrics.service.enabled=true", "--set", "metrics.scrapeAnnotations=true",
+    "--set", "metrics.grafanaDashboard.enabled=true", "--set", "settings.runMetrics=false",
     "--set", "image.pullPolicy=Always", "--set", "podAnnotations.team=ml",
     "--set", "nodeSelector.pool=system", "--set", "settings.pollInterval=2",
     "--set", "priorityClassName=system-cluster-critical",
@@ -72,7 +73,8 @@ def test_chart_defaults_render_exactly_the_kustomize_base(helm, control_plane):
 def test_chart_metrics_values_render_exactly_the_prometheus_overlay(helm, control_plane):
     chart = by_identity(documents(template(
         helm, OPERATOR_NS, "--set", "createNamespace=true",
-        "--set", "metrics.scrapeAnnotations=true", "--set", "metrics.service.enabled=true")))
+        "--set", "metrics.scrapeAnnotations=true", "--set", "metrics.service.enabled=true",
+        "--set", "metrics.grafanaDashboard.enabled=true")))
     overlay = by_identity(kustomize(control_plane, DEPLOY / "overlays" / "prometheus"))
     assert chart.keys() == overlay.keys()
     for identity in overlay:
@@ -81,8 +83,9 @@ def test_chart_metrics_values_render_exactly_the_prometheus_overlay(helm, contro
 
 def test_chart_values_reach_the_operator(helm):
     objects = documents(template(helm, "ops", *EVERY_OPTION))
-    settings = find(objects, "ConfigMap")["data"]
+    settings = find(objects, "ConfigMap", "tpufinetune-operator-settings")["data"]
     assert settings["TPUFT_NAMESPACE"] == "ml-team" and settings["TPUFT_POLL_INTERVAL"] == "2"
+    assert settings["TPUFT_RUN_METRICS"] == "false"
     pod = find(objects, "Deployment")["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     token_file = next(e["value"] for e in container["env"] if e["name"] == "TPUFT_RAY_TOKEN_FILE")
@@ -136,6 +139,19 @@ def test_service_monitor_is_off_by_default_and_selects_the_metrics_service(helm)
     # The run's `namespace` label is kept, not moved to exported_namespace (the dashboard's
     # queries select by it: tests/operator/test_dashboard_e2e.py scrapes the same way).
     assert monitor["spec"]["endpoints"][0]["honorLabels"] is True
+
+
+def test_the_grafana_dashboard_is_off_by_default_and_is_the_shipped_json(helm):
+    assert "tpufinetune-dashboard" not in {o["metadata"]["name"] for o in documents(template(helm, "ops"))}
+    objects = documents(template(helm, "ops", "--set", "metrics.grafanaDashboard.enabled=true",
+                                 "--set", "metrics.grafanaDashboard.namespace=monitoring",
+                                 "--set", "metrics.grafanaDashboard.annotations.grafana_folder=TPUFineTune"))
+    board = find(objects, "ConfigMap", "tpufinetune-dashboard")
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert board["metadata"]["namespace"] == "monitoring"
+    assert board["metadata"]["annotations"] == {"grafana_folder": "TPUFineTune"}
+    shipped = (DEPLOY / "grafana" / "tpufinetune-dashboard.json").read_text()
+    assert board["data"] == {"tpufinetune-dashboard.json": shipped}
 
 
 def test_aggregated_roles_can_be_left_out(helm):

@@ -82,6 +82,16 @@ def test_prometheus_overlay_adds_scraping_of_the_metrics_port(control_plane):
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
 
 
+def test_prometheus_overlay_ships_the_grafana_dashboard_for_grafanas_sidecar(control_plane):
+    objects = kustomize(control_plane, DEPLOY / "overlays" / "prometheus")
+    board = find(objects, "ConfigMap", "tpufinetune-dashboard")
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert board["metadata"]["namespace"] == OPERATOR_NS
+    assert board["data"] == {"tpufinetune-dashboard.json": (DEPLOY / "grafana" / "tpufinetune-dashboard.json").read_text()}
+    assert json.loads(board["data"]["tpufinetune-dashboard.json"])["uid"] == "tpufinetune"
+    assert "tpufinetune-dashboard" not in {o["metadata"]["name"] for o in kustomize(control_plane, DEPLOY / "base")}
+
+
 def test_cluster_role_is_exactly_what_the_operator_calls(control_plane):
     role = find(kustomize(control_plane, DEPLOY / "base"), "ClusterRole", "tpufinetune-operator")
     assert role["rules"] == EXPECTED_RULES

@@ -45,4 +45,7 @@ def test_suspended_deleted_and_invalid_resources_report_their_health(operator, k
 
     after = scrape(operator)
     assert delta(metrics_before, after, "tpufinetune_job_outcomes_total", outcome="Failed", reason="InvalidSpec") == 1
+    # A deleted run's series are gone; a failed one keeps its phase.
+    assert not [key for key in after if key[0].startswith("tpufinetune_run_") and ("name", "held") in key[1]]
+    assert after[("tpufinetune_run_phase", (("name", "refused"), ("namespace", kube.ns), ("phase", "Failed")))] == 1
     assert delta(metrics_before, after, "tpufinetune_apply_to_raycluster_seconds_count") == 0

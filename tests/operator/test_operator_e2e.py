@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tpufinetune.core import conditions as cond
+from tpufinetune.core import runmetrics
 
 from ground_runs import (Watch, by_phase, capture, check_health, delta, jobs_of, reconciles, released,
                          holds_applied, resource, scrape, start_run)
@@ -99,6 +100,16 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
     assert after.get(("tpufinetune_apply_to_raycluster_seconds_count", ()), 0) == 0
     assert after.get(("tpufinetune_apply_to_job_submitted_seconds_count", ()), 0) == 0
     assert after[("tpufinetune_resources", (("phase", "Succeeded"),))] >= 1
+    # The run's own series (from the watch, so the restarted process has them), labelled by
+    # namespace and name: what its final status says, one phase series.
+    run = (("name", "tiny-finetune"), ("namespace", kube.ns))
+    assert [key for key in after if key[0] == "tpufinetune_run_phase" and dict(key[1])["name"] == "tiny-finetune"] == [
+        ("tpufinetune_run_phase", (*run, ("phase", "Succeeded")))]
+    assert after[("tpufinetune_run_phase", (*run, ("phase", "Succeeded")))] == 1
+    expected = runmetrics.values(kube.status("tiny-finetune"))
+    for metric in ("tpufinetune_run_loss", "tpufinetune_run_eval_loss", "tpufinetune_run_epoch",
+                   "tpufinetune_run_step", "tpufinetune_run_progress_ratio", "tpufinetune_run_attempts"):
+        assert after[(metric, run)] == pytest.approx(expected[metric]), metric
     events = kube.kubectl("get", "events", "--field-selector", "involvedObject.name=tiny-finetune", "-o", "json").stdout
     reasons = {item["reason"] for item in json.loads(events)["items"]}
     assert {"Accepted", "ClusterReady", "JobSubmitted", "Succeeded"} <= reasons

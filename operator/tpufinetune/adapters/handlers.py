@@ -48,6 +48,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     memo.backend = KubeBackend(_load_kube_config(), memo.settings)
     memo.jobs = RayJobs(headers=memo.settings.ray_headers(), timeout=memo.settings.ray_timeout)
     memo.progress = ProgressTracker()
+    metrics.per_run(memo.settings.run_metrics)
     settings.persistence.finalizer = FINALIZER
     # kopf's bookkeeping goes into status, never into metadata.annotations: the object
     # users and Argo CD compare stays exactly what they applied.
@@ -109,12 +110,13 @@ async def node_maintenance(type: str, body: kopf.Body, memo: kopf.Memo, **_) -> 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def phase_seen(type: str, body: kopf.Body, **_) -> None:
-    """The tpufinetune_resources gauge follows the watch, deletions included."""
+    """The tpufinetune_resources gauge and the per-run series follow the watch, deletions
+    included (a deleted run's series go)."""
     meta = body.get("metadata", {})
     if type == "DELETED":
         metrics.forget(meta.get("namespace"), meta.get("name"))
     else:
-        metrics.seen(meta.get("namespace"), meta.get("name"), (body.get("status") or {}).get("phase", ""))
+        metrics.seen(meta.get("namespace"), meta.get("name"), dict(body.get("status") or {}))
 
 
 @kopf.on.field(GROUP, VERSION, PLURAL, field="spec")

@@ -10,6 +10,30 @@
 | tpufinetune_job_outcomes_total | counter | outcome, reason | runs that ended (Succeeded, Failed) or retried (Retried) |
 | tpufinetune_trainer_events_dropped_total | counter | | trainer event lines the status cannot hold (a wrong type, a refused value), dropped with a Warning Event |
 | tpufinetune_chip_seconds_total | counter | namespace, generation, reason | TPU chip-seconds of ended attempts (slice ready to released), by the attempt's end reason (status.attempts[].reason); counted once the attempt's slice is released |
+| tpufinetune_queue_wait_seconds | histogram | | Queued → admitted by Kueue (Provisioning), from the two phaseTransitionTimes; one observation per admission |
+
+Per run (off with TPUFT_RUN_METRICS=false), read from each TPUFineTune's status as the watch
+sees it (core/runmetrics.py); a series is absent while the status has no value for it, and
+all of a run's series go when the run is deleted:
+
+| metric | type | labels | meaning |
+|---|---|---|---|
+| tpufinetune_run_phase | gauge | namespace, name, phase | 1 for the run's current phase (one series per run) |
+| tpufinetune_run_epoch | gauge | namespace, name | last completed epoch |
+| tpufinetune_run_step | gauge | namespace, name | optimizer steps done |
+| tpufinetune_run_progress_ratio | gauge | namespace, name | steps done / steps planned, 0 to 1 |
+| tpufinetune_run_loss | gauge | namespace, name | training loss of the last progress window (else of the last epoch) |
+| tpufinetune_run_eval_loss | gauge | namespace, name | evaluation loss of the last evaluation |
+| tpufinetune_run_learning_rate | gauge | namespace, name | learning rate of the last step |
+| tpufinetune_run_tokens_per_second | gauge | namespace, name | throughput of the last window (else of the last epoch) |
+| tpufinetune_run_step_time_seconds | gauge | namespace, name | mean seconds per optimizer step |
+| tpufinetune_run_eta_seconds | gauge | namespace, name | estimated seconds of training left |
+| tpufinetune_run_attempts | gauge | namespace, name | attempts so far, the current one included |
+| tpufinetune_run_chip_seconds | gauge | namespace, name | TPU chip-seconds held so far (status.usage) |
+
+Cardinality: at most 12 series per run (runmetrics.SERIES_PER_RUN), so 12,000 at 1,000 runs
+(kept or finished, until deleted); a finished run keeps its last values (its final loss) until
+it is deleted. Everything else here is bounded by phases, reasons and namespaces, not runs.
 
 The driver (Run.step) and one kopf watch handler (handlers.phase_seen) report through the
 few functions below; nothing here touches Kubernetes or Ray. Phases are the status phases; a
@@ -26,11 +50,14 @@ from datetime import datetime, timezone
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from tpufinetune.core import runmetrics
+
 NEW = "New"
 PHASES = ("Pending", "Queued", "Provisioning", "Submitting", "Running", "Succeeded", "Failed",
           "Deleting")
 RETRIED = ("Retrying", "ClusterLost")  # the Event reasons of a new attempt that counts as a retry
 LATENCY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+QUEUE_BUCKETS = (*LATENCY_BUCKETS, 14400, 28800, 86400)  # a slice may be queued for hours
 
 RECONCILES = Counter("tpufinetune_reconciles", "Reconcile steps, by the phase the resource was in.", ["phase"])
 ERRORS = Counter("tpufinetune_reconcile_errors", "Reconcile steps that raised, by phase.", ["phase"])
@@ -51,26 +78,43 @@ CHIP_SECONDS = Counter(
     "tpufinetune_chip_seconds", "TPU chip-seconds of ended attempts, by namespace, TPU generation and end reason.",
     ["namespace", "generation", "reason"],
 )
+QUEUE_WAIT = Histogram(
+    "tpufinetune_queue_wait_seconds",
+    "Seconds a TPUFineTune waited Queued before Kueue admitted it.",
+    buckets=QUEUE_BUCKETS,
+)
 DROPPED_EVENTS = Counter(
     "tpufinetune_trainer_events_dropped", "Trainer event lines the status cannot hold, dropped."
 )
 
 
 class _Phases:
-    """Current phase per resource, exported as the tpufinetune_resources gauge when scraped."""
+    """Current phase per resource, exported as the tpufinetune_resources gauge when scraped,
+    and each run's own series (tpufinetune_run_*) unless they are turned off."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._phase: dict[tuple[str, str], str] = {}
+        self._values: dict[tuple[str, str], dict[str, float]] = {}
         self._timed: set[tuple[str, str]] = set()  # (uid, which): each latency once per resource
+        self.per_run = True
 
-    def set(self, key: tuple[str, str], phase: str) -> None:
+    def set(self, key: tuple[str, str], phase: str, values: dict[str, float]) -> None:
         with self._lock:
             self._phase[key] = phase or NEW
+            if self.per_run:
+                self._values[key] = values
 
     def forget(self, key: tuple[str, str]) -> None:
         with self._lock:
             self._phase.pop(key, None)
+            self._values.pop(key, None)
+
+    def keep_per_run(self, enabled: bool) -> None:
+        with self._lock:
+            self.per_run = enabled
+            if not enabled:
+                self._values.clear()
 
     def first(self, uid: str, which: str) -> bool:
         with self._lock:
@@ -81,11 +125,26 @@ class _Phases:
 
     def collect(self):
         with self._lock:
-            phases = list(self._phase.values())
+            runs = sorted(self._phase.items())
+            values = dict(self._values) if self.per_run else {}
+        phases = [phase for _, phase in runs]
         family = GaugeMetricFamily("tpufinetune_resources", "TPUFineTunes by current phase.", labels=["phase"])
         for phase in (NEW, *PHASES, *sorted(set(phases) - {NEW, *PHASES})):
             family.add_metric([phase], phases.count(phase))
         yield family
+        if not self.per_run:
+            return
+        current = GaugeMetricFamily(runmetrics.PHASE, "1 for the run's current phase.",
+                                    labels=["namespace", "name", "phase"])
+        for (namespace, name), phase in runs:
+            current.add_metric([namespace, name, phase], 1)
+        yield current
+        for metric, help_text in runmetrics.GAUGES.items():
+            gauge = GaugeMetricFamily(metric, help_text, labels=["namespace", "name"])
+            for key, _ in runs:
+                if metric in values.get(key, {}):
+                    gauge.add_metric(list(key), values[key][metric])
+            yield gauge
 
 
 RESOURCES = _Phases()
@@ -121,15 +180,28 @@ def step_failed(phase: str) -> None:
     ERRORS.labels(phase or NEW).inc()
 
 
-def seen(namespace: str, name: str, phase: str) -> None:
-    """The resources gauge follows the watch: what the API server holds, not what this
-    process last wrote."""
-    RESOURCES.set((namespace, name), phase)
+def seen(namespace: str, name: str, status: dict | None) -> None:
+    """The resources gauge and the per-run series follow the watch: what the API server
+    holds, not what this process last wrote."""
+    status = status or {}
+    RESOURCES.set((namespace or "", name or ""), status.get("phase") or "", runmetrics.values(status))
+
+
+def per_run(enabled: bool) -> None:
+    """TPUFT_RUN_METRICS: export each run's own series, or none of them."""
+    RESOURCES.keep_per_run(enabled)
+
+
+def left_queue(before: dict, after: dict) -> None:
+    """A step from `before` to `after` (statuses): a Kueue admission observes the queue wait."""
+    waited = runmetrics.queue_wait(before, after)
+    if waited is not None:
+        QUEUE_WAIT.observe(waited)
 
 
 def forget(namespace: str, name: str) -> None:
     """The resource is gone from the API server."""
-    RESOURCES.forget((namespace, name))
+    RESOURCES.forget((namespace or "", name or ""))
 
 
 def cluster_created(uid: str, created: str | None) -> None:
