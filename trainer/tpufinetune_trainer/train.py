@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from . import checkpoint as ckpt
 from . import notice
-from .backends import BACKENDS, Backend, compute_dtype, setup_device
+from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device
 from .config import FinetuneConfig
 from .errors import Preempted
 from .data import IGNORE_INDEX, BatchPlan, Packed, epoch_permutation, eval_order, global_label_tokens, \
@@ -102,7 +102,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         # Master weights in fp32; FSDP computes in self.dtype (see parallelize.py).
         model = load_causal_lm(cfg.model_id, torch.float32, backend.attn_implementation)
-        self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and backend.compile_by_default)
+        self.compiled = compile_enabled(backend, cfg.compile)
         self.model = apply_fsdp(model, build_mesh(backend.device_type, world), self.dtype, compile=self.compiled,
                                 device=self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
