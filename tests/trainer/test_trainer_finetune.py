@@ -119,6 +119,7 @@ def test_progress_events_move_within_an_epoch(trained):
         assert 0 < e["step"] <= total and e["total_steps"] == total
         assert 0 < e["epoch_step"] <= e["epoch_steps"] and e["tokens_per_s"] > 0 and e["step_time_s"] > 0
         assert e["loss"] > 0 and 0 < e["lr"] <= 3e-3 * (1 + 1e-6)  # the peak, as float32
+        assert e["grad_norm"] > 0  # the last step's norm before clipping (clipping is on by default)
     assert any(e["epoch_step"] < e["epoch_steps"] for e in progress)  # inside an epoch, not at its end
 
 

@@ -129,6 +129,7 @@ class Trainer:
         self.training_s_before, self.started = 0.0, time.perf_counter()
         self.stale_evals = 0
         self.stopped: dict | None = None
+        self.grad_norm: torch.Tensor | None = None  # the last step's global norm before clipping
 
     def _build_optimizer(self) -> None:
         cfg, capturable = self.cfg, self.backend.capturable_optimizer
@@ -212,13 +213,14 @@ class Trainer:
             (summed * scale).backward()
             loss_sum += summed.detach()
         if self.cfg.max_grad_norm > 0:
-            self.clip_gradients()
+            self.grad_norm = self.clip_gradients()  # stays on the device; progress reads it
         self.lr.copy_(self.lr_table.index_select(0, self.step_counter).squeeze(0))
         self.step_counter += 1
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def clip_gradients(self) -> torch.Tensor:
+        """Clip by the global norm; returns the norm before clipping (a device tensor)."""
         from torch.distributed.tensor import DTensor
 
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -339,16 +341,21 @@ class Trainer:
                 "batch_shapes": [[self.plan.per_device, self.cfg.max_seq_len]]}
 
     def emit_progress(self, window: "ProgressWindow", loss_sum: torch.Tensor) -> None:
-        """Rank 0 only, throttled: the loss is rank 0's mean over the window (reading it
-        is this window's one host sync)."""
+        """Rank 0 only, throttled: the loss is rank 0's mean over the window, the gradient
+        norm the last step's global norm before clipping (null with clipping off); reading
+        both is this window's one host sync."""
         now = time.perf_counter()
-        current = float(loss_sum.item())
+        if self.grad_norm is None:
+            current, grad_norm = float(loss_sum.item()), None
+        else:
+            current, grad_norm = torch.stack([loss_sum.detach().float(), self.grad_norm.detach().float()]).tolist()
         loss = (current - window.loss_mark) / max(window.label_tokens, 1)
         window.loss_mark = current
         seconds = now - window.start
         emit("progress", epoch=self.epoch, epochs=self.cfg.num_epochs, step=self.global_step,
              total_steps=self.total_steps, epoch_step=self.epoch_step, epoch_steps=self.epoch_steps,
              loss=round(loss, 4), lr=float(self.lr_host[min(self.global_step, self.total_steps) - 1]),
+             grad_norm=None if grad_norm is None else round(grad_norm, 4),
              tokens_per_s=round(window.real_tokens / max(seconds, 1e-9), 1),
              step_time_s=round(seconds / max(window.steps, 1), 4))
         window.reset(now)
