@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpufinetune_trainer.model import decoder_blocks, load_causal_lm, per_layer_embeddings
+from tpufinetune_trainer.model import decoder_blocks, export_dtype, is_weight_file, load_causal_lm, per_layer_embeddings
 from tpufinetune_trainer.parallelize import apply_fsdp, build_mesh
 from trainer_helpers import single_process_group
 
@@ -55,3 +55,18 @@ def test_gemma4_per_layer_embeddings_are_frozen_and_left_out_of_fsdp(trainer_ass
     before = table.weight.detach().clone()
     _train_step(model)
     assert torch.equal(table.weight, before)
+
+
+@pytest.mark.parametrize("config,dtype", [
+    ({}, torch.bfloat16), ({"dtype": "bfloat16"}, torch.bfloat16), ({"torch_dtype": "float32"}, torch.float32),
+    ({"dtype": "float16"}, torch.float16), ({"text_config": {"dtype": "float32"}}, torch.float32),
+    ({"dtype": "int8"}, torch.bfloat16), ({"dtype": "nonsense"}, torch.bfloat16)])
+def test_the_export_is_saved_in_the_bases_floating_dtype_else_bf16(config, dtype):
+    assert export_dtype(config) == dtype
+
+
+def test_weight_files_are_told_from_the_files_an_export_copies_from_its_base():
+    assert all(map(is_weight_file, ["model.safetensors", "model-00001-of-00002.safetensors",
+                                    "model.safetensors.index.json", "pytorch_model.bin"]))
+    assert not any(map(is_weight_file, ["processor_config.json", "tokenizer.json", "chat_template.jinja",
+                                        "generation_config.json", "preprocessor_config.json"]))

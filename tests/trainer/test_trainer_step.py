@@ -247,3 +247,57 @@ def test_a_target_eval_loss_stops_at_the_first_evaluation_that_reaches_it(traine
     assert trainer.stopped is None
     trainer.early_stop_check(2.0)
     assert trainer.stopped["reason"] == "TargetEvalLoss" and trainer.stopped["training_s"] >= 0
+
+
+def test_the_export_is_in_the_bases_dtype_with_its_other_files_from_a_checkpoint_that_exists(
+        trainer_assets, prepared, process_group, tmp_path, capsys):
+    """A run resumed from an earlier run whose --keep-checkpoints deleted the best
+    checkpoint since: the export falls back to the newest complete one of this run and
+    says why; it is saved in the base's dtype (bf16 here) and carries the base's other
+    files (a processor config the trainer never writes)."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from tpufinetune_trainer import checkpoint as ckpt
+    from tpufinetune_trainer.events import parse_text
+
+    base = tmp_path / "base"
+    shutil.copytree(trainer_assets.model, base)
+    config = json.loads((base / "config.json").read_text())
+    config["dtype"] = "bfloat16"  # as google/gemma-4-*-it ship
+    (base / "config.json").write_text(json.dumps(config))
+    (base / "processor_config.json").write_text('{"processor_class": "Gemma4Processor"}')
+    trainer = make_trainer(trainer_assets, prepared, tmp_path / "storage", model_id=str(base), run_name="resumed")
+    run_steps(trainer, 2)
+    newest = tmp_path / "storage" / "resumed" / "step_0000002"
+    gone = {"epoch": 1, "step": 1, "loss": 1.0, "eval_loss": 1.0, "uri": str(tmp_path / "storage" / "first" / "x")}
+    entry = {"epoch": 1, "step": 2, "loss": 3.0, "eval_loss": 3.0, "uri": str(newest)}
+    ckpt.save_sharded(trainer.model, trainer.optimizer, str(newest), {"epoch": 1, "step": 2, "history": [gone, entry]},
+                      trainer.cpu_group)
+    names = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    saved = {name: p.detach().full_tensor().clone() for name, p in zip(names, trainer.params)}
+    run_steps(trainer, 1)  # the model now holds weights no checkpoint has
+    trainer.history, trainer.weights_uri = [gone, entry], None
+    capsys.readouterr()
+    trainer.export()
+    out = capsys.readouterr().out
+    result = next(e for e in parse_text(out) if e.kind == "result")
+    assert result["best_checkpoint_uri"] == str(newest) and result["best_step"] == 2
+    assert f"The best checkpoint {gone['uri']} (eval_loss=1.0) is gone or incomplete" in out
+    export = tmp_path / "storage" / "resumed" / "export"
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (export / "processor_config.json").read_text() == (base / "processor_config.json").read_text()
+    assert "processor_config.json" in out
+    with safe_open(export / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+        assert {f.get_tensor(k).dtype for k in keys} == {torch.bfloat16}
+        compared = [k for k in keys if k in saved]
+        assert len(compared) > 10
+        for key in compared:  # the fallback checkpoint's weights, rounded to bf16
+            assert torch.equal(f.get_tensor(key), saved[key].to(torch.bfloat16)), key
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert next(model.parameters()).dtype == torch.bfloat16
+

@@ -22,6 +22,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -253,20 +254,57 @@ def checkpoint_location(checkpoint) -> str:
     return storage.uri_of(checkpoint.filesystem, checkpoint.path)
 
 
-def export_hf(model, tokenizer, destination: str, group=None) -> None:
+def export_hf(model, tokenizer, destination: str, group=None, base_dir: Path | None = None) -> dict:
     """Collective: gather the full model on rank 0 (once, at the end) and write a
-    `from_pretrained`-loadable directory (safetensors) to `destination` (path or URI)."""
+    `from_pretrained`-loadable directory (safetensors) to `destination` (path or URI).
+
+    The weights are saved in the base's dtype (model.export_dtype: bf16 unless the base's
+    config names another floating dtype), and every file of the base directory the export
+    lacks that is not weights (processor and tokenizer files, chat template, generation
+    config) is copied in. Returns, on rank 0, {"dtype", "copied"}; elsewhere {}."""
+    from .model import export_dtype, is_weight_file
+
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for target in tied_weight_copies(model):
         full.pop(target, None)  # the gathered copy is a separate tensor; from_pretrained re-ties it
+    done: dict = {}
     if dist.get_rank() == 0:
+        base_config_file = base_dir / "config.json" if base_dir is not None else None
+        base_config = json.loads(base_config_file.read_text()) if base_config_file and base_config_file.is_file() \
+            else {}
+        dtype = export_dtype(base_config)
+        for key, value in full.items():
+            if value.is_floating_point():
+                full[key] = value.to(dtype)
         with tempfile.TemporaryDirectory(prefix="tpuft-export-") as tmp:
             model.save_pretrained(tmp, state_dict=full)
+            set_config_dtype(Path(tmp, "config.json"), dtype)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            copied = []
+            if base_dir is not None:
+                written = {p.name for p in Path(tmp).iterdir()}
+                for source in sorted(Path(base_dir).iterdir()):
+                    if source.is_file() and source.name not in written and not is_weight_file(source.name):
+                        shutil.copy2(source, Path(tmp, source.name))
+                        copied.append(source.name)
             storage.upload_dir(tmp, destination)
+        done = {"dtype": str(dtype).removeprefix("torch."), "copied": copied}
     del full
     dist.barrier(group=group)
+    return done
+
+
+def set_config_dtype(config_file: Path, dtype) -> None:
+    """save_pretrained writes the dtype of the model it is called on (the fp32 master
+    weights); the file must name the dtype the weights were saved in."""
+    config = json.loads(config_file.read_text())
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    for value in config.values():
+        if isinstance(value, dict) and "dtype" in value:
+            value["dtype"] = name
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def tied_weight_copies(model) -> list[str]:

@@ -32,7 +32,7 @@ from .data import IGNORE_INDEX, BatchPlan, Packed, epoch_permutation, eval_order
     step_blocks, steps_per_epoch
 from .events import emit
 from .masks import MaskBuilder
-from .model import load_causal_lm, load_tokenizer
+from .model import base_directory, load_causal_lm, load_tokenizer
 from .parallelize import apply_fsdp, build_mesh
 from .schedule import decay_steps, lr_table, warmup_steps
 
@@ -470,18 +470,42 @@ class Trainer:
             best = next(e for e in self.history if e["uri"] == self.stopped["uri"])
         if best is None:
             raise RuntimeError("no checkpoint to export (was every epoch already done?)")
+        best = self.exportable(best)
         if best["uri"] != self.weights_uri:
             ckpt.load_sharded(self.model, None, best["uri"], self.cpu_group)
         destination = ckpt.join_uri(cfg.storage_path, cfg.run_name, "export")
         start = time.perf_counter()
-        ckpt.export_hf(self.model, self.tokenizer, destination, self.cpu_group)
+        base = base_directory(cfg.model_id) if self.rank == 0 else None
+        done = ckpt.export_hf(self.model, self.tokenizer, destination, self.cpu_group, base)
         if self.rank == 0:
-            say(f"Exported epoch {best['epoch']} step {best.get('step')} ({cfg.checkpoint_score_attribute}="
-                f"{best[cfg.checkpoint_score_attribute]}) to {destination} in {time.perf_counter() - start:.1f}s")
+            say(f"Exported epoch {best.get('epoch')} step {best.get('step')} ({cfg.checkpoint_score_attribute}="
+                f"{best.get(cfg.checkpoint_score_attribute)}) to {destination} in {done['dtype']} in "
+                f"{time.perf_counter() - start:.1f}s; from the base: {', '.join(done['copied']) or 'no other file'}"
+                + ("" if base is not None else f" (no directory of {cfg.model_id} to copy its other files from)"))
             final = {k: v for k, v in self.history[-1].items() if k not in ("uri", "save_s")}
             emit("result", best_checkpoint_uri=best["uri"], best_epoch=best["epoch"], best_step=best.get("step"),
                  exported_model_uri=destination, metrics=final,
                  stopped_early=self.stopped["reason"] if self.stopped else None)
+
+
+    def exportable(self, best: dict) -> dict:
+        """`best` if its weights are loaded or its files are all still there; else the newest
+        complete checkpoint of this run. After --resume-from, the history carries the earlier
+        run's checkpoints, and that run's --keep-checkpoints may have deleted the best one
+        since. Rank 0 looks and says why; every rank exports the same one."""
+        decision = [best]
+        if self.rank == 0 and best["uri"] != self.weights_uri and not ckpt.is_complete(best["uri"]):
+            run_dir = ckpt.join_uri(self.cfg.storage_path, self.cfg.run_name)
+            newest = ckpt.latest_complete(run_dir) or self.weights_uri
+            state = ckpt.read_trainer_state(newest) if newest != self.weights_uri else {}
+            entries = self.history + list(state.get("history", []))
+            decision[0] = next((e for e in reversed(entries) if e.get("uri") == newest),
+                               {"uri": newest, "epoch": state.get("epoch"), "step": state.get("step")})
+            say(f"The best checkpoint {best['uri']} ({self.cfg.checkpoint_score_attribute}="
+                f"{best.get(self.cfg.checkpoint_score_attribute)}) is gone or incomplete (an earlier run's "
+                f"--keep-checkpoints may have deleted it); exporting the newest complete one, {newest}")
+        dist.broadcast_object_list(decision, src=0, group=self.cpu_group)
+        return decision[0]
 
 
 class ProgressWindow:
