@@ -301,3 +301,24 @@ def test_the_export_is_in_the_bases_dtype_with_its_other_files_from_a_checkpoint
     model = AutoModelForCausalLM.from_pretrained(export)
     assert next(model.parameters()).dtype == torch.bfloat16
 
+
+def test_no_weight_decay_on_norm_scales_and_biases(trainer_assets, prepared, process_group, tmp_path):
+    trainer = make_trainer(trainer_assets, prepared, tmp_path, weight_decay=0.05)
+    groups = trainer.optimizer.param_groups
+    names = {id(p): name for name, p in trainer.model.named_parameters()}
+    grouped = [(names[id(p)], p.ndim, g["weight_decay"]) for g in groups for p in g["params"]]
+    assert sorted(n for n, _, _ in grouped) == sorted(names[id(p)] for p in trainer.params)  # each once
+    for name, ndim, decay in grouped:
+        assert decay == (0.05 if ndim >= 2 else 0.0), (name, ndim, decay)
+    assert any("norm" in n and d == 0.0 for n, _, d in grouped)
+    assert any(ndim >= 2 and d == 0.05 for _, ndim, d in grouped)
+
+
+def test_token_ids_reach_the_device_as_int32(trainer_assets, prepared, process_group, tmp_path):
+    trainer = make_trainer(trainer_assets, prepared, tmp_path)
+    batch = trainer.train_blocks.gather(torch.tensor([0, 1]))
+    assert {name: t.dtype for name, t in batch.items()} == dict.fromkeys(
+        ("input_ids", "targets", "position_ids", "segment_ids"), torch.int32)
+    losses = run_steps(trainer, 2)  # the model takes them
+    assert all(np.isfinite(losses))
+

@@ -66,15 +66,29 @@ def best_entry(history: list[dict], attribute: str, order: str) -> dict | None:
     return best
 
 
+def param_groups(params: list, weight_decay: float) -> list[dict]:
+    """AdamW's groups: weight decay on matrices (and embeddings) only; none on 1-D (and
+    scalar) parameters, the norm scales and biases, which decay would pull towards 0 (a norm
+    scale of 0 silences its layer). A DTensor's `ndim` is its full tensor's."""
+    decay = [p for p in params if p.ndim >= 2]
+    plain = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 class DeviceBlocks:
     """One split's packed blocks, copied to the device once. A micro-batch is gathered
-    there by indices; index `len(packed)` is an all-padding filler block (no labels)."""
+    there by indices; index `len(packed)` is an all-padding filler block (no labels).
+
+    Token ids, position ids and segment ids are int32 (the embedding lookup, the rotary
+    positions and the masks take them; half of int64's device memory and bandwidth); the
+    targets are int32 too and become int64 only per micro-batch, for cross_entropy."""
 
     def __init__(self, packed: Packed, device, pad_id: int):
         length = packed.input_ids.shape[1]
 
         def with_filler(array: np.ndarray, fill: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.concatenate([array, fill[None, :]])).to(device)
+            return torch.from_numpy(np.concatenate([array, fill[None, :]]).astype(np.int32)).to(device)
 
         self.input_ids = with_filler(packed.input_ids, np.full(length, pad_id, np.int64))
         # targets[t] = labels[t + 1]: what position t predicts, so the loss needs no slicing.
@@ -137,7 +151,7 @@ class Trainer:
         self.lr = torch.tensor(cfg.learning_rate, dtype=torch.float32, device=lr_device)
         # capturable keeps AdamW's step count and bias corrections on the device; the
         # CPU optimizer is not capturable, and its fused kernel takes the tensor lr.
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=cfg.weight_decay,
+        self.optimizer = torch.optim.AdamW(param_groups(self.params, cfg.weight_decay), lr=self.lr,
                                            capturable=capturable, foreach=capturable,
                                            fused=self.backend.fused_optimizer or None)
         self.warmup = warmup_steps(self.total_steps, cfg.warmup_ratio)
@@ -196,7 +210,7 @@ class Trainer:
         """Summed cross-entropy over the label tokens of a micro-batch, in fp32."""
         out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                          attention_mask=self.masks(batch["segment_ids"]), use_cache=False)
-        return F.cross_entropy(out.logits.flatten(0, 1).float(), batch["targets"].flatten(),
+        return F.cross_entropy(out.logits.flatten(0, 1).float(), batch["targets"].flatten().long(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
     def train_step(self, blocks: np.ndarray, label_tokens: int, loss_sum: torch.Tensor) -> None:
