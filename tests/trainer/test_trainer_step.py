@@ -322,3 +322,22 @@ def test_token_ids_reach_the_device_as_int32(trainer_assets, prepared, process_g
     losses = run_steps(trainer, 2)  # the model takes them
     assert all(np.isfinite(losses))
 
+
+def test_the_epochs_step_table_trains_bit_for_bit_as_per_step_copies(trainer_assets, prepared, process_group,
+                                                                     tmp_path):
+    """The loop copies an epoch's step inputs to the device once and selects each step's
+    row there; the result is bit-identical to sending each step's indices on their own."""
+    steps = 4
+    table = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
+    per_step = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
+    metrics = table.train_epoch()
+    assert table.global_step == steps
+    data, plan = per_step.train_data, per_step.plan
+    order = epoch_permutation(len(data), 1, 42)
+    loss_sum = torch.zeros(())
+    for step in range(steps):
+        per_step.train_step(step_blocks(order, step, plan, 0), global_label_tokens(data, order, step, plan), loss_sum)
+    assert metrics["epoch_loss_sum"] == float(loss_sum)
+    for a, b in zip(table.params, per_step.params):
+        assert torch.equal(a.detach().full_tensor(), b.detach().full_tensor())
+    assert table.evaluate() == per_step.evaluate()

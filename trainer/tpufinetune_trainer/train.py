@@ -5,9 +5,9 @@ schedule -> data on the device -> restore -> steps (train, progress, eval, shard
 checkpoints) -> export of the best checkpoint. Only rank 0 prints.
 
 The hot loop never makes the host wait for the device: token counts come from the numpy
-blocks (every rank knows the global batch's label count), each step's block indices and
-count reach the device in one host-to-device copy, the attention masks are built there
-from segment ids, the learning rate is read from a table on the device, and the loss is
+blocks (every rank knows the global batch's label count), every step's block indices and
+count reach the device in one host-to-device copy per epoch (a step selects its row there),
+the attention masks are built there from segment ids, the learning rate is read from a table on the device, and the loss is
 summed on the device in fp32. The host reads a device value only once per epoch (the
 loss), at a checkpoint, and at most once per --progress-interval on rank 0.
 """
@@ -214,12 +214,27 @@ class Trainer:
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
     def train_step(self, blocks: np.ndarray, label_tokens: int, loss_sum: torch.Tensor) -> None:
-        """One optimizer step: `blocks` is this rank's [accum, per_device] indices and
-        `label_tokens` the global batch's count. Every response token weighs the same: the
-        loss is the global sum divided by the global count. FSDP averages gradients over
-        ranks, so each rank scales by the world size to make that average a sum."""
+        """One optimizer step from host numbers: `blocks` is this rank's [accum, per_device]
+        indices and `label_tokens` the global batch's count (one host-to-device copy; the
+        loop uses the epoch's table instead, see step_from)."""
         host = np.concatenate([blocks.ravel(), [label_tokens]]).astype(np.int64)
-        step_input = torch.from_numpy(host).to(self.device)  # the step's only host->device copy
+        self.step_from(torch.from_numpy(host).to(self.device), loss_sum)
+
+    def epoch_table(self, order: np.ndarray) -> torch.Tensor:
+        """Every step's input of an epoch for this rank, [steps, accum * per_device + 1]
+        (its block indices, then the global batch's label count), copied to the device in
+        one transfer at the start of the epoch; a step selects its row on the device."""
+        data, plan = self.train_data, self.plan
+        rows = [np.concatenate([step_blocks(order, step, plan, self.rank).ravel(),
+                                [global_label_tokens(data, order, step, plan)]])
+                for step in range(self.epoch_steps)]
+        return torch.from_numpy(np.asarray(rows, dtype=np.int64).reshape(self.epoch_steps, -1)).to(self.device)
+
+    def step_from(self, step_input: torch.Tensor, loss_sum: torch.Tensor) -> None:
+        """One optimizer step from a device row: this rank's block indices, then the global
+        batch's label count. Every response token weighs the same: the loss is the global sum
+        divided by the global count. FSDP averages gradients over ranks, so each rank scales
+        by the world size to make that average a sum."""
         index = step_input[:-1].view(self.plan.accum, self.plan.per_device)
         scale = self.world / step_input[-1].clamp(min=1).to(torch.float32)
         for micro in range(self.plan.accum):
@@ -291,11 +306,14 @@ class Trainer:
         window = ProgressWindow(time.perf_counter())
         label_tokens = real_tokens = steps = 0
         start = time.perf_counter()
+        table = self.epoch_table(order)  # the epoch's one host-to-device copy of step inputs
+        row = torch.full((1,), self.epoch_step, dtype=torch.int64, device=self.device)  # the step counter
         while self.epoch_step < self.epoch_steps and self.global_step < self.total_steps:
             blocks = step_blocks(order, self.epoch_step, plan, self.rank)
             global_blocks = order[self.epoch_step * plan.global_blocks:(self.epoch_step + 1) * plan.global_blocks]
             count = global_label_tokens(data, order, self.epoch_step, plan)
-            self.train_step(blocks, count, loss_sum)
+            self.step_from(table.index_select(0, row).squeeze(0), loss_sum)
+            row += 1
             self.epoch_step += 1
             self.global_step += 1
             if self.global_step == cfg.fail_at_step and not self.restored:
@@ -383,9 +401,9 @@ class Trainer:
         order = np.where(order < 0, self.eval_blocks.filler, order)
         self.model.eval()
         total = torch.zeros((), device=self.device, dtype=torch.float32)
+        indices = torch.from_numpy(order.astype(np.int64)).to(self.device)  # one copy per evaluation
         for step in range(len(order) // per_device):
-            index = torch.from_numpy(order[step * per_device:(step + 1) * per_device]).to(self.device)
-            total += self.token_loss_sum(self.eval_blocks.gather(index))
+            total += self.token_loss_sum(self.eval_blocks.gather(indices[step * per_device:(step + 1) * per_device]))
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         label_tokens = int(self.eval_data.label_tokens.sum())  # known on the host
         return float(total.item()) / label_tokens if label_tokens else None
