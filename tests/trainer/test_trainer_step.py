@@ -254,7 +254,7 @@ def test_the_export_is_in_the_bases_dtype_with_its_other_files_from_a_checkpoint
     """A run resumed from an earlier run whose --keep-checkpoints deleted the best
     checkpoint since: the export falls back to the newest complete one of this run and
     says why; it is saved in the base's dtype (bf16 here) and carries the base's other
-    files (a processor config the trainer never writes)."""
+    files (a processor config the trainer never writes) and its vision and audio towers."""
     import json
     import shutil
 
@@ -298,7 +298,15 @@ def test_the_export_is_in_the_bases_dtype_with_its_other_files_from_a_checkpoint
         assert len(compared) > 10
         for key in compared:  # the fallback checkpoint's weights, rounded to bf16
             assert torch.equal(f.get_tensor(key), saved[key].to(torch.bfloat16)), key
-    model = AutoModelForCausalLM.from_pretrained(export)
+        towers = [k for k in keys if ".vision_tower." in k or ".audio_tower." in k]
+        assert towers  # the multimodal base's towers, untouched by the fine-tune
+        with safe_open(base / "model.safetensors", "pt") as b:
+            for key in towers:
+                assert torch.equal(f.get_tensor(key), b.get_tensor(key).to(torch.bfloat16)), key
+    exported_config = json.loads((export / "config.json").read_text())
+    assert exported_config["vision_config"] and exported_config["audio_config"]
+    model = AutoModelForCausalLM.from_pretrained(export)  # the base's multimodal model, as a drop-in
+    assert model.model.vision_tower is not None and model.model.audio_tower is not None
     assert next(model.parameters()).dtype == torch.bfloat16
 
 

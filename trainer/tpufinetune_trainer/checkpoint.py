@@ -259,9 +259,11 @@ def export_hf(model, tokenizer, destination: str, group=None, base_dir: Path | N
     `from_pretrained`-loadable directory (safetensors) to `destination` (path or URI).
 
     The weights are saved in the base's dtype (model.export_dtype: bf16 unless the base's
-    config names another floating dtype), and every file of the base directory the export
-    lacks that is not weights (processor and tokenizer files, chat template, generation
-    config) is copied in. Returns, on rank 0, {"dtype", "copied"}; elsewhere {}."""
+    config names another floating dtype), a multimodal base's towers are added from its
+    safetensors with its config (add_base_towers), and every file of the base directory the
+    export lacks that is not weights (processor and tokenizer files, chat template,
+    generation config) is copied in. Returns, on rank 0, {"dtype", "copied", "towers"};
+    elsewhere {}."""
     from .model import export_dtype, is_weight_file
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -273,11 +275,14 @@ def export_hf(model, tokenizer, destination: str, group=None, base_dir: Path | N
         base_config = json.loads(base_config_file.read_text()) if base_config_file and base_config_file.is_file() \
             else {}
         dtype = export_dtype(base_config)
+        towers = add_base_towers(full, base_dir, base_config, set(tied_weight_copies(model)))
         for key, value in full.items():
             if value.is_floating_point():
                 full[key] = value.to(dtype)
         with tempfile.TemporaryDirectory(prefix="tpuft-export-") as tmp:
             model.save_pretrained(tmp, state_dict=full)
+            if towers:  # the base's own config: its towers, and its generation settings (use_cache)
+                shutil.copy2(Path(base_dir, "config.json"), Path(tmp, "config.json"))
             set_config_dtype(Path(tmp, "config.json"), dtype)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
@@ -289,10 +294,30 @@ def export_hf(model, tokenizer, destination: str, group=None, base_dir: Path | N
                         shutil.copy2(source, Path(tmp, source.name))
                         copied.append(source.name)
             storage.upload_dir(tmp, destination)
-        done = {"dtype": str(dtype).removeprefix("torch."), "copied": copied}
+        done = {"dtype": str(dtype).removeprefix("torch."), "copied": copied, "towers": towers}
     del full
     dist.barrier(group=group)
     return done
+
+
+def add_base_towers(full: dict, base_dir: Path | None, base_config: dict, tied: set[str]) -> int:
+    """For a multimodal base (its config has a vision or audio tower, as gemma-4-*-it), add
+    to the text model's state dict every weight of the base's safetensors it lacks (the
+    towers and their projections, which the fine-tune never loaded and so never changed), so
+    the export loads as the base's multimodal model. Returns how many were added (0 when the
+    base is text-only or its safetensors are not on this host)."""
+    from safetensors import safe_open
+
+    if base_dir is None or not any(base_config.get(name) for name in ("vision_config", "audio_config")):
+        return 0
+    added = 0
+    for file in sorted(Path(base_dir).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                if key not in full and key not in tied:
+                    full[key] = f.get_tensor(key)
+                    added += 1
+    return added
 
 
 def set_config_dtype(config_file: Path, dtype) -> None:

@@ -7,8 +7,8 @@ checkpoints) -> export of the best checkpoint. Only rank 0 prints.
 The hot loop never makes the host wait for the device: token counts come from the numpy
 blocks (every rank knows the global batch's label count), every step's block indices and
 count reach the device in one host-to-device copy per epoch (a step selects its row there),
-the attention masks are built there from segment ids, the learning rate is read from a table on the device, and the loss is
-summed on the device in fp32. The host reads a device value only once per epoch (the
+the attention masks are built there from segment ids, the learning rate is read from a
+table on the device, and the loss is summed on the device in fp32. The host reads a device value only once per epoch (the
 loss), at a checkpoint, and at most once per --progress-interval on rank 0.
 """
 
@@ -512,7 +512,8 @@ class Trainer:
         if self.rank == 0:
             say(f"Exported epoch {best.get('epoch')} step {best.get('step')} ({cfg.checkpoint_score_attribute}="
                 f"{best.get(cfg.checkpoint_score_attribute)}) to {destination} in {done['dtype']} in "
-                f"{time.perf_counter() - start:.1f}s; from the base: {', '.join(done['copied']) or 'no other file'}"
+                f"{time.perf_counter() - start:.1f}s; from the base: {done['towers']} tower weights, "
+                f"{', '.join(done['copied']) or 'no other file'}"
                 + ("" if base is not None else f" (no directory of {cfg.model_id} to copy its other files from)"))
             final = {k: v for k, v in self.history[-1].items() if k not in ("uri", "save_s")}
             emit("result", best_checkpoint_uri=best["uri"], best_epoch=best["epoch"], best_step=best.get("step"),
