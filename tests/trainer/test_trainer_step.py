@@ -332,13 +332,18 @@ def test_token_ids_reach_the_device_as_int32(trainer_assets, prepared, process_g
 
 
 def test_the_epochs_step_table_trains_bit_for_bit_as_per_step_copies(trainer_assets, prepared, process_group,
-                                                                     tmp_path):
+                                                                     tmp_path, monkeypatch):
     """The loop copies an epoch's step inputs to the device once and selects each step's
     row there; the result is bit-identical to sending each step's indices on their own."""
     steps = 4
     table = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
     per_step = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
+    copies, from_numpy = [], torch.from_numpy
+    monkeypatch.setattr(torch, "from_numpy", lambda array: copies.append(array.shape) or from_numpy(array))
     metrics = table.train_epoch()
+    monkeypatch.undo()
+    # One copy for the epoch: a table of [steps, 2 block indices + the global label count].
+    assert copies == [(table.epoch_steps, 3)] and table.epoch_steps > steps
     assert table.global_step == steps
     data, plan = per_step.train_data, per_step.plan
     order = epoch_permutation(len(data), 1, 42)

@@ -144,6 +144,9 @@ class Trainer:
         self.stale_evals = 0
         self.stopped: dict | None = None
         self.grad_norm: torch.Tensor | None = None  # the last step's global norm before clipping
+        # The current epoch's step inputs on the device, and the row of the next step (train_epoch).
+        self.epoch_inputs: torch.Tensor | None = None
+        self.epoch_row: torch.Tensor | None = None
 
     def _build_optimizer(self) -> None:
         cfg, capturable = self.cfg, self.backend.capturable_optimizer
@@ -214,11 +217,17 @@ class Trainer:
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
     def train_step(self, blocks: np.ndarray, label_tokens: int, loss_sum: torch.Tensor) -> None:
-        """One optimizer step from host numbers: `blocks` is this rank's [accum, per_device]
-        indices and `label_tokens` the global batch's count (one host-to-device copy; the
-        loop uses the epoch's table instead, see step_from)."""
-        host = np.concatenate([blocks.ravel(), [label_tokens]]).astype(np.int64)
-        self.step_from(torch.from_numpy(host).to(self.device), loss_sum)
+        """One optimizer step: `blocks` is this rank's [accum, per_device] indices and
+        `label_tokens` the global batch's count. Inside train_epoch they are already on the
+        device, in the epoch's table (self.epoch_inputs), and the step takes its row there by
+        the device step counter; outside it (a step on its own) they are copied now."""
+        if self.epoch_inputs is not None:
+            step_input = self.epoch_inputs.index_select(0, self.epoch_row).squeeze(0)
+            self.epoch_row += 1
+        else:
+            host = np.concatenate([blocks.ravel(), [label_tokens]]).astype(np.int64)
+            step_input = torch.from_numpy(host).to(self.device)
+        self.step_from(step_input, loss_sum)
 
     def epoch_table(self, order: np.ndarray) -> torch.Tensor:
         """Every step's input of an epoch for this rank, [steps, accum * per_device + 1]
@@ -306,14 +315,13 @@ class Trainer:
         window = ProgressWindow(time.perf_counter())
         label_tokens = real_tokens = steps = 0
         start = time.perf_counter()
-        table = self.epoch_table(order)  # the epoch's one host-to-device copy of step inputs
-        row = torch.full((1,), self.epoch_step, dtype=torch.int64, device=self.device)  # the step counter
+        self.epoch_inputs = self.epoch_table(order)  # the epoch's one host-to-device copy of step inputs
+        self.epoch_row = torch.full((1,), self.epoch_step, dtype=torch.int64, device=self.device)
         while self.epoch_step < self.epoch_steps and self.global_step < self.total_steps:
             blocks = step_blocks(order, self.epoch_step, plan, self.rank)
             global_blocks = order[self.epoch_step * plan.global_blocks:(self.epoch_step + 1) * plan.global_blocks]
             count = global_label_tokens(data, order, self.epoch_step, plan)
-            self.step_from(table.index_select(0, row).squeeze(0), loss_sum)
-            row += 1
+            self.train_step(blocks, count, loss_sum)  # its input is the table's row (epoch_inputs)
             self.epoch_step += 1
             self.global_step += 1
             if self.global_step == cfg.fail_at_step and not self.restored:
@@ -336,6 +344,7 @@ class Trainer:
                                                                 time.perf_counter() - start, steps))
             if self.stopped is not None:
                 break
+        self.epoch_inputs = None
         return self.epoch_metrics(loss_sum, label_tokens, real_tokens, time.perf_counter() - start, steps)
 
     def on_notice(self, code: int, metrics) -> None:
