@@ -70,3 +70,21 @@ def test_weight_files_are_told_from_the_files_an_export_copies_from_its_base():
                                     "model.safetensors.index.json", "pytorch_model.bin"]))
     assert not any(map(is_weight_file, ["processor_config.json", "tokenizer.json", "chat_template.jinja",
                                         "generation_config.json", "preprocessor_config.json"]))
+
+
+def test_a_multimodal_bases_towers_are_added_only_under_the_trained_models_own_names(tmp_path):
+    from safetensors.torch import save_file
+
+    from tpufinetune_trainer.checkpoint import add_base_towers
+
+    base = {"model.language_model.w": torch.zeros(2), "model.vision_tower.w": torch.ones(3),
+            "model.audio_tower.w": torch.full((4,), 2.0)}
+    save_file(base, str(tmp_path / "model.safetensors"))
+    multimodal = {"vision_config": {"hidden_size": 8}, "audio_config": None}
+    trained = {"model.language_model.w": torch.full((2,), 5.0)}
+    assert add_base_towers(trained, tmp_path, multimodal, set()) == 2
+    assert torch.equal(trained["model.vision_tower.w"], base["model.vision_tower.w"])
+    assert torch.equal(trained["model.language_model.w"], torch.full((2,), 5.0))  # the trained one stays
+    assert add_base_towers({"model.language_model.w": torch.zeros(2)}, tmp_path, {"text_config": {}}, set()) == 0
+    renamed = {"model.layers.w": torch.zeros(2)}  # not the base's names: the base's text weights would return
+    assert add_base_towers(renamed, tmp_path, multimodal, set()) == 0 and list(renamed) == ["model.layers.w"]

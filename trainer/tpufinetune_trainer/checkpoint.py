@@ -310,14 +310,22 @@ def add_base_towers(full: dict, base_dir: Path | None, base_config: dict, tied: 
 
     if base_dir is None or not any(base_config.get(name) for name in ("vision_config", "audio_config")):
         return 0
-    added = 0
-    for file in sorted(Path(base_dir).glob("*.safetensors")):
+    files = sorted(Path(base_dir).glob("*.safetensors"))
+    base_keys: dict[str, Path] = {}
+    for file in files:
         with safe_open(file, "pt") as f:
-            for key in f.keys():
-                if key not in full and key not in tied:
+            base_keys.update(dict.fromkeys(f.keys(), file))
+    if not set(full) - tied <= set(base_keys):
+        # The trained model names its weights differently from the base: adding the base's
+        # "missing" keys would bring the base's untrained text weights back in.
+        return 0
+    missing = [key for key in base_keys if key not in full and key not in tied]
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for key in missing:
+                if base_keys[key] == file:
                     full[key] = f.get_tensor(key)
-                    added += 1
-    return added
+    return len(missing)
 
 
 def set_config_dtype(config_file: Path, dtype) -> None:
