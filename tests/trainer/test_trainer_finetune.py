@@ -119,6 +119,7 @@ def test_progress_events_move_within_an_epoch(trained):
         assert 0 < e["step"] <= total and e["total_steps"] == total
         assert 0 < e["epoch_step"] <= e["epoch_steps"] and e["tokens_per_s"] > 0 and e["step_time_s"] > 0
         assert e["loss"] > 0 and 0 < e["lr"] <= 3e-3 * (1 + 1e-6)  # the peak, as float32
+        assert e["grad_norm"] > 0  # the last step's norm before clipping (clipping is on by default)
     assert any(e["epoch_step"] < e["epoch_steps"] for e in progress)  # inside an epoch, not at its end
 
 
@@ -187,8 +188,6 @@ def _sample_batch(assets) -> torch.Tensor:
 
 
 def test_checkpoint_reloads_into_a_fresh_model_with_identical_outputs(trained, trainer_assets):
-    from transformers import AutoModelForCausalLM
-
     run, _ = trained
     best = run.one("result")["best_checkpoint_uri"]
     fresh = load_causal_lm(str(trainer_assets.model), torch.float32, "sdpa").eval()
@@ -196,8 +195,9 @@ def test_checkpoint_reloads_into_a_fresh_model_with_identical_outputs(trained, t
     wanted = dcp.FileSystemReader(best).read_metadata().state_dict_metadata
     state = {"model": {k: v for k, v in fresh.state_dict().items() if f"model.{k}" in wanted}}
     dcp.load(state, checkpoint_id=best)  # in place: these tensors are the model's own
-    exported = AutoModelForCausalLM.from_pretrained(run.one("result")["exported_model_uri"],
-                                                    dtype=torch.float32, attn_implementation="sdpa").eval()
+    # The export carries the base's towers (whose audio model has no sdpa); its text model
+    # is loaded as the trainer loads a base.
+    exported = load_causal_lm(run.one("result")["exported_model_uri"], torch.float32, "sdpa").eval()
     ids = _sample_batch(trainer_assets)
     with torch.no_grad():
         reloaded, exported_logits = fresh(input_ids=ids).logits, exported(input_ids=ids).logits
@@ -213,7 +213,7 @@ def test_exported_directory_loads_with_from_pretrained(trained):
     export = Path(trained[0].one("result")["exported_model_uri"])
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in export.iterdir()}
     model = AutoModelForCausalLM.from_pretrained(export)
-    assert model.model.vision_tower is None  # the text-only model that was trained
+    assert model.model.vision_tower is not None  # the base's towers: a drop-in for the multimodal base
     assert AutoTokenizer.from_pretrained(export).eos_token_id == 1
     with safe_open(export / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in f.keys()  # tied to the embedding, stored once

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from datasets import Dataset
 
-from tpufinetune.core.runevents import apply_event
+from tpufinetune.core.runevents import apply_event, split_malformed
 from tpufinetune_trainer.cli import build_parser
 from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.data import IGNORE_INDEX, detect_format, encode_rows, prepare, resolve_prompt_format
@@ -117,13 +117,14 @@ def test_progress_events_become_status_progress_with_a_time_left():
     assert status["progress"]["summary"] == "0% 0/300"
     event = {"event": "progress", "epoch": 1, "epochs": 3, "step": 75, "total_steps": 300, "epoch_step": 75,
              "epoch_steps": 100, "loss": 2.51234, "lr": 2e-5, "tokens_per_s": 12345.67, "step_time_s": 2.0,
-             "some_future_field": 1}
+             "grad_norm": 0.876543, "some_future_field": 1}
     apply_event(status, event)
     apply_event(status, event)  # idempotent
     progress = status["progress"]
     assert progress["percent"] == 25.0 and progress["etaSeconds"] == 450
     assert progress["summary"] == "25% 75/300 ETA 7m"
     assert (progress["loss"], progress["tokensPerSecond"], progress["epochStep"]) == (2.5123, 12345.7, 75)
+    assert progress["gradNorm"] == 0.8765
     assert status["message"] == "epoch 1/3: step 75/300 loss=2.5123"
     apply_event(status, {"event": "result", "best_checkpoint_uri": "gs://b/r/epoch_0003"})
     assert status["progress"]["summary"] == "100% 300/300" and status["progress"]["etaSeconds"] == 0
@@ -136,6 +137,8 @@ def test_the_status_schema_keeps_progress():
 
     status: dict = {}
     apply_event(status, {"event": "progress", "epoch": 1, "epochs": 1, "step": 5, "total_steps": 10,
-                         "loss": 1.0, "step_time_s": 0.5})
+                         "loss": 1.0, "step_time_s": 0.5, "grad_norm": 2.5})
     dumped = TPUFineTuneStatus.model_validate(status).model_dump(by_alias=True, exclude_none=True)
-    assert dumped["progress"] == status["progress"]
+    assert dumped["progress"] == status["progress"] and dumped["progress"]["gradNorm"] == 2.5
+    event = {"event": "progress", "step": 6, "total_steps": 10, "grad_norm": 3.25}
+    assert split_malformed({"phase": "Running"}, [event])[1] == []  # gradNorm is declared: not dropped

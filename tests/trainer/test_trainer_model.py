@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpufinetune_trainer.model import decoder_blocks, load_causal_lm, per_layer_embeddings
+from tpufinetune_trainer.model import decoder_blocks, export_dtype, is_weight_file, load_causal_lm, per_layer_embeddings
 from tpufinetune_trainer.parallelize import apply_fsdp, build_mesh
 from trainer_helpers import single_process_group
 
@@ -55,3 +55,36 @@ def test_gemma4_per_layer_embeddings_are_frozen_and_left_out_of_fsdp(trainer_ass
     before = table.weight.detach().clone()
     _train_step(model)
     assert torch.equal(table.weight, before)
+
+
+@pytest.mark.parametrize("config,dtype", [
+    ({}, torch.bfloat16), ({"dtype": "bfloat16"}, torch.bfloat16), ({"torch_dtype": "float32"}, torch.float32),
+    ({"dtype": "float16"}, torch.float16), ({"text_config": {"dtype": "float32"}}, torch.float32),
+    ({"dtype": "int8"}, torch.bfloat16), ({"dtype": "nonsense"}, torch.bfloat16)])
+def test_the_export_is_saved_in_the_bases_floating_dtype_else_bf16(config, dtype):
+    assert export_dtype(config) == dtype
+
+
+def test_weight_files_are_told_from_the_files_an_export_copies_from_its_base():
+    assert all(map(is_weight_file, ["model.safetensors", "model-00001-of-00002.safetensors",
+                                    "model.safetensors.index.json", "pytorch_model.bin"]))
+    assert not any(map(is_weight_file, ["processor_config.json", "tokenizer.json", "chat_template.jinja",
+                                        "generation_config.json", "preprocessor_config.json"]))
+
+
+def test_a_multimodal_bases_towers_are_added_only_under_the_trained_models_own_names(tmp_path):
+    from safetensors.torch import save_file
+
+    from tpufinetune_trainer.checkpoint import add_base_towers
+
+    base = {"model.language_model.w": torch.zeros(2), "model.vision_tower.w": torch.ones(3),
+            "model.audio_tower.w": torch.full((4,), 2.0)}
+    save_file(base, str(tmp_path / "model.safetensors"))
+    multimodal = {"vision_config": {"hidden_size": 8}, "audio_config": None}
+    trained = {"model.language_model.w": torch.full((2,), 5.0)}
+    assert add_base_towers(trained, tmp_path, multimodal, set()) == 2
+    assert torch.equal(trained["model.vision_tower.w"], base["model.vision_tower.w"])
+    assert torch.equal(trained["model.language_model.w"], torch.full((2,), 5.0))  # the trained one stays
+    assert add_base_towers({"model.language_model.w": torch.zeros(2)}, tmp_path, {"text_config": {}}, set()) == 0
+    renamed = {"model.layers.w": torch.zeros(2)}  # not the base's names: the base's text weights would return
+    assert add_base_towers(renamed, tmp_path, multimodal, set()) == 0 and list(renamed) == ["model.layers.w"]

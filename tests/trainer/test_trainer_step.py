@@ -247,3 +247,110 @@ def test_a_target_eval_loss_stops_at_the_first_evaluation_that_reaches_it(traine
     assert trainer.stopped is None
     trainer.early_stop_check(2.0)
     assert trainer.stopped["reason"] == "TargetEvalLoss" and trainer.stopped["training_s"] >= 0
+
+
+def test_the_export_is_in_the_bases_dtype_with_its_other_files_from_a_checkpoint_that_exists(
+        trainer_assets, prepared, process_group, tmp_path, capsys):
+    """A run resumed from an earlier run whose --keep-checkpoints deleted the best
+    checkpoint since: the export falls back to the newest complete one of this run and
+    says why; it is saved in the base's dtype (bf16 here) and carries the base's other
+    files (a processor config the trainer never writes) and its vision and audio towers."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from tpufinetune_trainer import checkpoint as ckpt
+    from tpufinetune_trainer.events import parse_text
+
+    base = tmp_path / "base"
+    shutil.copytree(trainer_assets.model, base)
+    config = json.loads((base / "config.json").read_text())
+    config["dtype"] = "bfloat16"  # as google/gemma-4-*-it ship
+    (base / "config.json").write_text(json.dumps(config))
+    (base / "processor_config.json").write_text('{"processor_class": "Gemma4Processor"}')
+    trainer = make_trainer(trainer_assets, prepared, tmp_path / "storage", model_id=str(base), run_name="resumed")
+    run_steps(trainer, 2)
+    newest = tmp_path / "storage" / "resumed" / "step_0000002"
+    gone = {"epoch": 1, "step": 1, "loss": 1.0, "eval_loss": 1.0, "uri": str(tmp_path / "storage" / "first" / "x")}
+    entry = {"epoch": 1, "step": 2, "loss": 3.0, "eval_loss": 3.0, "uri": str(newest)}
+    ckpt.save_sharded(trainer.model, trainer.optimizer, str(newest), {"epoch": 1, "step": 2, "history": [gone, entry]},
+                      trainer.cpu_group)
+    names = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    saved = {name: p.detach().full_tensor().clone() for name, p in zip(names, trainer.params)}
+    run_steps(trainer, 1)  # the model now holds weights no checkpoint has
+    trainer.history, trainer.weights_uri = [gone, entry], None
+    capsys.readouterr()
+    trainer.export()
+    out = capsys.readouterr().out
+    result = next(e for e in parse_text(out) if e.kind == "result")
+    assert result["best_checkpoint_uri"] == str(newest) and result["best_step"] == 2
+    assert f"The best checkpoint {gone['uri']} (eval_loss=1.0) is gone or incomplete" in out
+    export = tmp_path / "storage" / "resumed" / "export"
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (export / "processor_config.json").read_text() == (base / "processor_config.json").read_text()
+    assert "processor_config.json" in out
+    with safe_open(export / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+        assert {f.get_tensor(k).dtype for k in keys} == {torch.bfloat16}
+        compared = [k for k in keys if k in saved]
+        assert len(compared) > 10
+        for key in compared:  # the fallback checkpoint's weights, rounded to bf16
+            assert torch.equal(f.get_tensor(key), saved[key].to(torch.bfloat16)), key
+        towers = [k for k in keys if ".vision_tower." in k or ".audio_tower." in k]
+        assert towers  # the multimodal base's towers, untouched by the fine-tune
+        with safe_open(base / "model.safetensors", "pt") as b:
+            for key in towers:
+                assert torch.equal(f.get_tensor(key), b.get_tensor(key).to(torch.bfloat16)), key
+    exported_config = json.loads((export / "config.json").read_text())
+    assert exported_config["vision_config"] and exported_config["audio_config"]
+    model = AutoModelForCausalLM.from_pretrained(export)  # the base's multimodal model, as a drop-in
+    assert model.model.vision_tower is not None and model.model.audio_tower is not None
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_no_weight_decay_on_norm_scales_and_biases(trainer_assets, prepared, process_group, tmp_path):
+    trainer = make_trainer(trainer_assets, prepared, tmp_path, weight_decay=0.05)
+    groups = trainer.optimizer.param_groups
+    names = {id(p): name for name, p in trainer.model.named_parameters()}
+    grouped = [(names[id(p)], p.ndim, g["weight_decay"]) for g in groups for p in g["params"]]
+    assert sorted(n for n, _, _ in grouped) == sorted(names[id(p)] for p in trainer.params)  # each once
+    for name, ndim, decay in grouped:
+        assert decay == (0.05 if ndim >= 2 else 0.0), (name, ndim, decay)
+    assert any("norm" in n and d == 0.0 for n, _, d in grouped)
+    assert any(ndim >= 2 and d == 0.05 for _, ndim, d in grouped)
+
+
+def test_token_ids_reach_the_device_as_int32(trainer_assets, prepared, process_group, tmp_path):
+    trainer = make_trainer(trainer_assets, prepared, tmp_path)
+    batch = trainer.train_blocks.gather(torch.tensor([0, 1]))
+    assert {name: t.dtype for name, t in batch.items()} == dict.fromkeys(
+        ("input_ids", "targets", "position_ids", "segment_ids"), torch.int32)
+    losses = run_steps(trainer, 2)  # the model takes them
+    assert all(np.isfinite(losses))
+
+
+def test_the_epochs_step_table_trains_bit_for_bit_as_per_step_copies(trainer_assets, prepared, process_group,
+                                                                     tmp_path, monkeypatch):
+    """The loop copies an epoch's step inputs to the device once and selects each step's
+    row there; the result is bit-identical to sending each step's indices on their own."""
+    steps = 4
+    table = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
+    per_step = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
+    copies, from_numpy = [], torch.from_numpy
+    monkeypatch.setattr(torch, "from_numpy", lambda array: copies.append(array.shape) or from_numpy(array))
+    metrics = table.train_epoch()
+    monkeypatch.undo()
+    # One copy for the epoch: a table of [steps, 2 block indices + the global label count].
+    assert copies == [(table.epoch_steps, 3)] and table.epoch_steps > steps
+    assert table.global_step == steps
+    data, plan = per_step.train_data, per_step.plan
+    order = epoch_permutation(len(data), 1, 42)
+    loss_sum = torch.zeros(())
+    for step in range(steps):
+        per_step.train_step(step_blocks(order, step, plan, 0), global_label_tokens(data, order, step, plan), loss_sum)
+    assert metrics["epoch_loss_sum"] == float(loss_sum)
+    for a, b in zip(table.params, per_step.params):
+        assert torch.equal(a.detach().full_tensor(), b.detach().full_tensor())
+    assert table.evaluate() == per_step.evaluate()

@@ -32,8 +32,22 @@ def test_v6e_4x4_slice(monkeypatch):
     assert scaling.resources_per_worker == {"TPU": 1}
     assert backends.torch_config(tpu).backend == "tpu_dist"
     assert (tpu.device_type, tpu.compute_dtype, tpu.attn_implementation) == ("tpu", "bfloat16", "eager")
-    assert tpu.capturable_optimizer and tpu.compile_by_default
+    assert tpu.capturable_optimizer and not tpu.compile_by_default  # off until measured on a slice
     assert backends.tpu_workers_per_slice("4x4", "TPU-V6E") == 16
+
+
+@pytest.mark.parametrize("device,requested,compiled", [
+    ("tpu", "auto", False), ("tpu", "on", True), ("tpu", "off", False),
+    ("cuda", "auto", True), ("cuda", "off", False), ("cpu", "auto", False), ("cpu", "on", True)])
+def test_compile_auto_is_off_on_tpu_until_measured(device, requested, compiled):
+    """--compile auto (and the API's training.compile default) compiles no block on TPU:
+    per-block compile has never run on a slice; `on` still compiles anywhere."""
+    assert backends.compile_enabled(backends.resolve(device), requested) is compiled
+
+
+def test_unknown_compile_mode_names_the_flag():
+    with pytest.raises(UsageError, match="--compile"):
+        backends.compile_enabled(backends.resolve("tpu"), "maybe")
 
 
 def test_v7x_2x2x2_slice_schedules_per_chiplet(monkeypatch):

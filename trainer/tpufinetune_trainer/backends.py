@@ -34,12 +34,15 @@ class Backend:
     # optimizers are not capturable in torch; there the host is the device.
     capturable_optimizer: bool
     fused_optimizer: bool     # the CPU's fused AdamW kernel (one op for all parameters)
-    compile_by_default: bool  # torch.compile each decoder block unless --compile off
+    # torch.compile each decoder block under --compile auto. Off on TPU until measured on
+    # a slice (docs/trainer.md, "First hour on a real v6e-16"): Gemma 4's blocks differ in
+    # shape (sliding vs global head_dim, shared-KV layers), so recompiles are likely.
+    compile_by_default: bool
 
 
 BACKENDS = {
     # The tutorial's TPU set-up: bf16 compute, eager attention, tpu_dist over ICI.
-    "tpu": Backend("tpu", "tpu_dist", "tpu", "TPU", "bfloat16", "eager", True, False, True),
+    "tpu": Backend("tpu", "tpu_dist", "tpu", "TPU", "bfloat16", "eager", True, False, False),
     "cuda": Backend("cuda", "nccl", "cuda", "GPU", "bfloat16", "sdpa", True, False, True),
     # CPU computes in fp32: this machine kind emulates bf16 matmuls (~20x slower), and
     # the CPU backend exists to rehearse and test. `--compute-dtype bfloat16` runs the
@@ -47,6 +50,7 @@ BACKENDS = {
     "cpu": Backend("cpu", "gloo", "cpu", None, "float32", "sdpa", False, True, False),
 }
 COMPUTE_DTYPES = ("auto", "bfloat16", "float32")
+COMPILE_MODES = ("auto", "on", "off")
 
 
 def host_has_tpu() -> bool:
@@ -156,6 +160,13 @@ def compute_dtype(backend: Backend, requested: str = "auto"):
     if requested not in COMPUTE_DTYPES:
         raise UsageError(f"unknown --compute-dtype {requested!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
     return getattr(torch, backend.compute_dtype if requested == "auto" else requested)
+
+
+def compile_enabled(backend: Backend, requested: str = "auto") -> bool:
+    """Whether decoder blocks are compiled: `on`, `off`, or `auto` (the backend's default)."""
+    if requested not in COMPILE_MODES:
+        raise UsageError(f"unknown --compile {requested!r}; choose one of {', '.join(COMPILE_MODES)}")
+    return requested == "on" or (requested == "auto" and backend.compile_by_default)
 
 
 def setup_device(backend: Backend, local_rank: int = 0):

@@ -22,6 +22,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -253,20 +254,90 @@ def checkpoint_location(checkpoint) -> str:
     return storage.uri_of(checkpoint.filesystem, checkpoint.path)
 
 
-def export_hf(model, tokenizer, destination: str, group=None) -> None:
+def export_hf(model, tokenizer, destination: str, group=None, base_dir: Path | None = None) -> dict:
     """Collective: gather the full model on rank 0 (once, at the end) and write a
-    `from_pretrained`-loadable directory (safetensors) to `destination` (path or URI)."""
+    `from_pretrained`-loadable directory (safetensors) to `destination` (path or URI).
+
+    The weights are saved in the base's dtype (model.export_dtype: bf16 unless the base's
+    config names another floating dtype), a multimodal base's towers are added from its
+    safetensors with its config (add_base_towers), and every file of the base directory the
+    export lacks that is not weights (processor and tokenizer files, chat template,
+    generation config) is copied in. Returns, on rank 0, {"dtype", "copied", "towers"};
+    elsewhere {}."""
+    from .model import export_dtype, is_weight_file
+
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for target in tied_weight_copies(model):
         full.pop(target, None)  # the gathered copy is a separate tensor; from_pretrained re-ties it
+    done: dict = {}
     if dist.get_rank() == 0:
+        base_config_file = base_dir / "config.json" if base_dir is not None else None
+        base_config = json.loads(base_config_file.read_text()) if base_config_file and base_config_file.is_file() \
+            else {}
+        dtype = export_dtype(base_config)
+        towers = add_base_towers(full, base_dir, base_config, set(tied_weight_copies(model)))
+        for key, value in full.items():
+            if value.is_floating_point():
+                full[key] = value.to(dtype)
         with tempfile.TemporaryDirectory(prefix="tpuft-export-") as tmp:
             model.save_pretrained(tmp, state_dict=full)
+            if towers:  # the base's own config: its towers, and its generation settings (use_cache)
+                shutil.copy2(Path(base_dir, "config.json"), Path(tmp, "config.json"))
+            set_config_dtype(Path(tmp, "config.json"), dtype)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
+            copied = []
+            if base_dir is not None:
+                written = {p.name for p in Path(tmp).iterdir()}
+                for source in sorted(Path(base_dir).iterdir()):
+                    if source.is_file() and source.name not in written and not is_weight_file(source.name):
+                        shutil.copy2(source, Path(tmp, source.name))
+                        copied.append(source.name)
             storage.upload_dir(tmp, destination)
+        done = {"dtype": str(dtype).removeprefix("torch."), "copied": copied, "towers": towers}
     del full
     dist.barrier(group=group)
+    return done
+
+
+def add_base_towers(full: dict, base_dir: Path | None, base_config: dict, tied: set[str]) -> int:
+    """For a multimodal base (its config has a vision or audio tower, as gemma-4-*-it), add
+    to the text model's state dict every weight of the base's safetensors it lacks (the
+    towers and their projections, which the fine-tune never loaded and so never changed), so
+    the export loads as the base's multimodal model. Returns how many were added (0 when the
+    base is text-only or its safetensors are not on this host)."""
+    from safetensors import safe_open
+
+    if base_dir is None or not any(base_config.get(name) for name in ("vision_config", "audio_config")):
+        return 0
+    files = sorted(Path(base_dir).glob("*.safetensors"))
+    base_keys: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            base_keys.update(dict.fromkeys(f.keys(), file))
+    if not set(full) - tied <= set(base_keys):
+        # The trained model names its weights differently from the base: adding the base's
+        # "missing" keys would bring the base's untrained text weights back in.
+        return 0
+    missing = [key for key in base_keys if key not in full and key not in tied]
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for key in missing:
+                if base_keys[key] == file:
+                    full[key] = f.get_tensor(key)
+    return len(missing)
+
+
+def set_config_dtype(config_file: Path, dtype) -> None:
+    """save_pretrained writes the dtype of the model it is called on (the fp32 master
+    weights); the file must name the dtype the weights were saved in."""
+    config = json.loads(config_file.read_text())
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    for value in config.values():
+        if isinstance(value, dict) and "dtype" in value:
+            value["dtype"] = name
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def tied_weight_copies(model) -> list[str]:

@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 
-from .backends import COMPUTE_DTYPES
+from .backends import COMPILE_MODES, COMPUTE_DTYPES
 from .config import (DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET, DEFAULT_DECAY_RATIO, DEFAULT_MODEL,
                      SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig)
 from .data import DATASET_FORMATS, PROMPT_FORMATS
@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--dataset-format", default="auto", choices=list(DATASET_FORMATS),
                     help="dolly (instruction/context/response), messages (role/content turns) or "
                          "prompt-completion; auto: from the columns")
-    ft.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                    help="torch.compile each decoder block (auto: on for TPU and CUDA, off for CPU)")
+    ft.add_argument("--compile", default="auto", choices=list(COMPILE_MODES),
+                    help="torch.compile each decoder block (auto: on for CUDA, off for TPU until measured "
+                         "on a slice, off for CPU)")
     ft.add_argument("--compute-dtype", default="auto", choices=list(COMPUTE_DTYPES),
                     help="forward/backward dtype (auto: bfloat16 on TPU and CUDA, float32 on CPU); "
                          "weights and optimizer state are always float32")

@@ -7,7 +7,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 
-from .backends import COMPUTE_DTYPES
+from .backends import COMPILE_MODES, COMPUTE_DTYPES
 from .data import DATASET_FORMATS, PROMPT_FORMATS, BatchPlan
 from .errors import ConfigError
 from .schedule import SCHEDULES
@@ -104,7 +104,7 @@ class FinetuneConfig(SliceConfig):
             (self.max_grad_norm >= 0, "--max-grad-norm must not be negative (0 turns clipping off)"),
             (self.max_steps >= 0, "--max-steps must not be negative (0: the epochs decide)"),
             (self.checkpoint_every_steps >= 0, "--checkpoint-every-steps must not be negative"),
-            (self.compile in ("auto", "on", "off"), "--compile must be auto, on or off"),
+            (self.compile in COMPILE_MODES, f"--compile must be one of {', '.join(COMPILE_MODES)}"),
             (self.compute_dtype in COMPUTE_DTYPES, f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}"),
             (self.prompt_format in PROMPT_FORMATS, f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}"),
             (self.dataset_format in DATASET_FORMATS,

@@ -126,3 +126,43 @@ def decoder_blocks(model) -> list:
     if not blocks:
         raise ModelError(f"{type(model).__name__}: cannot find its decoder blocks to shard")
     return blocks
+
+
+# What a model directory holds that is weights: the export writes its own, and copies
+# every other file of the base it lacks (processor, tokenizer, generation config, ...).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
+                   ".safetensors.index.json", ".bin.index.json")
+
+
+def is_weight_file(name: str) -> bool:
+    return name.endswith(WEIGHT_SUFFIXES)
+
+
+def base_directory(model_id: str) -> Path | None:
+    """A local directory with the base model's files: the directory itself, the host's copy
+    of one in storage, or the hub snapshot's non-weight files (downloaded now if they are
+    not in the cache; weights are never fetched here). None when none can be had."""
+    source = model_source(model_id)
+    if Path(source).is_dir():
+        return Path(source)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, ignore_patterns=[f"*{s}" for s in WEIGHT_SUFFIXES]))
+    except Exception:
+        return None
+
+
+def export_dtype(base_config: dict):
+    """The dtype the export is saved in: the base's own (config.json's `dtype`, or
+    `torch_dtype` in older files) when it is a floating dtype, else bf16 (what Gemma 4 and
+    most bases ship in). Training keeps fp32 master weights; an fp32 export is twice the
+    size of the base for precision the base never had."""
+    import torch
+
+    named = base_config.get("dtype") or base_config.get("torch_dtype")
+    if named is None:
+        named = (base_config.get("text_config") or {}).get("dtype") or \
+            (base_config.get("text_config") or {}).get("torch_dtype")
+    dtype = getattr(torch, str(named).removeprefix("torch."), None) if named else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16

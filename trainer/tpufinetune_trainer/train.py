@@ -5,11 +5,12 @@ schedule -> data on the device -> restore -> steps (train, progress, eval, shard
 checkpoints) -> export of the best checkpoint. Only rank 0 prints.
 
 The hot loop never makes the host wait for the device: token counts come from the numpy
-blocks (every rank knows the global batch's label count), each step's block indices and
-count reach the device in one host-to-device copy, the attention masks are built there
-from segment ids, the learning rate is read from a table on the device, and the loss is
-summed on the device in fp32. The host reads a device value only once per epoch (the
-loss), at a checkpoint, at most once per --progress-interval on rank 0, and at each epoch's end.
+blocks (every rank knows the global batch's label count), every step's block indices and
+count reach the device in one host-to-device copy per epoch (a step selects its row there),
+the attention masks are built there from segment ids, the learning rate is read from a
+table on the device, and the loss is summed on the device in fp32. The host reads a device
+value only once per epoch (the loss), at a checkpoint, at most once per --progress-interval
+on rank 0, and at each epoch's end.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ import torch.nn.functional as F
 
 from . import checkpoint as ckpt
 from . import notice
-from .backends import BACKENDS, Backend, compute_dtype, setup_device
+from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device
 from .config import FinetuneConfig
 from .errors import Preempted
 from .data import IGNORE_INDEX, BatchPlan, Packed, epoch_permutation, eval_order, global_label_tokens, \
     step_blocks, steps_per_epoch
 from .events import emit
 from .masks import MaskBuilder
-from .model import load_causal_lm, load_tokenizer
+from .model import base_directory, load_causal_lm, load_tokenizer
 from .parallelize import apply_fsdp, build_mesh
 from .schedule import decay_steps, lr_table, warmup_steps
 
@@ -66,15 +67,29 @@ def best_entry(history: list[dict], attribute: str, order: str) -> dict | None:
     return best
 
 
+def param_groups(params: list, weight_decay: float) -> list[dict]:
+    """AdamW's groups: weight decay on matrices (and embeddings) only; none on 1-D (and
+    scalar) parameters, the norm scales and biases, which decay would pull towards 0 (a norm
+    scale of 0 silences its layer). A DTensor's `ndim` is its full tensor's."""
+    decay = [p for p in params if p.ndim >= 2]
+    plain = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 class DeviceBlocks:
     """One split's packed blocks, copied to the device once. A micro-batch is gathered
-    there by indices; index `len(packed)` is an all-padding filler block (no labels)."""
+    there by indices; index `len(packed)` is an all-padding filler block (no labels).
+
+    Token ids, position ids and segment ids are int32 (the embedding lookup, the rotary
+    positions and the masks take them; half of int64's device memory and bandwidth); the
+    targets are int32 too and become int64 only per micro-batch, for cross_entropy."""
 
     def __init__(self, packed: Packed, device, pad_id: int):
         length = packed.input_ids.shape[1]
 
         def with_filler(array: np.ndarray, fill: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.concatenate([array, fill[None, :]])).to(device)
+            return torch.from_numpy(np.concatenate([array, fill[None, :]]).astype(np.int32)).to(device)
 
         self.input_ids = with_filler(packed.input_ids, np.full(length, pad_id, np.int64))
         # targets[t] = labels[t + 1]: what position t predicts, so the loss needs no slicing.
@@ -102,7 +117,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         # Master weights in fp32; FSDP computes in self.dtype (see parallelize.py).
         model = load_causal_lm(cfg.model_id, torch.float32, backend.attn_implementation)
-        self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and backend.compile_by_default)
+        self.compiled = compile_enabled(backend, cfg.compile)
         self.model = apply_fsdp(model, build_mesh(backend.device_type, world), self.dtype, compile=self.compiled,
                                 device=self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -129,6 +144,10 @@ class Trainer:
         self.training_s_before, self.started = 0.0, time.perf_counter()
         self.stale_evals = 0
         self.stopped: dict | None = None
+        self.grad_norm: torch.Tensor | None = None  # the last step's global norm before clipping
+        # The current epoch's step inputs on the device, and the row of the next step (train_epoch).
+        self.epoch_inputs: torch.Tensor | None = None
+        self.epoch_row: torch.Tensor | None = None
 
     def _build_optimizer(self) -> None:
         cfg, capturable = self.cfg, self.backend.capturable_optimizer
@@ -136,7 +155,7 @@ class Trainer:
         self.lr = torch.tensor(cfg.learning_rate, dtype=torch.float32, device=lr_device)
         # capturable keeps AdamW's step count and bias corrections on the device; the
         # CPU optimizer is not capturable, and its fused kernel takes the tensor lr.
-        self.optimizer = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=cfg.weight_decay,
+        self.optimizer = torch.optim.AdamW(param_groups(self.params, cfg.weight_decay), lr=self.lr,
                                            capturable=capturable, foreach=capturable,
                                            fused=self.backend.fused_optimizer or None)
         self.warmup = warmup_steps(self.total_steps, cfg.warmup_ratio)
@@ -195,16 +214,37 @@ class Trainer:
         """Summed cross-entropy over the label tokens of a micro-batch, in fp32."""
         out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                          attention_mask=self.masks(batch["segment_ids"]), use_cache=False)
-        return F.cross_entropy(out.logits.flatten(0, 1).float(), batch["targets"].flatten(),
+        return F.cross_entropy(out.logits.flatten(0, 1).float(), batch["targets"].flatten().long(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
     def train_step(self, blocks: np.ndarray, label_tokens: int, loss_sum: torch.Tensor) -> None:
         """One optimizer step: `blocks` is this rank's [accum, per_device] indices and
-        `label_tokens` the global batch's count. Every response token weighs the same: the
-        loss is the global sum divided by the global count. FSDP averages gradients over
-        ranks, so each rank scales by the world size to make that average a sum."""
-        host = np.concatenate([blocks.ravel(), [label_tokens]]).astype(np.int64)
-        step_input = torch.from_numpy(host).to(self.device)  # the step's only host->device copy
+        `label_tokens` the global batch's count. Inside train_epoch they are already on the
+        device, in the epoch's table (self.epoch_inputs), and the step takes its row there by
+        the device step counter; outside it (a step on its own) they are copied now."""
+        if self.epoch_inputs is not None:
+            step_input = self.epoch_inputs.index_select(0, self.epoch_row).squeeze(0)
+            self.epoch_row += 1
+        else:
+            host = np.concatenate([blocks.ravel(), [label_tokens]]).astype(np.int64)
+            step_input = torch.from_numpy(host).to(self.device)
+        self.step_from(step_input, loss_sum)
+
+    def epoch_table(self, order: np.ndarray) -> torch.Tensor:
+        """Every step's input of an epoch for this rank, [steps, accum * per_device + 1]
+        (its block indices, then the global batch's label count), copied to the device in
+        one transfer at the start of the epoch; a step selects its row on the device."""
+        data, plan = self.train_data, self.plan
+        rows = [np.concatenate([step_blocks(order, step, plan, self.rank).ravel(),
+                                [global_label_tokens(data, order, step, plan)]])
+                for step in range(self.epoch_steps)]
+        return torch.from_numpy(np.asarray(rows, dtype=np.int64).reshape(self.epoch_steps, -1)).to(self.device)
+
+    def step_from(self, step_input: torch.Tensor, loss_sum: torch.Tensor) -> None:
+        """One optimizer step from a device row: this rank's block indices, then the global
+        batch's label count. Every response token weighs the same: the loss is the global sum
+        divided by the global count. FSDP averages gradients over ranks, so each rank scales
+        by the world size to make that average a sum."""
         index = step_input[:-1].view(self.plan.accum, self.plan.per_device)
         scale = self.world / step_input[-1].clamp(min=1).to(torch.float32)
         for micro in range(self.plan.accum):
@@ -212,13 +252,14 @@ class Trainer:
             (summed * scale).backward()
             loss_sum += summed.detach()
         if self.cfg.max_grad_norm > 0:
-            self.clip_gradients()
+            self.grad_norm = self.clip_gradients()  # stays on the device; progress reads it
         self.lr.copy_(self.lr_table.index_select(0, self.step_counter).squeeze(0))
         self.step_counter += 1
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def clip_gradients(self) -> torch.Tensor:
+        """Clip by the global norm; returns the norm before clipping (a device tensor)."""
         from torch.distributed.tensor import DTensor
 
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -275,11 +316,13 @@ class Trainer:
         window = ProgressWindow(time.perf_counter())
         label_tokens = real_tokens = steps = 0
         start = time.perf_counter()
+        self.epoch_inputs = self.epoch_table(order)  # the epoch's one host-to-device copy of step inputs
+        self.epoch_row = torch.full((1,), self.epoch_step, dtype=torch.int64, device=self.device)
         while self.epoch_step < self.epoch_steps and self.global_step < self.total_steps:
             blocks = step_blocks(order, self.epoch_step, plan, self.rank)
             global_blocks = order[self.epoch_step * plan.global_blocks:(self.epoch_step + 1) * plan.global_blocks]
             count = global_label_tokens(data, order, self.epoch_step, plan)
-            self.train_step(blocks, count, loss_sum)
+            self.train_step(blocks, count, loss_sum)  # its input is the table's row (epoch_inputs)
             self.epoch_step += 1
             self.global_step += 1
             if self.global_step == cfg.fail_at_step and not self.restored:
@@ -307,6 +350,7 @@ class Trainer:
             # metrics all_reduce follows), so status.progress and its curve are current at
             # each epoch's end, however short the epoch.
             self.emit_progress(window, loss_sum)
+        self.epoch_inputs = None
         return self.epoch_metrics(loss_sum, label_tokens, real_tokens, time.perf_counter() - start, steps)
 
     def on_notice(self, code: int, metrics) -> None:
@@ -344,16 +388,21 @@ class Trainer:
                 "batch_shapes": [[self.plan.per_device, self.cfg.max_seq_len]]}
 
     def emit_progress(self, window: "ProgressWindow", loss_sum: torch.Tensor) -> None:
-        """Rank 0 only, throttled: the loss is rank 0's mean over the window (reading it
-        is this window's one host sync)."""
+        """Rank 0 only, throttled: the loss is rank 0's mean over the window, the gradient
+        norm the last step's global norm before clipping (null with clipping off); reading
+        both is this window's one host sync."""
         now = time.perf_counter()
-        current = float(loss_sum.item())
+        if self.grad_norm is None:
+            current, grad_norm = float(loss_sum.item()), None
+        else:
+            current, grad_norm = torch.stack([loss_sum.detach().float(), self.grad_norm.detach().float()]).tolist()
         loss = (current - window.loss_mark) / max(window.label_tokens, 1)
         window.loss_mark = current
         seconds = now - window.start
         emit("progress", epoch=self.epoch, epochs=self.cfg.num_epochs, step=self.global_step,
              total_steps=self.total_steps, epoch_step=self.epoch_step, epoch_steps=self.epoch_steps,
              loss=round(loss, 4), lr=float(self.lr_host[min(self.global_step, self.total_steps) - 1]),
+             grad_norm=None if grad_norm is None else round(grad_norm, 4),
              tokens_per_s=round(window.real_tokens / max(seconds, 1e-9), 1),
              step_time_s=round(seconds / max(window.steps, 1), 4), training_s=round(self.training_s(), 1))
         window.reset(now)
@@ -367,9 +416,9 @@ class Trainer:
         order = np.where(order < 0, self.eval_blocks.filler, order)
         self.model.eval()
         total = torch.zeros((), device=self.device, dtype=torch.float32)
+        indices = torch.from_numpy(order.astype(np.int64)).to(self.device)  # one copy per evaluation
         for step in range(len(order) // per_device):
-            index = torch.from_numpy(order[step * per_device:(step + 1) * per_device]).to(self.device)
-            total += self.token_loss_sum(self.eval_blocks.gather(index))
+            total += self.token_loss_sum(self.eval_blocks.gather(indices[step * per_device:(step + 1) * per_device]))
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         label_tokens = int(self.eval_data.label_tokens.sum())  # known on the host
         return float(total.item()) / label_tokens if label_tokens else None
@@ -468,18 +517,43 @@ class Trainer:
             best = next(e for e in self.history if e["uri"] == self.stopped["uri"])
         if best is None:
             raise RuntimeError("no checkpoint to export (was every epoch already done?)")
+        best = self.exportable(best)
         if best["uri"] != self.weights_uri:
             ckpt.load_sharded(self.model, None, best["uri"], self.cpu_group)
         destination = ckpt.join_uri(cfg.storage_path, cfg.run_name, "export")
         start = time.perf_counter()
-        ckpt.export_hf(self.model, self.tokenizer, destination, self.cpu_group)
+        base = base_directory(cfg.model_id) if self.rank == 0 else None
+        done = ckpt.export_hf(self.model, self.tokenizer, destination, self.cpu_group, base)
         if self.rank == 0:
-            say(f"Exported epoch {best['epoch']} step {best.get('step')} ({cfg.checkpoint_score_attribute}="
-                f"{best[cfg.checkpoint_score_attribute]}) to {destination} in {time.perf_counter() - start:.1f}s")
+            say(f"Exported epoch {best.get('epoch')} step {best.get('step')} ({cfg.checkpoint_score_attribute}="
+                f"{best.get(cfg.checkpoint_score_attribute)}) to {destination} in {done['dtype']} in "
+                f"{time.perf_counter() - start:.1f}s; from the base: {done['towers']} tower weights, "
+                f"{', '.join(done['copied']) or 'no other file'}"
+                + ("" if base is not None else f" (no directory of {cfg.model_id} to copy its other files from)"))
             final = {k: v for k, v in self.history[-1].items() if k not in ("uri", "save_s")}
             emit("result", best_checkpoint_uri=best["uri"], best_epoch=best["epoch"], best_step=best.get("step"),
                  exported_model_uri=destination, metrics=final,
                  stopped_early=self.stopped["reason"] if self.stopped else None)
+
+
+    def exportable(self, best: dict) -> dict:
+        """`best` if its weights are loaded or its files are all still there; else the newest
+        complete checkpoint of this run. After --resume-from, the history carries the earlier
+        run's checkpoints, and that run's --keep-checkpoints may have deleted the best one
+        since. Rank 0 looks and says why; every rank exports the same one."""
+        decision = [best]
+        if self.rank == 0 and best["uri"] != self.weights_uri and not ckpt.is_complete(best["uri"]):
+            run_dir = ckpt.join_uri(self.cfg.storage_path, self.cfg.run_name)
+            newest = ckpt.latest_complete(run_dir) or self.weights_uri
+            state = ckpt.read_trainer_state(newest) if newest != self.weights_uri else {}
+            entries = self.history + list(state.get("history", []))
+            decision[0] = next((e for e in reversed(entries) if e.get("uri") == newest),
+                               {"uri": newest, "epoch": state.get("epoch"), "step": state.get("step")})
+            say(f"The best checkpoint {best['uri']} ({self.cfg.checkpoint_score_attribute}="
+                f"{best.get(self.cfg.checkpoint_score_attribute)}) is gone or incomplete (an earlier run's "
+                f"--keep-checkpoints may have deleted it); exporting the newest complete one, {newest}")
+        dist.broadcast_object_list(decision, src=0, group=self.cpu_group)
+        return decision[0]
 
 
 class ProgressWindow:

@@ -165,8 +165,9 @@ class Training(_Model):
         description="Also checkpoint every N optimizer steps, so a run can resume inside an "
                     "epoch (0: at the end of every epoch only).")
     compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="torch.compile each decoder block (auto: on for TPU and GPU, off "
-                            "for the cpu stand-in).")
+        "auto", description="torch.compile each decoder block (auto: on for GPU; off for TPU "
+                            "until measured on a slice, and for the cpu stand-in; on: compile "
+                            "on any device).")
     max_failures: int = Field(
         0, ge=0, le=100,
         description="Worker failures Ray Train recovers from inside one job, each resuming "

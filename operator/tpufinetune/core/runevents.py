@@ -95,7 +95,8 @@ def _on_progress(status: dict, event: dict) -> None:
     progress = {"step": step, "totalSteps": total, "percent": round(100.0 * min(step, total) / total, 1)}
     for key, field, digits in (("epoch_step", "epochStep", None), ("epoch_steps", "epochSteps", None),
                                ("loss", "loss", 4), ("lr", "learningRate", 10),
-                               ("tokens_per_s", "tokensPerSecond", 1), ("step_time_s", "stepTimeSeconds", 4)):
+                               ("tokens_per_s", "tokensPerSecond", 1), ("step_time_s", "stepTimeSeconds", 4),
+                               ("grad_norm", "gradNorm", 4)):
         value = event.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             progress[field] = int(value) if digits is None else round(float(value), digits)

@@ -60,6 +60,8 @@ class Progress(_Status):
     learning_rate: float | None = Field(None, description="Learning rate of the last step.")
     tokens_per_second: float | None = Field(None, description="Throughput over the last window.")
     step_time_seconds: float | None = Field(None, ge=0, description="Mean seconds per step.")
+    grad_norm: float | None = Field(None, ge=0, description="Global gradient norm of the last "
+                                                         "step, before clipping.")
     eta_seconds: int | None = Field(None, ge=0, description="Estimated seconds of training left "
                                                           "(steps left x step time; checkpoints "
                                                           "and evaluation not included).")
