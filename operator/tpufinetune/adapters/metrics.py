@@ -88,6 +88,13 @@ DROPPED_EVENTS = Counter(
 )
 
 
+# Every phase's series exists from the start, at 0: a rate over them is 0 until something
+# happens, not an empty result (a dashboard panel shows "0 errors", not "no data").
+for _phase in (NEW, *PHASES):
+    RECONCILES.labels(_phase)
+    ERRORS.labels(_phase)
+
+
 class _Phases:
     """Current phase per resource, exported as the tpufinetune_resources gauge when scraped,
     and each run's own series (tpufinetune_run_*) unless they are turned off."""
