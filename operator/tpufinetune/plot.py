@@ -36,10 +36,14 @@ def figure_class():
     return Figure
 
 
+def curve_points(status: dict, field: str) -> list[tuple[int, float]]:
+    """(step, value) of each status.curve point that has `field`."""
+    return [(p["step"], p[field]) for p in status.get("curve") or []
+            if p.get("step") is not None and p.get(field) is not None]
+
+
 def training_points(status: dict) -> list[tuple[int, float]]:
-    """(step, loss) of each curve point that has a loss."""
-    return [(p["step"], p["loss"]) for p in status.get("curve") or []
-            if p.get("step") is not None and p.get("loss") is not None]
+    return curve_points(status, "loss")
 
 
 def eval_points(status: dict) -> list[tuple[int, float]]:
@@ -49,8 +53,7 @@ def eval_points(status: dict) -> list[tuple[int, float]]:
 
 
 def learning_rate_points(status: dict) -> list[tuple[int, float]]:
-    return [(p["step"], p["learningRate"]) for p in status.get("curve") or []
-            if p.get("step") is not None and p.get("learningRate") is not None]
+    return curve_points(status, "learningRate")
 
 
 def figure(status: dict, title: str = "") -> "Figure":

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from harness.controlplane import module_pin
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 HELM_GO_MODULE = ROOT / "tests" / "helmbuild"
@@ -17,11 +19,7 @@ OPERATOR_SA = f"system:serviceaccount:{OPERATOR_NS}:tpufinetune-operator"
 
 
 def helm_version() -> str:
-    for line in (HELM_GO_MODULE / "go.mod").read_text().splitlines():
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] == "helm.sh/helm/v3" and parts[1].startswith("v"):
-            return parts[1]
-    raise RuntimeError("no helm.sh/helm/v3 requirement in tests/helmbuild/go.mod")
+    return module_pin(HELM_GO_MODULE, "helm.sh/helm/v3")
 
 
 class Yaml12Loader(yaml.SafeLoader):

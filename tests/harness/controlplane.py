@@ -80,13 +80,19 @@ class KubectlError(subprocess.CalledProcessError):
         return f"kubectl exited {self.returncode}: {cmd}\n{(self.stderr or '').strip()}"
 
 
+def module_pin(go_module: Path, module: str) -> str:
+    """The version of `module` that go.mod in the `go_module` folder requires (e.g.
+    'v1.37.2'): what each tool the tests build from Go modules is pinned to."""
+    for line in (go_module / "go.mod").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == module and parts[1].startswith("v"):
+            return parts[1]
+    raise ControlPlaneError(f"no {module} requirement in {go_module / 'go.mod'}")
+
+
 def pinned_version() -> str:
     """The Kubernetes release pinned in tests/controlplane/go.mod (e.g. 'v1.37.2')."""
-    for line in (GO_MODULE / "go.mod").read_text().splitlines():
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] == "k8s.io/kubernetes" and parts[1].startswith("v"):
-            return parts[1]
-    raise ControlPlaneError(f"no k8s.io/kubernetes requirement in {GO_MODULE / 'go.mod'}")
+    return module_pin(GO_MODULE, "k8s.io/kubernetes")
 
 
 def default_bin_dir() -> Path:

@@ -15,7 +15,6 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -23,9 +22,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from controlplane import ROOT, ControlPlaneError  # noqa: E402
+from controlplane import ROOT, ControlPlaneError, module_pin  # noqa: E402
 from ports import free_port  # noqa: E402
-from processes import spawn, stop_process, tail  # noqa: E402
+from processes import spawn, stop_process, wait_answering  # noqa: E402
 
 BUCKET = "tpufinetune-ground"
 GO_MODULE = ROOT / "tests" / "gcs"
@@ -34,11 +33,7 @@ MODULE = "github.com/fsouza/fake-gcs-server"
 
 def gcs_version() -> str:
     """The fake-gcs-server release pinned in tests/gcs/go.mod (e.g. 'v1.56.1')."""
-    for line in (GO_MODULE / "go.mod").read_text().splitlines():
-        words = line.split()
-        if len(words) >= 2 and words[0] == MODULE and words[1].startswith("v"):
-            return words[1]
-    raise RuntimeError(f"no {MODULE} requirement in {GO_MODULE / 'go.mod'}")
+    return module_pin(GO_MODULE, MODULE)
 
 
 def gcs_binary() -> Path:
@@ -71,14 +66,11 @@ class GcsEmulator:
         self.proc = spawn([str(binary), "-backend", "filesystem", "-filesystem-root", str(self.root),
                            "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
                            "-log-level", "warn"], self.log)
-        deadline = time.monotonic() + timeout
-        while not self._answers():
-            if self.proc.poll() is not None:
-                raise ControlPlaneError(f"fake-gcs-server exited with {self.proc.returncode}:\n{tail(self.log)}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ControlPlaneError(f"fake-gcs-server did not answer within {timeout:.0f}s:\n{tail(self.log)}")
-            time.sleep(0.1)
+        try:
+            wait_answering(self.proc, self._answers, "fake-gcs-server", self.log, timeout, error=ControlPlaneError)
+        except ControlPlaneError:
+            self.proc = None
+            raise
         self._api("POST", "/storage/v1/b", {"name": self.bucket})
         return self
 

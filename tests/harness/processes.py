@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -40,6 +41,20 @@ def spawn(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Pop
             start_new_session=True,
             preexec_fn=_die_with_parent if in_main else None,
         )
+
+
+def wait_answering(proc: subprocess.Popen, answers, what: str, log: Path, timeout: float,
+                   interval: float = 0.1, error: type[Exception] = RuntimeError) -> None:
+    """Return once `answers()` is true for a server just spawned; `error` with the tail of
+    its log if it exits first, or (after stopping it) if `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not answers():
+        if proc.poll() is not None:
+            raise error(f"{what} exited with {proc.returncode}:\n{tail(log)}")
+        if time.monotonic() > deadline:
+            stop_process(proc)
+            raise error(f"{what} did not answer within {timeout:.0f}s:\n{tail(log)}")
+        time.sleep(interval)
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:

@@ -31,9 +31,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from controlplane import ROOT, ControlPlaneError  # noqa: E402
+from controlplane import ROOT, ControlPlaneError, module_pin  # noqa: E402
 from ports import free_port  # noqa: E402
-from processes import spawn, stop_process, tail  # noqa: E402
+from processes import spawn, stop_process, tail, wait_answering  # noqa: E402
 from waiting import wait_for  # noqa: E402
 
 GO_MODULE = ROOT / "tests" / "prometheus"
@@ -47,11 +47,7 @@ class PrometheusError(RuntimeError):
 
 def prometheus_version() -> str:
     """The Prometheus module pinned in tests/prometheus/go.mod (e.g. 'v0.316.0')."""
-    for line in (GO_MODULE / "go.mod").read_text().splitlines():
-        words = line.split()
-        if len(words) >= 2 and words[0] == MODULE and words[1].startswith("v"):
-            return words[1]
-    raise RuntimeError(f"no {MODULE} requirement in {GO_MODULE / 'go.mod'}")
+    return module_pin(GO_MODULE, MODULE)
 
 
 def prometheus_binary() -> Path:
@@ -115,14 +111,12 @@ class Prometheus:
         self.port = free_port()
         self.proc = spawn([str(binary), f"--config.file={config}", f"--storage.tsdb.path={storage}",
                            f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"], self.log)
-        deadline = time.monotonic() + timeout
-        while not self._ready():
-            if self.proc.poll() is not None:
-                raise ControlPlaneError(f"Prometheus exited with {self.proc.returncode}:\n{tail(self.log)}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ControlPlaneError(f"Prometheus was not ready within {timeout:.0f}s:\n{tail(self.log)}")
-            time.sleep(0.2)
+        try:
+            wait_answering(self.proc, self._ready, "Prometheus", self.log, timeout, interval=0.2,
+                           error=ControlPlaneError)
+        except ControlPlaneError:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:

@@ -149,7 +149,7 @@ def base_directory(model_id: str) -> Path | None:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(source, ignore_patterns=[f"*{s}" for s in WEIGHT_SUFFIXES]))
-    except Exception:
+    except (ImportError, OSError, ValueError):  # offline, not on the hub, or not a repo id: nothing to copy
         return None
 
 
@@ -160,9 +160,8 @@ def export_dtype(base_config: dict):
     size of the base for precision the base never had."""
     import torch
 
-    named = base_config.get("dtype") or base_config.get("torch_dtype")
-    if named is None:
-        named = (base_config.get("text_config") or {}).get("dtype") or \
-            (base_config.get("text_config") or {}).get("torch_dtype")
+    text_config = base_config.get("text_config") or {}
+    named = next((config.get(key) for config in (base_config, text_config) for key in ("dtype", "torch_dtype")
+                  if config.get(key)), None)
     dtype = getattr(torch, str(named).removeprefix("torch."), None) if named else None
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16

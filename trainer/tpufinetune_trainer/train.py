@@ -535,7 +535,6 @@ class Trainer:
                  exported_model_uri=destination, metrics=final,
                  stopped_early=self.stopped["reason"] if self.stopped else None)
 
-
     def exportable(self, best: dict) -> dict:
         """`best` if its weights are loaded or its files are all still there; else the newest
         complete checkpoint of this run. After --resume-from, the history carries the earlier
