@@ -10,7 +10,7 @@ from api_spec_cases import base_spec, spec_with
 
 from tpufinetune.core.api import parse_spec
 from tpufinetune.core.podtemplate import apply_pod_settings, raycluster_with_pod_settings
-from tpufinetune.core.sizing import render_raycluster
+from tpufinetune.core.sizing import pod_labels, render_raycluster
 
 SAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "samples"
 UID = "6f1c2a7e-0b1d-4c55-9a57-3c1e0d2b8f10"
@@ -80,8 +80,9 @@ def test_pod_settings_never_change_what_the_slice_decides(name):
 def test_every_setting_lands_in_both_pod_templates():
     spec = parse_spec(spec_with(head=EVERY_SETTING, workers=EVERY_SETTING))
     for template in _pods(raycluster_with_pod_settings("run", "ml", UID, spec)):
+        # The users' labels, and the operator's own (its pod watch selects on them).
         assert template["metadata"] == {"annotations": EVERY_SETTING["annotations"],
-                                        "labels": EVERY_SETTING["labels"]}
+                                        "labels": {**EVERY_SETTING["labels"], **pod_labels("run")}}
         pod = template["spec"]
         container = pod["containers"][0]
         assert pod["serviceAccountName"] == "trainer-gcs"

@@ -187,6 +187,9 @@ def operator_additions(manifest: dict, name: str) -> dict:
     # Checkpoint on notice: a grace period, the preStop hook and its directory (sizing.py).
     for template in [manifest["spec"]["headGroupSpec"]["template"],
                      *[group["template"] for group in manifest["spec"]["workerGroupSpecs"]]]:
+        # Every pod carries the labels the operator's pod watch selects on (informer.py).
+        template["metadata"] = {"labels": {"app.kubernetes.io/managed-by": "tpufinetune",
+                                           "tpufinetune.dev/name": name}}
         template["spec"]["terminationGracePeriodSeconds"] = DEFAULT_TERMINATION_GRACE_SECONDS
         container = template["spec"]["containers"][0]
         container["env"] = container.get("env", []) + NOTICE_ENV

@@ -1,7 +1,8 @@
 """kopf handlers: small, and only wiring. The work is in driver.Run and phases.transition.
 
 - one daemon per TPUFineTune drives its run (re-attaches after an operator restart);
-- RayCluster changes wake the owning run at once instead of waiting for the next poll;
+- a change of a run's RayCluster, its pods or its Kueue Workload (the watches of
+  adapters/informer.py, started here) wakes the run at once instead of at its next poll;
 - deletion stops the job and deletes the RayCluster before the finalizer is released;
 - a liveness probe fails /healthz once a run's status could not be written for longer
   than TPUFT_STALL_TIMEOUT (core/progress.py), so Kubernetes restarts the operator.
@@ -23,13 +24,12 @@ from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.core.errors import StatusConflict
 from tpufinetune.driver import Run
-from tpufinetune.adapters.kube import MAINTENANCE_LABEL, RAY_GROUP, RAY_PLURAL, RAY_VERSION, KubeBackend
+from tpufinetune.adapters.kube import MAINTENANCE_LABEL, RAY_PLURAL, KubeBackend, Watches
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.settings import Settings
 
 log = logging.getLogger(__name__)
 FINALIZER = f"{GROUP}/release"
-OWNER_LABEL = f"{GROUP}/name"
 RUNS: dict[tuple[str, str], Run] = {}
 RELEASE_WAIT_S = 60
 
@@ -45,7 +45,12 @@ def _load_kube_config() -> client.ApiClient:
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     memo.settings = Settings.from_env()
-    memo.backend = KubeBackend(_load_kube_config(), memo.settings)
+    api = _load_kube_config()
+    loop = asyncio.get_running_loop()
+    memo.watches = Watches(api, memo.settings,
+                           lambda kind, type_, item: loop.call_soon_threadsafe(_changed, memo, kind, type_, item))
+    memo.backend = KubeBackend(api, memo.settings, memo.watches)
+    memo.watches.start()
     memo.jobs = RayJobs(headers=memo.settings.ray_headers(), timeout=memo.settings.ray_timeout)
     memo.progress = ProgressTracker()
     metrics.per_run(memo.settings.run_metrics)
@@ -80,14 +85,20 @@ async def follow_run(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopp
         await run.close()
 
 
-@kopf.on.event(RAY_GROUP, RAY_VERSION, RAY_PLURAL, labels={OWNER_LABEL: kopf.PRESENT})
-async def raycluster_changed(type: str, body: kopf.Body, memo: kopf.Memo, **_) -> None:
-    deleted = type == "DELETED"
-    memo.backend.watched.seen(dict(body), deleted=deleted)
-    if deleted:
-        memo.backend.forget(body.get("metadata", {}).get("uid", ""))
-    owner = (body.get("metadata", {}).get("labels") or {}).get(OWNER_LABEL)
-    run = RUNS.get((body.get("metadata", {}).get("namespace"), owner))
+@kopf.on.cleanup()
+async def stop_watches(memo: kopf.Memo, **_) -> None:
+    watches = getattr(memo, "watches", None)
+    if watches is not None:
+        watches.stop()
+
+
+def _changed(memo: kopf.Memo, kind: str, type_: str, item: dict) -> None:
+    """A RayCluster, one of its pods or its Workload changed (adapters/informer.py, in the
+    event loop): the owning run looks at once instead of at its next poll."""
+    meta = item.get("metadata") or {}
+    if kind == RAY_PLURAL and type_ == "DELETED":
+        memo.backend.forget(meta.get("namespace", ""), meta.get("name", ""), meta.get("uid", ""))
+    run = RUNS.get((meta.get("namespace"), memo.watches.owner(kind, item)))
     if run is not None:
         run.wake.set()
 

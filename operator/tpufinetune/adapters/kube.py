@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -19,7 +20,8 @@ from tpufinetune.core.errors import CreateRefused, StatusConflict
 from tpufinetune.core import podstatus
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.phases import ClusterView, Identity, QueueView
-from tpufinetune.core.sizing import QUEUE_NAME_LABEL
+from tpufinetune.core.sizing import NAME_LABEL, POD_SELECTOR, QUEUE_NAME_LABEL
+from tpufinetune.adapters import informer
 from tpufinetune.adapters.raytokens import RayTokens
 from tpufinetune.settings import Settings
 
@@ -29,6 +31,8 @@ RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
 KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
 # Kueue labels each Workload with the uid of the job (here the RayCluster) it stands for.
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+# KubeRay labels each pod with its RayCluster's name.
+CLUSTER_LABEL = "ray.io/cluster"
 # GKE puts it on a node with maintenance scheduled (seconds since the epoch).
 MAINTENANCE_LABEL = "cloud.google.com/scheduled-maintenance-time"
 
@@ -111,63 +115,82 @@ def api_message(error: ApiException) -> str:
     return str(server_message(error) or error.reason or error.status)[:1000]
 
 
-class WatchedClusters:
-    """Our RayClusters as the operator's watch last delivered them: observing a run reads
-    this instead of a GET every tick. A miss (not delivered yet, or deleted) is a GET.
-
-    The watch can miss a deletion: after a 410 kopf lists again, and a RayCluster deleted
-    in the gap gets no DELETED event. So an entry is trusted for `max_age` seconds after
-    the watch or a GET last said so, then read again; and a body that says the cluster is
-    ready is confirmed by one GET per resourceVersion before a run acts on it."""
-
-    def __init__(self, max_age: float | None = None):
-        self.max_age = WATCH_TRUST_S if max_age is None else max_age
-        self._bodies: dict[tuple[str, str], tuple[dict, float, bool]] = {}  # (body, when, confirmed)
-
-    def seen(self, body: dict, deleted: bool = False, confirmed: bool = False) -> None:
-        meta = body.get("metadata") or {}
-        key = (meta.get("namespace", ""), meta.get("name", ""))
-        if deleted:
-            self._bodies.pop(key, None)
-        else:
-            self._bodies[key] = (body, time.monotonic(), confirmed)
-
-    def fetched(self, namespace: str, name: str, body: dict | None) -> None:
-        """What a GET just said: the cluster's body (confirmed), or gone."""
-        if body is None:
-            self._bodies.pop((namespace, name), None)
-        else:
-            self.seen(body, confirmed=True)
-
-    def get(self, namespace: str, name: str) -> dict | None:
-        """The body, while it is trusted; None: read it with a GET."""
-        entry = self._bodies.get((namespace, name))
-        if entry is None or time.monotonic() - entry[1] > self.max_age:
-            return None
-        return entry[0]
-
-    def confirmed(self, namespace: str, name: str) -> bool:
-        entry = self._bodies.get((namespace, name))
-        return entry is not None and entry[2]
+# A cluster the operator created is looked up with a GET, not taken as missing, while the
+# watch may not have delivered it yet.
+CREATED_GRACE_S = 30.0
 
 
-# How long the watch's word on a RayCluster is taken without a GET (see WatchedClusters).
-WATCH_TRUST_S = 120.0
-
-
-# A cluster that waits (for capacity, for Kueue) has its pods or its Workload read at most
-# this often (the scheduler's or Kueue's message changes slowly); a change of the
-# RayCluster reads again.
+# Without the watches (not started yet, or not synced after a restart), a cluster that
+# waits has its pods or its Workload read at most this often (the scheduler's or Kueue's
+# message changes slowly); a change of the RayCluster reads again. Also for a RayCluster
+# an older version created, whose pods lack the label the pod watch selects on.
 RECHECK_S = 30.0
+# How long an observation waits for the watches' first list after a start before it
+# reads the API server itself.
+SYNC_WAIT_S = 5.0
+
+
+class Watches:
+    """The operator's three list-then-watch caches (adapters/informer.py): its RayClusters
+    (label tpufinetune.dev/name), their pods (label app.kubernetes.io/managed-by=tpufinetune,
+    set on every pod template), and Kueue's Workloads. RBAC: list and watch on each."""
+
+    def __init__(self, api: client.ApiClient, settings: Settings, on_change):
+        objects, core, namespace = client.CustomObjectsApi(api), client.CoreV1Api(api), settings.namespace
+        self.clusters = informer.Store(informer.project_raycluster)
+        self.pods = informer.Store(informer.project_pod, index=lambda pod: _labels(pod).get(CLUSTER_LABEL))
+        self.workloads = informer.Store(informer.project_workload,
+                                        index=lambda workload: _labels(workload).get(JOB_UID_LABEL))
+        if namespace:
+            lists = (functools.partial(objects.list_namespaced_custom_object, RAY_GROUP, RAY_VERSION, namespace,
+                                       RAY_PLURAL),
+                     functools.partial(core.list_namespaced_pod, namespace),
+                     functools.partial(objects.list_namespaced_custom_object, KUEUE_GROUP, KUEUE_VERSION,
+                                       namespace, WORKLOADS))
+        else:
+            lists = (functools.partial(objects.list_cluster_custom_object, RAY_GROUP, RAY_VERSION, RAY_PLURAL),
+                     core.list_pod_for_all_namespaces,
+                     functools.partial(objects.list_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION, WORKLOADS))
+        timeout = settings.kube_timeout
+        self.informers = (
+            informer.Informer(RAY_PLURAL, lists[0], self.clusters, on_change, timeout, label_selector=NAME_LABEL),
+            informer.Informer("pods", lists[1], self.pods, on_change, timeout, label_selector=POD_SELECTOR),
+            informer.Informer(WORKLOADS, lists[2], self.workloads, on_change, timeout),
+        )
+
+    def start(self) -> None:
+        for each in self.informers:
+            each.start()
+
+    def stop(self) -> None:
+        for each in self.informers:
+            each.stop()
+
+    def owner(self, kind: str, item: dict) -> str | None:
+        """The TPUFineTune a changed object belongs to (its name, in the object's namespace)."""
+        if kind == WORKLOADS:
+            meta = item.get("metadata") or {}
+            for ref in meta.get("ownerReferences") or []:
+                cluster = self.clusters.get(meta.get("namespace", ""), ref.get("name", ""))
+                if ref.get("kind") == "RayCluster" and cluster is not None:
+                    return _labels(cluster).get(NAME_LABEL)
+            return None
+        return _labels(item).get(NAME_LABEL)
+
+
+def _labels(item: dict) -> dict:
+    return (item.get("metadata") or {}).get("labels") or {}
 
 
 class KubeBackend:
-    def __init__(self, api: client.ApiClient, settings: Settings):
+    def __init__(self, api: client.ApiClient, settings: Settings, watches: Watches | None = None):
         self.objects = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.settings = settings
-        self.watched = WatchedClusters()
+        # None: every observation reads the API server (throttled as RECHECK_S says).
+        self.watches = watches
         self._checks: dict[tuple[str, str], tuple] = {}  # (kind, cluster uid) -> (version, when, value)
+        self._created: dict[tuple[str, str], float] = {}  # (namespace, name) -> when we created it
         # Every call, connect and answer: an API server that never answers holds one
         # worker thread for this long, never a run for ever.
         self._timeout = (settings.kube_timeout, settings.kube_timeout)
@@ -175,26 +198,60 @@ class KubeBackend:
         # Nodes carrying the maintenance label, from the node watch (handlers.node_maintenance).
         self.maintenance_nodes: dict[str, str] = {}
 
+    async def _synced(self, store: informer.Store | None) -> bool:
+        """The watch's store is complete (its first list is in); waits a moment for it
+        right after a start rather than read the API server for every run."""
+        if store is None:
+            return False
+        if not store.synced.is_set():
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + SYNC_WAIT_S
+            while not store.synced.is_set() and loop.time() < deadline:
+                await asyncio.sleep(0.1)
+        return store.synced.is_set()
+
+    async def _cluster(self, namespace: str, name: str) -> dict | None:
+        """The RayCluster, projected; from the watch when it is synced. A miss is a GET only
+        for a cluster created moments ago (the watch may not have delivered it yet)."""
+        store = self.watches.clusters if self.watches else None
+        if await self._synced(store):
+            body = store.get(namespace, name)
+            created = self._created.get((namespace, name))
+            if body is not None or created is None or time.monotonic() - created > CREATED_GRACE_S:
+                return body
+        body = await asyncio.to_thread(self._get_cluster, namespace, name)
+        return informer.project_raycluster(body) if body is not None else None
+
+    async def _pods(self, namespace: str, cluster: dict) -> list[dict]:
+        """The cluster's pods: from the pod watch when it is synced and the cluster's pods
+        carry its label; else a LIST at most every RECHECK_S per version of the cluster."""
+        store = self.watches.pods if self.watches else None
+        name = cluster["metadata"]["name"]
+        if cluster.get("podsLabelled") and await self._synced(store):
+            return store.indexed(namespace, name)
+        return await self._every(("pods", cluster["metadata"]), lambda: self._cluster_pods(namespace, name))
+
+    async def _queue(self, namespace: str, cluster: dict) -> QueueView:
+        store, uid = (self.watches.workloads if self.watches else None), cluster["metadata"]["uid"]
+        if await self._synced(store):
+            return NO_KUEUE if store.missing else queue_view(store.indexed(namespace, uid), uid)
+        # Not kept until Kueue has said something: its Workload appears just after the cluster.
+        return await self._every(("workloads", cluster["metadata"]), lambda: self._queue_view(namespace, uid),
+                                 keep=lambda queue: bool(queue.message))
+
     async def observe(self, ident: Identity, name: str) -> ClusterView:
-        body = self.watched.get(ident.namespace, name)
+        body = await self._cluster(ident.namespace, name)
         view = cluster_view(body, ident.uid, self.settings)
-        if body is None or (view.ready and not self.watched.confirmed(ident.namespace, name)):
-            body = await asyncio.to_thread(self._get_cluster, ident.namespace, name)
-            self.watched.fetched(ident.namespace, name, body)
-            view = cluster_view(body, ident.uid, self.settings)
-            if view.ready and view.owned:
-                # Once per version of a ready cluster: when its hosts were ready (usage counts from then).
-                pods = await asyncio.to_thread(self._cluster_pods, ident.namespace, name)
-                view = dataclasses.replace(view, hosts_ready_since=podstatus.hosts_ready_since(pods))
-        if view.exists and view.owned and view.suspended and QUEUE_NAME_LABEL in body["metadata"].get("labels", {}):
-            # Not kept until Kueue has said something: its Workload appears just after the cluster.
-            queue = await self._every(("workloads", body["metadata"]), lambda: self._queue_view(ident.namespace, body["metadata"]["uid"]),
-                                      keep=lambda queue: bool(queue.message))
-            return dataclasses.replace(view, queue=queue)
-        if view.exists and view.owned and not view.ready:
-            problem, hosts = await self._every(("pods", body["metadata"]), lambda: self._pod_state(ident.namespace, name))
-            view = dataclasses.replace(view, pod_problem=problem, hosts_ready=hosts)
-        return view
+        if not (view.exists and view.owned):
+            return view
+        if view.suspended and QUEUE_NAME_LABEL in _labels(body):
+            return dataclasses.replace(view, queue=await self._queue(ident.namespace, body))
+        pods = await self._pods(ident.namespace, body)
+        if view.ready:
+            # When its hosts were ready: usage counts from then.
+            return dataclasses.replace(view, hosts_ready_since=podstatus.hosts_ready_since(pods))
+        return dataclasses.replace(view, pod_problem=podstatus.worst_problem(pods),
+                                   hosts_ready=podstatus.hosts_ready(pods))
 
     async def _every(self, what: tuple[str, dict], read, keep=lambda value: True):
         """`read()` (blocking, run in a thread) at most every RECHECK_S for one version of
@@ -215,13 +272,10 @@ class KubeBackend:
         scheduled. The pods are listed only while some node has the label at all."""
         if not self.maintenance_nodes:
             return ()
-        pods = await asyncio.to_thread(self._cluster_pods, ident.namespace, cluster)
+        body = await self._cluster(ident.namespace, cluster)
+        pods = await self._pods(ident.namespace, body) if body is not None else []
         nodes = {(p.get("spec") or {}).get("nodeName") for p in pods}
         return tuple(sorted((n, v) for n, v in self.maintenance_nodes.items() if n in nodes))
-
-    def _pod_state(self, namespace: str, name: str) -> tuple:
-        pods = self._cluster_pods(namespace, name)
-        return podstatus.worst_problem(pods), podstatus.hosts_ready(pods)
 
     async def slice_health(self, ident: Identity, name: str, since, hosts: int) -> podstatus.SliceHealth:
         """The cluster's pods and their nodes, read once a job ended without success (RBAC:
@@ -245,12 +299,14 @@ class KubeBackend:
         workloads = self._workloads(namespace, cluster_uid)
         return NO_KUEUE if workloads is None else queue_view(workloads, cluster_uid)
 
-    def forget(self, cluster_uid: str) -> None:
+    def forget(self, namespace: str, name: str, cluster_uid: str) -> None:
+        """A RayCluster is gone: drop what was kept for it."""
+        self._created.pop((namespace, name), None)
         for kind in ("pods", "workloads"):
             self._checks.pop((kind, cluster_uid), None)
 
     def _cluster_pods(self, namespace: str, name: str) -> list[dict]:
-        pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={name}",
+        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{CLUSTER_LABEL}={name}",
                                              _request_timeout=self._timeout)
         return [self.core.api_client.sanitize_for_serialization(p) for p in pods.items]
 
@@ -280,6 +336,7 @@ class KubeBackend:
         # The run's token Secret (which the RayCluster's pods need) and NetworkPolicy first.
         await asyncio.to_thread(self.tokens.create_for_run, ident)
         await asyncio.to_thread(self._create_cluster, ident.namespace, manifest)
+        self._created[(ident.namespace, manifest["metadata"]["name"])] = time.monotonic()
 
     async def ray_token(self, ident: Identity) -> str | None:
         """The token of the run's own head (derived, core/raytoken.py); None with a fixed
@@ -306,7 +363,6 @@ class KubeBackend:
         # Preconditions: only delete the object we own (uid checked on observe), and
         # only if it is still the same object.
         body = self._get_cluster(ident.namespace, name)
-        self.watched.fetched(ident.namespace, name, body)
         if body is None or not cluster_view(body, ident.uid, self.settings).owned:
             return
         if body["metadata"].get("deletionTimestamp"):

@@ -128,6 +128,15 @@ def plan_resources(spec: TPUFineTuneSpec) -> dict[str, Resources]:
     return planned
 
 
+def pod_labels(name: str) -> dict:
+    """On every pod of a run's RayCluster: the operator watches its own pods by this
+    selector (POD_SELECTOR), never every pod of the cluster."""
+    return {MANAGED_BY_LABEL: MANAGED_BY, NAME_LABEL: name}
+
+
+POD_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+
+
 def render_raycluster(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec) -> dict:
     """The complete `ray.io/v1` RayCluster for TPUFineTune `namespace/name`."""
     shape = slice_shape(spec)
@@ -146,7 +155,8 @@ def render_raycluster(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec
         # Ray counts chiplets: advertise every logical TPU device of the host.
         worker_group["resources"] = {
             "TPU": str(shape.chips_per_host * shape.generation.devices_per_chip)}
-    worker_group["template"] = {"spec": _worker_pod(spec, shape, env, resources["workers"])}
+    worker_group["template"] = {"metadata": {"labels": pod_labels(name)},
+                                "spec": _worker_pod(spec, shape, env, resources["workers"])}
     raycluster = {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
@@ -165,7 +175,7 @@ def render_raycluster(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec
             # and RAY_AUTH_TOKEN (from the Secret) on every Ray container.
             "authOptions": {"mode": "token", "secretName": token_secret_name(name, uid)},
             "headGroupSpec": {"rayStartParams": {"num-cpus": "0"},
-                              "template": {"spec": head_pod}},
+                              "template": {"metadata": {"labels": pod_labels(name)}, "spec": head_pod}},
             "workerGroupSpecs": [worker_group],
         },
     }
