@@ -6,9 +6,10 @@ softcap's intermediates and the gradient, ~2 GB), while only the response tokens
 dolly) carry a label. Here the model's body (`model.model`) gives the hidden states, the
 rows at label positions are gathered into a buffer of a fixed number of rows (`cap`:
 static shapes, one graph), and the head, Gemma's final-logit softcap (in fp32) and the
-summed cross-entropy run over that buffer `CHUNK_ROWS` rows at a time. The backward
-recomputes each chunk's logits instead of keeping them, so the logits of at most one
-chunk exist at any time, in the forward and in the backward.
+summed cross-entropy run over that buffer `CHUNK_ROWS` rows at a time. In training the
+forward also computes each chunk's gradients (of its rows and of the head's weight) and
+drops its logits, so the logits of at most one chunk exist at any time, none are
+computed twice, and the backward only scales the gradients it was handed.
 
 Exactly transformers' head (Gemma4ForConditionalGeneration.forward and the other classes
 of HEADS): `logits = lm_head(hidden)`, then `cap * tanh(logits / cap)` when the text
@@ -103,55 +104,64 @@ def label_rows(targets: torch.Tensor, cap: int) -> torch.Tensor:
     return torch.argsort(unlabelled, stable=True)[:cap]
 
 
-def capped_logits(rows: torch.Tensor, weight: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Logits of `rows` in fp32 (or wider), softcapped as Gemma's head does (in fp32 here)."""
+def chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None,
+                        with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed cross-entropy of one chunk and, with `with_grad`, the gradient of that sum
+    with respect to the chunk's logits (before the softcap) in the compute dtype. The
+    logits are fp32 (or wider) from the head's output on; the [rows, vocab] buffers are
+    reused in place, so at most two fp32 ones exist at once."""
     logits = F.linear(rows, weight)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
-
-
-def chunk_loss(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    return F.cross_entropy(capped_logits(rows, weight, softcap), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        capped = logits.div_(softcap).tanh_()  # Gemma's cap * tanh(logits / cap), in fp32
+        z = capped * softcap
+    else:
+        capped, z = None, logits
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
+    lse = torch.logsumexp(z, dim=1)
+    summed = ((lse - z.gather(1, safe).squeeze(1)) * valid).sum()
+    if not with_grad:
+        return summed, None
+    # d(sum)/dz = softmax(z) - onehot(target) on labelled rows (0 elsewhere), and through
+    # the softcap dz/dlogits = 1 - tanh^2.
+    dz = z.sub_(lse.unsqueeze(1)).exp_()
+    dz.scatter_add_(1, safe, -torch.ones_like(safe, dtype=dz.dtype))
+    dz.mul_(valid.unsqueeze(1))
+    if capped is not None:
+        dz.mul_(capped.mul_(capped).neg_().add_(1))
+    return summed, dz.to(rows.dtype)
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
     """Summed cross-entropy of `rows` ([n, hidden]) under the head `weight` ([vocab,
-    hidden]) in chunks of `chunk` rows. Saves only its inputs; the backward recomputes one
-    chunk's logits at a time and differentiates that chunk with autograd (the very ops of
-    the forward), accumulating the weight's gradient chunk by chunk."""
+    hidden]), `chunk` rows at a time. When a gradient is wanted the forward computes it
+    too, chunk by chunk (the gradients of the rows, [n, hidden], and of the weight, the
+    size of the weight, which the backward would allocate first thing anyway), so no
+    chunk's logits outlive the chunk and none are computed twice; the backward only
+    scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, rows, weight, targets, softcap, chunk):
+    def forward(ctx, rows, weight, targets, softcap, chunk, with_grad):
         total = torch.zeros((), dtype=torch.float32, device=rows.device)
+        grad_rows = torch.empty_like(rows) if with_grad else None
+        grad_weight = torch.zeros_like(weight) if with_grad else None
         for start in range(0, rows.shape[0], chunk):
             end = start + chunk
-            total = total + chunk_loss(rows[start:end], weight, targets[start:end], softcap)
-        ctx.save_for_backward(rows, weight, targets)
-        ctx.softcap, ctx.chunk = softcap, chunk
+            part = rows[start:end]
+            summed, dlogits = chunk_loss_and_grad(part, weight, targets[start:end], softcap, with_grad)
+            total = total + summed
+            if with_grad:
+                grad_rows[start:end] = dlogits @ weight
+                grad_weight.addmm_(dlogits.t(), part)
+        ctx.save_for_backward(grad_rows, grad_weight)
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        rows, weight, targets = ctx.saved_tensors
-        want_rows, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_rows = torch.empty_like(rows) if want_rows else None
-        grad_weight = None
-        leaf_weight = weight.detach().requires_grad_(want_weight)
-        for start in range(0, rows.shape[0], ctx.chunk):
-            end = start + ctx.chunk
-            leaf_rows = rows[start:end].detach().requires_grad_(want_rows)
-            with torch.enable_grad():
-                loss = chunk_loss(leaf_rows, leaf_weight, targets[start:end], ctx.softcap)
-            wanted = [t for t, want in ((leaf_rows, want_rows), (leaf_weight, want_weight)) if want]
-            grads = list(torch.autograd.grad(loss, wanted, grad))
-            if want_rows:
-                grad_rows[start:end] = grads.pop(0)
-            if want_weight:
-                part = grads.pop(0)
-                grad_weight = part if grad_weight is None else grad_weight.add_(part)
-        return grad_rows, grad_weight, None, None, None
+        grad_rows, grad_weight = ctx.saved_tensors
+        return (grad_rows * grad.to(grad_rows.dtype) if ctx.needs_input_grad[0] else None,
+                grad_weight * grad.to(grad_weight.dtype) if ctx.needs_input_grad[1] else None, None, None, None, None)
 
 
 def head_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, softcap: float | None,
@@ -163,7 +173,10 @@ def head_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Ten
     if cap < flat_targets.numel():
         index = label_rows(targets, cap)
         flat_hidden, flat_targets = flat_hidden.index_select(0, index), flat_targets.index_select(0, index)
-    return ChunkedHeadLoss.apply(flat_hidden, weight, flat_targets, softcap, chunk)
+    # Under no_grad (evaluation) autograd still marks inputs that require grad as needing
+    # it inside a Function; decide here whether gradients are computed at all.
+    with_grad = torch.is_grad_enabled() and (flat_hidden.requires_grad or weight.requires_grad)
+    return ChunkedHeadLoss.apply(flat_hidden, weight, flat_targets, softcap, chunk, with_grad)
 
 
 def uses_label_head(model) -> bool:
