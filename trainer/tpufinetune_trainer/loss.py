@@ -109,7 +109,8 @@ def chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch
     """Summed cross-entropy of one chunk and, with `with_grad`, the gradient of that sum
     with respect to the chunk's logits (before the softcap) in the compute dtype. The
     logits are fp32 (or wider) from the head's output on; the [rows, vocab] buffers are
-    reused in place, so at most two fp32 ones exist at once."""
+    reused in place, so at most two fp32 ones exist at once (and the loop drops them
+    before the next chunk)."""
     logits = F.linear(rows, weight)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap is not None:
@@ -119,13 +120,16 @@ def chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch
         capped, z = None, logits
     valid = targets != IGNORE_INDEX
     safe = torch.where(valid, targets, torch.zeros_like(targets)).unsqueeze(1)
-    lse = torch.logsumexp(z, dim=1)
-    summed = ((lse - z.gather(1, safe).squeeze(1)) * valid).sum()
+    picked = z.gather(1, safe).squeeze(1)
+    # logsumexp with z's buffer as its workspace: z becomes exp(z - max), then softmax(z).
+    top = z.amax(dim=1, keepdim=True)
+    exp_sum = z.sub_(top).exp_().sum(dim=1, keepdim=True)
+    summed = ((exp_sum.log() + top).squeeze(1) - picked).mul(valid).sum()
     if not with_grad:
         return summed, None
     # d(sum)/dz = softmax(z) - onehot(target) on labelled rows (0 elsewhere), and through
     # the softcap dz/dlogits = 1 - tanh^2.
-    dz = z.sub_(lse.unsqueeze(1)).exp_()
+    dz = z.div_(exp_sum)
     dz.scatter_add_(1, safe, -torch.ones_like(safe, dtype=dz.dtype))
     dz.mul_(valid.unsqueeze(1))
     if capped is not None:
@@ -154,6 +158,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
             if with_grad:
                 grad_rows[start:end] = dlogits @ weight
                 grad_weight.addmm_(dlogits.t(), part)
+            del dlogits  # before the next chunk allocates its own
         ctx.save_for_backward(grad_rows, grad_weight)
         return total
 
