@@ -348,7 +348,8 @@ def main() -> None:
                         help="re-measure ours-tiny, baseline-100m, … or all (others come from <work>/results.json)")
     parser.add_argument("--loss-head", action="store_true", help="measure only the loss head (no Ray)")
     parser.add_argument("--vocab", type=int, default=262144, help="loss head: vocabulary (Gemma's)")
-    parser.add_argument("--hidden", type=int, default=256, help="loss head: hidden size (E2B's is 1536)")
+    parser.add_argument("--hidden", type=int, default=256,
+                        help="loss head: hidden size (the logits' memory does not depend on it)")
     parser.add_argument("--blocks-list", type=int, nargs="+", default=[1, 2], help="loss head: blocks per step")
     parser.add_argument("--repeats", type=int, default=2, help="loss head: timed steps per case")
     parser.add_argument("--one", choices=["ours", "baseline"], help=argparse.SUPPRESS)

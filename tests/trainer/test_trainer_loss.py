@@ -18,6 +18,7 @@ from tpufinetune_trainer import loss
 from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, epoch_permutation, pad_id_of, prepare, step_blocks
+from tpufinetune_trainer.errors import ConfigError
 from tpufinetune_trainer.model import load_tokenizer
 from tpufinetune_trainer.train import Trainer
 from trainer_helpers import single_process_group
@@ -106,11 +107,14 @@ def test_the_label_head_gives_the_full_logits_loss_and_gradients_with_the_softca
 
 
 def test_the_evaluation_loss_is_the_full_logits_one(softcapped, prepared, process_group, tmp_path):
-    trainer = make_trainer(softcapped, prepared, tmp_path)
-    ours = trainer.evaluate()
-    trainer.label_head = False
-    full = trainer.evaluate()
+    """`--loss-head full` (transformers' logits) is the reference and the fallback."""
+    ours = make_trainer(softcapped, prepared, tmp_path).evaluate()
+    reference = make_trainer(softcapped, prepared, tmp_path, loss_head="full")
+    assert not reference.label_head
+    full = reference.evaluate()
     assert ours is not None and abs(ours - full) <= 1e-5 * full
+    with pytest.raises(ConfigError, match="--loss-head must be one of labels, full"):
+        FinetuneConfig(storage_path=str(tmp_path), loss_head="logits").validate()
 
 
 def test_the_label_head_in_bf16_compute_stays_within_bf16_of_the_full_logits(softcapped, prepared, process_group,

@@ -73,9 +73,9 @@ def most_label_tokens(packed: Packed, plan: BatchPlan, epochs: int, seed: int) -
     most = 0
     for epoch in range(1, epochs + 1):
         order = epoch_permutation(len(packed), epoch, seed)
-        for step in range(steps):
-            for rank in range(plan.world):
-                most = max(most, int(micro_batch_labels(packed, step_blocks(order, step, plan, rank)).max()))
+        blocks = [step_blocks(order, step, plan, rank) for step in range(steps) for rank in range(plan.world)]
+        if blocks:
+            most = max(most, int(micro_batch_labels(packed, np.stack(blocks)).max()))
     return most
 
 

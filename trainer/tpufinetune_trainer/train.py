@@ -8,7 +8,8 @@ The hot loop never makes the host wait for the device: token counts come from th
 blocks (every rank knows the global batch's label count), every step's block indices and
 count reach the device in one host-to-device copy per epoch (a step selects its row there),
 the attention masks are built there from segment ids, the learning rate is read from a
-table on the device, and the loss is summed on the device in fp32. The host reads a device
+table on the device, and the loss is summed on the device in fp32, the LM head running
+at label positions only (loss.py: a buffer of a fixed number of rows, gathered there). The host reads a device
 value only once per epoch (the loss), at a checkpoint, at most once per --progress-interval
 on rank 0, and at each epoch's end.
 """
@@ -121,7 +122,8 @@ class Trainer:
         self.compiled = compile_enabled(backend, cfg.compile)
         self.model = apply_fsdp(model, build_mesh(backend.device_type, world), self.dtype, compile=self.compiled,
                                 device=self.device)
-        self.label_head = head.uses_label_head(self.model)  # else transformers' full-logits forward
+        # Else transformers' full-logits forward: asked for, or a head loss.py does not reproduce.
+        self.label_head = cfg.loss_head == "labels" and head.uses_label_head(self.model)
         if self.label_head:
             head.install(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -317,7 +319,9 @@ class Trainer:
             f"{self.epoch_steps} steps per epoch, {self.total_steps} in all; lr {cfg.learning_rate:g} "
             f"(warmup {self.warmup} steps, {self.schedule_words()}); "
             f"clip {cfg.max_grad_norm:g}; compute {str(self.dtype).removeprefix('torch.')}, master weights "
-            f"float32; compile {'on' if self.compiled else 'off'}")
+            f"float32; compile {'on' if self.compiled else 'off'}; loss head "
+            + (f"at label positions ({self.train_cap} rows of {plan.per_device * cfg.max_seq_len} per micro-batch)"
+               if self.label_head else "over every position (full logits)"))
         emit("plan", global_batch_blocks=plan.global_blocks, global_batch_tokens=plan.global_blocks * cfg.max_seq_len,
              accumulation=plan.accum, steps_per_epoch=self.epoch_steps, total_steps=self.total_steps,
              warmup_steps=self.warmup, lr_schedule=cfg.lr_schedule, compute_dtype=str(self.dtype).split(".")[-1],
