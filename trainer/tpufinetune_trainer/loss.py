@@ -42,7 +42,7 @@ from .data import IGNORE_INDEX, BatchPlan, Packed, epoch_permutation, eval_order
 from .errors import ModelError
 
 # Rows of one chunk: its fp32 logits are CHUNK_ROWS x vocab x 4 bytes (256 MiB for Gemma's
-# 262144 tokens), the largest tensor the head allocates.
+# 262144 tokens); two such buffers and the head weight's gradient are what the head adds.
 CHUNK_ROWS = 256
 # The cap is a multiple of this (TPU tiles are 8 or 16 rows), and at least this.
 ROW_ALIGN = 16
