@@ -15,6 +15,14 @@ Checkpoint cost is measured on a randomly initialised Gemma 4 of ~118M parameter
 offline (`--size 100m`): wall time of the checkpoint step on rank 0 (save + hand-off to
 Ray Train + copy to storage) and rank 0's peak RSS during it, taken from the kernel's
 high-water mark (reset through /proc/self/clear_refs just before the step).
+
+    .venv/bin/python benchmarks/bench_trainer.py --loss-head [--vocab 262144] [--hidden 256]
+
+measures only the loss head, in one process per case (no Ray): the head, softcap and
+summed cross-entropy of 512-token blocks over Gemma's vocabulary, forward and backward in
+fp32, as transformers' full logits (what the trainer did before) and at label positions
+(loss.py), with 22% of the positions labelled: seconds per step and the step's peak RSS
+over what was resident before it (hidden states, head weight and its gradient).
 """
 
 from __future__ import annotations
@@ -213,6 +221,86 @@ def run_one(args) -> None:
     ).fit()
 
 
+# ----------------------------------------------------------------------------- the loss head alone
+
+LABEL_SHARE = 0.22  # dolly's response tokens in packed chat blocks
+SOFTCAP = 30.0      # Gemma's final_logit_softcapping
+
+
+def loss_head_case(args) -> None:
+    """One case in this process: `args.loss_head_case` is full, label or label-all (the cap at every
+    position: a micro-batch whose blocks are all response); prints one JSON line."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from tpufinetune_trainer import loss
+    from tpufinetune_trainer.data import IGNORE_INDEX
+
+    torch.manual_seed(0)
+    blocks, length = args.blocks, 512
+    hidden = (torch.randn(blocks, length, args.hidden) / args.hidden ** 0.5).requires_grad_()
+    weight = (torch.randn(args.vocab, args.hidden) * 0.02).requires_grad_()
+    targets = torch.randint(0, args.vocab, (blocks, length))
+    unlabelled = torch.rand(blocks, length) >= LABEL_SHARE
+    targets[unlabelled] = IGNORE_INDEX
+    labels = int((~unlabelled).sum())
+    cap = loss.label_cap(labels if args.loss_head_case == "label" else blocks * length, blocks * length)
+
+    def step() -> float:
+        if args.loss_head_case == "full":  # the trainer's former head: transformers' logits, then the loss
+            logits = F.linear(hidden, weight)
+            logits = torch.tanh(logits / SOFTCAP) * SOFTCAP
+            summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                     reduction="sum")
+        else:
+            summed = loss.head_loss_sum(hidden, targets, weight, SOFTCAP, cap)
+        summed.backward()
+        hidden.grad = weight.grad = None
+        return float(summed.detach())
+
+    value = step()  # warm-up: first-touch allocations
+    seconds = []
+    for _ in range(args.repeats):
+        with PeakRss() as peak:
+            step()
+        seconds.append(peak.seconds)
+    print(json.dumps({"case": args.loss_head_case, "blocks": blocks, "labels": labels, "rows": cap, "loss": value,
+                      "seconds": float(np.median(seconds)), "increase_mib": peak.increase_mib}), flush=True)
+
+
+def loss_head_table(args) -> None:
+    cases = [(case, blocks) for blocks in args.blocks_list for case in ("full", "label", "label-all")]
+    results = {}
+    for case, blocks in cases:
+        cmd = [sys.executable, __file__, "--loss-head-case", case, "--blocks", str(blocks), "--vocab", str(args.vocab),
+               "--hidden", str(args.hidden), "--repeats", str(args.repeats)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "trainer"), os.environ.get("PYTHONPATH", "")]))
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if out.returncode != 0:
+            raise SystemExit(f"loss head case {case} x{blocks} failed:\n{out.stderr[-3000:]}")
+        results[case, blocks] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"  {case:9s} {blocks} block(s): {results[case, blocks]}", flush=True)
+    print(f"\nLoss head alone, CPU fp32 ({os.cpu_count()} cores), vocabulary {args.vocab}, hidden {args.hidden}, "
+          f"512-token blocks, {LABEL_SHARE:.0%} of positions labelled, softcap {SOFTCAP:g}, forward + backward, "
+          f"median of {args.repeats}")
+    header = ("blocks", "head", "rows through the head", "s per step", "peak RSS over the step MiB", "vs full")
+    rows = []
+    for blocks in args.blocks_list:
+        full = results["full", blocks]
+        for case, name in (("full", "full logits (before)"), ("label", "label positions, cap = labels"),
+                           ("label-all", "label positions, cap = every position")):
+            r = results[case, blocks]
+            ratio = "" if case == "full" else (f"{r['seconds'] / full['seconds']:.2f}x time, "
+                                               f"{r['increase_mib'] / full['increase_mib']:.2f}x memory")
+            rows.append((str(blocks), name, str(r["rows"]), f"{r['seconds']:.2f}", f"{r['increase_mib']:.0f}", ratio))
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    print(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
 # ----------------------------------------------------------------------------- orchestration
 
 
@@ -258,12 +346,26 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--redo", action="append", default=[],
                         help="re-measure ours-tiny, baseline-100m, … or all (others come from <work>/results.json)")
+    parser.add_argument("--loss-head", action="store_true", help="measure only the loss head (no Ray)")
+    parser.add_argument("--vocab", type=int, default=262144, help="loss head: vocabulary (Gemma's)")
+    parser.add_argument("--hidden", type=int, default=256,
+                        help="loss head: hidden size (the logits' memory does not depend on it)")
+    parser.add_argument("--blocks-list", type=int, nargs="+", default=[1, 2], help="loss head: blocks per step")
+    parser.add_argument("--repeats", type=int, default=2, help="loss head: timed steps per case")
     parser.add_argument("--one", choices=["ours", "baseline"], help=argparse.SUPPRESS)
+    parser.add_argument("--loss-head-case", choices=["full", "label", "label-all"], help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", type=int, default=1, help=argparse.SUPPRESS)
     for hidden in ("--model", "--data", "--split", "--out", "--storage"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         run_one(args)
+        return
+    if args.loss_head_case:
+        loss_head_case(args)
+        return
+    if args.loss_head:
+        loss_head_table(args)
         return
 
     from harness.rayhead import RayHead

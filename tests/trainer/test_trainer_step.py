@@ -145,13 +145,15 @@ def no_host_reads():
 
 def test_forward_and_backward_never_read_a_tensor_on_the_host(trainer_assets, prepared, process_group, tmp_path):
     """transformers reads a device value to detect packing when it builds masks itself;
-    with our masks passed in, the step's forward and backward read nothing."""
+    with our masks passed in, the step's forward and backward read nothing (the loss head
+    gathers its label rows on the device, too)."""
     trainer = make_trainer(trainer_assets, prepared, tmp_path)
-    index = torch.tensor([0, 1])
+    index = torch.from_numpy(step_blocks(epoch_permutation(len(trainer.train_data), 1, 42), 0, trainer.plan, 0)[0])
     batch = trainer.train_blocks.gather(index)
-    trainer.token_loss_sum(batch).backward()  # warm-up outside the guard (lazy inits)
+    assert trainer.label_head and trainer.train_cap < batch["targets"].numel()  # rows are gathered
+    trainer.token_loss_sum(batch, trainer.train_cap).backward()  # warm-up outside the guard (lazy inits)
     with no_host_reads():
-        loss = trainer.token_loss_sum(trainer.train_blocks.gather(index))
+        loss = trainer.token_loss_sum(trainer.train_blocks.gather(index), trainer.train_cap)
         loss.backward()
     with pytest.raises(AssertionError, match="read on the host"):
         with no_host_reads():

@@ -28,6 +28,9 @@ DEFAULT_BATCH_SIZE_PER_DEVICE = 1
 # matches a full cosine at the same length (Hägele et al. 2024; MiniCPM), and 1.0 is the
 # classic schedule.
 DEFAULT_DECAY_RATIO = 0.2
+# The LM head and loss: `labels` at label positions only (loss.py), `full` transformers'
+# logits at every position (the reference; a fallback if the first only misbehaves on a slice).
+LOSS_HEADS = ("labels", "full")
 
 
 def default_run_name(model_id: str) -> str:
@@ -81,6 +84,7 @@ class FinetuneConfig(SliceConfig):
     dataset_format: str = "auto"
     compile: str = "auto"
     compute_dtype: str = "auto"
+    loss_head: str = "labels"
     progress_interval_s: float = 30.0
     max_failures: int = 0
     target_eval_loss: float = 0.0  # 0: off; else stop after the evaluation that reaches it
@@ -106,6 +110,7 @@ class FinetuneConfig(SliceConfig):
             (self.checkpoint_every_steps >= 0, "--checkpoint-every-steps must not be negative"),
             (self.compile in COMPILE_MODES, f"--compile must be one of {', '.join(COMPILE_MODES)}"),
             (self.compute_dtype in COMPUTE_DTYPES, f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}"),
+            (self.loss_head in LOSS_HEADS, f"--loss-head must be one of {', '.join(LOSS_HEADS)}"),
             (self.prompt_format in PROMPT_FORMATS, f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}"),
             (self.dataset_format in DATASET_FORMATS,
              f"--dataset-format must be one of {', '.join(DATASET_FORMATS)}"),

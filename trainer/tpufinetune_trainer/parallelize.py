@@ -11,6 +11,14 @@ prefetched while the previous block computes. The per-layer embedding table (Gem
 frozen, stored in the compute dtype and passed as `ignored_params`, so it stays a plain
 replicated lookup table: never all-gathered, reduced or stored in the optimizer.
 
+Resharding: every block frees its all-gathered parameters after its forward and gathers
+them again for its backward (`reshard_after_forward=True`, RESHARD_AFTER_FORWARD): the
+memory-safe choice on every TPU generation, at the cost of one more all-gather per block
+per micro-batch. Keeping them (False) only fits where HBM holds every block's compute-dtype
+copy beside the activations; docs/trainer.md has the choice per generation and what to
+measure before changing it. The root never reshards after forward (FSDP2 keeps the
+embedding and the tied head gathered until its backward).
+
 Compile: each block's forward is compiled on its own (torch.compile), before sharding,
 so FSDP's all-gather and reduce-scatter hooks stay outside the compiled graph; every
 block of a kind shares one graph.
@@ -23,6 +31,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from .model import decoder_blocks, freeze_per_layer_embeddings
+
+# One value for every generation until a slice measures otherwise (docs/trainer.md,
+# "Resharding after forward, per generation").
+RESHARD_AFTER_FORWARD = True
 
 
 def build_mesh(device_type: str, world_size: int):
@@ -45,7 +57,7 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, compile
     if compile:
         compile_blocks(model)
     for block in decoder_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=RESHARD_AFTER_FORWARD)
     # fully_shard moves what it manages to the mesh's device, one block at a time (so
     # the whole fp32 model never sits on one device); the frozen table follows by hand.
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored or None)

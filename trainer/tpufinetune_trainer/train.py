@@ -8,7 +8,8 @@ The hot loop never makes the host wait for the device: token counts come from th
 blocks (every rank knows the global batch's label count), every step's block indices and
 count reach the device in one host-to-device copy per epoch (a step selects its row there),
 the attention masks are built there from segment ids, the learning rate is read from a
-table on the device, and the loss is summed on the device in fp32. The host reads a device
+table on the device, and the loss is summed on the device in fp32, the LM head running
+at label positions only (loss.py: a buffer of a fixed number of rows, gathered there). The host reads a device
 value only once per epoch (the loss), at a checkpoint, at most once per --progress-interval
 on rank 0, and at each epoch's end.
 """
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
+from . import loss as head
 from . import notice
 from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device
 from .config import FinetuneConfig
@@ -120,6 +122,10 @@ class Trainer:
         self.compiled = compile_enabled(backend, cfg.compile)
         self.model = apply_fsdp(model, build_mesh(backend.device_type, world), self.dtype, compile=self.compiled,
                                 device=self.device)
+        # Else transformers' full-logits forward: asked for, or a head loss.py does not reproduce.
+        self.label_head = cfg.loss_head == "labels" and head.uses_label_head(self.model)
+        if self.label_head:
+            head.install(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.masks = MaskBuilder(self.model.config, cfg.max_seq_len, self.device, self.dtype,
                                  backend.attn_implementation)
@@ -131,6 +137,13 @@ class Trainer:
         self._build_optimizer()
         self.train_blocks = DeviceBlocks(self.train_data, self.device, self.pad_id)
         self.eval_blocks = DeviceBlocks(self.eval_data, self.device, self.pad_id) if self.eval_data else None
+        # Rows of the loss head's label buffer: the most label tokens of any micro-batch the
+        # run takes (static for the whole run; loss.py).
+        positions = self.plan.per_device * cfg.max_seq_len
+        self.train_cap = head.label_cap(head.most_label_tokens(self.train_data, self.plan, cfg.num_epochs, cfg.seed),
+                                        positions)
+        self.eval_cap = head.label_cap(head.most_eval_label_tokens(self.eval_data, world, self.plan.per_device),
+                                       positions) if self.eval_data else positions
         self.history: list[dict] = []
         self.epoch, self.epoch_step, self.global_step = 1, 0, 0
         self.carried = (0.0, 0)  # (loss sum, label tokens) of the resumed epoch's earlier steps
@@ -210,10 +223,21 @@ class Trainer:
             say(f"Resumed from {location} at {where} (global step {self.global_step}): {source}")
 
     # ------------------------------------------------------------------ one step
-    def token_loss_sum(self, batch: dict) -> torch.Tensor:
-        """Summed cross-entropy over the label tokens of a micro-batch, in fp32."""
-        out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                         attention_mask=self.masks(batch["segment_ids"]), use_cache=False)
+    def token_loss_sum(self, batch: dict, cap: int | None = None) -> torch.Tensor:
+        """Summed cross-entropy over the label tokens of a micro-batch, in fp32. The head
+        runs at `cap` gathered label positions (loss.py; None: every position), or, for a
+        model whose head loss.py does not reproduce, over transformers' full logits."""
+        masks = self.masks(batch["segment_ids"])
+        if self.label_head:
+            cap = batch["targets"].numel() if cap is None else cap
+            return self.model.label_loss_sum(batch["input_ids"], batch["position_ids"], masks, batch["targets"], cap)
+        return self.full_logits_loss_sum(batch, masks)
+
+    def full_logits_loss_sum(self, batch: dict, masks) -> torch.Tensor:
+        """transformers' forward: the logits of every position, then the loss (the reference
+        the label-position head is tested against)."""
+        out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=masks,
+                         use_cache=False)
         return F.cross_entropy(out.logits.flatten(0, 1).float(), batch["targets"].flatten().long(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -226,6 +250,7 @@ class Trainer:
             step_input = self.epoch_inputs.index_select(0, self.epoch_row).squeeze(0)
             self.epoch_row += 1
         else:
+            head.check_cap(self.train_data, blocks, self.train_cap, "train_step")
             host = np.concatenate([blocks.ravel(), [label_tokens]]).astype(np.int64)
             step_input = torch.from_numpy(host).to(self.device)
         self.step_from(step_input, loss_sum)
@@ -235,9 +260,11 @@ class Trainer:
         (its block indices, then the global batch's label count), copied to the device in
         one transfer at the start of the epoch; a step selects its row on the device."""
         data, plan = self.train_data, self.plan
-        rows = [np.concatenate([step_blocks(order, step, plan, self.rank).ravel(),
-                                [global_label_tokens(data, order, step, plan)]])
-                for step in range(self.epoch_steps)]
+        blocks = [step_blocks(order, step, plan, self.rank) for step in range(self.epoch_steps)]
+        for step, step_of_rank in enumerate(blocks):
+            head.check_cap(data, step_of_rank, self.train_cap, f"epoch {self.epoch} step {step}")
+        rows = [np.concatenate([step_of_rank.ravel(), [global_label_tokens(data, order, step, plan)]])
+                for step, step_of_rank in enumerate(blocks)]
         return torch.from_numpy(np.asarray(rows, dtype=np.int64).reshape(self.epoch_steps, -1)).to(self.device)
 
     def step_from(self, step_input: torch.Tensor, loss_sum: torch.Tensor) -> None:
@@ -248,7 +275,7 @@ class Trainer:
         index = step_input[:-1].view(self.plan.accum, self.plan.per_device)
         scale = self.world / step_input[-1].clamp(min=1).to(torch.float32)
         for micro in range(self.plan.accum):
-            summed = self.token_loss_sum(self.train_blocks.gather(index[micro]))
+            summed = self.token_loss_sum(self.train_blocks.gather(index[micro]), self.train_cap)
             (summed * scale).backward()
             loss_sum += summed.detach()
         if self.cfg.max_grad_norm > 0:
@@ -292,7 +319,9 @@ class Trainer:
             f"{self.epoch_steps} steps per epoch, {self.total_steps} in all; lr {cfg.learning_rate:g} "
             f"(warmup {self.warmup} steps, {self.schedule_words()}); "
             f"clip {cfg.max_grad_norm:g}; compute {str(self.dtype).removeprefix('torch.')}, master weights "
-            f"float32; compile {'on' if self.compiled else 'off'}")
+            f"float32; compile {'on' if self.compiled else 'off'}; loss head "
+            + (f"at label positions ({self.train_cap} rows of {plan.per_device * cfg.max_seq_len} per micro-batch)"
+               if self.label_head else "over every position (full logits)"))
         emit("plan", global_batch_blocks=plan.global_blocks, global_batch_tokens=plan.global_blocks * cfg.max_seq_len,
              accumulation=plan.accum, steps_per_epoch=self.epoch_steps, total_steps=self.total_steps,
              warmup_steps=self.warmup, lr_schedule=cfg.lr_schedule, compute_dtype=str(self.dtype).split(".")[-1],
@@ -418,7 +447,8 @@ class Trainer:
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         indices = torch.from_numpy(order.astype(np.int64)).to(self.device)  # one copy per evaluation
         for step in range(len(order) // per_device):
-            total += self.token_loss_sum(self.eval_blocks.gather(indices[step * per_device:(step + 1) * per_device]))
+            total += self.token_loss_sum(self.eval_blocks.gather(indices[step * per_device:(step + 1) * per_device]),
+                                         self.eval_cap)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         label_tokens = int(self.eval_data.label_tokens.sum())  # known on the host
         return float(total.item()) / label_tokens if label_tokens else None

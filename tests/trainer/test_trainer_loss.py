@@ -1,0 +1,186 @@
+"""The loss head at label positions only (loss.py) against transformers' full logits, in
+one process (a real world-size-1 gloo group, FSDP2): the same summed loss and gradients
+with Gemma's final-logit softcap, padded and chunked; no label is ever dropped. The
+2-rank gradient test (test_trainer_gradients.py) runs the same head under FSDP2 on two
+ranks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tpufinetune_trainer import loss
+from tpufinetune_trainer.backends import BACKENDS
+from tpufinetune_trainer.config import FinetuneConfig
+from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, epoch_permutation, pad_id_of, prepare, step_blocks
+from tpufinetune_trainer.errors import ConfigError
+from tpufinetune_trainer.model import load_tokenizer
+from tpufinetune_trainer.train import Trainer
+from trainer_helpers import single_process_group
+
+LENGTH = 256
+# A cap that bites on the tiny random model, whose logits are ~0.1: omitting it changes the
+# loss by far more than the tolerance (checked below, in the test itself).
+SOFTCAP = 0.05
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    with single_process_group():
+        yield
+
+
+@pytest.fixture(scope="module")
+def prepared(trainer_assets):
+    tokenizer = load_tokenizer(str(trainer_assets.model))
+    data = prepare(str(trainer_assets.data), "train[:160]", tokenizer, LENGTH, 0.1, 42)
+    return {"train": data.train, "eval": data.eval, "pad_id": pad_id_of(tokenizer)}
+
+
+@pytest.fixture(scope="module")
+def softcapped(trainer_assets, tmp_path_factory):
+    """The tiny Gemma 4 with `final_logit_softcapping` set (as Gemma's releases set it)."""
+    model = tmp_path_factory.mktemp("softcapped") / "model"
+    shutil.copytree(trainer_assets.model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"]["final_logit_softcapping"] = SOFTCAP
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def make_trainer(model, data, tmp_path, **overrides) -> Trainer:
+    settings = dict(model_id=str(model), storage_path=str(tmp_path), num_workers=1, device="cpu",
+                    max_seq_len=LENGTH, batch_size_per_device=2, num_epochs=2)
+    cfg = FinetuneConfig(**{**settings, **overrides}).validate()
+    return Trainer(cfg, BACKENDS["cpu"], data, rank=0, world=1, local_rank=0)
+
+
+def loss_and_grads(trainer: Trainer, batch: dict, head: bool) -> tuple[float, list[torch.Tensor]]:
+    trainer.model.zero_grad(set_to_none=True)
+    if head:
+        summed = trainer.token_loss_sum(batch, trainer.train_cap)
+    else:
+        summed = trainer.full_logits_loss_sum(batch, trainer.masks(batch["segment_ids"]))
+    summed.backward()
+    grads = [p.grad.full_tensor().clone() for p in trainer.params]
+    trainer.model.zero_grad(set_to_none=True)
+    return float(summed.detach()), grads
+
+
+def first_micro_batch(trainer: Trainer) -> dict:
+    order = epoch_permutation(len(trainer.train_data), 1, trainer.cfg.seed)
+    return trainer.train_blocks.gather(torch.from_numpy(step_blocks(order, 0, trainer.plan, 0)[0]))
+
+
+def test_the_label_head_gives_the_full_logits_loss_and_gradients_with_the_softcap(
+        softcapped, prepared, process_group, tmp_path, monkeypatch):
+    monkeypatch.setattr(loss, "CHUNK_ROWS", 100)  # several chunks, the last one short
+    trainer = make_trainer(softcapped, prepared, tmp_path)
+    assert trainer.label_head and trainer.model.config.get_text_config().final_logit_softcapping == SOFTCAP
+    batch = first_micro_batch(trainer)
+    labels = int((batch["targets"] != IGNORE_INDEX).sum())
+    positions = batch["targets"].numel()
+    # Padded: the cap holds more rows than this micro-batch has labels, and fewer than
+    # its positions, so rows are gathered, some of them padding.
+    assert labels < trainer.train_cap < positions and trainer.train_cap % loss.CHUNK_ROWS
+    full, full_grads = loss_and_grads(trainer, batch, head=False)
+    ours, our_grads = loss_and_grads(trainer, batch, head=True)
+    assert abs(ours - full) <= 1e-5 * abs(full), (ours, full)
+    assert sum(bool(torch.any(g != 0)) for g in full_grads) > len(full_grads) // 2
+    for name, a, b in zip([n for n, p in trainer.model.named_parameters() if p.requires_grad], full_grads,
+                          our_grads):
+        assert torch.linalg.vector_norm(a - b) <= 1e-5 * torch.linalg.vector_norm(a) + 1e-9, name
+    # The comparison can fail: without the softcap the head's loss and gradients are far
+    # from the full logits' ones (by 10 and 100 times the tolerance above).
+    original = loss.chunk_loss_and_grad
+    monkeypatch.setattr(loss, "chunk_loss_and_grad", lambda rows, weight, targets, softcap, with_grad:
+                        original(rows, weight, targets, None, with_grad))
+    without, without_grads = loss_and_grads(trainer, batch, head=True)
+    assert abs(without - full) > 1e-4 * abs(full), (without, full)
+    difference = torch.linalg.vector_norm(torch.cat([(a - b).flatten() for a, b in zip(full_grads, without_grads)]))
+    assert difference > 1e-3 * torch.linalg.vector_norm(torch.cat([a.flatten() for a in full_grads]))
+
+
+def test_the_evaluation_loss_is_the_full_logits_one(softcapped, prepared, process_group, tmp_path):
+    """`--loss-head full` (transformers' logits) is the reference and the fallback."""
+    ours = make_trainer(softcapped, prepared, tmp_path).evaluate()
+    reference = make_trainer(softcapped, prepared, tmp_path, loss_head="full")
+    assert not reference.label_head
+    full = reference.evaluate()
+    assert ours is not None and abs(ours - full) <= 1e-5 * full
+    with pytest.raises(ConfigError, match="--loss-head must be one of labels, full"):
+        FinetuneConfig(storage_path=str(tmp_path), loss_head="logits").validate()
+
+
+def test_the_label_head_in_bf16_compute_stays_within_bf16_of_the_full_logits(softcapped, prepared, process_group,
+                                                                             tmp_path):
+    """The TPU's dtypes on the CPU: bf16 head and hidden states, fp32 softcap and loss (the
+    full logits path caps in bf16, so the two differ by bf16 rounding only)."""
+    trainer = make_trainer(softcapped, prepared, tmp_path, compute_dtype="bfloat16")
+    batch = first_micro_batch(trainer)
+    full, full_grads = loss_and_grads(trainer, batch, head=False)
+    ours, our_grads = loss_and_grads(trainer, batch, head=True)
+    assert abs(ours - full) <= 1e-2 * abs(full), (ours, full)
+    assert {g.dtype for g in our_grads} == {torch.float32}
+    cosine = [float(F.cosine_similarity(a.flatten(), b.flatten(), dim=0)) for a, b in zip(full_grads, our_grads)
+              if torch.any(a != 0)]
+    assert min(cosine) > 0.99, min(cosine)
+
+
+def test_label_rows_keep_every_label_in_order_then_pad_with_unlabelled_positions():
+    generator = torch.Generator().manual_seed(0)
+    targets = torch.randint(0, 50, (3, 40), generator=generator)
+    targets[torch.rand(3, 40, generator=generator) < 0.7] = IGNORE_INDEX
+    flat = targets.flatten()
+    labelled = flat[flat != IGNORE_INDEX]
+    count = labelled.numel()
+    exact = flat[loss.label_rows(targets, count)]
+    assert torch.equal(exact, labelled)  # every label, once, in order
+    padded = flat[loss.label_rows(targets, count + 9)]
+    assert torch.equal(padded[:count], labelled) and bool(torch.all(padded[count:] == IGNORE_INDEX))
+
+
+def test_the_chunked_head_gradient_is_the_exact_one():
+    """float64 finite differences against the gradient the forward computes, softcap on, 3 chunks."""
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(7, 5, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(11, 5, dtype=torch.float64, generator=generator, requires_grad=True)
+    targets = torch.tensor([3, IGNORE_INDEX, 0, 10, 4, IGNORE_INDEX, 7])
+    assert torch.autograd.gradcheck(lambda r, w: loss.ChunkedHeadLoss.apply(r, w, targets, 0.7, 3, True),
+                                    (rows, weight))
+
+
+def test_the_cap_holds_every_micro_batch_of_the_run_and_a_smaller_one_is_refused(prepared):
+    """The cap is the most labels of any micro-batch of the run (every rank, every epoch);
+    a cap one row short is refused on the host, before the step, never applied."""
+    packed, plan, epochs, seed = prepared["train"], BatchPlan(2, 2, 2), 3, 42
+    most = loss.most_label_tokens(packed, plan, epochs, seed)
+    seen = [int(packed.label_tokens[blocks].sum())
+            for epoch in range(1, epochs + 1) for step in range(len(packed) // plan.global_blocks)
+            for rank in range(plan.world)
+            for blocks in step_blocks(epoch_permutation(len(packed), epoch, seed), step, plan, rank)]
+    assert max(seen) == most and len(set(seen)) > 1
+    assert loss.label_cap(most, 2 * LENGTH) >= most
+    assert loss.label_cap(3, 2 * LENGTH) == loss.ROW_ALIGN and loss.label_cap(10_000, 2 * LENGTH) == 2 * LENGTH
+    order = epoch_permutation(len(packed), 1, seed)
+    everything = np.stack([step_blocks(order, s, plan, r) for s in range(len(packed) // plan.global_blocks)
+                           for r in range(plan.world)])
+    loss.check_cap(packed, everything, max(int(packed.label_tokens[b].sum()) for b in everything.reshape(-1, 2)),
+                   "test")
+    with pytest.raises(RuntimeError, match="more than the loss head's"):
+        loss.check_cap(packed, everything, max(int(packed.label_tokens[b].sum()) for b in everything.reshape(-1, 2))
+                       - 1, "test")
+
+
+def test_an_epoch_whose_micro_batch_exceeds_the_cap_fails_before_its_first_step(softcapped, prepared,
+                                                                                 process_group, tmp_path):
+    trainer = make_trainer(softcapped, prepared, tmp_path, max_steps=1)
+    trainer.train_cap = loss.ROW_ALIGN  # below the run's largest micro-batch
+    with pytest.raises(RuntimeError, match="more than the loss head's"):
+        trainer.train_epoch()
+    assert trainer.global_step == 0
