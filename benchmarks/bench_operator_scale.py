@@ -1,24 +1,33 @@
-"""Operator steady-state cost at scale (a script, not a test): prints a table.
+"""Operator cost at rest, and after a restart, with many runs (a script, not a test): prints a table.
 
 On the real control plane with KubeRay's RayCluster CRD, and the operator as users run it:
-  - N TPUFineTunes (v6e 4x4) whose RayClusters wait for capacity: no KubeRay runs here,
-    so each stays not ready, as KubeRay leaves a cluster whose pods are Unschedulable;
-  - a few real runs on a local Ray head: their RayClusters are marked ready (what KubeRay
-    would write) and the operator reaches the head through TPUFT_DASHBOARD_URL; they run
-    the trainer's collectives check for real (jobs, log streams, status writes).
-Measured over a steady window once every waiting run is Provisioning and the real runs
-are in flight: the operator's requests to the API server per second, by resource and verb
-(the kube-apiserver's own apiserver_request_total; nothing else talks to it in the
-window), the operator's threads and RSS (peak), and how the real runs ended.
-Targets: no per-run GET or LIST every tick, threads bounded, RSS < 300 MB.
+  - finished runs (--finished): TPUFineTunes whose status says Succeeded, written before the
+    operator starts (as an operator restart finds them);
+  - waiting runs (--waiting, cumulative sizes, e.g. 100,1000): v6e 4x4 runs whose RayClusters
+    wait for capacity (no KubeRay runs here, so each stays not ready, as KubeRay leaves a
+    cluster whose pods are Unschedulable); --queued-share of them name a Kueue queue, so
+    their RayClusters are created suspended and wait for Kueue (which does not run here);
+  - a few real runs (--real) on a local Ray head: their RayClusters are marked ready (what
+    KubeRay would write) and the operator reaches the head through TPUFT_DASHBOARD_URL; they
+    fine-tune the tiny model for real (jobs, log streams, status writes) for many epochs.
+For each size, measured over a steady window once every waiting run is Provisioning or
+Queued: the operator's requests to the API server per second, by resource and verb (the
+kube-apiserver's own apiserver_request_total; nothing else talks to it in the window), the
+operator's threads and RSS. With --restart, the operator is then killed (SIGKILL) and a new
+one started: the seconds until every real run's status moves again (a new step written),
+and the log bytes the new operator read (tpufinetune_log_bytes_total).
+Targets: requests/s independent of the number of waiting and finished runs, threads
+bounded, RSS < 250 MB at 1000 runs, restart -> steady state <= 30 s.
 
-    flock /tmp/tpuft-ground.lock .venv/bin/python benchmarks/bench_operator_scale.py [--waiting 300] [--real 2]
+    flock /tmp/tpuft-ground.lock .venv/bin/python benchmarks/bench_operator_scale.py \
+        [--waiting 100,1000] [--finished 700] [--real 2] [--restart]
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 import tempfile
 import threading
@@ -40,16 +49,23 @@ REQUEST = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<count>[
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def waiting(name: str) -> dict:
-    return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": name},
-            "spec": {"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "registry.example/trainer:bench",
-                     "checkpoint": {"storagePath": "gs://bench/ckpt"}}}
+def waiting(name: str, queue: str = "") -> dict:
+    spec = {"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "registry.example/trainer:bench",
+            "checkpoint": {"storagePath": "gs://bench/ckpt"}}
+    if queue:
+        spec["queueName"] = queue
+    return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": name}, "spec": spec}
 
 
-def real(name: str, storage: Path) -> dict:
+def real(name: str, storage: Path, assets: Path) -> dict:
+    """A fine-tune of the tiny model that runs for many epochs: its status moves at each
+    epoch's end (a progress and an epoch event)."""
     return {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": name},
-            "spec": {"tpu": {"generation": "cpu", "topology": "2"}, "mode": "collectives",
-                     "image": "registry.example/trainer:bench", "checkpoint": {"storagePath": str(storage)}}}
+            "spec": {"tpu": {"generation": "cpu", "topology": "2"}, "image": "registry.example/trainer:bench",
+                     "model": {"id": str(assets / "model")},
+                     "dataset": {"id": str(assets / "data" / "train.jsonl"), "split": "train"},
+                     "training": {"epochs": 500, "batchSizePerDevice": 4, "maxSeqLen": 128},
+                     "checkpoint": {"storagePath": str(storage)}}}
 
 
 def requests(cp) -> Counter:
@@ -86,21 +102,67 @@ def wait(what: str, predicate, timeout: float, interval: float = 2.0):
     raise TimeoutError(f"{what} after {timeout}s")
 
 
+def write_finished(cp, namespace: str, count: int) -> None:
+    """Runs that ended before this operator started: applied, then their status written
+    (Succeeded, their RayCluster released) through the status subresource."""
+    from kubernetes import client, config
+
+    cp.kubectl("-n", namespace, "apply", "--server-side", "-f", "-", timeout=600,
+               input=yaml.safe_dump_all([waiting(f"done-{i}") for i in range(count)]))
+    api = config.new_client_from_config(config_file=str(cp.kubeconfig))
+    objects = client.CustomObjectsApi(api)
+    for i in range(count):
+        objects.patch_namespaced_custom_object_status(
+            "tpufinetune.dev", "v1alpha1", namespace, "tpufinetunes", f"done-{i}",
+            {"status": {"phase": "Succeeded", "rayClusterName": f"tft-done-{i}", "message": "finished earlier",
+                        "completionTime": "2026-01-01T00:00:00Z"}})
+    api.close()
+
+
+def steps(cp, namespace: str, names: list[str]) -> dict[str, int]:
+    out = cp.kubectl("-n", namespace, "get", "tpufinetunes", "-o", "jsonpath={range .items[*]}{.metadata.name}"
+                     "{\" \"}{.status.phase}{\" \"}{.status.progress.step}{\"\\n\"}{end}", timeout=120).stdout
+    found = {}
+    for line in out.splitlines():
+        name, _, rest = line.partition(" ")
+        phase, _, step = rest.partition(" ")
+        if name in names:
+            found[name] = int(step) if phase == "Running" and step.strip() else -1
+    return found
+
+
+def scraped(operator, metric: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(metric) and not line.startswith("#"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--waiting", type=int, default=300)
+    parser.add_argument("--waiting", default="100,1000", help="cumulative numbers of waiting runs, each measured")
+    parser.add_argument("--queued-share", type=float, default=0.3, help="share of waiting runs queued in Kueue")
+    parser.add_argument("--finished", type=int, default=700)
     parser.add_argument("--real", type=int, default=2)
     parser.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured")
+    parser.add_argument("--restart", action="store_true", help="then kill -9 the operator and time a new one")
     args = parser.parse_args()
+    sizes = [int(n) for n in args.waiting.split(",")]
 
     workdir = Path(tempfile.mkdtemp(prefix="tft-bench-scale-"))
     cp, _ = start_with_crds(workdir=workdir / "cp")
     head = operator = None
+    sampling = True
     try:
+        assets = workdir / "assets"
+        subprocess.run([sys.executable, "-m", "tpufinetune_trainer.assets", "--out", str(assets)], check=True,
+                       stdout=subprocess.DEVNULL)
         head = RayHead.start(num_cpus=4)
         env = cp.env()
         namespace = "bench"
         cp.kubectl("create", "namespace", namespace)
+        write_finished(cp, namespace, args.finished)
         # A fixed dashboard (the local head, its token); the runs' token Secrets are still
         # created, from a signing key kept in the bench namespace.
         env.update(TPUFT_DASHBOARD_URL=head.dashboard_url, TPUFT_RAY_TOKEN=head.token or "",
@@ -108,60 +170,92 @@ def main() -> int:
                    TPUFT_LEADER_ELECTION="false")  # one operator, admin credentials
         operator = OperatorProcess(env, workdir / "operator.log")
         operator.start()
-        pid = operator.proc.pid
         peak = {"rss": 0, "threads": 0}
-        sampling = True
 
         def sample() -> None:
             while sampling:
-                peak["rss"] = max(peak["rss"], proc_status(pid, "VmRSS"))
-                peak["threads"] = max(peak["threads"], proc_status(pid, "Threads"))
+                try:
+                    peak["rss"] = max(peak["rss"], proc_status(operator.proc.pid, "VmRSS"))
+                    peak["threads"] = max(peak["threads"], proc_status(operator.proc.pid, "Threads"))
+                except (OSError, ValueError):
+                    pass  # between the killed operator and the next
                 time.sleep(0.5)
 
         threading.Thread(target=sample, daemon=True).start()
 
-        started = time.monotonic()
-        text = yaml.safe_dump_all([waiting(f"wait-{i}") for i in range(args.waiting)])
-        cp.kubectl("-n", namespace, "apply", "--server-side", "-f", "-", input=text, timeout=300)
-        wait("every waiting run Provisioning",
-             lambda: phases(cp, namespace).get("Provisioning", 0) >= args.waiting, timeout=600)
-        settled = time.monotonic() - started
-
         storage = workdir / "ckpt"
         reals = [f"real-{i}" for i in range(args.real)]
         cp.kubectl("-n", namespace, "apply", "-f", "-",
-                   input=yaml.safe_dump_all([real(name, storage) for name in reals]))
+                   input=yaml.safe_dump_all([real(name, storage, assets) for name in reals]))
         for name in reals:  # what KubeRay would write once the pods are up
             wait(f"RayCluster of {name}", lambda: cp.kubectl("-n", namespace, "get", "raycluster", f"tft-{name}",
                                                              check=False).returncode == 0, timeout=120, interval=0.5)
             cp.kubectl("-n", namespace, "patch", "raycluster", f"tft-{name}", "--subresource=status",
                        "--type=merge", "-p", '{"status": {"state": "ready"}}')
+        wait("the real runs to train", lambda: all(v > 0 for v in steps(cp, namespace, reals).values())
+             and len(steps(cp, namespace, reals)) == len(reals), timeout=600)
 
-        before, t0 = requests(cp), time.monotonic()
-        time.sleep(args.window)
-        after, elapsed = requests(cp), time.monotonic() - t0
-        rates = {key: (after[key] - before[key]) / elapsed for key in after if after[key] - before[key] > 0}
+        columns, applied = [], 0
+        for size in sizes:
+            queued = int(round(size * args.queued_share))
+            started = time.monotonic()
+            text = yaml.safe_dump_all([waiting(f"wait-{i}", queue="team-a" if i < queued else "")
+                                       for i in range(applied, size)])
+            cp.kubectl("-n", namespace, "apply", "--server-side", "-f", "-", input=text, timeout=600)
+            applied = size
+            wait(f"{size} waiting runs Provisioning or Queued",
+                 lambda: phases(cp, namespace).get("Provisioning", 0) + phases(cp, namespace).get("Queued", 0)
+                 >= size, timeout=1200)
+            settled = time.monotonic() - started
+            time.sleep(10)  # the last wake-ups of the new runs
+            peak.update(rss=0, threads=0)
+            before, t0 = requests(cp), time.monotonic()
+            time.sleep(args.window)
+            after, elapsed = requests(cp), time.monotonic() - t0
+            rates = {key: (after[key] - before[key]) / elapsed for key in after if after[key] - before[key] > 0}
+            columns.append({"size": size, "queued": queued, "settled": settled, "rates": rates,
+                            "rss": peak["rss"], "threads": peak["threads"], "phases": phases(cp, namespace)})
 
-        final = wait("the real runs to end", lambda: all(
-            (cp.kubectl("-n", namespace, "get", "tpufinetune", name, "-o", "jsonpath={.status.phase}").stdout
-             in ("Succeeded", "Failed")) for name in reals) and phases(cp, namespace), timeout=600)
+        restart = None
+        if args.restart and reals:
+            before_steps = steps(cp, namespace, reals)
+            operator.kill()
+            killed = time.monotonic()
+            operator.start()
+            moved = wait("every real run's status moving again", lambda: all(
+                step > before_steps[name] for name, step in steps(cp, namespace, reals).items()), timeout=300,
+                interval=0.5)
+            restart = {"seconds": time.monotonic() - killed, "moved": bool(moved),
+                       "log_bytes": scraped(operator, "tpufinetune_log_bytes_total"),
+                       "rss": proc_status(operator.proc.pid, "VmRSS")}
         sampling = False
 
-        rows = [
-            (f"{args.waiting} applied -> all Provisioning", f"{settled:.0f} s", ""),
-            (f"API requests/s, all, {args.window:.0f} s steady window", f"{sum(rates.values()):.1f}",
-             f"<< {args.waiting}/poll"),
-        ]
-        for (resource, verb), rate in sorted(rates.items(), key=lambda kv: -kv[1])[:8]:
-            rows.append((f"  {verb} {resource}", f"{rate:.2f}", ""))
+        total = args.finished + args.real
+        rows = [("runs: finished + real + waiting (queued)",
+                 " | ".join(f"{args.finished} + {args.real} + {c['size']} ({c['queued']})" for c in columns),
+                 "")]
+        rows.append(("waiting applied -> all Provisioning/Queued", " | ".join(f"{c['settled']:.0f} s" for c in columns), ""))
+        rows.append((f"API requests/s, all, {args.window:.0f} s window",
+                     " | ".join(f"{sum(c['rates'].values()):.2f}" for c in columns), "same at every size"))
+        keys = sorted({k for c in columns for k in c["rates"]}, key=lambda k: -max(c["rates"].get(k, 0) for c in columns))
+        for resource, verb in keys[:10]:
+            rows.append((f"  {verb} {resource}", " | ".join(f"{c['rates'].get((resource, verb), 0):.2f}" for c in columns), ""))
         rows += [
-            ("operator threads, peak", str(peak["threads"]), "bounded"),
-            ("operator RSS, peak", f"{peak['rss'] / 1024:.0f} MB", "< 300 MB"),
-            ("phases at the end", ", ".join(f"{k} {v}" for k, v in sorted(final.items())), ""),
+            ("operator threads, peak in window", " | ".join(str(c["threads"]) for c in columns), "bounded"),
+            ("operator RSS, peak in window", " | ".join(f"{c['rss'] / 1024:.0f} MB" for c in columns),
+             f"< 250 MB at {total + sizes[-1]}"),
+            ("phases at the end", ", ".join(f"{k} {v}" for k, v in sorted(columns[-1]["phases"].items())), ""),
         ]
-        print_table(rows, value_width=24)
+        if restart is not None:
+            rows += [
+                ("kill -9 -> every real run's status moving", f"{restart['seconds']:.1f} s", "<= 30 s"),
+                ("log bytes read by the new operator", f"{restart['log_bytes']:.0f}", "a bounded tail"),
+                ("new operator RSS", f"{restart['rss'] / 1024:.0f} MB", "< 250 MB"),
+            ]
+        print_table(rows, value_width=40)
         return 0
     finally:
+        sampling = False
         if operator is not None:
             operator.stop()
         if head is not None:
