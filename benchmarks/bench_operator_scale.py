@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from harness.controlplane import start_with_crds  # noqa: E402
 from harness.operator_process import OperatorProcess  # noqa: E402
+from harness.ports import free_port  # noqa: E402
 from harness.rayhead import RayHead  # noqa: E402
 from bench_operator import print_table  # noqa: E402
 
@@ -134,7 +135,7 @@ def steps(cp, namespace: str, names: list[str]) -> dict[str, int]:
 def scraped(operator, metric: str) -> float:
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=10).read().decode()
+    text = urllib.request.urlopen(operator.metrics_url, timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(metric) and not line.startswith("#"))
 
@@ -160,6 +161,7 @@ def main() -> int:
                        stdout=subprocess.DEVNULL)
         head = RayHead.start(num_cpus=4)
         env = cp.env()
+        metrics_port = free_port()
         namespace = "bench"
         cp.kubectl("create", "namespace", namespace)
         write_finished(cp, namespace, args.finished)
@@ -167,8 +169,10 @@ def main() -> int:
         # created, from a signing key kept in the bench namespace.
         env.update(TPUFT_DASHBOARD_URL=head.dashboard_url, TPUFT_RAY_TOKEN=head.token or "",
                    TPUFT_POLL_INTERVAL="5", TPUFT_OPERATOR_NAMESPACE=namespace,
-                   TPUFT_LEADER_ELECTION="false")  # one operator, admin credentials
+                   TPUFT_LEADER_ELECTION="false",  # one operator, admin credentials
+                   TPUFT_METRICS_PORT=str(metrics_port))
         operator = OperatorProcess(env, workdir / "operator.log")
+        operator.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         operator.start()
         peak = {"rss": 0, "threads": 0}
 

@@ -11,6 +11,7 @@
 | tpufinetune_trainer_events_dropped_total | counter | | trainer event lines the status cannot hold (a wrong type, a refused value), dropped with a Warning Event |
 | tpufinetune_chip_seconds_total | counter | namespace, generation, reason | TPU chip-seconds of ended attempts (slice ready to released), by the attempt's end reason (status.attempts[].reason); counted once the attempt's slice is released |
 | tpufinetune_queue_wait_seconds | histogram | | Queued → admitted by Kueue (Provisioning), from the two phaseTransitionTimes; one observation per admission |
+| tpufinetune_log_bytes_total | counter | | bytes of the trainer jobs' logs read from Ray heads (streams and whole-log reads): what following the running jobs costs, e.g. after a restart |
 
 Per run (off with TPUFT_RUN_METRICS=false), read from each TPUFineTune's status as the watch
 sees it (core/runmetrics.py); a series is absent while the status has no value for it, and
@@ -83,6 +84,7 @@ QUEUE_WAIT = Histogram(
     "Seconds a TPUFineTune waited Queued before Kueue admitted it.",
     buckets=QUEUE_BUCKETS,
 )
+LOG_BYTES = Counter("tpufinetune_log_bytes", "Bytes of the trainer jobs' logs read from Ray heads.")
 DROPPED_EVENTS = Counter(
     "tpufinetune_trainer_events_dropped", "Trainer event lines the status cannot hold, dropped."
 )
@@ -181,6 +183,10 @@ def attempt_ended(namespace: str, generation: str, reason: str, chip_seconds: fl
 
 def events_dropped(count: int) -> None:
     DROPPED_EVENTS.inc(count)
+
+
+def log_read(size: int) -> None:
+    LOG_BYTES.inc(size)
 
 
 def step_failed(phase: str) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ray.job_submission import JobSubmissionClient
 
+from tpufinetune.adapters import metrics
 from tpufinetune.core.phases import JOB_ACTIVE, JobView
 from tpufinetune_trainer.events import EventStream, parse_text
 
@@ -220,6 +221,7 @@ class RayJobs:
     def events(self, address: str, submission_id: str) -> list[dict]:
         """Every trainer event of a short job's whole log (a preflight's)."""
         text = self.client(address).get_job_logs(submission_id)
+        metrics.log_read(len(text))
         return [event_dict(event) for event in parse_text(text[-LOG_EVENTS_CHARS:])]
 
     def log_tail(self, address: str, submission_id: str) -> str:
@@ -305,6 +307,7 @@ class LogFollower:
     def _feed(self, chunk: str | bytes, final: bool = False) -> None:
         """Parse complete lines only (the trainer's own parser); a partial line waits for
         the next chunk, so the cursor saved in status always sits on a line boundary."""
+        metrics.log_read(len(chunk))
         events = [event_dict(e) for e in self._stream.feed(chunk) + (self._stream.close() if final else [])]
         self._saw_last_event = self._saw_last_event or any(e.get("event") in LAST_EVENTS for e in events)
         self._pending.extend(events)
