@@ -66,7 +66,11 @@ def real(name: str, storage: Path, assets: Path) -> dict:
                      "model": {"id": str(assets / "model")},
                      "dataset": {"id": str(assets / "data" / "train.jsonl"), "split": "train"},
                      "training": {"epochs": 500, "batchSizePerDevice": 4, "maxSeqLen": 128},
-                     "checkpoint": {"storagePath": str(storage)}}}
+                     "checkpoint": {"storagePath": str(storage / name)},
+                     # One shared volume holds the path (here: the local head's own disk).
+                     **{group: {"volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}}],
+                                "volumeMounts": [{"name": "ckpt", "mountPath": str(storage)}]}
+                        for group in ("head", "workers")}}}
 
 
 def requests(cp) -> Counter:
@@ -101,6 +105,10 @@ def wait(what: str, predicate, timeout: float, interval: float = 2.0):
             return value
         time.sleep(interval)
     raise TimeoutError(f"{what} after {timeout}s")
+
+
+def is_queued(index: int, share: float) -> bool:
+    return int((index + 1) * share) > int(index * share)
 
 
 def write_finished(cp, namespace: str, count: int) -> None:
@@ -201,9 +209,10 @@ def main() -> int:
 
         columns, applied = [], 0
         for size in sizes:
-            queued = int(round(size * args.queued_share))
+            queued = sum(is_queued(i, args.queued_share) for i in range(size))
             started = time.monotonic()
-            text = yaml.safe_dump_all([waiting(f"wait-{i}", queue="team-a" if i < queued else "")
+            # Every run whose index crosses a multiple of 1/share is queued: the share holds at each size.
+            text = yaml.safe_dump_all([waiting(f"wait-{i}", queue="team-a" if is_queued(i, args.queued_share) else "")
                                        for i in range(applied, size)])
             cp.kubectl("-n", namespace, "apply", "--server-side", "-f", "-", input=text, timeout=600)
             applied = size
