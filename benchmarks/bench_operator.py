@@ -1,12 +1,16 @@
 """Operator benchmark (a script, not a test): prints a table.
 
 On the real control plane with KubeRay's RayCluster CRD and the operator as users run it:
-  1. apply -> RayCluster created, one resource at a time, p50 and p95 over 20;
-  2. 100 resources applied at once -> time until all 100 RayClusters exist;
-  3. operator RSS after that (peak of the samples taken while it worked).
-Targets: p50 < 1 s, 100 in < 30 s, RSS < 200 MB.
+  0. --background N resources applied first and left waiting (their RayClusters never get
+     ready: no KubeRay runs here), so the next figures are taken with N runs alive;
+  1. apply -> RayCluster created, one resource at a time, p50 and p95 over --single;
+  2. --burst resources applied at once (one server-side apply) -> time until all their
+     RayClusters exist, from the apply's start and from its return;
+  3. operator RSS and threads (peak of the samples taken while it worked).
+Targets: p95 < 0.5 s under 1000 runs; 3000 at once -> all RayClusters <= 5 s after the
+apply returned; RSS < 250 MB.
 
-    .venv/bin/python benchmarks/bench_operator.py [--single 20] [--burst 100]
+    .venv/bin/python benchmarks/bench_operator.py [--background 1000] [--single 20] [--burst 3000]
 """
 
 from __future__ import annotations
@@ -98,8 +102,16 @@ def print_table(rows: list[tuple[str, str, str]], value_width: int) -> None:
     for measure, value, target in rows:
         print(f"{measure.ljust(width)} | {value.ljust(value_width)} | {target}")
 
+def threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--background", type=int, default=0)
     parser.add_argument("--single", type=int, default=20)
     parser.add_argument("--burst", type=int, default=100)
     args = parser.parse_args()
@@ -129,6 +141,13 @@ def main() -> int:
 
         threading.Thread(target=sample, daemon=True).start()
 
+        if args.background:
+            started = time.monotonic()
+            cp.kubectl("-n", namespace, "apply", "--server-side", "-f", "-", timeout=900,
+                       input=yaml.safe_dump_all([manifest(f"bg-{i}") for i in range(args.background)]))
+            clusters.wait({f"tft-bg-{i}" for i in range(args.background)}, timeout=900)
+            background = time.monotonic() - started
+            time.sleep(10)  # settled: each background run has taken its first steps
         latencies = []
         for i in range(args.single):
             name = f"single-{i}"
@@ -140,25 +159,37 @@ def main() -> int:
 
         # One `kubectl apply --server-side` of 100 documents: client-side apply spends
         # most of its time in kubectl itself (a GET and a three-way diff per object).
-        burst = [manifest(f"burst-{i}") for i in range(args.burst)]
-        text = yaml.safe_dump_all(burst)
-        start = time.monotonic()
-        cp.kubectl("-n", namespace, "apply", "--server-side", "-f", "-", input=text, timeout=120)
-        applied = time.monotonic() - start
-        done = clusters.wait({f"tft-burst-{i}" for i in range(args.burst)}, timeout=300) - start
+        rows = []
+        if args.background:
+            rows.append((f"{args.background} background runs applied -> all RayClusters", f"{background:.1f} s", ""))
+        if latencies:
+            quantiles = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
+            under = f" ({args.background} runs alive)" if args.background else ""
+            rows += [
+                (f"apply -> RayCluster, p50{under}", f"{statistics.median(latencies):.3f} s", "< 1 s"),
+                (f"apply -> RayCluster, p95{under}", f"{quantiles[18]:.3f} s", "< 0.5 s"),
+            ]
+        if args.burst:
+            burst = [manifest(f"burst-{i}") for i in range(args.burst)]
+            text = yaml.safe_dump_all(burst)
+            start = time.monotonic()
+            cp.kubectl("-n", namespace, "apply", "--server-side", "-f", "-", input=text, timeout=900)
+            applied = time.monotonic() - start
+            done = clusters.wait({f"tft-burst-{i}" for i in range(args.burst)}, timeout=900) - start
+            rows += [
+                (f"{args.burst} applied at once: kubectl apply --server-side", f"{applied:.1f} s", ""),
+                (f"{args.burst} applied at once -> all RayClusters", f"{done:.1f} s", ""),
+                ("  of which after the apply returned", f"{max(0.0, done - applied):.1f} s", "<= 5 s"),
+            ]
         time.sleep(2)
         sampling = False
         clusters.close()
-        quantiles = statistics.quantiles(latencies, n=20)
-        rows = [
-            ("apply -> RayCluster, p50", f"{statistics.median(latencies):.3f} s", "< 1 s"),
-            ("apply -> RayCluster, p95", f"{quantiles[18]:.3f} s", ""),
-            (f"{args.burst} applied at once: kubectl apply --server-side", f"{applied:.1f} s", ""),
-            (f"{args.burst} applied at once -> all RayClusters", f"{done:.1f} s", "< 30 s"),
-            ("operator RSS, peak", f"{max(peak):.0f} MB", "< 200 MB"),
+        rows += [
+            ("operator RSS, peak", f"{max(peak):.0f} MB", "< 250 MB"),
             ("operator RSS, end", f"{rss_mb(operator.proc.pid):.0f} MB", ""),
+            ("operator threads, end", str(threads(operator.proc.pid)), "bounded"),
         ]
-        print_table(rows, value_width=10)
+        print_table(rows, value_width=12)
         return 0
     finally:
         if operator is not None:

@@ -26,6 +26,7 @@ bounded, RSS < 250 MB at 1000 runs, restart -> steady state <= 30 s.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -91,6 +92,12 @@ def proc_status(pid: int, key: str) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of the process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def phases(cp, namespace: str) -> Counter:
     out = cp.kubectl("-n", namespace, "get", "tpufinetunes", "-o",
                      "jsonpath={range .items[*]}{.status.phase}{\"\\n\"}{end}", timeout=120).stdout
@@ -105,6 +112,23 @@ def wait(what: str, predicate, timeout: float, interval: float = 2.0):
             return value
         time.sleep(interval)
     raise TimeoutError(f"{what} after {timeout}s")
+
+
+def confine(head_pid: int, cpus: str) -> None:
+    """Pin the Ray head's processes to `cpus`; the raylet's workers, started later, inherit it."""
+    import psutil
+
+    allowed = set()
+    for part in cpus.split(","):
+        low, _, high = part.partition("-")
+        allowed.update(range(int(low), int(high or low) + 1))
+    group = os.getpgid(head_pid)
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == group:
+                os.sched_setaffinity(proc.pid, allowed)
+        except (OSError, psutil.Error):
+            pass
 
 
 def is_queued(index: int, share: float) -> bool:
@@ -156,6 +180,9 @@ def main() -> int:
     parser.add_argument("--real", type=int, default=2)
     parser.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured")
     parser.add_argument("--restart", action="store_true", help="then kill -9 the operator and time a new one")
+    parser.add_argument("--ray-cpus", default="1", help="CPUs the Ray head and its trainers may use (taskset "
+                        "list, e.g. 1 or 2-3; empty: all): the trainers would otherwise take every core the "
+                        "operator and the API server are measured on")
     args = parser.parse_args()
     sizes = [int(n) for n in args.waiting.split(",")]
 
@@ -168,6 +195,8 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "tpufinetune_trainer.assets", "--out", str(assets)], check=True,
                        stdout=subprocess.DEVNULL)
         head = RayHead.start(num_cpus=4)
+        if args.ray_cpus:
+            confine(head.pid, args.ray_cpus)
         env = cp.env()
         metrics_port = free_port()
         namespace = "bench"
@@ -222,12 +251,14 @@ def main() -> int:
             settled = time.monotonic() - started
             time.sleep(10)  # the last wake-ups of the new runs
             peak.update(rss=0, threads=0)
-            before, t0 = requests(cp), time.monotonic()
+            before, t0, cpu0 = requests(cp), time.monotonic(), cpu_seconds(operator.proc.pid)
             time.sleep(args.window)
             after, elapsed = requests(cp), time.monotonic() - t0
+            cpu = (cpu_seconds(operator.proc.pid) - cpu0) / elapsed
             rates = {key: (after[key] - before[key]) / elapsed for key in after if after[key] - before[key] > 0}
             columns.append({"size": size, "queued": queued, "settled": settled, "rates": rates,
-                            "rss": peak["rss"], "threads": peak["threads"], "phases": phases(cp, namespace)})
+                            "rss": peak["rss"], "threads": peak["threads"], "cpu": cpu,
+                            "phases": phases(cp, namespace)})
 
         restart = None
         if args.restart and reals:
@@ -254,6 +285,7 @@ def main() -> int:
         for resource, verb in keys[:10]:
             rows.append((f"  {verb} {resource}", " | ".join(f"{c['rates'].get((resource, verb), 0):.2f}" for c in columns), ""))
         rows += [
+            ("operator CPU, mean in window", " | ".join(f"{c['cpu'] * 100:.0f} %" for c in columns), ""),
             ("operator threads, peak in window", " | ".join(str(c["threads"]) for c in columns), "bounded"),
             ("operator RSS, peak in window", " | ".join(f"{c['rss'] / 1024:.0f} MB" for c in columns),
              f"< 250 MB at {total + sizes[-1]}"),

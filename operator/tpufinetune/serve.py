@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from tpufinetune.adapters import handlers  # noqa: F401  (registers the handlers)
+    from tpufinetune.adapters import memory
+
+    memory.bound_arenas()  # before any worker thread allocates
     from tpufinetune.settings import Settings, SettingsError
 
     namespaces = args.namespace or ([os.environ["TPUFT_NAMESPACE"]] if os.environ.get("TPUFT_NAMESPACE") else [])

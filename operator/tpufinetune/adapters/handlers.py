@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import kopf
 from kubernetes import client, config
 
-from tpufinetune.adapters import metrics
+from tpufinetune.adapters import memory, metrics
 from tpufinetune.core import phases
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.progress import ProgressTracker
@@ -51,6 +51,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
                            lambda kind, type_, item: loop.call_soon_threadsafe(_changed, memo, kind, type_, item))
     memo.backend = KubeBackend(api, memo.settings, memo.watches)
     memo.watches.start()
+    memo.trimmer = asyncio.create_task(memory.trim_forever(), name="memory-trim")
     memo.jobs = RayJobs(headers=memo.settings.ray_headers(), timeout=memo.settings.ray_timeout)
     memo.progress = ProgressTracker()
     metrics.per_run(memo.settings.run_metrics)
@@ -90,6 +91,9 @@ async def stop_watches(memo: kopf.Memo, **_) -> None:
     watches = getattr(memo, "watches", None)
     if watches is not None:
         watches.stop()
+    trimmer = getattr(memo, "trimmer", None)
+    if trimmer is not None:
+        trimmer.cancel()
 
 
 def _changed(memo: kopf.Memo, kind: str, type_: str, item: dict) -> None:
