@@ -27,7 +27,3 @@ class Pool:
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()
         return await loop.run_in_executor(self._executor, functools.partial(context.run, fn, *args, **kwargs))
-
-    def shutdown(self) -> None:
-        """Let idle threads go; a call still running finishes in its thread."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
