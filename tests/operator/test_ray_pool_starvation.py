@@ -27,6 +27,7 @@ import time
 import pytest
 import yaml
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 
 from harness.operator_process import OperatorProcess
 from harness.timing import within
@@ -138,7 +139,12 @@ def test_black_holed_ray_heads_hold_the_ray_pool_and_a_new_run_still_provisions(
             status = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "fresh").get("status") or {}
             if status.get("phase") != "Provisioning":
                 return False
-            objects.get_namespaced_custom_object("ray.io", "v1", namespace, "rayclusters", "tft-fresh")
+            try:  # the status is written first, then the RayCluster created
+                objects.get_namespaced_custom_object("ray.io", "v1", namespace, "rayclusters", "tft-fresh")
+            except ApiException as error:
+                if error.status == 404:
+                    return False
+                raise
             return True
 
         wait_for(provisioning, within(PROVISIONING_S), "the new run to reach Provisioning with its RayCluster "
