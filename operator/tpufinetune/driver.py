@@ -152,10 +152,10 @@ class Run:
         if phase != phases.SUBMITTING or lost or not address or result.get("phase") != "Running" \
                 or result.get("attempt") != self.status.get("attempt"):
             return None, ()
-        job = await asyncio.to_thread(self.jobs.job, address, result["jobId"])
+        job = await self.jobs.call(self.jobs.job, address, result["jobId"])
         if job is None or job.status in phases.JOB_ACTIVE:
             return job, ()
-        return job, tuple(await asyncio.to_thread(self.jobs.events, address, result["jobId"]))
+        return job, tuple(await self.jobs.call(self.jobs.events, address, result["jobId"]))
 
     async def _authorize(self, address: str) -> None:
         """Every Ray call to this run's head carries the run's own token, and no other
@@ -172,7 +172,7 @@ class Run:
         `ray_unreachable_timeout`, (None, why). Until then a failure is transient: the
         step fails and is retried."""
         try:
-            job = await asyncio.to_thread(self.jobs.job, address, self.status["jobId"])
+            job = await self.jobs.call(self.jobs.job, address, self.status["jobId"])
         except Exception as error:
             key = (self.status.get("phase"), self.status.get("attempt"))
             if self.ray_down_since is None or self.ray_down_since[0] != key:
@@ -212,7 +212,7 @@ class Run:
         head, a refused token or a timeout gives None, and losing the cluster ends the job
         anyway."""
         try:
-            return await asyncio.wait_for(asyncio.to_thread(call, *args), DELETE_RAY_TIMEOUT)
+            return await asyncio.wait_for(self.jobs.call(call, *args), DELETE_RAY_TIMEOUT)
         except Exception as error:
             log.info("%s/%s: %s failed (%s); the cluster is going, and the job with it",
                      self.ident.namespace, self.ident.name, what, error or type(error).__name__)
@@ -302,7 +302,7 @@ class Run:
         """The failed job's last lines; never a reason to leave the failure undecided: a
         tail that cannot be read is said so, and the job's own message is what remains."""
         try:
-            return await asyncio.to_thread(self.jobs.log_tail, self.status["dashboardURL"], job_id)
+            return await self.jobs.call(self.jobs.log_tail, self.status["dashboardURL"], job_id)
         except Exception as error:
             detail = _one_line(error)
             log.warning("%s/%s: the log tail of %s could not be read: %s", self.ident.namespace,
@@ -411,7 +411,7 @@ class Run:
                 submission = job_submission(
                     self.ident.name, self.ident.namespace, self.ident.uid, self.spec, action.attempt, resume_from=resume
                 )
-                await asyncio.to_thread(
+                await self.jobs.call(
                     self.jobs.submit, self.status["dashboardURL"], action.submission_id,
                     submission.entrypoint, submission.runtime_env, submission.metadata,
                 )
@@ -420,7 +420,7 @@ class Run:
             elif isinstance(action, phases.SubmitPreflight):
                 request = preflight_submission(self.ident.name, self.ident.namespace, self.ident.uid, self.spec,
                                                action.attempt)
-                await asyncio.to_thread(self.jobs.submit, self.status["dashboardURL"], request.submission_id,
+                await self.jobs.call(self.jobs.submit, self.status["dashboardURL"], request.submission_id,
                                         request.entrypoint, request.runtime_env, request.metadata)
             elif isinstance(action, phases.RequestCheckpoint):
                 await self._request_checkpoint(action)
@@ -430,7 +430,7 @@ class Run:
                 if decision.phase == phases.QUEUED and self.follower is not None:
                     await self._last_lines_of_evicted_job()
             elif isinstance(action, phases.StopJob):
-                await asyncio.to_thread(self.jobs.stop, self.status["dashboardURL"], action.submission_id)
+                await self.jobs.call(self.jobs.stop, self.status["dashboardURL"], action.submission_id)
         if decision.phase != phases.RUNNING:
             # An evicted attempt's last lines (its newest checkpoint) are applied on the
             # next step; any other stream's are not this run's any more.
@@ -442,7 +442,7 @@ class Run:
         request = checkpoint_request(self.ident.name, self.ident.namespace, self.ident.uid, action.attempt,
                                      action.request, action.reason, action.detail)
         try:
-            await asyncio.to_thread(self.jobs.submit, self.status["dashboardURL"], request.submission_id,
+            await self.jobs.call(self.jobs.submit, self.status["dashboardURL"], request.submission_id,
                                     request.entrypoint, request.runtime_env, request.metadata)
         except Exception as error:
             log.warning("%s/%s: asking for a checkpoint failed: %s", self.ident.namespace, self.ident.name, error)
@@ -456,14 +456,14 @@ class Run:
         if attempt <= 1:
             return
         address, previous = self.status["dashboardURL"], submission_id(self.ident.uid, attempt - 1)
-        job = await asyncio.to_thread(self.jobs.job, address, previous)
+        job = await self.jobs.call(self.jobs.job, address, previous)
         if job is not None and job.status in phases.JOB_ACTIVE:
-            await asyncio.to_thread(self.jobs.stop, address, previous)
+            await self.jobs.call(self.jobs.stop, address, previous)
             raise RetryNotReady(f"attempt {attempt - 1} ({previous}) is still {job.status}; "
                                 f"stopping it before attempt {attempt} is submitted")
         if job is not None and self._within_retry_bound(attempt):
             # The same RayCluster: the ended driver's workers must have left Ray first.
-            left = await asyncio.to_thread(self.jobs.leftovers, address, previous)
+            left = await self.jobs.call(self.jobs.leftovers, address, previous)
             if left:
                 raise RetryNotReady(f"attempt {attempt} waits for attempt {attempt - 1}'s {left} to leave Ray")
         await self._workers_back(address, attempt)
@@ -476,7 +476,7 @@ class Run:
         if not self._within_retry_bound(attempt):
             return
         need = {("TPU" if generation(self.spec.tpu.generation).is_tpu else "CPU"): float(total_devices(self.spec))}
-        have = await asyncio.to_thread(self.jobs.alive_resources, address)
+        have = await self.jobs.call(self.jobs.alive_resources, address)
         short = {k: have.get(k, 0.0) for k, v in need.items() if have.get(k, 0.0) < v}
         if short:
             detail = ", ".join(f"{k} {have_:g}/{need[k]:g}" for k, have_ in short.items())

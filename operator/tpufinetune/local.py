@@ -84,7 +84,8 @@ def load_resource(path: str) -> dict:
 
 
 async def run_local(body: dict, address: str, settings: Settings, out=sys.stdout) -> dict:
-    run = Run(body, LocalBackend(address, out), RayJobs(headers=settings.ray_headers(), timeout=settings.ray_timeout), settings)
+    jobs = RayJobs(headers=settings.ray_headers(), timeout=settings.ray_timeout, threads=settings.ray_threads)
+    run = Run(body, LocalBackend(address, out), jobs, settings)
     try:
         await run.run(asyncio.Event())
     except asyncio.CancelledError:

@@ -13,6 +13,8 @@
 | TPUFT_STALL_TIMEOUT | 300 | seconds a run's status may fail to be written (any error: refused, unreachable API server) before the operator's /healthz fails, so that Kubernetes restarts it; a successful write resets the clock |
 | TPUFT_KUBE_TIMEOUT | 30 | seconds any one Kubernetes API call may take (connect and answer); an API server that never answers holds one worker thread no longer |
 | TPUFT_STATUS_WRITE_INTERVAL | 1 | least seconds between two status writes of one run: a chatty trainer's events are gathered into fewer writes |
+| TPUFT_RAY_THREADS | 32 | threads for calls to Ray heads (the Job API client blocks): as many heads that never answer can each hold one for TPUFT_RAY_TIMEOUT before other runs' Ray calls wait; Kubernetes calls never wait on them (a pool of their own) |
+| TPUFT_KUBE_THREADS | 32 | threads for Kubernetes API calls (status writes, RayCluster and pod reads, creates), and the client's connections kept to the API server |
 | TPUFT_NAMESPACE | (all) | watch only this namespace |
 | TPUFT_RUN_METRICS | true | export each run's own series on /metrics (tpufinetune_run_*: phase, loss, progress, throughput, cost; up to 12 series per run, see adapters/metrics.py); false keeps only the operator's own, whose series do not grow with the number of runs |
 | TPUFT_LEADER_ELECTION | true | run kopf's handlers only while holding a Lease, so several replicas can run with one active; false for a single operator outside a cluster |
@@ -35,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tpufinetune.core.lease import timing_problem
 
 DEFAULT_DASHBOARD_URL = "http://{service}.{namespace}.svc:8265"
+DEFAULT_RAY_THREADS = 32  # also RayJobs' own default (run --local, tests)
 PREFIX = "TPUFT_"
 
 
@@ -56,6 +59,8 @@ class Settings(BaseModel):
     stall_timeout: float = Field(300.0, gt=0)
     kube_timeout: float = Field(30.0, gt=0, le=600)
     status_write_interval: float = Field(1.0, ge=0, le=60)
+    ray_threads: int = Field(DEFAULT_RAY_THREADS, ge=1, le=1024)
+    kube_threads: int = Field(32, ge=1, le=1024)
     namespace: str = ""
     run_metrics: bool = True
     operator_namespace: str = Field("tpufinetune-system", min_length=1, max_length=63)
@@ -112,6 +117,8 @@ def _settings_error(exc: ValidationError, values: dict) -> SettingsError:
     if first["type"] in ("float_parsing", "float_type"):
         return SettingsError(f"{variable}={given!r} is not a number of seconds; write a "
                              "plain number, e.g. 5 (not 5s)")
+    if first["type"] in ("int_parsing", "int_type", "int_from_float"):
+        return SettingsError(f"{variable}={given!r} is not a whole number; write e.g. 32")
     if first["type"] == "bool_parsing":
         return SettingsError(f"{variable}={given!r}: write true or false")
     return SettingsError(f"{variable}={given!r}: {first['msg'].lower()}")

@@ -35,6 +35,8 @@ def test_every_field_is_read_from_its_variable(tmp_path):
      "TPUFT_POLL_INTERVAL='5s' is not a number of seconds; write a plain number, e.g. 5"),
     ({"TPUFT_PROVISION_TIMEOUT": "30m"}, "TPUFT_PROVISION_TIMEOUT='30m' is not a number"),
     ({"TPUFT_POLL_INTERVAL": "0"}, "TPUFT_POLL_INTERVAL='0': input should be greater than 0"),
+    ({"TPUFT_RAY_THREADS": "many"}, "TPUFT_RAY_THREADS='many' is not a whole number"),
+    ({"TPUFT_KUBE_THREADS": "0"}, "TPUFT_KUBE_THREADS='0': input should be greater than or equal to 1"),
     ({"TPUFT_RAY_TOKEN_FILE": "/nonexistent/token"},
      "TPUFT_RAY_TOKEN_FILE: cannot read /nonexistent/token"),
 ])

@@ -1,9 +1,9 @@
 """The Kubernetes side of a run under faults, against a real kube-apiserver: a
 RayCluster that admission refuses (a ValidatingAdmissionPolicy, as a webhook, a quota or
 a policy would) is shown with the API server's words and fails the run once the
-provisioning timeout has passed; a deletion the watch never delivered (kopf lists again
-after a 410 without DELETED events) is found by a GET; a RayCluster already being deleted
-is not deleted again.
+provisioning timeout has passed; a deletion the watch never delivered (the watch expired,
+410 Gone) is found by the informer's next list; a RayCluster already being deleted is not
+deleted again.
 
 Real parts: the kube-apiserver with the KubeRay CRD and the project's CRD, the operator's
 KubeBackend and driver. No KubeRay and no Ray.
@@ -18,7 +18,8 @@ import time
 import pytest
 import yaml
 
-from tpufinetune.adapters.kube import KubeBackend
+from tpufinetune.adapters.informer import Gone
+from tpufinetune.adapters.kube import KubeBackend, Watches
 from tpufinetune.core.api import parse_spec
 from tpufinetune.core.phases import Identity
 from tpufinetune.core.sizing import render_raycluster
@@ -115,24 +116,28 @@ def ready_raycluster(control_plane, namespace: str, **meta) -> dict:
     return json.loads(kubectl("-n", namespace, "get", "raycluster", "tft-cache", "-o", "json").stdout)
 
 
-def test_a_deletion_the_watch_missed_is_found_before_a_run_acts_on_the_cached_body(
+def test_a_deletion_no_watch_saw_is_dropped_by_the_list_a_410_leads_to(
         control_plane, kuberay_crd, k8s_api, namespace):
+    """A RayCluster deleted while no watch was open (the watch expired: 410 Gone) gets no
+    DELETED event; the informer's next list replaces its store, reports the deletion, and
+    the run sees the cluster gone: never a submit to a head that went with it."""
     ident = Identity("cache", namespace, UID)
-    backend = KubeBackend(k8s_api, Settings())
-    backend.watched.seen(ready_raycluster(control_plane, namespace))  # what the watch delivered
+    changes = []
+    watches = Watches(k8s_api, Settings(namespace=namespace), lambda *change: changes.append(change))
+    informer = watches.informers[0]
+    ready_raycluster(control_plane, namespace)
+    version = informer._list()
+    backend = KubeBackend(k8s_api, Settings(), watches)
+    assert asyncio.run(backend.observe(ident, "tft-cache")).ready
     control_plane.kubectl("-n", namespace, "delete", "raycluster", "tft-cache", "--wait=true")
-    # No DELETED event reaches the cache (kopf's re-list after a 410 sends none).
-    view = asyncio.run(backend.observe(ident, "tft-cache"))
-    assert not view.exists  # a ready body is confirmed by a GET: never a submit to a gone head
-
-    waiting = ready_raycluster(control_plane, namespace)
-    waiting["status"] = {}  # a cluster that waits for capacity: not confirmed every tick
-    backend.watched.seen(waiting)
-    backend.watched.max_age = 1.0
-    control_plane.kubectl("-n", namespace, "delete", "raycluster", "tft-cache", "--wait=true")
-    assert asyncio.run(backend.observe(ident, "tft-cache")).exists  # trusted for a while
-    time.sleep(1.2)
-    assert not asyncio.run(backend.observe(ident, "tft-cache")).exists  # used to be kept for ever
+    assert asyncio.run(backend.observe(ident, "tft-cache")).ready  # nothing told the store yet
+    # The API server answers a watch from a resourceVersion it no longer holds with 410 Gone.
+    with pytest.raises(Gone):
+        informer._watch("1")
+    assert version  # the list's own version, where a watch would have resumed
+    informer._list()
+    assert ("rayclusters", "DELETED") in [(kind, type_) for kind, type_, _ in changes]
+    assert not asyncio.run(backend.observe(ident, "tft-cache")).exists
 
 
 def test_a_raycluster_already_being_deleted_is_not_deleted_again(control_plane, kuberay_crd, k8s_api, namespace):

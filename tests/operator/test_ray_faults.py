@@ -16,7 +16,6 @@ import shlex
 import socket
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
@@ -368,9 +367,8 @@ def test_black_holed_heads_stall_no_other_run_and_hold_threads_only_briefly(ray_
         holes.append(hole)
 
     async def scenario():
-        # A small pool, so that threads held for ever by black holes would starve the healthy run.
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=4))
-        jobs = RayJobs(headers=ray_head.headers(), timeout=2)
+        # A small Ray pool, so that threads held for ever by black holes would starve the healthy run.
+        jobs = RayJobs(headers=ray_head.headers(), timeout=2, threads=4)
         healthy = local_run(ray_head, resource(trainer_assets, tmp_path / "ckpt", mode="collectives"), jobs=jobs)
         stuck = []
         for hole in holes:

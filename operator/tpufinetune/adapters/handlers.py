@@ -34,25 +34,36 @@ RUNS: dict[tuple[str, str], Run] = {}
 RELEASE_WAIT_S = 60
 
 
-def _load_kube_config() -> client.ApiClient:
+# The default executor serves only what is left after the Ray and Kubernetes pools: the
+# event loop's DNS lookups (aiohttp: kopf's API calls, the log streams).
+DEFAULT_THREADS = 8
+# kopf runs synchronous handlers in its executor; every handler here is async.
+KOPF_THREADS = 2
+
+
+def _load_kube_config(connections: int | None = None) -> client.ApiClient:
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.ApiClient()
+    configuration = client.Configuration.get_default_copy()
+    if connections:  # one kept connection per Kubernetes thread (the client's default: 5 per CPU)
+        configuration.connection_pool_maxsize = connections
+    return client.ApiClient(configuration)
 
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     memo.settings = Settings.from_env()
-    api = _load_kube_config()
+    api = _load_kube_config(memo.settings.kube_threads)
     loop = asyncio.get_running_loop()
     memo.watches = Watches(api, memo.settings,
                            lambda kind, type_, item: loop.call_soon_threadsafe(_changed, memo, kind, type_, item))
     memo.backend = KubeBackend(api, memo.settings, memo.watches)
     memo.watches.start()
     memo.trimmer = asyncio.create_task(memory.trim_forever(), name="memory-trim")
-    memo.jobs = RayJobs(headers=memo.settings.ray_headers(), timeout=memo.settings.ray_timeout)
+    memo.jobs = RayJobs(headers=memo.settings.ray_headers(), timeout=memo.settings.ray_timeout,
+                        threads=memo.settings.ray_threads)
     memo.progress = ProgressTracker()
     metrics.per_run(memo.settings.run_metrics)
     settings.persistence.finalizer = FINALIZER
@@ -66,10 +77,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     # kopf's own short calls (its patches, Events) are bounded as ours are.
     settings.networking.request_timeout = memo.settings.kube_timeout
     settings.networking.connect_timeout = memo.settings.kube_timeout
-    # Each run makes short blocking API calls in threads; hundreds of runs must not
-    # queue behind a handful of workers.
-    settings.execution.executor = ThreadPoolExecutor(max_workers=64)
-    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=64))
+    # Ray and Kubernetes calls have a pool each (RayJobs, KubeBackend); these serve the rest.
+    settings.execution.executor = ThreadPoolExecutor(max_workers=KOPF_THREADS, thread_name_prefix="kopf")
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(max_workers=DEFAULT_THREADS, thread_name_prefix="asyncio"))
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10)

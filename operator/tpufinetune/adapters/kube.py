@@ -1,6 +1,8 @@
 """Thin Kubernetes adapter: the RayCluster a run owns, and the run's status writes.
 
-Blocking client calls run in threads so one slow API call never stalls other runs.
+Blocking client calls run in the backend's own pool of threads (TPUFT_KUBE_THREADS), so
+one slow API call never stalls other runs, and Ray calls (another pool) never hold them up.
+An answer 429 Too Many Requests is waited out (its Retry-After) and the call repeated.
 """
 
 from __future__ import annotations
@@ -11,17 +13,19 @@ import functools
 import json
 import logging
 import time
+from datetime import datetime, timezone
 
 import kopf
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from tpufinetune.core.errors import CreateRefused, StatusConflict
-from tpufinetune.core import podstatus
+from tpufinetune.core import podstatus, retryafter
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.phases import ClusterView, Identity, QueueView
 from tpufinetune.core.sizing import NAME_LABEL, POD_SELECTOR, QUEUE_NAME_LABEL
 from tpufinetune.adapters import informer
+from tpufinetune.adapters.pools import Pool
 from tpufinetune.adapters.raytokens import RayTokens
 from tpufinetune.settings import Settings
 
@@ -182,6 +186,26 @@ def _labels(item: dict) -> dict:
     return (item.get("metadata") or {}).get("labels") or {}
 
 
+class Throttled:
+    """Answers 429 are normal under load (API Priority and Fairness): logged at most once
+    per `every` seconds, with how many calls waited, never once per call."""
+
+    def __init__(self, every: float = 30.0):
+        self.every = every
+        self.count = 0  # calls answered 429 since the process started
+        self._since_log = 0
+        self._logged = float("-inf")
+
+    def saw(self, wait: float) -> None:
+        self.count += 1
+        self._since_log += 1
+        now = time.monotonic()
+        if now - self._logged >= self.every:
+            log.info("the API server answered 429 Too Many Requests to %d call(s); each waits its "
+                     "Retry-After (now %gs) and is sent again", self._since_log, wait)
+            self._logged, self._since_log = now, 0
+
+
 class KubeBackend:
     def __init__(self, api: client.ApiClient, settings: Settings, watches: Watches | None = None):
         self.objects = client.CustomObjectsApi(api)
@@ -189,6 +213,9 @@ class KubeBackend:
         self.settings = settings
         # None: every observation reads the API server (throttled as RECHECK_S says).
         self.watches = watches
+        self.pool = Pool("kube", settings.kube_threads)
+        self.throttled = Throttled()
+        self.throttle_budget = retryafter.BUDGET_S  # seconds one call may wait out 429s
         self._checks: dict[tuple[str, str], tuple] = {}  # (kind, cluster uid) -> (version, when, value)
         self._created: dict[tuple[str, str], float] = {}  # (namespace, name) -> when we created it
         # Every call, connect and answer: an API server that never answers holds one
@@ -197,6 +224,25 @@ class KubeBackend:
         self.tokens = RayTokens(api, settings.operator_namespace, self._timeout)
         # Nodes carrying the maintenance label, from the node watch (handlers.node_maintenance).
         self.maintenance_nodes: dict[str, str] = {}
+
+    async def _call(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` (blocking) in the Kubernetes pool. A 429 Too Many Requests
+        was not processed: wait its Retry-After (here, holding no thread) and call again,
+        up to retryafter.BUDGET_S of waiting; then the 429 is the caller's error."""
+        waited = 0.0
+        while True:
+            try:
+                return await self.pool.call(fn, *args, **kwargs)
+            except ApiException as error:
+                if error.status != 429:
+                    raise
+                header = error.headers.get("Retry-After") if error.headers else None
+                wait = retryafter.next_wait(header, waited, datetime.now(timezone.utc), self.throttle_budget)
+                if wait is None:
+                    raise
+                self.throttled.saw(wait)
+                await asyncio.sleep(wait)
+                waited += wait
 
     async def _synced(self, store: informer.Store | None) -> bool:
         """The watch's store is complete (its first list is in); waits a moment for it
@@ -219,7 +265,7 @@ class KubeBackend:
             created = self._created.get((namespace, name))
             if body is not None or created is None or time.monotonic() - created > CREATED_GRACE_S:
                 return body
-        body = await asyncio.to_thread(self._get_cluster, namespace, name)
+        body = await self._call(self._get_cluster, namespace, name)
         return informer.project_raycluster(body) if body is not None else None
 
     async def _pods(self, namespace: str, cluster: dict) -> list[dict]:
@@ -262,7 +308,7 @@ class KubeBackend:
         last = self._checks.get(key)
         if last is not None and last[0] == version and now - last[1] < RECHECK_S:
             return last[2]
-        value = await asyncio.to_thread(read)
+        value = await self._call(read)
         if keep(value):
             self._checks[key] = (version, now, value)
         return value
@@ -280,7 +326,7 @@ class KubeBackend:
     async def slice_health(self, ident: Identity, name: str, since, hosts: int) -> podstatus.SliceHealth:
         """The cluster's pods and their nodes, read once a job ended without success (RBAC:
         list pods, get nodes)."""
-        return await asyncio.to_thread(self._slice_health, ident.namespace, name, since, hosts)
+        return await self._call(self._slice_health, ident.namespace, name, since, hosts)
 
     def _slice_health(self, namespace: str, name: str, since, hosts: int) -> podstatus.SliceHealth:
         pods = self._cluster_pods(namespace, name)
@@ -334,8 +380,8 @@ class KubeBackend:
 
     async def create(self, ident: Identity, manifest: dict) -> None:
         # The run's token Secret (which the RayCluster's pods need) and NetworkPolicy first.
-        await asyncio.to_thread(self.tokens.create_for_run, ident)
-        await asyncio.to_thread(self._create_cluster, ident.namespace, manifest)
+        await self._call(self.tokens.create_for_run, ident)
+        await self._call(self._create_cluster, ident.namespace, manifest)
         self._created[(ident.namespace, manifest["metadata"]["name"])] = time.monotonic()
 
     async def ray_token(self, ident: Identity) -> str | None:
@@ -343,7 +389,7 @@ class KubeBackend:
         dashboard, whose token is TPUFT_RAY_TOKEN."""
         if self.settings.fixed_dashboard:
             return None
-        return await asyncio.to_thread(self.tokens.token, ident)
+        return await self._call(self.tokens.token, ident)
 
     def _create_cluster(self, namespace: str, manifest: dict) -> None:
         try:
@@ -357,7 +403,7 @@ class KubeBackend:
             raise
 
     async def delete(self, ident: Identity, name: str) -> None:
-        await asyncio.to_thread(self._delete_cluster, ident, name)
+        await self._call(self._delete_cluster, ident, name)
 
     def _delete_cluster(self, ident: Identity, name: str) -> None:
         # Preconditions: only delete the object we own (uid checked on observe), and
@@ -389,7 +435,7 @@ class KubeBackend:
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
         try:
-            written = await asyncio.to_thread(
+            written = await self._call(
                 self.objects.patch_namespaced_custom_object_status,
                 GROUP, VERSION, ident.namespace, PLURAL, ident.name, body,
                 _request_timeout=self._timeout,
@@ -405,7 +451,7 @@ class KubeBackend:
         """(the object's status as the API server holds it now, its resourceVersion); None
         if it is gone."""
         try:
-            body = await asyncio.to_thread(self.objects.get_namespaced_custom_object,
+            body = await self._call(self.objects.get_namespaced_custom_object,
                                            GROUP, VERSION, ident.namespace, PLURAL, ident.name,
                                            _request_timeout=self._timeout)
         except ApiException as error:

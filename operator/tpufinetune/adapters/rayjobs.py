@@ -1,6 +1,7 @@
 """Thin adapter over Ray's Job API (JobSubmissionClient) plus an incremental log follower.
 
-The client is synchronous (requests); callers run it in a thread. The log follower uses
+The client is synchronous (requests); callers run it in RayJobs' own pool of threads
+(`await jobs.call(jobs.job, ...)`), never in the one Kubernetes calls use. The log follower uses
 the Job API's websocket tail, so each byte of a multi-megabyte log is parsed once, not on
 every poll.
 """
@@ -17,7 +18,9 @@ from dataclasses import dataclass, field
 from ray.job_submission import JobSubmissionClient
 
 from tpufinetune.adapters import metrics
+from tpufinetune.adapters.pools import Pool
 from tpufinetune.core.phases import JOB_ACTIVE, JobView
+from tpufinetune.settings import DEFAULT_RAY_THREADS
 from tpufinetune_trainer.events import EventStream, parse_text
 
 log = logging.getLogger(__name__)
@@ -160,15 +163,24 @@ class TimedJobClient(JobSubmissionClient):
 class RayJobs:
     """One Job API client per dashboard address, created on first use. Each address may
     have its own token (`authorize`: each run's head has its own); `headers` are for the
-    addresses that have none (a fixed dashboard: a port-forward, a local head)."""
+    addresses that have none (a fixed dashboard: a port-forward, a local head).
 
-    def __init__(self, headers: dict | None = None, timeout: float = 10.0, heartbeat: float = LOG_HEARTBEAT_S):
+    Its methods block; `call` runs one in the Ray pool (`threads`, TPUFT_RAY_THREADS):
+    heads that never answer hold these threads only, never a Kubernetes call's."""
+
+    def __init__(self, headers: dict | None = None, timeout: float = 10.0, heartbeat: float = LOG_HEARTBEAT_S,
+                 threads: int = DEFAULT_RAY_THREADS):
         drop_address_overrides()
+        self.pool = Pool("ray", threads)
         self._headers = headers or {}
         self._address_headers: dict[str, dict] = {}
         self.timeout = timeout
         self.heartbeat = heartbeat
         self._clients: dict[str, TimedJobClient] = {}
+
+    async def call(self, fn, *args):
+        """`fn(*args)` (one of these blocking methods, or a client's) in the Ray pool."""
+        return await self.pool.call(fn, *args)
 
     def authorize(self, address: str, token: str) -> None:
         """Send `token` to this address, and only to it (a new token replaces the client)."""
@@ -268,7 +280,7 @@ class LogFollower:
         while True:
             before = self.cursor
             try:
-                client = await asyncio.to_thread(self.jobs.client, self.address)
+                client = await self.jobs.call(self.jobs.client, self.address)
                 async for chunk in client.tail_job_logs(self.submission_id):
                     self._feed(chunk)
                 if not await self._still_running():
@@ -291,7 +303,7 @@ class LogFollower:
 
     async def _still_running(self) -> bool:
         try:
-            job = await asyncio.to_thread(self.jobs.job, self.address, self.submission_id)
+            job = await self.jobs.call(self.jobs.job, self.address, self.submission_id)
         except Exception:
             return True  # unknown: reconnect rather than risk missing lines
         return job is not None and job.status in JOB_ACTIVE
@@ -345,7 +357,7 @@ class LogFollower:
         log.warning("log stream of %s was cut or still open %ss after the job ended; reading the rest",
                     self.submission_id, timeout)
         await self.close()
-        text = await asyncio.to_thread(self.jobs.client(self.address).get_job_logs, self.submission_id)
+        text = await self.jobs.call(lambda: self.jobs.client(self.address).get_job_logs(self.submission_id))
         self._replay_from_start()  # the whole log, from byte 0: what was read is skipped
         self._feed(text, final=True)
         self._finished = True
