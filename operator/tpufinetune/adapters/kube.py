@@ -156,6 +156,7 @@ class Watches:
                      core.list_pod_for_all_namespaces,
                      functools.partial(objects.list_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION, WORKLOADS))
         timeout = settings.kube_timeout
+        self.started = float("-inf")
         self.informers = (
             informer.Informer(RAY_PLURAL, lists[0], self.clusters, on_change, timeout, label_selector=NAME_LABEL),
             informer.Informer("pods", lists[1], self.pods, on_change, timeout, label_selector=POD_SELECTOR),
@@ -163,6 +164,7 @@ class Watches:
         )
 
     def start(self) -> None:
+        self.started = time.monotonic()
         for each in self.informers:
             each.start()
 
@@ -245,15 +247,13 @@ class KubeBackend:
                 waited += wait
 
     async def _synced(self, store: informer.Store | None) -> bool:
-        """The watch's store is complete (its first list is in); waits a moment for it
-        right after a start rather than read the API server for every run."""
+        """The watch's store is complete (its first list is in). In the first SYNC_WAIT_S
+        after the watches started, waits for it rather than read the API server for every
+        run; later (a watch that cannot list: RBAC, an API server away) it does not wait."""
         if store is None:
             return False
-        if not store.synced.is_set():
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + SYNC_WAIT_S
-            while not store.synced.is_set() and loop.time() < deadline:
-                await asyncio.sleep(0.1)
+        while not store.synced.is_set() and time.monotonic() < self.watches.started + SYNC_WAIT_S:
+            await asyncio.sleep(0.1)
         return store.synced.is_set()
 
     async def _cluster(self, namespace: str, name: str) -> dict | None:
