@@ -4,11 +4,12 @@ tests, then on a real Ray head: what a resume transfers)."""
 
 import asyncio
 import shlex
+from types import SimpleNamespace
 
 import pytest
 
 from harness.waiting import wait_for
-from tpufinetune.driver import status_patch
+from tpufinetune.driver import Run, status_patch
 from tpufinetune.adapters.logresume import ANCHOR_LINES, AnchorSearch, as_logged, stream_decoder
 from tpufinetune.adapters.rayjobs import RESUME_LINES, LogFollower, RayJobs, event_dict
 from tpufinetune_trainer.events import format_event, parse_text
@@ -43,6 +44,19 @@ def test_cursor_stays_on_a_line_boundary_and_restart_skips_parsed_lines():
     second = follower(skip=saved)
     second._feed(LOG)
     assert [e["epoch"] for e in second.drain()] == [2]
+
+
+def test_the_cursor_saved_is_where_the_handed_out_events_end():
+    """Events parsed after the last drain are not in the status being written: the cursor
+    and anchor saved with it stop before them, so a restart reads them again."""
+    f = follower()
+    first = LOG[: LOG.index("Epoch 1/2")]
+    f._feed(first)
+    assert [e["epoch"] for e in f.drain()] == [1]
+    f._feed(LOG[len(first):])  # epoch 2 parsed while the step was deciding
+    status = {}
+    Run._log_cursor(SimpleNamespace(follower=f), status)
+    assert status == {"logCursor": len(first.encode()), "logAnchor": position_after(first)[1], "logJobId": "tft-u-1"}
 
 
 def test_status_patch_holds_only_changes_and_removals():

@@ -215,8 +215,14 @@ class ClosingProxy:
             return await self.tail(request)
         async with self.session.request(request.method, self.upstream + request.path_qs,
                                         headers=self._headers(request), data=await request.read()) as upstream:
-            return web.Response(status=upstream.status, body=await upstream.read(),
-                                content_type=upstream.content_type)
+            # Passed on as it comes: the state API's log stream never ends by itself.
+            response = web.StreamResponse(status=upstream.status)
+            response.content_type = upstream.content_type
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
 
     async def tail(self, request: web.Request):
         ws = web.WebSocketResponse()

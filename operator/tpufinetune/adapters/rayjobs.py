@@ -35,6 +35,10 @@ NO_DRIVER_LOG = "(no driver log: the job failed before its driver started)"
 # then, once, for the whole log.
 RESUME_LINES = (1000, 16000)
 STREAM_INTERVAL_S = 1.0  # how often the head looks for new lines of a followed log file
+# A log stream with no line for this many heartbeats (the head answering, the job running)
+# is opened again from a bounded tail: it has no ping, and a connection that went
+# half-open would otherwise look like a quiet job for ever.
+STREAM_QUIET_HEARTBEATS = 10
 
 
 # Ray's JobSubmissionClient replaces the address it is given with either of these when
@@ -400,6 +404,7 @@ class LogFollower:
                 return False
             search = AnchorSearch(self.position()[1])
             lines = search.k + slack
+            quiet = 0
             # The stream starts `lines` lines before the log's end: the anchor is among
             # them unless more than `slack` lines came since the catch-up.
             async with contextlib.aclosing(client.stream_log(self.submission_id, node, lines)) as stream:
@@ -409,17 +414,23 @@ class LogFollower:
                         if job is None or job.status not in JOB_ACTIVE:
                             self._complete = await self._catch_up(client, node, final=True)
                             return self._complete
+                        quiet += 1
+                        if quiet >= STREAM_QUIET_HEARTBEATS:
+                            log.info("log stream of %s quiet for %d heartbeats; opening it again",
+                                     self.submission_id, quiet)
+                            break
                         continue
+                    quiet = 0
                     if search is not None:
                         text = search.feed(text)
                         if text is None:
-                            if search.lines > lines:
-                                break  # the anchor scrolled past: catch up again, more slack
+                            if search.lines > lines:  # the anchor scrolled past: more slack
+                                slack = min(slack * 2, RESUME_LINES[1])
+                                break
                             continue
                         self._stream.resume_after(self.position()[0], search.recent)
                         search = None
                     self._feed(text)
-            slack = min(slack * 2, RESUME_LINES[1])
 
     async def _catch_up(self, client: TimedJobClient, node: str, final: bool = False) -> bool:
         """Parse what follows the cursor in the log's last lines, asking for more lines
