@@ -2,7 +2,8 @@
 
 The client is synchronous (requests); callers run it in a thread. The log follower uses
 the Job API's websocket tail, so each byte of a multi-megabyte log is parsed once, not on
-every poll.
+every poll; resuming at a cursor it reads a bounded tail and the state API's log stream
+instead (adapters/logresume.py), never the log from its start again.
 """
 
 from __future__ import annotations
@@ -305,9 +306,10 @@ class LogFollower:
     cursor (`skip` and `anchor`: status.logCursor and status.logAnchor, after a restart
     or a reconnect), it asks the state API for the log's last lines (RESUME_LINES),
     finds the anchor among them and parses only what follows, then follows the state
-    API's log stream from there; only when the anchor is not among the most lines asked
-    (or there is none) does it replay the whole log from the websocket, skipping `skip`
-    bytes. `drained` is the (cursor, anchor) of the events handed out so far.
+    API's log stream from there. Only when the anchor is not among the most lines asked
+    is the whole log read (then parsed from byte 0, skipping `skip` bytes), and a cursor
+    without an anchor (a status older than anchors) replays the websocket the same way.
+    `drained` is the (cursor, anchor) where the events handed out so far end.
     """
 
     jobs: RayJobs
@@ -512,7 +514,7 @@ class LogFollower:
         log.info("log stream of %s was cut, still open %ss after the job ended or following a tail; "
                  "reading the rest", self.submission_id, timeout)
         await self.close()
-        client = self.jobs.client(self.address)
+        client = await asyncio.to_thread(self.jobs.client, self.address)
         if self._can_resume():
             node = await asyncio.to_thread(client.driver_node, self.submission_id)
             if node and await self._catch_up(client, node, final=True):
