@@ -436,9 +436,10 @@ class LogFollower:
 
     async def _catch_up(self, client: TimedJobClient, node: str, final: bool = False) -> bool:
         """Parse what follows the cursor in the log's last lines, asking for more lines
-        (doubling) while the anchor is not among them, at last for the whole log, which
-        is then parsed from its start, skipping the cursor's bytes. False, logged, only
-        when the whole log is shorter than the cursor (not the log the cursor counted)."""
+        (doubling) while the anchor is not among them, at last (or once the tail would
+        outgrow the cursor's bytes) for the whole log, which is then parsed from its
+        start, skipping the cursor's bytes. False, logged, only when the whole log is
+        shorter than the cursor (not the log the cursor counted)."""
         cursor, anchor = self.position()
         more = RESUME_LINES[0]
         while True:
@@ -453,7 +454,10 @@ class LogFollower:
                 return True
             if whole:
                 break
-            more = more * 2 if more * 2 <= RESUME_LINES[1] else 0
+            # The whole log costs the cursor's bytes more than the lines after it, which
+            # must be read anyway: once a bigger tail would cost more, read it all.
+            bigger = more * 2 <= RESUME_LINES[1] and 2 * len(text.encode()) < cursor
+            more = more * 2 if bigger else 0
         log.warning("log of %s: the lines before byte %d are not among its last %d lines; "
                     "parsing the whole log, skipping those bytes", self.submission_id, cursor, RESUME_LINES[1])
         self.full_replays += 1
