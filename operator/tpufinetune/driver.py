@@ -224,8 +224,10 @@ class Run:
         job_id = self.status["jobId"]
         if self.follower is None or self.follower.submission_id != job_id:
             await self._close_follower()  # the previous attempt's stream
-            skip = int(self.status.get("logCursor") or 0) if self.status.get("logJobId") == job_id else 0
-            self.follower = LogFollower(self.jobs, address, job_id, skip=skip, wake=self.wake)
+            same_job = self.status.get("logJobId") == job_id
+            skip = int(self.status.get("logCursor") or 0) if same_job else 0
+            anchor = str(self.status.get("logAnchor") or "") if same_job else ""
+            self.follower = LogFollower(self.jobs, address, job_id, skip=skip, anchor=anchor, wake=self.wake)
             self.follower.start()
         if job.status not in phases.JOB_ACTIVE:
             # Decide the outcome only once the whole log is parsed: the last lines
@@ -234,13 +236,15 @@ class Run:
         return tuple(self.follower.drain())
 
     def _log_cursor(self, status: dict) -> None:
-        """Where the log was parsed up to; saved with the status it produced, so a
-        restart skips exactly those bytes."""
+        """Where the drained events end in the log (bytes, and the anchor naming the lines
+        before); saved with the status they produced, so a restart resumes exactly there."""
         if self.follower is None:
             return
+        cursor, anchor = self.follower.drained
         same_job = status.get("logJobId") == self.follower.submission_id
-        if not same_job or self.follower.parsed_bytes > int(status.get("logCursor") or 0):
-            status["logCursor"] = self.follower.parsed_bytes
+        if not same_job or cursor > int(status.get("logCursor") or 0):
+            status["logCursor"] = cursor
+            status["logAnchor"] = anchor
             status["logJobId"] = self.follower.submission_id
 
     # ---- one step ---------------------------------------------------------------------

@@ -9,6 +9,7 @@ import functools
 import time
 
 from tpufinetune.core.phases import ClusterView
+from tpufinetune_trainer.events import format_event
 from tpufinetune.core.podstatus import HEALTHY
 from tpufinetune.settings import Settings
 
@@ -92,3 +93,15 @@ def body(status: dict | None = None, **meta) -> dict:
 
 def settings(**values) -> Settings:
     return Settings(poll_interval=0.05, ray_timeout=0.5, **values)
+
+
+def long_log(lines: int, every: int = 100) -> str:
+    """A chatty job's log: filler lines, a progress event every `every` lines, a result."""
+    out = []
+    for i in range(lines):
+        if i % every == every - 1:
+            out.append(format_event("progress", epoch=1, epochs=1, step=i, loss=1.0 / (i + 1)))
+        else:
+            out.append(f"step {i}: nothing to report " + "." * 40)
+    out.append(format_event("result", best_checkpoint_uri="gs://b/best"))
+    return "".join(line + "\n" for line in out)

@@ -25,12 +25,14 @@ from ray.exceptions import AuthenticationError
 from harness.ports import free_port
 from harness.waiting import wait_for
 from tpufinetune import driver
-from tpufinetune.adapters.rayjobs import NO_DRIVER_LOG, LogFollower, RayJobs
+from tpufinetune.adapters.rayjobs import NO_DRIVER_LOG, LogFollower, RayJobs, event_dict
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
 from tpufinetune.local import LocalBackend
 from tpufinetune.settings import Settings
-from tpufinetune_trainer.events import format_event
+from tpufinetune_trainer.events import format_event, parse_text
+
+from run_helpers import long_log
 
 pytestmark = [pytest.mark.ray]
 
@@ -182,10 +184,12 @@ def test_the_follower_of_a_job_the_head_does_not_know_ends_by_itself(ray_head):
 class ClosingProxy:
     """A reverse proxy in front of the head, as an ingress or an agent restart would be:
     HTTP passes through; the first log stream is closed cleanly (code 1000) after its
-    first chunk, while the job runs; later streams pass through."""
+    first chunk (or once it passed on `close_after`), while the job runs; later streams
+    pass through."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, close_after: str = ""):
         self.upstream = upstream
+        self.close_after = close_after
         self.closes_left = 1
         self.before_close = ""
         self.session: aiohttp.ClientSession | None = None
@@ -196,7 +200,7 @@ class ClosingProxy:
         self.session = aiohttp.ClientSession()
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", self.handle)
-        self.runner = web.AppRunner(app)
+        self.runner = web.AppRunner(app, shutdown_timeout=1)  # a stream still open upstream ends at once
         await self.runner.setup()
         port = free_port()
         await web.TCPSite(self.runner, "127.0.0.1", port).start()
@@ -214,8 +218,14 @@ class ClosingProxy:
             return await self.tail(request)
         async with self.session.request(request.method, self.upstream + request.path_qs,
                                         headers=self._headers(request), data=await request.read()) as upstream:
-            return web.Response(status=upstream.status, body=await upstream.read(),
-                                content_type=upstream.content_type)
+            # Passed on as it comes: the state API's log stream never ends by itself.
+            response = web.StreamResponse(status=upstream.status)
+            response.content_type = upstream.content_type
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
 
     async def tail(self, request: web.Request):
         ws = web.WebSocketResponse()
@@ -229,7 +239,9 @@ class ClosingProxy:
                 await ws.send_str(message.data)
                 if closing:
                     self.before_close += message.data
-                    break
+                    if self.close_after in self.before_close:
+                        await ws.close()  # before the upstream's own close, which may take a while
+                        break
         await ws.close()  # a clean close, mid-run for the first stream
         return ws
 
@@ -255,6 +267,46 @@ def test_a_clean_close_of_the_log_stream_mid_run_loses_no_later_event(ray_head, 
     assert status["phase"] == phases.SUCCEEDED, status.get("message")
     assert [entry["epoch"] for entry in status["history"]] == [1, 2]
     assert status["checkpointURI"] and status["exportedModelURI"]
+
+
+def test_a_reconnect_mid_run_reads_a_bounded_tail_not_the_log_from_its_start(ray_head, tmp_path):
+    """The websocket is closed once it passed a long log's first part, while the job
+    sleeps before its last lines: the follower resumes at its cursor from a bounded tail
+    and the state API's stream (the websocket would send all of it again)."""
+    before, after = long_log(20000), long_log(300, every=10).replace("nothing to report", "late line")
+    for name, text in (("before", before), ("after", after)):
+        (tmp_path / name).write_text(text)
+    job_id = ray_head.job_client().submit_job(entrypoint=" && ".join((
+        shlex.join(["cat", str(tmp_path / "before")]), "sleep 6", shlex.join(["cat", str(tmp_path / "after")]))))
+    jobs = RayJobs(headers=ray_head.headers(), timeout=10)
+    expected = [event_dict(e) for e in parse_text(before + after)]
+
+    async def scenario():
+        proxy = ClosingProxy(ray_head.dashboard_url, close_after=before[-100:])
+        await proxy.start()
+        follower = LogFollower(jobs, proxy.address, job_id, backoff=(0.1, 0.1))
+        follower.start()
+        events = []
+        try:
+            for _ in range(900):  # a hang detector
+                if len(events) >= len(expected):
+                    break
+                await asyncio.sleep(0.1)
+                events += follower.drain()
+            await asyncio.sleep(1)  # nothing more may come
+            return events + follower.drain(), follower, proxy
+        finally:
+            await follower.close()
+            await proxy.stop()
+
+    events, follower, proxy = asyncio.run(scenario())
+    assert proxy.closes_left <= 0 and "late line" not in proxy.before_close  # closed mid-run
+    assert events == expected  # each event once
+    assert follower.reconnects >= 1 and follower.tail_resumes >= 1 and follower.full_replays == 0
+    received = jobs.client(proxy.address).log_bytes
+    whole = len((before + after).encode())
+    assert received < 1.3 * whole, (received, whole)  # a replay would have sent `before` twice
+    print(f"\nlog {whole} bytes; websocket closed after {len(proxy.before_close.encode())}: {received} received")
 
 
 # ---- retries: one job at a time, no follower left ---------------------------------------

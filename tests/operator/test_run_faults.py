@@ -27,6 +27,7 @@ from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
 from tpufinetune.settings import Settings
+from tpufinetune_trainer.events import format_event
 
 from run_helpers import MemoryCluster, body, in_loop, settings
 
@@ -355,8 +356,11 @@ class StandInHead:
     """A stand-in for a head's Job API (its version, one RUNNING job) whose log stream
     misbehaves on demand: `silent` completes the websocket handshake and then never
     answers again, not even a ping (a half-open connection, a partition); `close` closes
-    each stream cleanly at once while the job runs. No real head can be made to do either
-    on demand, hence this small aiohttp server."""
+    each stream cleanly at once while the job runs. For a follower resuming at a cursor
+    (the state API's log endpoints, serving LOG): `quiet` sends the log on its stream and
+    then nothing, while the job endpoint still answers (a half-open stream); `partitioned`
+    does the same, and once a stream is open the job endpoint never answers either. No
+    real head can be made to do any of these on demand, hence this small aiohttp server."""
 
     def __init__(self, mode: str):
         self.mode = mode
@@ -371,7 +375,21 @@ class StandInHead:
             return web.json_response({"version": "4", "ray_version": ray.__version__, "ray_commit": ""})
 
         async def job(request):
-            return web.json_response({"status": "RUNNING", "message": "", "submission_id": request.match_info["id"]})
+            if self.mode == "partitioned" and self.streams:
+                await asyncio.sleep(3600)
+            return web.json_response({"status": "RUNNING", "message": "", "submission_id": request.match_info["id"],
+                                      "driver_node_id": "0" * 56})
+
+        async def log_file(request):
+            return web.Response(text=LOG)
+
+        async def log_stream(request):
+            self.streams.append(time.monotonic())
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(LOG.encode())
+            await asyncio.sleep(3600)
+            return response
 
         async def tail(request):
             self.streams.append(time.monotonic())
@@ -386,6 +404,8 @@ class StandInHead:
         app.router.add_get("/api/version", version)
         app.router.add_get("/api/jobs/{id}", job)
         app.router.add_get("/api/jobs/{id}/logs/tail", tail)
+        app.router.add_get("/api/v0/logs/file", log_file)
+        app.router.add_get("/api/v0/logs/stream", log_stream)
         self.runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -419,3 +439,45 @@ async def test_a_log_stream_closed_at_once_again_and_again_is_reopened_with_a_bo
     gaps = [b - a for a, b in zip(head.streams, head.streams[1:])]
     assert 3 <= len(head.streams) <= 7, gaps  # used to reconnect in a tight loop: hundreds
     assert gaps[0] >= 0.19 and max(gaps) >= 0.75 and max(gaps) < 1.5, gaps  # doubling, up to the most
+
+
+LOG = "".join(f"line {i}\n" + format_event("progress", epoch=1, epochs=1, step=i, loss=1.0) + "\n" for i in range(50))
+
+
+def resumed_mid_log() -> tuple[int, str, list[int]]:
+    """(cursor, anchor) after the first half of LOG, and the steps that follow."""
+    first = LogFollower(None, "http://unused", "tft-uid-1-1")
+    half = LOG[: LOG.index("line 25\n")]
+    first._feed(half)
+    first.drain()
+    return (*first.drained, list(range(25, 50)))
+
+
+@in_loop
+async def test_a_quiet_log_stream_is_opened_again_from_the_cursor_and_delivers_nothing_twice():
+    cursor, anchor, steps = resumed_mid_log()
+    async with StandInHead("quiet") as head:
+        follower = LogFollower(RayJobs(timeout=2, heartbeat=0.2), head.address, "tft-uid-1-1",
+                               skip=cursor, anchor=anchor, backoff=(0.1, 0.1))
+        follower.start()
+        deadline = time.monotonic() + 20  # a hang detector: a half-open stream looks quiet for ever
+        while len(head.streams) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await follower.close()
+    assert len(head.streams) >= 2
+    assert [e["step"] for e in follower.drain()] == steps  # once, though the log came on every stream
+
+
+@in_loop
+async def test_a_quiet_log_stream_of_a_head_that_stopped_answering_is_given_up():
+    cursor, anchor, steps = resumed_mid_log()
+    async with StandInHead("partitioned") as head:
+        follower = LogFollower(RayJobs(timeout=1, heartbeat=0.2), head.address, "tft-uid-1-1",
+                               skip=cursor, anchor=anchor, backoff=(0.1, 0.1))
+        follower.start()
+        deadline = time.monotonic() + 20  # a hang detector: without a heartbeat it waits for ever
+        while follower.reconnects < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await follower.close()
+    assert follower.reconnects >= 1 and len(head.streams) == 1
+    assert [e["step"] for e in follower.drain()] == steps

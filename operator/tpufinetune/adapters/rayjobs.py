@@ -3,12 +3,14 @@
 The client is synchronous (requests); callers run it in RayJobs' own pool of threads
 (`await jobs.call(jobs.job, ...)`), never in the one Kubernetes calls use. The log follower uses
 the Job API's websocket tail, so each byte of a multi-megabyte log is parsed once, not on
-every poll.
+every poll; resuming at a cursor it reads a bounded tail and the state API's log stream
+instead (adapters/logresume.py), never the log from its start again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 
@@ -18,10 +20,12 @@ from dataclasses import dataclass, field
 from ray.job_submission import JobSubmissionClient
 
 from tpufinetune.adapters import metrics
+from tpufinetune.adapters.logresume import AnchoredStream, AnchorSearch, as_logged, stream_decoder
 from tpufinetune.adapters.pools import Pool
 from tpufinetune.core.phases import JOB_ACTIVE, JobView
 from tpufinetune.settings import DEFAULT_RAY_THREADS
-from tpufinetune_trainer.events import EventStream, parse_text
+from tpufinetune_trainer.events import parse_text
+
 
 log = logging.getLogger(__name__)
 LOG_TAIL_CHARS = 2000
@@ -32,6 +36,15 @@ LOG_HEARTBEAT_S = 30.0  # a ping on the log stream this often; no pong in half o
 # failed or closed stream; a stream that delivered lines starts from the least again.
 RECONNECT_BACKOFF_S = (1.0, 30.0)
 NO_DRIVER_LOG = "(no driver log: the job failed before its driver started)"
+# Resuming at a saved cursor asks the head for the last lines of the log: this many more
+# than the anchor covers, doubling up to the most while the anchor is not among them;
+# then, once, for the whole log.
+RESUME_LINES = (1000, 16000)
+STREAM_INTERVAL_S = 1.0  # how often the head looks for new lines of a followed log file
+# A log stream with no line for this many heartbeats (the head answering, the job running)
+# is opened again from a bounded tail: it has no ping, and a connection that went
+# half-open would otherwise look like a quiet job for ever.
+STREAM_QUIET_HEARTBEATS = 10
 
 
 # Ray's JobSubmissionClient replaces the address it is given with either of these when
@@ -57,7 +70,13 @@ class TimedJobClient(JobSubmissionClient):
     def __init__(self, address: str, headers: dict, timeout: float, heartbeat: float = LOG_HEARTBEAT_S):
         self._timeout = timeout
         self._heartbeat = heartbeat
+        self.log_bytes = 0  # bytes of job logs received, every endpoint together
         super().__init__(address, headers=headers)  # its version check already times out
+
+    def received(self, size: int) -> None:
+        """Bytes of a job's log that came from the head (tpufinetune_log_bytes_total)."""
+        self.log_bytes += size
+        metrics.log_read(size)
 
     async def tail_job_logs(self, job_id: str):
         """Ray's log stream (the Job API websocket), with a ping every `heartbeat` seconds:
@@ -74,6 +93,7 @@ class TimedJobClient(JobSubmissionClient):
                 while True:
                     message = await ws.receive()
                     if message.type == aiohttp.WSMsgType.TEXT:
+                        self.received(len(message.data.encode()))
                         yield message.data
                     elif message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
                                           aiohttp.WSMsgType.CLOSED):
@@ -83,6 +103,54 @@ class TimedJobClient(JobSubmissionClient):
                         return
                     elif message.type == aiohttp.WSMsgType.ERROR:
                         raise RuntimeError(f"log stream of {job_id} failed: {ws.exception()}")
+
+    def driver_node(self, submission_id: str) -> str | None:
+        """The node the job's driver runs on (the state API's log endpoints need it)."""
+        return (self.job_or_none(submission_id) or {}).get("driver_node_id") or None
+
+    def log_lines(self, submission_id: str, node_id: str, lines: int) -> tuple[str, bool]:
+        """The driver log's last `lines` lines (-1: all), cut on the head (the state API),
+        as the websocket shows them; and whether that was the whole log."""
+        params = {"submission_id": submission_id, "node_id": node_id, "lines": lines}
+        response = self._do_request("GET", "/api/v0/logs/file", params=params)
+        if response.status_code != 200:
+            self._raise_error(response)
+        raw = response.content
+        self.received(len(raw))
+        # Ray counts a last line without a newline as one of the `lines`.
+        return as_logged(raw), lines < 0 or raw.count(b"\n") + 1 < lines
+
+    async def stream_log(self, submission_id: str, node_id: str, lines: int):
+        """The driver log's last `lines` lines, then each line appended, as the websocket
+        shows them (the state API's log stream). Ray never ends this stream, not even
+        when the job ends, and sends nothing while the log is quiet: after each
+        `heartbeat` seconds without data it yields "", so the caller can ask whether the
+        head and the job are still there. `timeout` bounds the wait for its first bytes."""
+        timeout = aiohttp.ClientTimeout(total=None, connect=self._timeout, sock_connect=self._timeout)
+        params = {"submission_id": submission_id, "node_id": node_id, "lines": str(lines),
+                  "interval": str(STREAM_INTERVAL_S)}
+        decoder = stream_decoder()
+        async with aiohttp.ClientSession(cookies=self._cookies, headers=self._headers, timeout=timeout) as session:
+            # The head answers (headers and all) only with the tail's first bytes.
+            response = await asyncio.wait_for(session.get(
+                f"{self._address}/api/v0/logs/stream", params=params,
+                ssl=self._ssl_context if self._ssl_context is not None else True), self._timeout)
+            async with response:
+                if response.status != 200:
+                    raise RuntimeError(f"log stream of {submission_id} refused: {response.status} "
+                                       f"{(await response.text())[:300]}")
+                while True:
+                    try:
+                        chunk = await asyncio.wait_for(response.content.readany(), self._heartbeat)
+                    except asyncio.TimeoutError:
+                        yield ""
+                        continue
+                    if not chunk:
+                        raise RuntimeError(f"log stream of {submission_id} closed by the head")
+                    self.received(len(chunk))
+                    text = decoder.decode(chunk)
+                    if text:
+                        yield text
 
     def _do_request(self, method: str, endpoint: str, **kwargs):
         kwargs.setdefault("timeout", self._timeout)
@@ -232,8 +300,9 @@ class RayJobs:
 
     def events(self, address: str, submission_id: str) -> list[dict]:
         """Every trainer event of a short job's whole log (a preflight's)."""
-        text = self.client(address).get_job_logs(submission_id)
-        metrics.log_read(len(text))
+        client = self.client(address)
+        text = client.get_job_logs(submission_id)
+        client.received(len(text.encode()))
         return [event_dict(event) for event in parse_text(text[-LOG_EVENTS_CHARS:])]
 
     def log_tail(self, address: str, submission_id: str) -> str:
@@ -251,24 +320,41 @@ LAST_EVENTS = frozenset({"result", "failure", "collectives"})
 
 @dataclass
 class LogFollower:
-    """Follows one job's log over the Job API websocket and parses trainer events.
+    """Follows one job's log and parses trainer events.
 
-    `skip` bytes (the status' logCursor) are not parsed again after a restart: the
-    stream replays the log from its start, and those events are already in status.
+    From the start of a log (nothing parsed yet) it follows the Job API's websocket,
+    which always sends the log from byte 0 and ends when the job ended. Resuming at a
+    cursor (`skip` and `anchor`: status.logCursor and status.logAnchor, after a restart
+    or a reconnect), it asks the state API for the log's last lines (RESUME_LINES),
+    finds the anchor among them and parses only what follows, then follows the state
+    API's log stream from there. Only when the anchor is not among the most lines asked
+    is the whole log read (then parsed from byte 0, skipping `skip` bytes), and a cursor
+    without an anchor (a status older than anchors) replays the websocket the same way.
+    `drained` is the (cursor, anchor) where the events handed out so far end.
     """
 
     jobs: RayJobs
     address: str
     submission_id: str
     skip: int = 0
+    anchor: str = ""
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _stream: EventStream | None = None
+    _stream: AnchoredStream | None = None
     _pending: list = field(default_factory=list)
     _task: asyncio.Task | None = None
     _finished: bool = False
     _saw_last_event: bool = False  # the trainer's result, failure or collectives line came
+    _complete: bool = False  # read to the end after Ray said the job ended
+    _on_websocket: bool = False  # following the websocket, which ends when the job ended
+    _no_tail_at: int = -1  # the cursor whose anchor was not found: replay from the start
     backoff: tuple[float, float] = RECONNECT_BACKOFF_S  # (least, most) seconds before a reconnect
     reconnects: int = 0
+    tail_resumes: int = 0  # resumes from a bounded tail of the log
+    full_replays: int = 0  # resumes that replayed the log from byte 0 (no anchor found)
+
+    def __post_init__(self) -> None:
+        self._stream = AnchoredStream(skip=self.skip)
+        self.drained = (self.skip, self.anchor)
 
     def start(self) -> None:
         if self._task is None:
@@ -281,12 +367,19 @@ class LogFollower:
             before = self.cursor
             try:
                 client = await self.jobs.call(self.jobs.client, self.address)
+                if self._can_resume():
+                    if await self._follow_tail(client):
+                        return  # the job ended and its log was read to the end
+                    continue  # the anchor was not found: replay from the start, at once
+                self._replay_from_start()
+                self._on_websocket = True
                 async for chunk in client.tail_job_logs(self.submission_id):
                     self._feed(chunk)
+                self._on_websocket = False
                 if not await self._still_running():
                     return  # the job ended and Ray closed the stream: every line came
                 # A clean close while the job runs (a proxy, a restarting agent): the
-                # lines after it come only on a new stream, which replays from the start.
+                # lines after it come only on a new stream.
                 log.info("log stream of %s closed while the job runs; reconnecting in %gs",
                          self.submission_id, delay)
             except asyncio.CancelledError:
@@ -295,11 +388,12 @@ class LogFollower:
                 if not await self._still_running():
                     return  # the job is gone (a new head) or ended: nothing more to follow
                 log.warning("log stream of %s interrupted: %s; reconnecting in %gs", self.submission_id, error, delay)
+            finally:
+                self._on_websocket = False
             self.reconnects += 1
             delay = least if self.cursor > before else delay  # a stream that delivered starts over
             await asyncio.sleep(delay)
             delay = min(delay * 2, most)
-            self._replay_from_start()
 
     async def _still_running(self) -> bool:
         try:
@@ -308,18 +402,101 @@ class LogFollower:
             return True  # unknown: reconnect rather than risk missing lines
         return job is not None and job.status in JOB_ACTIVE
 
-    def __post_init__(self) -> None:
-        self._stream = EventStream(skip=self.skip)
+    def position(self) -> tuple[int, str]:
+        """The cursor (bytes, on a line boundary) and its anchor. While a replay from byte
+        0 has not reached the saved cursor, that cursor still stands."""
+        if self._stream.offset >= self.skip:
+            return self._stream.offset, self._stream.anchor()
+        return self.skip, self.anchor
+
+    def _can_resume(self) -> bool:
+        cursor, anchor = self.position()
+        return cursor > 0 and cursor != self._no_tail_at and AnchorSearch.usable(anchor)
+
+    async def _follow_tail(self, client: TimedJobClient) -> bool:
+        """Catch up from a bounded tail, then follow the state API's stream from the
+        cursor. True once the job ended and its log was read to the end; False when the
+        anchor is not in the tail (the caller replays from the start); raises when the
+        stream fails or the head stops answering."""
+        node = await self.jobs.call(client.driver_node, self.submission_id)
+        if not node:
+            raise RuntimeError(f"the head names no driver node for {self.submission_id}")
+        slack = RESUME_LINES[0]
+        while True:
+            if not await self._catch_up(client, node):
+                return False
+            search = AnchorSearch(self.position()[1])
+            lines = search.k + slack
+            quiet = 0
+            # The stream starts `lines` lines before the log's end: the anchor is among
+            # them unless more than `slack` lines came since the catch-up.
+            async with contextlib.aclosing(client.stream_log(self.submission_id, node, lines)) as stream:
+                async for text in stream:
+                    if not text:  # a quiet log: is the head there, has the job ended?
+                        job = await self.jobs.call(self.jobs.job, self.address, self.submission_id)
+                        if job is None or job.status not in JOB_ACTIVE:
+                            self._complete = await self._catch_up(client, node, final=True)
+                            return self._complete
+                        quiet += 1
+                        if quiet >= STREAM_QUIET_HEARTBEATS:
+                            log.info("log stream of %s quiet for %d heartbeats; opening it again",
+                                     self.submission_id, quiet)
+                            break
+                        continue
+                    quiet = 0
+                    if search is not None:
+                        text = search.feed(text)
+                        if text is None:
+                            if search.lines > lines:  # the anchor scrolled past: more slack
+                                slack = min(slack * 2, RESUME_LINES[1])
+                                break
+                            continue
+                        self._stream.resume_after(self.position()[0], search.recent)
+                        search = None
+                    self._feed(text)
+
+    async def _catch_up(self, client: TimedJobClient, node: str, final: bool = False) -> bool:
+        """Parse what follows the cursor in the log's last lines, asking for more lines
+        (doubling) while the anchor is not among them, at last (or once the tail would
+        outgrow the cursor's bytes) for the whole log, which is then parsed from its
+        start, skipping the cursor's bytes. False, logged, only when the whole log is
+        shorter than the cursor (not the log the cursor counted)."""
+        cursor, anchor = self.position()
+        more = RESUME_LINES[0]
+        while True:
+            search = AnchorSearch(anchor)
+            text, whole = await self.jobs.call(client.log_lines, self.submission_id, node,
+                                                  search.k + more if more else -1)
+            rest = search.feed(text)
+            if rest is not None:
+                self._stream.resume_after(cursor, search.recent)
+                self._feed(rest, final=final)
+                self.tail_resumes += 1
+                return True
+            if whole:
+                break
+            # The whole log costs the cursor's bytes more than the lines after it, which
+            # must be read anyway: once a bigger tail would cost more, read it all.
+            bigger = more * 2 <= RESUME_LINES[1] and 2 * len(text.encode()) < cursor
+            more = more * 2 if bigger else 0
+        log.warning("log of %s: the lines before byte %d are not among its last %d lines; "
+                    "parsing the whole log, skipping those bytes", self.submission_id, cursor, RESUME_LINES[1])
+        self.full_replays += 1
+        self._replay_from_start()
+        self._feed(text, final=final)
+        if self._stream.offset >= self.skip:
+            return True
+        self._no_tail_at = cursor
+        return False
 
     def _replay_from_start(self) -> None:
-        """A new stream starts at byte 0: skip what was parsed (a partial line is read again)."""
-        self.skip = max(self.skip, self.cursor)
-        self._stream = EventStream(skip=self.skip)
+        """A websocket starts at byte 0: skip what was parsed (a partial line is read again)."""
+        self.skip, self.anchor = self.position()
+        self._stream = AnchoredStream(skip=self.skip)
 
     def _feed(self, chunk: str | bytes, final: bool = False) -> None:
         """Parse complete lines only (the trainer's own parser); a partial line waits for
         the next chunk, so the cursor saved in status always sits on a line boundary."""
-        metrics.log_read(len(chunk))
         events = [event_dict(e) for e in self._stream.feed(chunk) + (self._stream.close() if final else [])]
         self._saw_last_event = self._saw_last_event or any(e.get("event") in LAST_EVENTS for e in events)
         self._pending.extend(events)
@@ -336,28 +513,40 @@ class LogFollower:
         return self.cursor
 
     def drain(self) -> list[dict]:
+        """The events parsed since the last drain; `drained` moves to where they end."""
         events, self._pending = self._pending, []
+        self.drained = self.position()
         return events
 
     async def finish(self, timeout: float = 15.0) -> None:
-        """The job has ended: let the stream deliver its last lines (Ray closes it when
-        the job ends). If it does not close in time, or was cancelled, read the rest once
-        from the full log, from the cursor on, so no final event (result, failure) is
-        ever missed. Never raises the stream's own error or cancellation."""
+        """The job has ended: let the stream deliver its last lines (Ray closes the
+        websocket when the job ends; the state API's stream is closed at once). If the
+        websocket does not close in time, or was cancelled, read the rest once, from the
+        cursor on (a bounded tail, or the whole log when its anchor is not found), so no
+        final event (result, failure) is ever missed. Never raises the stream's own error
+        or cancellation."""
         if self._task is None or self._finished:
             return
-        done, _ = await asyncio.wait({self._task}, timeout=timeout)
-        # A stream that ended by itself delivered every line only if the trainer's last
-        # event came: a proxy may close it cleanly just before the job ends.
-        if done and not self._task.cancelled() and self._task.exception() is None:
+        if self._on_websocket:
+            await asyncio.wait({self._task}, timeout=timeout)
+        # A websocket that ended by itself delivered every line only if the trainer's
+        # last event came: a proxy may close it cleanly just before the job ends.
+        if self._task.done() and not self._task.cancelled() and self._task.exception() is None and (
+                self._saw_last_event or self._complete):
             self._feed(b"", final=True)
-            if self._saw_last_event:
+            self._finished = True
+            return
+        log.info("log stream of %s was cut, still open %ss after the job ended or following a tail; "
+                 "reading the rest", self.submission_id, timeout)
+        await self.close()
+        client = await self.jobs.call(self.jobs.client, self.address)
+        if self._can_resume():
+            node = await self.jobs.call(client.driver_node, self.submission_id)
+            if node and await self._catch_up(client, node, final=True):
                 self._finished = True
                 return
-        log.warning("log stream of %s was cut or still open %ss after the job ended; reading the rest",
-                    self.submission_id, timeout)
-        await self.close()
-        text = await self.jobs.call(lambda: self.jobs.client(self.address).get_job_logs(self.submission_id))
+        text = await self.jobs.call(client.get_job_logs, self.submission_id)
+        client.received(len(text.encode()))
         self._replay_from_start()  # the whole log, from byte 0: what was read is skipped
         self._feed(text, final=True)
         self._finished = True
@@ -368,6 +557,7 @@ class LogFollower:
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.wait({self._task})
+        self._on_websocket = False
 
     @property
     def running(self) -> bool:

@@ -295,6 +295,11 @@ class TPUFineTuneStatus(_Status):
     collectives: CollectivesResult | None = Field(None, description="Result of mode "
                                                                     "collectives.")
     log_job_id: str | None = Field(None, description="The job whose log logCursor counts.")
+    log_anchor: str | None = Field(None, max_length=64,
+                                   description="Digests of the log lines just before "
+                                               "logCursor: a restart finds them in the "
+                                               "log's last lines and reads only what "
+                                               "follows.")
     attempts: list[Attempt] | None = Field(
         None, max_length=20, description="The last 20 attempts, oldest first, each with "
                                          "why it ended and what it cost; older ones are "
