@@ -17,29 +17,15 @@ import torch.nn.functional as F
 from tpufinetune_trainer import loss
 from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
-from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, epoch_permutation, pad_id_of, prepare, step_blocks
+from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, epoch_permutation, step_blocks
 from tpufinetune_trainer.errors import ConfigError
-from tpufinetune_trainer.model import load_tokenizer
 from tpufinetune_trainer.train import Trainer
-from trainer_helpers import single_process_group
+from trainer_helpers import BLOCK_LENGTH
 
-LENGTH = 256
+LENGTH = BLOCK_LENGTH
 # A cap that bites on the tiny random model, whose logits are ~0.1: omitting it changes the
 # loss by far more than the tolerance (checked below, in the test itself).
 SOFTCAP = 0.05
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    with single_process_group():
-        yield
-
-
-@pytest.fixture(scope="module")
-def prepared(trainer_assets):
-    tokenizer = load_tokenizer(str(trainer_assets.model))
-    data = prepare(str(trainer_assets.data), "train[:160]", tokenizer, LENGTH, 0.1, 42)
-    return {"train": data.train, "eval": data.eval, "pad_id": pad_id_of(tokenizer)}
 
 
 @pytest.fixture(scope="module")

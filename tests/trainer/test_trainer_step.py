@@ -18,29 +18,14 @@ from tpufinetune_trainer.data import (
     global_label_tokens,
     load_rows,
     pack,
-    pad_id_of,
-    prepare,
     step_blocks,
 )
 from tpufinetune_trainer.masks import MaskBuilder
 from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
 from tpufinetune_trainer.train import Trainer
-from trainer_helpers import single_process_group
+from trainer_helpers import BLOCK_LENGTH
 
-LENGTH = 256
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    with single_process_group():
-        yield
-
-
-@pytest.fixture(scope="module")
-def prepared(trainer_assets):
-    tokenizer = load_tokenizer(str(trainer_assets.model))
-    data = prepare(str(trainer_assets.data), "train[:160]", tokenizer, LENGTH, 0.1, 42)
-    return {"train": data.train, "eval": data.eval, "pad_id": pad_id_of(tokenizer)}
+LENGTH = BLOCK_LENGTH
 
 
 def make_trainer(assets, data, tmp_path, **overrides) -> Trainer:

@@ -84,3 +84,18 @@ def single_process_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+# The block length of the step and loss tests.
+BLOCK_LENGTH = 256
+
+
+def prepared_data(assets, length: int) -> dict:
+    """160 rows of the tiny assets tokenized and packed in `length`-token blocks (10% held
+    out), as the step and loss tests train on them."""
+    from tpufinetune_trainer.data import pad_id_of, prepare
+    from tpufinetune_trainer.model import load_tokenizer
+
+    tokenizer = load_tokenizer(str(assets.model))
+    data = prepare(str(assets.data), "train[:160]", tokenizer, length, 0.1, 42)
+    return {"train": data.train, "eval": data.eval, "pad_id": pad_id_of(tokenizer)}

@@ -1,0 +1,19 @@
+"""Fixtures of the in-process trainer tests (tests/trainer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer_helpers import BLOCK_LENGTH, prepared_data, single_process_group
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-process gloo group, for the module's tests (FSDP needs one)."""
+    with single_process_group():
+        yield
+
+
+@pytest.fixture(scope="module")
+def prepared(trainer_assets):
+    return prepared_data(trainer_assets, BLOCK_LENGTH)
