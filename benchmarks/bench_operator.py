@@ -85,13 +85,17 @@ class ClusterWatch:
             return max(self.seen[n] for n in names)
 
 
+def proc_status(pid: int, key: str) -> int:
+    """One number of /proc/PID/status (kB for memory, a count for Threads)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
 def rss_mb(pid: int) -> float:
     """RSS of the operator process (kopf runs in one process)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
+    return proc_status(pid, "VmRSS") / 1024
 
 
 def print_table(rows: list[tuple[str, str, str]], value_width: int) -> None:
@@ -101,13 +105,6 @@ def print_table(rows: list[tuple[str, str, str]], value_width: int) -> None:
     print(f"{'-' * width}-|-{'-' * value_width}-|---------")
     for measure, value, target in rows:
         print(f"{measure.ljust(width)} | {value.ljust(value_width)} | {target}")
-
-def threads(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Threads:"):
-            return int(line.split()[1])
-    return 0
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -187,7 +184,7 @@ def main() -> int:
         rows += [
             ("operator RSS, peak", f"{max(peak):.0f} MB", "< 250 MB"),
             ("operator RSS, end", f"{rss_mb(operator.proc.pid):.0f} MB", ""),
-            ("operator threads, end", str(threads(operator.proc.pid)), "bounded"),
+            ("operator threads, end", str(proc_status(operator.proc.pid, "Threads")), "bounded"),
         ]
         print_table(rows, value_width=12)
         return 0

@@ -45,7 +45,7 @@ from harness.controlplane import start_with_crds  # noqa: E402
 from harness.operator_process import OperatorProcess  # noqa: E402
 from harness.ports import free_port  # noqa: E402
 from harness.rayhead import RayHead  # noqa: E402
-from bench_operator import print_table  # noqa: E402
+from bench_operator import print_table, proc_status  # noqa: E402
 
 REQUEST = re.compile(r'^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<count>[0-9.e+]+)$')
 LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -83,13 +83,6 @@ def requests(cp) -> Counter:
             resource = labels.get("resource", "") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
             counts[(resource, labels.get("verb", ""))] += int(float(match["count"]))
     return counts
-
-
-def proc_status(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 def cpu_seconds(pid: int) -> float:

@@ -453,31 +453,33 @@ def resumed_mid_log() -> tuple[int, str, list[int]]:
     return (*first.drained, list(range(25, 50)))
 
 
+async def follow_resumed(head, timeout: float, until) -> LogFollower:
+    """A follower resumed mid-LOG against `head`, run until `until(follower)` holds, then
+    closed. The 20 s bound is a hang detector: a half-open stream looks quiet for ever, and
+    without a heartbeat a silent head is waited on for ever."""
+    cursor, anchor, _ = resumed_mid_log()
+    follower = LogFollower(RayJobs(timeout=timeout, heartbeat=0.2), head.address, "tft-uid-1-1",
+                           skip=cursor, anchor=anchor, backoff=(0.1, 0.1))
+    follower.start()
+    deadline = time.monotonic() + 20
+    while not until(follower) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await follower.close()
+    return follower
+
+
 @in_loop
 async def test_a_quiet_log_stream_is_opened_again_from_the_cursor_and_delivers_nothing_twice():
-    cursor, anchor, steps = resumed_mid_log()
     async with StandInHead("quiet") as head:
-        follower = LogFollower(RayJobs(timeout=2, heartbeat=0.2), head.address, "tft-uid-1-1",
-                               skip=cursor, anchor=anchor, backoff=(0.1, 0.1))
-        follower.start()
-        deadline = time.monotonic() + 20  # a hang detector: a half-open stream looks quiet for ever
-        while len(head.streams) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await follower.close()
+        follower = await follow_resumed(head, 2, lambda _: len(head.streams) >= 2)
     assert len(head.streams) >= 2
+    steps = resumed_mid_log()[2]
     assert [e["step"] for e in follower.drain()] == steps  # once, though the log came on every stream
 
 
 @in_loop
 async def test_a_quiet_log_stream_of_a_head_that_stopped_answering_is_given_up():
-    cursor, anchor, steps = resumed_mid_log()
     async with StandInHead("partitioned") as head:
-        follower = LogFollower(RayJobs(timeout=1, heartbeat=0.2), head.address, "tft-uid-1-1",
-                               skip=cursor, anchor=anchor, backoff=(0.1, 0.1))
-        follower.start()
-        deadline = time.monotonic() + 20  # a hang detector: without a heartbeat it waits for ever
-        while follower.reconnects < 1 and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await follower.close()
+        follower = await follow_resumed(head, 1, lambda f: f.reconnects >= 1)
     assert follower.reconnects >= 1 and len(head.streams) == 1
-    assert [e["step"] for e in follower.drain()] == steps
+    assert [e["step"] for e in follower.drain()] == resumed_mid_log()[2]
