@@ -363,7 +363,7 @@ class Run:
         checked_status(new, self.status)
         patch = status_patch(self.status, new)
         if patch:
-            await self._space_writes()
+            await self._space_writes(transition=new.get("phase") != self.status.get("phase"))
             try:
                 self.resource_version = await self.backend.write_status(
                     self.ident, patch, new, self.resource_version)
@@ -383,13 +383,15 @@ class Run:
     def _status_failed(self, error: Exception) -> None:
         self.progress.failed(self.progress_key, time.monotonic(), _one_line(error))
 
-    async def _space_writes(self) -> None:
-        """At most one status write per TPUFT_STATUS_WRITE_INTERVAL for one run: a chatty
-        trainer's events wait a moment and go together (the API server and etcd see each
-        write)."""
+    async def _space_writes(self, transition: bool) -> None:
+        """At most one status write per TPUFT_STATUS_WRITE_INTERVAL for one run within a
+        phase: a chatty trainer's events wait a moment and go together (the API server and
+        etcd see each write). A write that changes the phase goes at once: a run has a
+        handful of transitions, and each one spaced would hold its RayCluster's creation
+        (New -> Pending -> Provisioning) a second or two."""
         now = time.monotonic()
         wait = self._last_write + self.settings.status_write_interval - now
-        if wait > 0:
+        if wait > 0 and not transition:
             await asyncio.sleep(wait)
         self._last_write = max(now, time.monotonic())
 

@@ -12,7 +12,7 @@
 | TPUFT_RAY_UNREACHABLE_TIMEOUT | 600 | seconds a submitting or running job's head may stay unreachable (down, crash-looping, refusing the token, its RayCluster deleted) before the run ends Failed with reason RayUnreachable and the slice is released |
 | TPUFT_STALL_TIMEOUT | 300 | seconds a run's status may fail to be written (any error: refused, unreachable API server) before the operator's /healthz fails, so that Kubernetes restarts it; a successful write resets the clock |
 | TPUFT_KUBE_TIMEOUT | 30 | seconds any one Kubernetes API call may take (connect and answer); an API server that never answers holds one worker thread no longer |
-| TPUFT_STATUS_WRITE_INTERVAL | 1 | least seconds between two status writes of one run: a chatty trainer's events are gathered into fewer writes |
+| TPUFT_STATUS_WRITE_INTERVAL | 1 | least seconds between two status writes of one run within a phase: a chatty trainer's events are gathered into fewer writes; a write that changes the phase goes at once |
 | TPUFT_RAY_THREADS | 32 | threads for calls to Ray heads (the Job API client blocks): as many heads that never answer can each hold one for TPUFT_RAY_TIMEOUT before other runs' Ray calls wait; Kubernetes calls never wait on them (a pool of their own) |
 | TPUFT_KUBE_THREADS | 32 | threads for Kubernetes API calls (status writes, RayCluster and pod reads, creates), and the client's connections kept to the API server |
 | TPUFT_NAMESPACE | (all) | watch only this namespace |
