@@ -35,6 +35,10 @@ DELETE_RAY_TIMEOUT = 5.0
 # A refused status write (StatusConflict) is retried at once, after a re-read, this many
 # times in a row; then at the poll interval.
 CONFLICT_RETRIES = 3
+# A waiting run whose backend watches its cluster, pods and Workload looks again this often
+# with nothing changed (a resync, as an informer's): a change wakes it at once, and its own
+# timers (phases.next_timer) are kept to the second.
+IDLE_RESYNC_S = 60.0
 
 
 class ClusterBackend(Protocol):
@@ -515,6 +519,9 @@ class Run:
         conflicts = 0
         while not stopped.is_set() and not self.being_deleted():
             before = self.status.get("phase")
+            # Cleared before the step looks, never after: a change that arrives while the
+            # step runs wakes the next one instead of being lost until the next poll.
+            self.wake.clear()
             try:
                 decision = await self.step()
             except StatusConflict as error:
@@ -548,18 +555,40 @@ class Run:
     def _pause(self, decision: Decision) -> float:
         """Until the next poll, or the wake-up the decision asks for. A finished run that
         keeps its cluster (spec.ttlSecondsAfterFinished) has nothing to poll: it sleeps
-        until the release (a change to the RayCluster still wakes it)."""
+        until the release (a change to the RayCluster still wakes it). A waiting run
+        (pending, queued, provisioning) that is watched sleeps until a change wakes it,
+        its next timer, or the idle resync: a thousand of them take no steps at rest."""
+        now = datetime.now(timezone.utc)
+        if decision.wake_at is None and self._only_waits(decision):
+            timer = phases.next_timer(self.plan, decision.status)
+            if timer is None:
+                return IDLE_RESYNC_S
+            # Just past the timer: the step that looks then finds it expired.
+            return min(IDLE_RESYNC_S, max(0.0, (timer - now).total_seconds()) + 0.05)
         if decision.wake_at is None:
             return self.settings.poll_interval
-        until = max(0.0, (decision.wake_at - datetime.now(timezone.utc)).total_seconds())
+        until = max(0.0, (decision.wake_at - now).total_seconds())
         return until if decision.phase in phases.TERMINAL else min(until, self.settings.poll_interval)
 
+    def _only_waits(self, decision: Decision) -> bool:
+        """Nothing to do but wait for a watched change or a timer: no action was taken (a
+        create or a delete is confirmed by polling), no refused create is being asked
+        again, and the backend's watches wake the run."""
+        return (decision.phase in phases.WAITING and not decision.actions and not self.create_refused
+                and getattr(self.backend, "watched", False))
+
     async def _sleep(self, stopped, seconds: float) -> None:
-        self.wake.clear()
+        """Until woken, stopped or `seconds` passed. A waiting run sleeps up to a minute:
+        being stopped (kopf's DaemonStopped, an asyncio.Event) ends the sleep at once, so
+        an operator that loses its lease or shuts down is not held by it."""
+        waits = [asyncio.ensure_future(self.wake.wait())]
+        if seconds > self.settings.poll_interval and hasattr(stopped, "wait"):
+            waits.append(asyncio.ensure_future(stopped.wait()))
         try:
-            await asyncio.wait_for(self.wake.wait(), timeout=seconds)
-        except asyncio.TimeoutError:
-            pass
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
 
     async def _last_lines_of_evicted_job(self) -> None:
         """The stopped job's last lines (a checkpoint it reported) are read before the next

@@ -227,6 +227,12 @@ class KubeBackend:
         # Nodes carrying the maintenance label, from the node watch (handlers.node_maintenance).
         self.maintenance_nodes: dict[str, str] = {}
 
+    @property
+    def watched(self) -> bool:
+        """A change to a run's RayCluster, its pods or its Workload wakes the run (the
+        watches of adapters/informer.py): a waiting run need not poll."""
+        return self.watches is not None
+
     async def _call(self, fn, *args, **kwargs):
         """`fn(*args, **kwargs)` (blocking) in the Kubernetes pool. A 429 Too Many Requests
         was not processed: wait its Retry-After (here, holding no thread) and call again,

@@ -609,6 +609,26 @@ def _past_deadline(plan: Plan, s: dict, obs: Observations) -> bool:
     return obs.now - started > plan.active_deadline
 
 
+# Phases in which a run only waits for something the operator watches (its RayCluster, the
+# cluster's pods, its Kueue Workload, a spec edit) or for one of its own timers.
+WAITING = frozenset({PENDING, QUEUED, PROVISIONING})
+
+
+def next_timer(plan: Plan, s: dict) -> datetime | None:
+    """The earliest moment a waiting run's decision can change with no change to anything
+    watched: its provisioning timeout (counted from the phase's start) and
+    spec.activeDeadlineSeconds. None when it has no timer."""
+    timers = []
+    phase = s.get("phase")
+    since = cond.parse_time(s.get("phaseTransitionTime"))
+    if phase == PROVISIONING and since is not None:
+        timers.append(since + plan.provision_timeout)
+    started = cond.parse_time(s.get("startTime"))
+    if phase and phase not in TERMINAL and plan.active_deadline is not None and started is not None:
+        timers.append(started + plan.active_deadline)
+    return min(timers, default=None)
+
+
 def _stop_and_fail(plan: Plan, s: dict, obs: Observations, d: Decision, reason: str, message: str) -> None:
     if s.get("phase") in (SUBMITTING, RUNNING) and obs.job is not None and obs.job.status in JOB_ACTIVE:
         d.actions.append(StopJob(s["jobId"]))

@@ -1,0 +1,138 @@
+"""A waiting run (pending, queued, provisioning) whose backend watches its RayCluster, pods
+and Workload takes no steps at rest: it sleeps until a change wakes it, its own timer
+(provisioning timeout, activeDeadlineSeconds) comes, or the idle resync. A thousand
+queued runs then cost the operator's event loop nothing between changes.
+
+The backend is the driver tests' in-memory stand-in, marked as watched, so that what is
+shown is the driver's own loop: when it steps, and when a wake-up could be lost. That the
+real watches deliver the changes that wake a run is shown against a real API server in
+test_kube_backend_cost.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timedelta, timezone
+
+from tpufinetune import driver
+from tpufinetune.adapters.rayjobs import RayJobs
+from tpufinetune.core import conditions as cond
+from tpufinetune.core import phases
+from tpufinetune.driver import Run
+
+from run_helpers import MemoryCluster, body, in_loop, settings
+
+
+class WatchedCluster(MemoryCluster):
+    """The stand-in, watched: counts the run's looks, and can turn ready (a watch event
+    that wakes the run) in the middle of a look, after answering."""
+
+    watched = True
+
+    def __init__(self):
+        super().__init__()
+        self.ready = False  # the pods never get ready unless a test says so
+        self.looks = 0
+        self.ready_after_look: int | None = None
+        self.run: Run | None = None
+
+    async def observe(self, ident, name):
+        view = await super().observe(ident, name)
+        self.looks += 1
+        if self.looks == self.ready_after_look:
+            # The change lands while this step is still deciding on the old view.
+            self.ready = True
+            self.run.wake.set()
+        return view
+
+
+async def provisioning(cluster: WatchedCluster, **values) -> tuple[Run, asyncio.Event, asyncio.Task]:
+    # Writes are not spaced: every step's write goes at once, so a step is seen when it looks.
+    run = Run(body(), cluster, RayJobs(), settings(status_write_interval=0, **values))
+    cluster.run = run
+    stopped = asyncio.Event()
+    task = asyncio.create_task(run.run(stopped))
+    while not cluster.status.get("message", "").startswith("waiting for RayCluster"):
+        await asyncio.sleep(0.01)
+    return run, stopped, task
+
+
+async def until_phase(cluster: WatchedCluster, phase: str, within: float) -> None:
+    async def reached():
+        while cluster.status.get("phase") != phase:
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(reached(), within)
+
+
+def test_the_timers_of_a_waiting_run():
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    plan = phases.Plan(cluster_name="c", epochs=1, provision_timeout=timedelta(minutes=30),
+                       active_deadline=timedelta(hours=2))
+    provisioning_since = {"phase": phases.PROVISIONING, "phaseTransitionTime": cond.timestamp(now),
+                          "startTime": cond.timestamp(now - timedelta(hours=1, minutes=45))}
+    # The deadline (15 min away) comes before the provisioning timeout (30 min).
+    assert phases.next_timer(plan, provisioning_since) == now + timedelta(minutes=15)
+    queued = {"phase": phases.QUEUED, "phaseTransitionTime": cond.timestamp(now)}  # no startTime: no clock
+    assert phases.next_timer(plan, queued) is None
+    no_deadline = phases.Plan(cluster_name="c", epochs=1, provision_timeout=timedelta(minutes=30))
+    assert phases.next_timer(no_deadline, provisioning_since) == now + timedelta(minutes=30)
+    finished = {**provisioning_since, "phase": phases.FAILED}
+    assert phases.next_timer(plan, finished) is None
+
+
+@in_loop
+async def test_a_watched_run_waiting_for_its_cluster_takes_no_steps_until_a_change_wakes_it():
+    cluster = WatchedCluster()
+    run, stopped, task = await provisioning(cluster)  # polls every 0.05 s when not waiting
+    looks = cluster.looks
+    await asyncio.sleep(1.0)  # 20 polls' worth
+    assert cluster.looks - looks <= 1, cluster.looks - looks
+    cluster.ready = True
+    run.wake.set()  # what the RayCluster watch does
+    await until_phase(cluster, phases.SUBMITTING, within=5)
+    stopped.set()
+    await asyncio.wait_for(task, 5)
+
+
+@in_loop
+async def test_a_change_that_arrives_during_a_step_is_not_lost():
+    cluster = WatchedCluster()
+    run, stopped, task = await provisioning(cluster)
+    cluster.ready_after_look = cluster.looks + 1
+    run.wake.set()  # one more look, during which the cluster turns ready and wakes the run
+    # Cleared after the step, the wake-up would be lost until the idle resync (a minute).
+    await until_phase(cluster, phases.SUBMITTING, within=10)
+    stopped.set()
+    await asyncio.wait_for(task, 5)
+
+
+@in_loop
+async def test_a_waiting_run_still_fails_at_its_provisioning_timeout():
+    cluster = WatchedCluster()
+    _, stopped, task = await provisioning(cluster, provision_timeout=1.0)
+    assert driver.IDLE_RESYNC_S >= 30  # so the timeout below can only come from the timer
+    await until_phase(cluster, phases.FAILED, within=10)
+    assert cond.find(cluster.status, cond.FAILED)["reason"] == "ProvisioningTimeout", cluster.status
+    stopped.set()
+    await asyncio.wait_for(task, 5)
+
+
+@in_loop
+async def test_stopping_the_operator_ends_a_waiting_runs_sleep_at_once():
+    cluster = WatchedCluster()
+    _, stopped, task = await provisioning(cluster)
+    await asyncio.sleep(0.2)  # asleep now, for up to the idle resync
+    stopped.set()
+    await asyncio.wait_for(task, 5)
+
+
+@in_loop
+async def test_an_unwatched_backend_keeps_polling():
+    cluster = WatchedCluster()
+    cluster.watched = False  # run --local, or a backend without watches
+    _, stopped, task = await provisioning(cluster)
+    looks = cluster.looks
+    await asyncio.sleep(1.0)
+    assert cluster.looks - looks >= 5, cluster.looks - looks
+    stopped.set()
+    await asyncio.wait_for(task, 5)
