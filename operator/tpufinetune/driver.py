@@ -105,14 +105,26 @@ class Run:
             return
         self.generation = generation
         self.ident = Identity(meta["name"], meta.get("namespace", "default"), meta["uid"], generation)
-        self.spec, self.spec_error, self.ignored_fields = None, "", ()
+        self._spec_source = dict(self.body.get("spec") or {})  # this generation's, as stored
+        self.spec_error, self.ignored_fields = "", ()
         try:
             # Fields a newer CRD has and this version lacks are ignored, and reported.
-            self.spec, self.ignored_fields = parse_stored_spec(
-                dict(self.body.get("spec") or {}), one_machine=getattr(self.backend, "one_machine", False))
+            spec, self.ignored_fields = self._parse_spec()
         except SpecError as error:
-            self.spec_error = str(error)
-        self.plan = phases.plan_for(self.ident, self.spec, timedelta(seconds=self.settings.provision_timeout))
+            spec, self.spec_error = None, str(error)
+        self.plan = phases.plan_for(self.ident, spec, timedelta(seconds=self.settings.provision_timeout))
+
+    def _parse_spec(self):
+        return parse_stored_spec(dict(self._spec_source), one_machine=getattr(self.backend, "one_machine", False))
+
+    @property
+    def spec(self):
+        """The planned generation's spec, parsed again when an action needs it (None when
+        invalid). Not kept: most runs only wait, and their plan is all a step reads; a
+        parsed spec costs about 5 KB, a thousand waiting runs 5 MB for nothing."""
+        if self.spec_error:
+            return None
+        return self._parse_spec()[0]
 
     # ---- observations ----------------------------------------------------------------
 
@@ -300,8 +312,10 @@ class Run:
         before = self.status
         await self._write(decision.status)
         self.unwritten.clear()
-        for entry in attempts.newly_frozen(before, decision.status):
-            metrics.attempt_ended(self.ident.namespace, generation(self.spec.tpu.generation).name if self.spec else "",
+        ended = attempts.newly_frozen(before, decision.status)
+        spec = self.spec if ended else None
+        for entry in ended:
+            metrics.attempt_ended(self.ident.namespace, generation(spec.tpu.generation).name if spec else "",
                                   entry.get("reason") or "", float((entry.get("usage") or {}).get("chipHours") or 0) * 3600)
         await self._perform(decision)
         return decision
@@ -485,7 +499,8 @@ class Run:
         the retry is submitted anyway and the trainer says what is missing."""
         if not self._within_retry_bound(attempt):
             return
-        need = {("TPU" if generation(self.spec.tpu.generation).is_tpu else "CPU"): float(total_devices(self.spec))}
+        spec = self.spec
+        need = {("TPU" if generation(spec.tpu.generation).is_tpu else "CPU"): float(total_devices(spec))}
         have = await self.jobs.call(self.jobs.alive_resources, address)
         short = {k: have.get(k, 0.0) for k, v in need.items() if have.get(k, 0.0) < v}
         if short:

@@ -36,7 +36,7 @@ Cardinality: at most 12 series per run (runmetrics.SERIES_PER_RUN), so 12,000 at
 (kept or finished, until deleted); a finished run keeps its last values (its final loss) until
 it is deleted. Everything else here is bounded by phases, reasons and namespaces, not runs.
 
-The driver (Run.step) and one kopf watch handler (handlers.phase_seen) report through the
+The driver (Run.step) and one kopf watch handler (handlers.resource_seen) report through the
 few functions below; nothing here touches Kubernetes or Ray. Phases are the status phases; a
 resource without one yet is `New`.
 The timestamps Kubernetes keeps have one-second resolution, so the latency buckets start at
