@@ -303,9 +303,22 @@ def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: t
     if reason is not None:
         model = load_causal_lm(model_id, torch.float32, attn_implementation)
         apply_fsdp(model, mesh, compute_dtype, compile=compile, device=device)
-        return model, f"every rank loaded the whole model ({reason}) in {time.perf_counter() - start:.1f} s"
+        return model, (f"every rank loaded the whole model ({reason}) in {time.perf_counter() - start:.1f} s"
+                       f"{peak_rss_words()}")
     apply_fsdp(model, mesh, compute_dtype, compile=compile)
     model.to_empty(device=device if device is not None else torch.device("cpu"))
     read = fill_from_checkpoint(model, stored)
     initialise_unloaded_buffers(model)
-    return model, f"each rank read its own slices ({read / 2**20:.0f} MiB) in {time.perf_counter() - start:.1f} s"
+    return model, (f"each rank read its own slices ({read / 2**20:.0f} MiB) in {time.perf_counter() - start:.1f} s"
+                   f"{peak_rss_words()}")
+
+
+def peak_rss_words() -> str:
+    """`; peak RSS N MiB`: this process's host memory high-water mark so far (Linux), what
+    a host's workers must fit in beside /dev/shm; empty where the kernel does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return ""
+    return f"; peak RSS {kib / 1024:.0f} MiB"
