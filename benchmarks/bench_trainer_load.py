@@ -100,6 +100,9 @@ def rank_main(model_dir: str, path: str, out: str, port: int, rank: int, world: 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = build_mesh("cpu", world)
     import transformers.models.gemma4.modeling_gemma4  # noqa: F401  (imported by both paths: not their cost)
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
     dist.barrier()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
