@@ -137,8 +137,11 @@ def test_a_weight_the_checkpoint_lacks_shapes_otherwise_or_quantizes_is_named(tr
     assert sharded_load.mismatch(model, lacking) == f"the checkpoint has no {name}"
     reshaped = dict(stored, **{name: sharded_load.StoredTensor(stored[name].file, torch.float32, (1, 2), 0)})
     assert "is [1, 2] in the checkpoint" in sharded_load.mismatch(model, reshaped)
-    quantized = dict(stored, **{name: sharded_load.StoredTensor(stored[name].file, torch.int8, stored[name].shape, 0)})
+    quantized = dict(stored, **{name: sharded_load.StoredTensor(stored[name].file, torch.int8, stored[name].shape,
+                                                                 0)})
     assert sharded_load.mismatch(model, quantized) == f"{name} is torch.int8 in the checkpoint, torch.float32 in the model"
+    unknown = dict(stored, **{name: sharded_load.StoredTensor(stored[name].file, None, stored[name].shape, 0)})
+    assert sharded_load.mismatch(model, unknown) == f"{name} is in a safetensors dtype this loader does not read"
 
 
 def test_rows_are_read_in_blocks_and_cast_to_the_target(tmp_path, monkeypatch):

@@ -62,7 +62,7 @@ class StoredTensor:
     """Where one tensor's bytes are in a safetensors file."""
 
     file: Path
-    dtype: torch.dtype
+    dtype: torch.dtype | None  # None: a safetensors dtype torch has no plain counterpart for
     shape: tuple[int, ...]
     start: int  # absolute byte offset of its first element
 
@@ -88,10 +88,8 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype = _DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ModelError(f"{file}: {name} has dtype {entry['dtype']}, which this loader does not read")
-        tensors[name] = StoredTensor(file, dtype, tuple(entry["shape"]), data_start + entry["data_offsets"][0])
+        tensors[name] = StoredTensor(file, _DTYPES.get(entry["dtype"]), tuple(entry["shape"]),
+                                     data_start + entry["data_offsets"][0])
     return tensors
 
 
@@ -169,10 +167,8 @@ def expected_tensors(model) -> dict[str, list[str]]:
     """Every tensor the checkpoint must hold, by its first name, with every name it has
     (tied weights are one parameter under two names; the file holds one of them)."""
     names: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-        tensors[id(param)] = param
     persistent = set(model.state_dict(keep_vars=True))
     for name, buffer in model.named_buffers(remove_duplicate=False):
         if name in persistent:
@@ -196,6 +192,8 @@ def mismatch(model, stored: dict[str, StoredTensor]) -> str | None:
         found, wanted = stored[name], tensors[name]
         if found.shape != tuple(wanted.shape):
             return f"{name} is {list(found.shape)} in the checkpoint, {list(wanted.shape)} in the model"
+        if found.dtype is None:
+            return f"{name} is in a safetensors dtype this loader does not read"
         if found.dtype.is_floating_point != wanted.dtype.is_floating_point:  # quantized weights are not a cast
             return f"{name} is {found.dtype} in the checkpoint, {wanted.dtype} in the model"
     return None
