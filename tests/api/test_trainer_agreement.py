@@ -25,6 +25,7 @@ NOT_PASSED = {
     "--long-prompts": "the trainer's default (skip, counted in the start event) applies",
     "--compute-dtype": "the backend decides (bfloat16 on TPU and GPU, float32 on the cpu stand-in)",
     "--loss-head": "the trainer's default (labels) applies; full is the reference and a fallback for a run started by hand",
+    "--model-load": "the trainer's default (sharded) applies; full is a fallback for a run started by hand",
     "--progress-interval": "the trainer's default (30 s) applies",
     "--fail-at-step": "fault injection for the trainer's own tests",
     "--target-eval-loss": "passed only when training.targetEvalLoss is set (the trainer's 0 is off)",

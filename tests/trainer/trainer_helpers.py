@@ -99,3 +99,45 @@ def prepared_data(assets, length: int) -> dict:
     tokenizer = load_tokenizer(str(assets.model))
     data = prepare(str(assets.data), "train[:160]", tokenizer, length, 0.1, 42)
     return {"train": data.train, "eval": data.eval, "pad_id": pad_id_of(tokenizer)}
+
+
+def load_differences(old, new) -> list[str]:
+    """Every way two FSDP2-sharded models differ: parameter names, full tensors (gathered:
+    collective, every rank calls it), dtypes, trainability, sharding, ties, buffers, mode,
+    config. Empty when the two loads made the same model."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def full(tensor):
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    found = []
+    old_params, new_params = dict(old.named_parameters()), dict(new.named_parameters())
+    if list(old_params) != list(new_params):
+        return [f"parameters differ: {sorted(set(old_params) ^ set(new_params))}"]
+    for name, a in old_params.items():
+        b = new_params[name]
+        if isinstance(a, DTensor) != isinstance(b, DTensor) or a.requires_grad != b.requires_grad:
+            found.append(f"{name}: sharding or trainability")
+        full_a, full_b = full(a), full(b)
+        if full_a.dtype != full_b.dtype or not torch.equal(full_a, full_b):
+            found.append(f"{name}: values or dtype")
+    old_buffers, new_buffers = dict(old.named_buffers()), dict(new.named_buffers())
+    if list(old_buffers) != list(new_buffers):
+        found.append(f"buffers differ: {sorted(set(old_buffers) ^ set(new_buffers))}")
+    for name, a in old_buffers.items():
+        b = new_buffers.get(name)
+        if b is None or a.dtype != b.dtype or not torch.equal(a, b):
+            found.append(f"buffer {name}: values or dtype")
+    old_ties = {name for name, _ in old.named_parameters(remove_duplicate=False)} - set(old_params)
+    new_ties = {name for name, _ in new.named_parameters(remove_duplicate=False)} - set(new_params)
+    if old_ties != new_ties:
+        found.append(f"tied weights differ: {old_ties} vs {new_ties}")
+    if old.training != new.training:
+        found.append("train/eval mode")
+    if old.config.to_dict() != new.config.to_dict():
+        found.append("config")
+    if old.generation_config.to_dict() != new.generation_config.to_dict():
+        found.append("generation config")
+    return found
+

@@ -14,6 +14,7 @@ import traceback
 
 from .backends import COMPILE_MODES, COMPUTE_DTYPES
 from .config import (DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET, DEFAULT_DECAY_RATIO, DEFAULT_MODEL, LOSS_HEADS,
+                     MODEL_LOADS,
                      SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig)
 from .data import DATASET_FORMATS, PROMPT_FORMATS
 from .schedule import SCHEDULES
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--loss-head", default="labels", choices=list(LOSS_HEADS),
                     help="labels: the LM head and loss at label positions only, in chunks; full: transformers' "
                          "logits at every position")
+    ft.add_argument("--model-load", default=MODEL_LOADS[0], choices=list(MODEL_LOADS),
+                    help="sharded: build the model on the meta device, shard it, each worker reads only its own "
+                         "slices of the safetensors; full: every worker loads the whole model, then shards it")
     ft.add_argument("--compile", default="auto", choices=list(COMPILE_MODES),
                     help="torch.compile each decoder block (auto: on for CUDA, off for TPU until measured "
                          "on a slice, off for CPU)")
@@ -157,7 +161,7 @@ def _config(args: argparse.Namespace):
             checkpoint_score_order=args.checkpoint_score_order, resume_from=args.resume_from,
             run_name=args.run_name, long_prompts=args.long_prompts, prompt_format=args.prompt_format,
             dataset_format=args.dataset_format, compile=args.compile, compute_dtype=args.compute_dtype,
-            loss_head=args.loss_head,
+            loss_head=args.loss_head, model_load=args.model_load,
             progress_interval_s=args.progress_interval, max_failures=args.max_failures,
             target_eval_loss=args.target_eval_loss, early_stopping_patience=args.early_stopping_patience,
             fail_at_step=args.fail_at_step)

@@ -31,6 +31,10 @@ DEFAULT_DECAY_RATIO = 0.2
 # The LM head and loss: `labels` at label positions only (loss.py), `full` transformers'
 # logits at every position (the reference; a fallback if the first only misbehaves on a slice).
 LOSS_HEADS = ("labels", "full")
+# How each worker gets the base model: `sharded` builds it on the meta device, shards it and
+# reads only its own slices of the safetensors (sharded_load.py); `full` loads the whole
+# model in every worker and shards it then (the fallback should the first misbehave).
+MODEL_LOADS = ("sharded", "full")
 
 
 def default_run_name(model_id: str) -> str:
@@ -85,6 +89,7 @@ class FinetuneConfig(SliceConfig):
     compile: str = "auto"
     compute_dtype: str = "auto"
     loss_head: str = "labels"
+    model_load: str = MODEL_LOADS[0]
     progress_interval_s: float = 30.0
     max_failures: int = 0
     target_eval_loss: float = 0.0  # 0: off; else stop after the evaluation that reaches it
@@ -111,6 +116,7 @@ class FinetuneConfig(SliceConfig):
             (self.compile in COMPILE_MODES, f"--compile must be one of {', '.join(COMPILE_MODES)}"),
             (self.compute_dtype in COMPUTE_DTYPES, f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}"),
             (self.loss_head in LOSS_HEADS, f"--loss-head must be one of {', '.join(LOSS_HEADS)}"),
+            (self.model_load in MODEL_LOADS, f"--model-load must be one of {', '.join(MODEL_LOADS)}"),
             (self.prompt_format in PROMPT_FORMATS, f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}"),
             (self.dataset_format in DATASET_FORMATS,
              f"--dataset-format must be one of {', '.join(DATASET_FORMATS)}"),

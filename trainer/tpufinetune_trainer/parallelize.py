@@ -49,7 +49,8 @@ def compile_blocks(model: torch.nn.Module) -> None:
 def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, compile: bool = False,
                device: torch.device | None = None) -> torch.nn.Module:
     """Shard `model` (fp32, on the CPU or already on the device) in place; the frozen
-    table, which FSDP does not manage, is moved to `device` afterwards."""
+    table, which FSDP does not manage, is moved to `device` afterwards. A model on the
+    meta device is sharded without storage (sharded_load.py then materialises it: no `device`)."""
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     ignored = set(freeze_per_layer_embeddings(model))
     for param in ignored:

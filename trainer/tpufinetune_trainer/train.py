@@ -35,9 +35,10 @@ from .data import IGNORE_INDEX, BatchPlan, Packed, epoch_permutation, eval_order
     step_blocks, steps_per_epoch
 from .events import emit
 from .masks import MaskBuilder
-from .model import base_directory, load_causal_lm, load_tokenizer
-from .parallelize import apply_fsdp, build_mesh
+from .model import base_directory, load_tokenizer
+from .parallelize import build_mesh
 from .schedule import decay_steps, lr_table, warmup_steps
+from .sharded_load import load_sharded
 
 
 def quiet_progress_bars() -> None:
@@ -117,11 +118,14 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model_id) if rank == 0 else None
         self.dtype = compute_dtype(backend, cfg.compute_dtype)
         torch.manual_seed(cfg.seed)
-        # Master weights in fp32; FSDP computes in self.dtype (see parallelize.py).
-        model = load_causal_lm(cfg.model_id, torch.float32, backend.attn_implementation)
+        # Master weights in fp32; FSDP computes in self.dtype (see parallelize.py). Built on
+        # the meta device and sharded there; each rank reads only its own slices (sharded_load.py).
         self.compiled = compile_enabled(backend, cfg.compile)
-        self.model = apply_fsdp(model, build_mesh(backend.device_type, world), self.dtype, compile=self.compiled,
-                                device=self.device)
+        self.model, loaded = load_sharded(cfg.model_id, backend.attn_implementation,
+                                          build_mesh(backend.device_type, world), self.dtype, compile=self.compiled,
+                                          device=self.device, full=cfg.model_load == "full")
+        if rank == 0:
+            say(f"Model {cfg.model_id}: {loaded}")
         # Else transformers' full-logits forward: asked for, or a head loss.py does not reproduce.
         self.label_head = cfg.loss_head == "labels" and head.uses_label_head(self.model)
         if self.label_head:
