@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             standalone=not args.peering,
             peering_name=args.peering or None,
             liveness_endpoint=args.liveness or None,
+            memo=kopf.Memo(watched_namespaces=len(namespaces)),  # sizes kopf's connections (handlers.login)
         ))
     finally:
         if elector is not None:

@@ -16,6 +16,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import aiohttp
 import kopf
 from kubernetes import client, config
 
@@ -51,6 +52,38 @@ def _load_kube_config(connections: int | None = None) -> client.ApiClient:
     if connections:  # one kept connection per Kubernetes thread (the client's default: 5 per CPU)
         configuration.connection_pool_maxsize = connections
     return client.ApiClient(configuration)
+
+
+# kopf's requests to the API server (its finalizer patches, its Events) share at most this
+# many kept connections; each watch stream holds one more for its whole life. kopf's own
+# session has no limit: a burst of new runs opened a TLS connection per request in flight
+# (244 for a burst of 1,000 runs, each with asyncio's 256 KiB read buffer: 32 MB) and kept
+# them alive.
+KOPF_REQUEST_CONNECTIONS = 16
+# kopf's watch streams beyond one per watched namespace: the nodes, kopf's own peering and
+# namespace scans, with room to spare (a stream waiting for a connection would never start).
+KOPF_OTHER_STREAMS = 4
+
+
+def kopf_connection_limit(namespaces: int) -> int:
+    """Connections for kopf's session: its requests, plus one per watch stream (the
+    TPUFineTunes of each namespace, or of all of them in one stream)."""
+    return KOPF_REQUEST_CONNECTIONS + max(1, namespaces) + KOPF_OTHER_STREAMS
+
+
+@kopf.on.login()
+async def login(memo: kopf.Memo, **kwargs) -> kopf.AiohttpSession | None:
+    """kopf's own login (the in-cluster ServiceAccount, else the kubeconfig), with a session
+    whose connections are bounded (kopf_connection_limit); kopf closes it on a re-login."""
+    info = kopf.login_via_client(memo=memo, **kwargs)
+    if info is None:
+        return None
+    limit = kopf_connection_limit(int(getattr(memo, "watched_namespaces", 0) or 0))
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, ssl=info.as_ssl_context()),
+        headers=info.as_http_headers(), proxy=info.proxy_url, trust_env=info.trust_env)
+    return kopf.AiohttpSession(aiohttp_session=session, server=info.server, priority=info.priority,
+                               default_namespace=info.default_namespace, expiration=info.expiration)
 
 
 @kopf.on.startup()
@@ -142,9 +175,9 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
       (a deleted run's series go);
     - an edit (a new generation: spec.suspend, a deadline) or a deletion wakes its run, which
       acts now instead of after its sleep (a waiting run sleeps up to a minute).
-    Not kopf's on.field: a change handler has kopf keep a copy of the spec in every
-    object's status (its diff base) and patch it at each creation and edit, which costs a
-    write per run and a larger object in memory for nothing the operator reads."""
+    One handler for both: kopf runs it for every event anyway, and a run compares the
+    generation itself (kopf's on.field would add a handler run, and its bookkeeping, to
+    every creation)."""
     meta = body.get("metadata", {})
     key = (meta.get("namespace"), meta.get("name"))
     if type == "DELETED":

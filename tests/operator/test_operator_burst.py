@@ -1,0 +1,139 @@
+"""A burst of new runs on the operator as users run it (`python -m tpufinetune.cli operator`,
+default settings) against the real kube-apiserver with KubeRay's RayCluster CRD (no KubeRay:
+the RayClusters never get ready, as when a slice waits for capacity). One burst shows:
+
+- the operator's connections to the API server stay bounded while every run takes its
+  first steps at once: kopf's session has a limit (handlers.login), the Kubernetes client's
+  pool one per thread, and the watches one each. Checked to fail with kopf's own
+  unlimited session: 214 connections for this burst (55 with the limit);
+- once every run waits for its RayCluster, the runs take no steps at rest (they sleep until
+  a watched change or a timer), where each would step every poll interval before;
+- an edit (spec.suspend) still wakes its sleeping run at once, through kopf's watch of the
+  TPUFineTunes (handlers.resource_seen).
+
+About 40 s on a running control plane.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import urllib.request
+
+import pytest
+import yaml
+from kubernetes import client
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness.operator_process import OperatorProcess
+from harness.ports import free_port
+from harness.timing import within
+from harness.waiting import wait_for
+from tpufinetune.adapters.handlers import kopf_connection_limit
+from tpufinetune.core.api import GROUP, PLURAL, VERSION
+from tpufinetune.settings import Settings
+
+RUNS = 120
+# The informer's watches (RayClusters, pods, Workloads) and its lists hold one each, and the
+# Ray token Secret's reads go through the client's pool; kopf's session is bounded by its own
+# limit; a few more for connections being closed while their successors open.
+WATCH_STREAMS = 3
+SLACK = 5
+SPEC = {"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "registry.example/t:1",
+        "checkpoint": {"storagePath": "gs://bench/ckpt"}}
+
+pytestmark = pytest.mark.cluster
+
+
+def tpufinetune(name: str) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TPUFineTune", "metadata": {"name": name}, "spec": SPEC}
+
+
+def connections_to(pid: int, port: int) -> int:
+    """The process's established TCP connections to `port` on loopback: its sockets
+    (/proc/PID/fd) matched against the kernel's table (/proc/PID/net/tcp)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    with open(f"/proc/{pid}/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            remote, state, inode = fields[2], fields[3], fields[9]
+            if state == "01" and inode in inodes and int(remote.split(":")[1], 16) == port:
+                count += 1
+    return count
+
+
+def steps(metrics_url: str) -> float:
+    """Steps the operator has completed, all phases (tpufinetune_reconciles_total)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "tpufinetune_reconciles_total")
+
+
+def test_a_burst_keeps_connections_bounded_then_waiting_runs_rest_and_an_edit_wakes_its_run(
+        control_plane, kuberay_crd, k8s_api, namespace, tmp_path):
+    objects = client.CustomObjectsApi(k8s_api)
+    metrics_port = free_port()
+    env = control_plane.env()
+    env.update(TPUFT_NAMESPACE=namespace, TPUFT_OPERATOR_NAMESPACE=namespace, TPUFT_LEADER_ELECTION="false",
+               TPUFT_POLL_INTERVAL="1", TPUFT_METRICS_PORT=str(metrics_port))
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    operator = OperatorProcess(env, tmp_path / "operator.log")
+    operator.start()
+    api_port = int(control_plane.server.rsplit(":", 1)[1])
+    most = [0]
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            most[0] = max(most[0], connections_to(operator.proc.pid, api_port))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        control_plane.kubectl("-n", namespace, "apply", "--server-side", "-f", "-", timeout=300,
+                              input=yaml.safe_dump_all([tpufinetune(f"burst-{i}") for i in range(RUNS)]))
+
+        def all_waiting() -> bool:
+            items = objects.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
+            return len(items) == RUNS and all(
+                (i.get("status") or {}).get("message", "").startswith("waiting for RayCluster") for i in items)
+
+        wait_for(all_waiting, within(120), f"all {RUNS} runs waiting for their RayClusters", interval=0.5,
+                 details=operator.log_tail)
+        sampling.set()
+        sampler.join()
+        bound = kopf_connection_limit(1) + Settings().kube_threads + WATCH_STREAMS + SLACK
+        assert 0 < most[0] <= bound, (most[0], bound)
+
+        # At rest: a poll interval of 1 s would be RUNS steps a second.
+        time.sleep(2)  # the last spaced writes land
+        before = steps(metrics_url)
+        time.sleep(10)
+        taken = steps(metrics_url) - before
+        assert taken <= RUNS * 0.05, f"{taken} steps in 10 s by {RUNS} runs that only wait"
+
+        # An edit wakes its sleeping run at once (a waiting run sleeps up to a minute).
+        objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "burst-7", {"spec": {"suspend": True}})
+
+        def suspended() -> bool:
+            status = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "burst-7")["status"]
+            return status.get("phase") == "Pending" and "suspended" in status.get("message", "")
+
+        wait_for(suspended, within(10), "the suspended run to be Pending", interval=0.2, details=operator.log_tail)
+        print(f"{RUNS} runs at once: at most {most[0]} connections to the API server (bound {bound}); "
+              f"{taken:.0f} steps in 10 s at rest")
+    finally:
+        sampling.set()
+        operator.stop()
