@@ -136,14 +136,15 @@ class Trainer:
         # run: what the fullest step of any epoch needs (static shapes).
         lengths, example_labels = self.examples.lengths, self.examples.label_tokens
         base = cfg.batch_plan()
-        blocks = blocks_per_device(lengths, base, cfg.num_epochs, cfg.seed, cfg.max_seq_len)
-        self.plan: BatchPlan = BatchPlan(base.world, base.per_device, base.accum, blocks)
-        self.epoch_plans: list[EpochPlan] = [plan_epoch(lengths, example_labels, self.plan, epoch, cfg.seed,
-                                                        cfg.max_seq_len) for epoch in range(1, cfg.num_epochs + 1)]
-        self.epoch_steps = steps_per_epoch(len(self.examples), self.plan)
+        self.epoch_steps = steps_per_epoch(len(self.examples), base)
         self.total_steps = self.epoch_steps * cfg.num_epochs
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
+        epochs = -(-self.total_steps // self.epoch_steps)  # the epochs the run reaches (--max-steps)
+        blocks = blocks_per_device(lengths, base, epochs, cfg.seed, cfg.max_seq_len)
+        self.plan: BatchPlan = BatchPlan(base.world, base.per_device, base.accum, blocks)
+        self.epoch_plans: list[EpochPlan] = [plan_epoch(lengths, example_labels, self.plan, epoch, cfg.seed,
+                                                        cfg.max_seq_len) for epoch in range(1, epochs + 1)]
         self._build_optimizer()
         self.eval_blocks = DeviceBlocks(self.eval_data, self.device, self.pad_id) if self.eval_data else None
         # Rows of the loss head's label buffer: the most label tokens of any micro-batch the
