@@ -1,34 +1,36 @@
 """Benchmark: time to quality, `tpufinetune-train finetune` against the tutorial's loop, on CPU.
 
-    .venv/bin/python benchmarks/bench_time_to_quality.py [--rows 1024] [--epochs 3] [--work DIR]
+    .venv/bin/python benchmarks/bench_time_to_quality.py [--rows 512] [--epochs 3] [--bases pretrained,scratch]
+                                                         [--work DIR] [--plot FILE.png]
 
 Not a test. Both loops run under Ray Train on a private local Ray head (2 workers, gloo,
 fp32 compute: this machine kind emulates bf16 about 20x slower, which would decide the
-figure instead of the loops; on a TPU both run in bf16), on the same training examples,
-each with its own defaults:
+figure instead of the loops; on a TPU both run in bf16), on the same training examples
+for the same epochs, each with its own defaults, from two bases: a tiny Gemma 4
+pretrained here on other tasks over the same words (`pretrained`), and the same model
+with random weights (`scratch`).
 
 - the tutorial's loop, re-implemented: every example padded to 512 tokens in the
   tutorial's `Instruction: ...\\nResponse: ...` format (plus dolly's context), labels on
   every token (DataCollatorForLanguageModeling), batch 4 per device, constant learning
   rate, FSDP2 on each layer's MLP, a full state dict on rank 0 every epoch;
-- ours: `finetune.run` with its defaults (chat template, packed blocks, 1 block per
-  device, warmup + the peak held + a cosine decay over the last 20% of steps, clipping,
-  token-weighted loss, sharded checkpoints).
+- ours: `finetune.run` with its defaults (chat template, the tutorial's 4 examples per
+  device per step packed into the run's fixed blocks, warmup + the peak held + a cosine
+  decay over the last 20% of steps, clipping, token-weighted loss, sharded checkpoints).
 
 The peak learning rate is the one thing set for both: the defaults (2e-5) suit a
-pretrained 2B model, while this model is a tiny Gemma 4 pretrained here for a few hundred
-steps, so both get --lr (1e-3).
+pretrained 2B model, not this tiny one, so both get --lr (1e-3).
 
 The data is made here: dolly-format rows whose responses are a learnable function of
 the instruction and context (filter the even numbers, classify fruit and vegetables,
-reverse a list, count items, read a fact from the context, ...), and a held-out split of
-fresh rows from the same functions. Both are scored on the same held-out response
-tokens: each row is rendered in the loop's own prompt format, and the loss is taken over
-the response tokens the two formats share (all but the first word's, whose leading space
-differs), so the numbers are directly comparable. Scoring pauses the clock.
+count items, ...), and a held-out split of fresh rows from the same functions. Both are
+scored on the same held-out response tokens: each row is rendered in the loop's own
+prompt format, and the loss is taken over the response tokens the two formats share
+(all but the first word's, whose leading space differs), so the numbers are directly
+comparable. Scoring pauses the clock.
 
-Goals: ours reaches the tutorial loop's final held-out loss in <= 1/3 of its wall time,
-with >= 3x its useful (non-padding) tokens per second, and one batch shape per run.
+Goals, on both bases: after the same epochs ours' final held-out loss is no worse than the
+tutorial loop's, in <= 1/3 of its wall time.
 """
 
 from __future__ import annotations
@@ -44,7 +46,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+# This checkout's trainer, here and in every Ray worker (the head and the runs inherit it),
+# before any installed copy.
+SOURCES = [str(REPO / "trainer"), str(REPO / "tests")]
+sys.path[:0] = SOURCES
+os.environ["PYTHONPATH"] = os.pathsep.join(SOURCES + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                       if p and p not in SOURCES])
 
 # ----------------------------------------------------------------------------- data
 
@@ -144,7 +151,8 @@ def pretrain(model, tokenizer, texts: list[str], steps: int, length: int = 256, 
 
 def build_assets(work: Path, rows: int, heldout: int, pretrain_steps: int) -> dict:
     """Train and held-out JSONL, and a tiny Gemma 4 with a BPE tokenizer (with a chat
-    template) fitted to this data, pretrained on other rows as plain text."""
+    template) fitted to this data, pretrained on other rows as plain text (with
+    `pretrain_steps` 0: random weights, the from-scratch base)."""
     from tpufinetune_trainer.assets import build_model, build_tokenizer
 
     data = work / "data"
@@ -155,11 +163,12 @@ def build_assets(work: Path, rows: int, heldout: int, pretrain_steps: int) -> di
     texts = [" ".join(r.values()) for r in train + corpus] + ["Instruction: Context: Response: user model"] * 50
     tokenizer = build_tokenizer(texts, 2048)
     model = build_model("tiny", len(tokenizer), seed=0)
-    started = time.perf_counter()
-    loss = pretrain(model, tokenizer,
-                    [" ".join(v for v in r.values() if v) for r in corpus], pretrain_steps)
-    print(f"  pretrained the base on {len(corpus)} plain-text rows: {pretrain_steps} steps, "
-          f"loss {loss:.3f}, {time.perf_counter() - started:.0f}s", flush=True)
+    if pretrain_steps:
+        started = time.perf_counter()
+        loss = pretrain(model, tokenizer,
+                        [" ".join(v for v in r.values() if v) for r in corpus], pretrain_steps)
+        print(f"  pretrained the base on {len(corpus)} plain-text rows: {pretrain_steps} steps, "
+              f"loss {loss:.3f}, {time.perf_counter() - started:.0f}s", flush=True)
     model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
     return {"model": str(work / "model"), "train": str(data / "train.jsonl"), "heldout": str(data / "heldout.jsonl")}
@@ -268,28 +277,23 @@ def make_ours_train_func(out: str, heldout: str, score_every: int):
     """The product's own train_func; every `score_every` steps the clock pauses for scoring."""
 
     def train_func(config):
-        import numpy as np
-
         from tpufinetune_trainer import train as product
 
         clock, state = Clock(), {"steps": 0, "real": 0, "labels": 0, "shapes": set()}
         train_step = product.Trainer.train_step
 
-        def scored_step(self, blocks, label_tokens, loss_sum):
+        def scored_step(self, loss_sum):
             if "batches" not in state:
                 state["batches"] = scoring_batches(self.cfg.model_id, heldout, config["prompt_format"],
                                                    self.rank, self.world)
                 score_point(out, clock, self.model, state["batches"], self.rank, step=0, real_tokens=0,
                             label_tokens=0)
             clock.begin()
-            train_step(self, blocks, label_tokens, loss_sum)
+            train_step(self, loss_sum)
             state["steps"] += 1
-            order = np.random.default_rng(self.cfg.seed + self.epoch).permutation(len(self.train_data))
-            g = self.plan.global_blocks
-            chunk = order[self.epoch_step * g:(self.epoch_step + 1) * g]
-            state["real"] += int(self.train_data.real_tokens[chunk].sum())
-            state["labels"] += label_tokens
-            state["shapes"].add((self.plan.per_device, self.cfg.max_seq_len))
+            state["real"] += int(self.epoch_plan.real_tokens[self.epoch_step])  # train_epoch counts it after
+            state["labels"] += int(self.epoch_plan.label_tokens[self.epoch_step])
+            state["shapes"].add((self.plan.blocks, self.cfg.max_seq_len))
             last = self.global_step + 1 == self.total_steps
             if state["steps"] % score_every == 0 or last:
                 score_point(out, clock, self.model, state["batches"], self.rank, step=state["steps"],
@@ -491,8 +495,11 @@ def print_curves(results: dict) -> None:
         print(f"  {kind}: " + ", ".join(f"{p['seconds']:.0f}s {p['heldout']:.3f}" for p in points))
 
 
-def plot(results: dict, path: Path, rows: int, epochs: int) -> bool:
-    """Both loops' held-out loss against training seconds, as a PNG (docs/images/)."""
+BASES = ("pretrained", "scratch")
+
+
+def plot(by_base: dict, path: Path, rows: int, epochs: int) -> bool:
+    """Both loops' held-out loss against training seconds, one panel per base, as a PNG."""
     try:
         import matplotlib
 
@@ -500,30 +507,48 @@ def plot(results: dict, path: Path, rows: int, epochs: int) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for kind, label in (("ours", "tpufinetune-train finetune (defaults)"), ("baseline", "tutorial loop")):
-        points = results[kind]
-        ax.plot([p["seconds"] for p in points], [p["heldout"] for p in points], marker="o", markersize=3,
-                label=label)
-    ax.axhline(results["baseline"][-1]["heldout"], color="gray", linestyle=":", linewidth=1)
-    ax.set_xlabel("training wall time, s (CPU, 2 workers, fp32)")
-    ax.set_ylabel("held-out loss on shared response tokens")
-    ax.set_title(f"Time to quality: tiny Gemma 4, {rows} examples, {epochs} epochs")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, len(by_base), figsize=(6 * len(by_base), 4.2), dpi=110, squeeze=False)
+    for ax, (base, results) in zip(axes[0], by_base.items()):
+        for kind, label in (("ours", "tpufinetune-train finetune (defaults)"), ("baseline", "tutorial loop")):
+            points = results[kind]
+            ax.plot([p["seconds"] for p in points], [p["heldout"] for p in points], marker="o", markersize=3,
+                    label=label)
+        ax.axhline(results["baseline"][-1]["heldout"], color="gray", linestyle=":", linewidth=1)
+        ax.set_xlabel("training wall time, s (CPU, 2 workers, fp32)")
+        ax.set_ylabel("held-out loss on shared response tokens")
+        ax.set_title(f"{base} base: {rows} examples, {epochs} epochs")
+        ax.legend()
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata={"Software": None})  # no version stamp: a rerun differs only in data
     return True
 
 
+def overview(by_base: dict) -> list[tuple]:
+    """One line per base: same epochs, final held-out loss and wall time of both loops."""
+    rows = []
+    for base, results in by_base.items():
+        ours, tutorial = results["ours"], results["baseline"]
+        reach = time_to_reach(ours, tutorial[-1]["heldout"])
+        rows.append((base, f"{ours[-1]['heldout']:.3f}", f"{tutorial[-1]['heldout']:.3f}",
+                     "yes" if ours[-1]["heldout"] <= tutorial[-1]["heldout"] else "no",
+                     f"{ours[-1]['seconds']:.1f}", f"{tutorial[-1]['seconds']:.1f}",
+                     f"{ours[-1]['seconds'] / tutorial[-1]['seconds']:.2f}x",
+                     "not reached" if reach is None else f"{reach:.1f} ({reach / tutorial[-1]['seconds']:.2f}x)",
+                     f"{ours[-1]['step']} / {tutorial[-1]['step']}"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=None, help="work dir (default: a temp dir)")
-    parser.add_argument("--rows", type=int, default=1024, help="training examples (the tutorial's train[:1024])")
+    parser.add_argument("--rows", type=int, default=512, help="training examples")
     parser.add_argument("--heldout", type=int, default=128, help="held-out examples")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of both loops")
-    parser.add_argument("--pretrain-steps", type=int, default=600, help="plain-text pretraining of the base (0: random)")
+    parser.add_argument("--pretrain-steps", type=int, default=200, help="plain-text pretraining of the pretrained base")
+    parser.add_argument("--bases", default=",".join(BASES),
+                        help="pretrained (pretrained here first), scratch (random weights), or both")
     parser.add_argument("--redo", action="append", default=[], help="ours, baseline or all (else cached)")
     parser.add_argument("--plot", type=Path, default=None, help="write the curves as a PNG here (needs matplotlib)")
     parser.add_argument("--one", choices=["ours", "baseline"], help=argparse.SUPPRESS)
@@ -539,32 +564,48 @@ def main() -> None:
 
     work = args.work or Path(tempfile.mkdtemp(prefix="tpuft-ttq-"))
     print(f"work dir: {work}", flush=True)
-    assets_file = work / "assets.json"
-    if not assets_file.exists():
-        assets_file.write_text(json.dumps(build_assets(work, args.rows, args.heldout, args.pretrain_steps)))
-    assets = json.loads(assets_file.read_text())
-    cache = work / "results.json"
-    results = json.loads(cache.read_text()) if cache.exists() else {}
-    # About 8 scored points per epoch for each loop.
-    every = {"ours": max(1, args.rows // 180), "baseline": max(1, args.rows // 64)}
-    todo = [k for k in ("ours", "baseline") if k not in results or k in args.redo or "all" in args.redo]
-    if todo:
-        head = RayHead.start(num_cpus=4)
-        env = dict(head.env(), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(REPO / "tests"),
-                   OMP_NUM_THREADS="1")
-        try:
+    bases = [b for b in args.bases.split(",") if b]
+    unknown = set(bases) - set(BASES)
+    if unknown:
+        raise SystemExit(f"--bases: unknown {sorted(unknown)}; choose from {', '.join(BASES)}")
+    # Both loops take the same optimizer steps (the tutorial's 8 examples a step): ~8
+    # scored points per epoch each.
+    every = max(1, args.rows // 64)
+    by_base = {}
+    head = None
+    try:
+        for base in bases:
+            where = work / base
+            assets_file = where / "assets.json"
+            if not assets_file.exists():
+                steps = args.pretrain_steps if base == "pretrained" else 0
+                assets_file.write_text(json.dumps(build_assets(where, args.rows, args.heldout, steps)))
+            assets = json.loads(assets_file.read_text())
+            cache = where / "results.json"
+            results = json.loads(cache.read_text()) if cache.exists() else {}
+            todo = [k for k in ("ours", "baseline") if k not in results or k in args.redo or "all" in args.redo]
+            if todo and head is None:
+                head = RayHead.start(num_cpus=4)
             for kind in todo:
-                rows = measure(kind, assets, args, work, env, every[kind])
+                env = dict(head.env(), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+                rows = measure(kind, assets, args, where, env, every)
                 results[kind] = [r for r in rows if r["kind"] == "point"]
                 cache.write_text(json.dumps(results, indent=1))
-        finally:
+            by_base[base] = results
+    finally:
+        if head is not None:
             head.stop()
-    print(f"\nCPU, 2 workers (gloo), fp32 compute, {args.rows} training examples x {args.epochs} epochs, "
-          f"{args.heldout} held-out examples, peak lr {args.lr:g} for both")
-    print_table(("metric", "finetune (defaults)", "tutorial loop", "ratio", "target"), summarize(results))
-    print_curves(results)
+    for base, results in by_base.items():
+        print(f"\n{base} base -- CPU, 2 workers (gloo), fp32 compute, {args.rows} training examples x "
+              f"{args.epochs} epochs, {args.heldout} held-out examples, peak lr {args.lr:g} for both")
+        print_table(("metric", "finetune (defaults)", "tutorial loop", "ratio", "target"), summarize(results))
+        print_curves(results)
+    print(f"\nSame epochs ({args.epochs}), both bases:")
+    print_table(("base", "ours final", "tutorial final", "ours <= tutorial", "ours s", "tutorial s", "time ratio",
+                 "ours to the tutorial's final, s", "steps ours / tutorial"), overview(by_base))
     if args.plot:
-        print(f"\nplot: {args.plot}" if plot(results, args.plot, args.rows, args.epochs) else "\nplot skipped: matplotlib is not installed")
+        print(f"\nplot: {args.plot}" if plot(by_base, args.plot, args.rows, args.epochs)
+              else "\nplot skipped: matplotlib is not installed")
 
 
 if __name__ == "__main__":

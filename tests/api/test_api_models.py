@@ -26,8 +26,8 @@ def test_minimal_spec_gets_the_defaults():
     assert (spec.dataset.id, spec.dataset.split) == ("databricks/databricks-dolly-15k",
                                                      "train[:1024]")
     training = spec.training
-    # A packed block holds about the tutorial's 4 padded rows' real tokens: 1 per device.
-    assert (training.epochs, training.batch_size_per_device, training.max_seq_len) == (3, 1, 512)
+    # The tutorial's 4 examples per device per step (packed into blocks by the trainer).
+    assert (training.epochs, training.batch_size_per_device, training.max_seq_len) == (3, 4, 512)
     assert (training.global_batch_blocks, training.lr_schedule, training.warmup_ratio) == (0, "cosine", 0.05)
     assert (training.max_grad_norm, training.max_steps, training.prompt_format) == (1.0, 0, "auto")
     assert (training.learning_rate, training.weight_decay, training.seed) == (2e-5, 0.01, 42)

@@ -28,6 +28,7 @@ NOT_PASSED = {
     "--model-load": "the trainer's default (sharded) applies; full is a fallback for a run started by hand",
     "--progress-interval": "the trainer's default (30 s) applies",
     "--fail-at-step": "fault injection for the trainer's own tests",
+    "--global-batch-examples": "the operator passes the same flag by its other name, --global-batch-blocks",
     "--target-eval-loss": "passed only when training.targetEvalLoss is set (the trainer's 0 is off)",
     "--early-stopping-patience": "passed only when training.earlyStoppingPatience is set (0 is off)",
 }

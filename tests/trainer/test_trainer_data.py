@@ -11,13 +11,19 @@ import torch
 from tpufinetune_trainer import assets
 from tpufinetune_trainer.data import (
     IGNORE_INDEX,
+    BatchPlan,
+    Examples,
+    blocks_per_device,
     encode_rows,
+    epoch_steps,
     eval_order,
     format_prompt,
     load_rows,
     pack,
+    plan_epoch,
     prepare,
-    shard_order,
+    rank_blocks,
+    steps_per_epoch,
 )
 from tpufinetune_trainer.errors import DataError
 from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
@@ -100,15 +106,105 @@ def test_packing_gives_full_fixed_blocks_and_keeps_every_token(rows, tokenizer):
     assert (packed.labels[pads] == IGNORE_INDEX).all() and (packed.input_ids[pads] == tokenizer.pad_token_id).all()
 
 
-def test_every_batch_has_one_shape_across_epochs_and_ranks():
+def tutorial_steps_per_epoch(examples: int, world: int, batch: int) -> int:
+    """The tutorial's loop: a shuffled DataLoader with drop_last, sharded by Ray Train's
+    prepare_data_loader (a DistributedSampler over the devices)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(range(examples), num_replicas=world, rank=0, shuffle=True)
+    return len(DataLoader(range(examples), batch_size=batch, sampler=sampler, drop_last=True))
+
+
+@pytest.mark.parametrize("examples,world,batch,accum", [(1024, 16, 4, 1), (512, 2, 4, 1), (96, 2, 2, 3),
+                                                        (973, 16, 4, 1), (37, 2, 4, 1)])
+def test_an_epoch_takes_the_tutorials_steps_and_every_example_once(examples, world, batch, accum):
+    plan = BatchPlan(world, batch, accum)
+    lengths = np.random.default_rng(0).integers(8, 300, examples)
+    steps = steps_per_epoch(examples, plan)
+    if examples % plan.global_examples == 0 and accum == 1:
+        assert steps == tutorial_steps_per_epoch(examples, world, batch)
+    elif accum == 1:
+        # The tutorial drops a partial last batch; here it is one more, smaller step.
+        assert steps - 1 <= tutorial_steps_per_epoch(examples, world, batch) <= steps
+    orders = []
+    for epoch in (1, 2, 3):
+        grouped = epoch_steps(lengths, plan, epoch, 42)
+        assert len(grouped) == steps
+        sizes = sorted(len(g) for g in grouped)
+        assert sizes[1:] == [plan.global_examples] * (steps - 1)  # only one step may be smaller
+        everything = np.concatenate(grouped)
+        assert sorted(everything.tolist()) == list(range(examples))  # each example exactly once
+        orders.append(everything)
+        assert all(np.array_equal(a, b) for a, b in zip(grouped, epoch_steps(lengths, plan, epoch, 42)))
+    assert not np.array_equal(orders[0], orders[1])  # reshuffled every epoch
+
+
+def test_a_steps_examples_do_not_depend_on_how_the_batch_is_split():
+    lengths = np.random.default_rng(1).integers(8, 300, 200)
+    one = epoch_steps(lengths, BatchPlan(1, 8, 1), 3, 42)
+    four = epoch_steps(lengths, BatchPlan(4, 1, 2), 3, 42)
+    assert all(np.array_equal(a, b) for a, b in zip(one, four))
+
+
+def test_steps_even_out_their_tokens():
+    """Grouping in windows (longest first, to the step with the fewest tokens) keeps the
+    fullest step, which sets the blocks of every step, near the mean."""
+    lengths = np.minimum(np.random.default_rng(2).lognormal(4.3, 0.7, 1024).astype(int) + 8, 512)  # dolly-like
+    plan = BatchPlan(2, 4, 1)
+    totals = np.array([lengths[g].sum() for g in epoch_steps(lengths, plan, 1, 42)])
+    assert totals.max() < 1.2 * totals.mean()
+    cut = np.array([lengths[np.random.default_rng(43).permutation(1024)[s * 8:(s + 1) * 8]].sum()
+                    for s in range(128)])
+    assert cut.max() > 1.5 * cut.mean()  # a plain cut of the shuffle would not
+
+
+def synthetic_examples(count: int, seed: int) -> Examples:
+    """Examples of varied length: a prompt (no labels), then a labelled response."""
+    rng = np.random.default_rng(seed)
+    ids, labels = [], []
+    for _ in range(count):
+        prompt, response = int(rng.integers(3, 60)), int(rng.integers(1, 200))
+        tokens = rng.integers(3, 1000, prompt + response).tolist()
+        ids.append(tokens)
+        labels.append([IGNORE_INDEX] * prompt + tokens[prompt:])
+    return Examples(ids, labels)
+
+
+@pytest.mark.parametrize("world,batch,accum", [(2, 4, 1), (1, 2, 2), (4, 3, 1)])
+def test_every_step_has_the_same_blocks_and_padding_carries_no_labels(world, batch, accum):
+    length, epochs = 256, 3
+    examples = synthetic_examples(101, world)
+    lengths, labels = examples.lengths, examples.label_tokens
+    base = BatchPlan(world, batch, accum)
+    plan = BatchPlan(world, batch, accum, blocks_per_device(lengths, base, epochs, 7, length))
+    for epoch in range(1, epochs + 1):
+        planned = plan_epoch(lengths, labels, plan, epoch, 7, length)
+        grouped = epoch_steps(lengths, plan, epoch, 7)
+        steps = len(planned)
+        assert planned.slots.shape == (steps, accum, world, plan.blocks)  # fixed for the run
+        per_rank = [rank_blocks(examples, planned, rank, length, 0) for rank in range(world)]
+        for rank, blocks in enumerate(per_rank):
+            assert blocks.input_ids.shape == (steps * accum * plan.blocks, length)
+            pads = np.arange(length)[None, :] >= blocks.real_tokens[:, None]
+            assert (blocks.labels[pads] == IGNORE_INDEX).all()
+            assert (blocks.input_ids[pads] == 0).all()
+            empty = planned.slots[:, :, rank, :].reshape(-1) < 0
+            assert (blocks.real_tokens[empty] == 0).all() and (blocks.label_tokens[empty] == 0).all()
+        for step in range(steps):
+            members = [e for b in planned.slots[step].reshape(-1) if b >= 0 for e in planned.blocks[b]]
+            assert sorted(members) == sorted(grouped[step].tolist())  # the step's examples, each once
+            cut = slice(step * accum * plan.blocks, (step + 1) * accum * plan.blocks)
+            assert sum(int(b.label_tokens[cut].sum()) for b in per_rank) == planned.label_tokens[step] \
+                == int(labels[grouped[step]].sum())
+            assert sum(int(b.real_tokens[cut].sum()) for b in per_rank) == planned.real_tokens[step]
+    # The fullest step needed every block: none fewer would do.
+    fullest = max(int((plan_epoch(lengths, labels, plan, e, 7, length).slots >= 0)
+                      .sum(axis=(1, 2, 3)).max()) for e in range(1, epochs + 1))
+    assert -(-fullest // (world * accum)) == plan.blocks
+
+
+def test_evaluation_covers_every_block_once_in_one_shape():
     blocks, world, batch = 53, 2, 4
-    seen = []
-    for epoch in range(1, 4):
-        per_rank = [shard_order(blocks, world, batch, epoch, 42, r) for r in range(world)]
-        assert {len(p) for p in per_rank} == {len(per_rank[0])} and len(per_rank[0]) % batch == 0
-        assert not set(per_rank[0]) & set(per_rank[1])  # ranks see disjoint blocks
-        seen.append(np.concatenate(per_rank))
-    assert not np.array_equal(seen[0], seen[1])  # reshuffled every epoch
     covered = np.concatenate([eval_order(blocks, world, batch, r) for r in range(world)])
     assert len(covered) % (world * batch) == 0
     assert sorted(covered[covered >= 0].tolist()) == list(range(blocks))

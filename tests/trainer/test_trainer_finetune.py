@@ -92,11 +92,16 @@ def test_the_plan_states_the_global_batch_and_the_schedule(trained):
     assert resumed[1]["resumed_step"] == EVERY and resumed[1]["resumed_from"].endswith(f"/first/step_{EVERY:07d}")
     plan = plans[0]
     steps = run.of("epoch")[-1]["steps"]  # epoch 1 restarted at step 5 and ran only the rest
-    assert (plan["global_batch_blocks"], plan["global_batch_tokens"], plan["accumulation"]) == (2, 1024, 1)
-    assert plan["steps_per_epoch"] == steps and plan["total_steps"] == EPOCHS * steps
+    # The tutorial's batch: 2 devices x 4 examples; 288 training examples (320 less 10% held out).
+    blocks = plan["blocks_per_device"]
+    assert (plan["global_batch_examples"], plan["accumulation"]) == (8, 1) and blocks >= 1
+    assert (plan["global_batch_blocks"], plan["global_batch_tokens"]) == (2 * blocks, 2 * blocks * 512)
+    assert plan["steps_per_epoch"] == steps == 288 // 8 and plan["total_steps"] == EPOCHS * steps
     assert plan["lr_schedule"] == "cosine" and plan["warmup_steps"] >= 1
     assert plan["compute_dtype"] == "float32" and plan["compile"] is False  # CPU defaults
-    assert "Plan: 2 devices x 1 blocks x 1 accumulation = 2 blocks (1024 tokens) per optimizer step" in run.output
+    assert (f"Plan: 2 devices x 4 examples x 1 accumulation = 8 examples per optimizer step, packed into "
+            f"{blocks} blocks of 512 tokens per device per micro-batch ({2 * blocks * 512} tokens per step)"
+            in run.output)
 
 
 def test_a_worker_failure_resumes_from_the_latest_step_checkpoint_in_the_same_job(trained):
@@ -151,7 +156,7 @@ def test_loss_falls_and_eval_loss_is_reported(trained):
 def test_throughput_counts_real_tokens_and_batches_have_one_shape(trained):
     run = trained[0]
     for e in run.of("epoch"):
-        assert e["batch_shapes"] == [[1, 512]]
+        assert e["batch_shapes"] == [[run.of("plan")[0]["blocks_per_device"], 512]]
         assert 0 < e["tokens_per_s"] <= e["padded_tokens_per_s"]
         assert e["epoch_time_s"] > 0 and e["epochs"] == EPOCHS
     # The tutorial's human line, with the real-token figure and the padded one labelled.

@@ -76,7 +76,8 @@ def test_a_long_chat_prompt_is_skipped_and_a_long_answer_truncated(tmp_path, tok
     rows += [{"instruction": "Go on.", "context": "", "response": "more " * 300}]
     data = prepare(str(write_jsonl(tmp_path / "rows.jsonl", rows)), "train", tokenizer, 128, 0.0, 0)
     assert data.prompt_format == "chat" and data.skipped_long_prompts == 1 and data.truncated == 1
-    assert data.train.label_tokens.sum() == (data.train.labels[:, 1:] != IGNORE_INDEX).sum()
+    assert data.train.label_tokens.sum() == sum(sum(t != IGNORE_INDEX for t in y[1:]) for y in data.train.labels)
+    assert max(data.train.lengths) == 128
 
 
 def test_warmup_then_cosine_decay_to_the_floor():

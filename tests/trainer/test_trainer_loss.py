@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tpufinetune_trainer import loss
 from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
-from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, epoch_permutation, step_blocks
+from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, blocks_per_device, plan_epoch, rank_blocks
 from tpufinetune_trainer.errors import ConfigError
 from tpufinetune_trainer.train import Trainer
 from trainer_helpers import BLOCK_LENGTH
@@ -59,8 +59,8 @@ def loss_and_grads(trainer: Trainer, batch: dict, head: bool) -> tuple[float, li
 
 
 def first_micro_batch(trainer: Trainer) -> dict:
-    order = epoch_permutation(len(trainer.train_data), 1, trainer.cfg.seed)
-    return trainer.train_blocks.gather(torch.from_numpy(step_blocks(order, 0, trainer.plan, 0)[0]))
+    trainer.load_epoch()
+    return trainer.train_blocks.gather(torch.arange(trainer.plan.blocks))
 
 
 def test_the_label_head_gives_the_full_logits_loss_and_gradients_with_the_softcap(
@@ -144,23 +144,23 @@ def test_the_chunked_head_gradient_is_the_exact_one():
 def test_the_cap_holds_every_micro_batch_of_the_run_and_a_smaller_one_is_refused(prepared):
     """The cap is the most labels of any micro-batch of the run (every rank, every epoch);
     a cap one row short is refused on the host, before the step, never applied."""
-    packed, plan, epochs, seed = prepared["train"], BatchPlan(2, 2, 2), 3, 42
-    most = loss.most_label_tokens(packed, plan, epochs, seed)
-    seen = [int(packed.label_tokens[blocks].sum())
-            for epoch in range(1, epochs + 1) for step in range(len(packed) // plan.global_blocks)
-            for rank in range(plan.world)
-            for blocks in step_blocks(epoch_permutation(len(packed), epoch, seed), step, plan, rank)]
-    assert max(seen) == most and len(set(seen)) > 1
+    examples, epochs, seed = prepared["train"], 3, 42
+    lengths, labels = examples.lengths, examples.label_tokens
+    base = BatchPlan(2, 2, 2)
+    plan = BatchPlan(2, 2, 2, blocks_per_device(lengths, base, epochs, seed, LENGTH))
+    plans = [plan_epoch(lengths, labels, plan, epoch, seed, LENGTH) for epoch in range(1, epochs + 1)]
+    most = loss.most_label_tokens(plans, labels)
+    seen = [rank_blocks(examples, planned, rank, LENGTH, 0).label_tokens.reshape(len(planned), plan.accum,
+                                                                                 plan.blocks).sum(axis=-1)
+            for planned in plans for rank in range(plan.world)]
+    assert max(int(s.max()) for s in seen) == most and len(set(np.concatenate(seen).ravel().tolist())) > 1
     assert loss.label_cap(most, 2 * LENGTH) >= most
     assert loss.label_cap(3, 2 * LENGTH) == loss.ROW_ALIGN and loss.label_cap(10_000, 2 * LENGTH) == 2 * LENGTH
-    order = epoch_permutation(len(packed), 1, seed)
-    everything = np.stack([step_blocks(order, s, plan, r) for s in range(len(packed) // plan.global_blocks)
-                           for r in range(plan.world)])
-    loss.check_cap(packed, everything, max(int(packed.label_tokens[b].sum()) for b in everything.reshape(-1, 2)),
-                   "test")
+    blocks = rank_blocks(examples, plans[0], 0, LENGTH, 0)
+    everything = np.arange(len(blocks)).reshape(len(plans[0]), plan.accum, plan.blocks)
+    loss.check_cap(blocks, everything, int(seen[0].max()), "test")
     with pytest.raises(RuntimeError, match="more than the loss head's"):
-        loss.check_cap(packed, everything, max(int(packed.label_tokens[b].sum()) for b in everything.reshape(-1, 2))
-                       - 1, "test")
+        loss.check_cap(blocks, everything, int(seen[0].max()) - 1, "test")
 
 
 def test_an_epoch_whose_micro_batch_exceeds_the_cap_fails_before_its_first_step(softcapped, prepared,

@@ -11,15 +11,7 @@ import torch
 
 from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
-from tpufinetune_trainer.data import (
-    BatchPlan,
-    encode_rows,
-    epoch_permutation,
-    global_label_tokens,
-    load_rows,
-    pack,
-    step_blocks,
-)
+from tpufinetune_trainer.data import encode_rows, load_rows, pack
 from tpufinetune_trainer.masks import MaskBuilder
 from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
 from tpufinetune_trainer.train import Trainer
@@ -36,14 +28,14 @@ def make_trainer(assets, data, tmp_path, **overrides) -> Trainer:
 
 
 def run_steps(trainer: Trainer, steps: int) -> list[float]:
-    """Mean loss per optimizer step (read after each step: this is a test, not the loop)."""
-    data, plan = trainer.train_data, trainer.plan
-    order = epoch_permutation(len(data), 1, 42)
+    """Mean loss per optimizer step, the epoch's next steps (read after each step: this is
+    a test, not the loop)."""
     losses, loss_sum = [], torch.zeros(())
-    for step in range(steps):
-        count = global_label_tokens(data, order, step, plan)
+    for _ in range(steps):
+        count = int(trainer.epoch_plan.label_tokens[trainer.epoch_step])
         before = float(loss_sum)
-        trainer.train_step(step_blocks(order, step, plan, 0), count, loss_sum)
+        trainer.train_step(loss_sum)
+        trainer.epoch_step += 1
         losses.append((float(loss_sum) - before) / count)
     return losses
 
@@ -77,24 +69,22 @@ def step_gradients(trainer: Trainer) -> list[torch.Tensor]:
     """The gradients one train_step produces (optimizer step and zeroing held back)."""
     trainer.optimizer.step = lambda *a, **k: None
     trainer.optimizer.zero_grad = lambda *a, **k: None
-    order = epoch_permutation(len(trainer.train_data), 1, 42)
-    count = global_label_tokens(trainer.train_data, order, 0, trainer.plan)
-    trainer.train_step(step_blocks(order, 0, trainer.plan, 0), count, torch.zeros(()))
+    trainer.train_step(torch.zeros(()))  # step 0 of epoch 1
     return [p.grad.full_tensor() for p in trainer.params]
 
 
 def test_every_label_token_weighs_the_same_however_the_batch_is_split(trainer_assets, prepared,
                                                                       process_group, tmp_path):
-    """One global batch of 4 blocks, as 1 micro-batch of 4 or 4 micro-batches of 1
-    (accumulation): the same gradient, because the loss is the global token sum over the
-    global token count, not a mean of per-batch means (the blocks hold different numbers
-    of label tokens, so a mean of means would weigh their tokens differently)."""
+    """One global batch of 4 examples, as 1 micro-batch or 4 accumulated micro-batches:
+    the same gradient, because the loss is the global token sum over the global token
+    count, not a mean of per-batch means (the examples hold different numbers of label
+    tokens, so a mean of means would weigh their tokens differently)."""
     whole = make_trainer(trainer_assets, prepared, tmp_path, batch_size_per_device=4, max_grad_norm=0)
-    split = make_trainer(trainer_assets, prepared, tmp_path, batch_size_per_device=1, global_batch_blocks=4,
+    split = make_trainer(trainer_assets, prepared, tmp_path, batch_size_per_device=1, global_batch_examples=4,
                          max_grad_norm=0)
     assert (whole.plan.accum, split.plan.accum) == (1, 4)
-    blocks = step_blocks(epoch_permutation(len(whole.train_data), 1, 42), 0, whole.plan, 0).ravel()
-    assert len(set(whole.train_data.label_tokens[blocks].tolist())) > 1
+    examples = [e for b in whole.epoch_plan.slots[0].reshape(-1) if b >= 0 for e in whole.epoch_plan.blocks[b]]
+    assert len(examples) == 4 and len(set(whole.examples.label_tokens[examples].tolist())) > 1
     for a, b in zip(step_gradients(whole), step_gradients(split)):
         assert torch.linalg.vector_norm(a - b) <= 1e-5 * torch.linalg.vector_norm(a)  # summation order only
 
@@ -103,9 +93,8 @@ def test_the_learning_rate_follows_the_schedule_from_the_device_table(trainer_as
                                                                       tmp_path):
     trainer = make_trainer(trainer_assets, prepared, tmp_path, warmup_ratio=0.25, num_epochs=2)
     seen = []
-    for step in range(4):
-        run_steps_from = epoch_permutation(len(trainer.train_data), 1, 42)
-        trainer.train_step(step_blocks(run_steps_from, step, trainer.plan, 0), 100, torch.zeros(()))
+    for _ in range(4):
+        trainer.train_step(torch.zeros(()))
         seen.append(float(trainer.lr))
     np.testing.assert_allclose(seen, trainer.lr_host[:4], rtol=1e-6)
     assert seen[0] < seen[1] < seen[2]  # warmup
@@ -133,7 +122,8 @@ def test_forward_and_backward_never_read_a_tensor_on_the_host(trainer_assets, pr
     with our masks passed in, the step's forward and backward read nothing (the loss head
     gathers its label rows on the device, too)."""
     trainer = make_trainer(trainer_assets, prepared, tmp_path)
-    index = torch.from_numpy(step_blocks(epoch_permutation(len(trainer.train_data), 1, 42), 0, trainer.plan, 0)[0])
+    trainer.load_epoch()
+    index = torch.arange(trainer.plan.blocks)  # step 0's micro-batch
     batch = trainer.train_blocks.gather(index)
     assert trainer.label_head and trainer.train_cap < batch["targets"].numel()  # rows are gathered
     trainer.token_loss_sum(batch, trainer.train_cap).backward()  # warm-up outside the guard (lazy inits)
@@ -185,13 +175,6 @@ def test_compiled_blocks_match_eager(trainer_assets, prepared, process_group, tm
     assert compiled_trainer.compiled
     compiled = run_steps(compiled_trainer, 3)
     np.testing.assert_allclose(compiled, eager, rtol=2e-3, atol=2e-3)
-
-
-def test_a_steps_blocks_do_not_depend_on_the_world_size():
-    order = epoch_permutation(200, 3, 42)
-    one = step_blocks(order, 5, BatchPlan(1, 8, 1), 0).ravel()
-    four = np.concatenate([step_blocks(order, 5, BatchPlan(4, 1, 2), r).ravel() for r in range(4)])
-    assert sorted(one.tolist()) == sorted(four.tolist()) == sorted(order[40:48].tolist())
 
 
 def test_a_checkpoint_loads_in_place_from_a_uri(trainer_assets, prepared, process_group, tmp_path):
@@ -311,6 +294,7 @@ def test_no_weight_decay_on_norm_scales_and_biases(trainer_assets, prepared, pro
 
 def test_token_ids_reach_the_device_as_int32(trainer_assets, prepared, process_group, tmp_path):
     trainer = make_trainer(trainer_assets, prepared, tmp_path)
+    trainer.load_epoch()
     batch = trainer.train_blocks.gather(torch.tensor([0, 1]))
     assert {name: t.dtype for name, t in batch.items()} == dict.fromkeys(
         ("input_ids", "targets", "position_ids", "segment_ids"), torch.int32)
@@ -318,10 +302,11 @@ def test_token_ids_reach_the_device_as_int32(trainer_assets, prepared, process_g
     assert all(np.isfinite(losses))
 
 
-def test_the_epochs_step_table_trains_bit_for_bit_as_per_step_copies(trainer_assets, prepared, process_group,
-                                                                     tmp_path, monkeypatch):
-    """The loop copies an epoch's step inputs to the device once and selects each step's
-    row there; the result is bit-identical to sending each step's indices on their own."""
+def test_an_epoch_reaches_the_device_in_one_copy_and_a_resumed_epoch_takes_the_same_steps(
+        trainer_assets, prepared, process_group, tmp_path, monkeypatch):
+    """The loop copies an epoch's packed blocks and step inputs to the device once and
+    selects each step's row there (bit-identical to running the steps one by one); an
+    epoch resumed at step 2 takes exactly the uninterrupted epoch's steps 2, 3, …"""
     steps = 4
     table = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
     per_step = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
@@ -329,15 +314,25 @@ def test_the_epochs_step_table_trains_bit_for_bit_as_per_step_copies(trainer_ass
     monkeypatch.setattr(torch, "from_numpy", lambda array: copies.append(array.shape) or from_numpy(array))
     metrics = table.train_epoch()
     monkeypatch.undo()
-    # One copy for the epoch: a table of [steps, 2 block indices + the global label count].
-    assert copies == [(table.epoch_steps, 3)] and table.epoch_steps > steps
-    assert table.global_step == steps
-    data, plan = per_step.train_data, per_step.plan
-    order = epoch_permutation(len(data), 1, 42)
+    plan, rows = table.plan, table.epoch_steps * table.plan.accum * table.plan.blocks
+    # One copy each of this rank's blocks of the epoch (4 arrays, plus a filler block) and
+    # of the table of [steps, block indices + the global label count].
+    assert copies == [(rows + 1, LENGTH)] * 4 + [(table.epoch_steps, plan.accum * plan.blocks + 1)]
+    assert table.global_step == steps and table.epoch_steps > steps
     loss_sum = torch.zeros(())
-    for step in range(steps):
-        per_step.train_step(step_blocks(order, step, plan, 0), global_label_tokens(data, order, step, plan), loss_sum)
+    for _ in range(steps):
+        per_step.train_step(loss_sum)
     assert metrics["epoch_loss_sum"] == float(loss_sum)
     for a, b in zip(table.params, per_step.params):
         assert torch.equal(a.detach().full_tensor(), b.detach().full_tensor())
     assert table.evaluate() == per_step.evaluate()
+    whole = make_trainer(trainer_assets, prepared, tmp_path)
+    whole.load_epoch()
+    resumed = make_trainer(trainer_assets, prepared, tmp_path)
+    resumed.epoch_step = 2
+    resumed.load_epoch()
+    assert int(resumed.epoch_row) == 2 and torch.equal(resumed.epoch_inputs, whole.epoch_inputs)
+    for step in range(2, table.epoch_steps):
+        index = whole.epoch_inputs[step, :-1]
+        a, b = whole.train_blocks.gather(index), resumed.train_blocks.gather(resumed.epoch_inputs[step, :-1])
+        assert all(torch.equal(a[name], b[name]) for name in a)

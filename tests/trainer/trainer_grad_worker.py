@@ -2,7 +2,7 @@
 
 Run as a process by tests/trainer/test_trainer_gradients.py, once per rank:
 `python trainer_grad_worker.py MODEL DATA.pkl OUT PORT RANK WORLD`. Every rank takes its
-share of the same global batch (4 blocks); rank 0 writes the gathered (full) gradients
+share of the same global batch (4 examples, packed the same on both); rank 0 writes the gathered (full) gradients
 and the step's global gradient norm before clipping.
 """
 
@@ -17,10 +17,9 @@ import torch.distributed as dist
 
 from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
-from tpufinetune_trainer.data import epoch_permutation, global_label_tokens, step_blocks
 from tpufinetune_trainer.train import Trainer
 
-GLOBAL_BLOCKS = 4
+GLOBAL_EXAMPLES = 4
 LENGTH = 256
 
 
@@ -33,14 +32,12 @@ def main(model: str, data_file: str, out: str, port: int, rank: int, world: int)
         # A clip threshold no norm reaches: the norm is computed and the gradients kept as
         # they are (the clip's factor is exactly 1).
         cfg = FinetuneConfig(model_id=model, storage_path=storage, num_workers=world, device="cpu",
-                             max_seq_len=LENGTH, batch_size_per_device=GLOBAL_BLOCKS // world, num_epochs=1,
+                             max_seq_len=LENGTH, batch_size_per_device=GLOBAL_EXAMPLES // world, num_epochs=1,
                              max_grad_norm=1e30).validate()
         trainer = Trainer(cfg, BACKENDS["cpu"], data, rank=rank, world=world, local_rank=0)
         trainer.optimizer.step = lambda *a, **k: None  # keep the gradients as the step made them
         trainer.optimizer.zero_grad = lambda *a, **k: None
-        order = epoch_permutation(len(trainer.train_data), 1, cfg.seed)
-        count = global_label_tokens(trainer.train_data, order, 0, trainer.plan)
-        trainer.train_step(step_blocks(order, 0, trainer.plan, rank), count, torch.zeros(()))
+        trainer.train_step(torch.zeros(()))  # step 0 of epoch 1: the same examples whatever the world size
         names = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
         grads = [p.grad.full_tensor() for p in trainer.params]  # collective: every rank gathers
         if rank == 0:

@@ -48,9 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     _slice_flags(ft)
     ft.add_argument("--num-epochs", type=int, default=3)
     ft.add_argument("--batch-size-per-device", type=int, default=DEFAULT_BATCH_SIZE_PER_DEVICE,
-                    help="packed blocks of --max-seq-len tokens per device per micro-batch")
-    ft.add_argument("--global-batch-blocks", type=int, default=0,
-                    help="blocks per optimizer step over all devices; a multiple of devices x batch size, the "
+                    help="examples per device per optimizer step (the tutorial's batch size), packed into "
+                         "blocks of --max-seq-len tokens")
+    # --global-batch-blocks: the name the operator passes (its field globalBatchBlocks).
+    ft.add_argument("--global-batch-examples", "--global-batch-blocks", dest="global_batch_examples", type=int,
+                    default=0,
+                    help="examples per optimizer step over all devices; a multiple of devices x batch size, the "
                          "factor being gradient accumulation (default 0: devices x batch size, no accumulation)")
     ft.add_argument("--storage-path", default=os.environ.get("STORAGE_PATH", ""),
                     help="checkpoint storage (gs://… or a shared path); default $STORAGE_PATH")
@@ -150,7 +153,7 @@ def _config(args: argparse.Namespace):
             topology=args.topology, accelerator_type=args.accelerator_type, num_workers=args.num_workers,
             device=args.device, model_id=args.model_id, dataset=args.dataset, dataset_split=args.dataset_split,
             num_epochs=args.num_epochs, batch_size_per_device=args.batch_size_per_device,
-            global_batch_blocks=args.global_batch_blocks, storage_path=args.storage_path,
+            global_batch_examples=args.global_batch_examples, storage_path=args.storage_path,
             max_seq_len=args.max_seq_len, learning_rate=args.learning_rate, lr_schedule=args.lr_schedule,
             warmup_ratio=args.warmup_ratio, min_lr_ratio=args.min_lr_ratio, decay_ratio=args.decay_ratio,
             max_grad_norm=args.max_grad_norm,

@@ -14,12 +14,10 @@ from .schedule import SCHEDULES
 
 DEFAULT_MODEL = "google/gemma-4-E2B-it"
 DEFAULT_DATASET = "databricks/databricks-dolly-15k"
-# Blocks of --max-seq-len tokens per device per micro-batch. A packed block holds about
-# as many real tokens as the tutorial's 4 padded rows (they are ~80% padding), so one
-# block per device keeps the tutorial's examples per optimizer step and its number of
-# steps per epoch (16 devices: 16 blocks, 8192 tokens, ~270 steps per epoch of
-# dolly-15k) at a quarter of the compute, instead of 5x fewer, larger steps.
-DEFAULT_BATCH_SIZE_PER_DEVICE = 1
+# Examples per device per optimizer step, the tutorial's batch size (4): the same steps per
+# epoch as the tutorial, its padding removed (the step's examples are packed into as few
+# blocks as the run's fullest step needs, data.blocks_per_device).
+DEFAULT_BATCH_SIZE_PER_DEVICE = 4
 # Share of all optimizer steps over which the learning rate decays, at the end; until then
 # it holds the peak (warmup-stable-decay). The default peak is the tutorial's constant
 # rate, and a fine-tune of a few dozen steps (dolly-15k[:1024] x 3 epochs on 16 devices)
@@ -64,7 +62,7 @@ class FinetuneConfig(SliceConfig):
     dataset_split: str = "train[:1024]"
     num_epochs: int = 3
     batch_size_per_device: int = DEFAULT_BATCH_SIZE_PER_DEVICE
-    global_batch_blocks: int = 0  # 0: devices x batch_size_per_device (no accumulation)
+    global_batch_examples: int = 0  # 0: devices x batch_size_per_device (no accumulation)
     storage_path: str = ""
     max_seq_len: int = 512
     learning_rate: float = 2e-5
@@ -105,7 +103,7 @@ class FinetuneConfig(SliceConfig):
         checks = [
             (self.num_epochs >= 1, "--num-epochs must be at least 1"),
             (self.batch_size_per_device >= 1, "--batch-size-per-device must be at least 1"),
-            (self.global_batch_blocks >= 0, "--global-batch-blocks must be 0 (devices x batch size) or more"),
+            (self.global_batch_examples >= 0, "--global-batch-examples must be 0 (devices x batch size) or more"),
             (self.lr_schedule in SCHEDULES, f"--lr-schedule must be one of {', '.join(SCHEDULES)}"),
             (0 <= self.warmup_ratio < 1, "--warmup-ratio must be in [0, 1)"),
             (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
@@ -153,11 +151,12 @@ class FinetuneConfig(SliceConfig):
         return self
 
     def batch_plan(self) -> BatchPlan:
-        """Global batch = devices x blocks per device x accumulation steps."""
+        """Examples per optimizer step = devices x examples per device x accumulation steps
+        (the blocks per device come from the data: data.blocks_per_device)."""
         micro = self.num_workers * self.batch_size_per_device
-        wanted = self.global_batch_blocks or micro
+        wanted = self.global_batch_examples or micro
         if wanted % micro:
-            raise ConfigError(f"--global-batch-blocks {wanted} is not a multiple of {self.num_workers} devices x "
+            raise ConfigError(f"--global-batch-examples {wanted} is not a multiple of {self.num_workers} devices x "
                               f"--batch-size-per-device {self.batch_size_per_device} = {micro}; use a multiple "
                               f"of {micro}, e.g. {max(micro, wanted // micro * micro)}")
         return BatchPlan(self.num_workers, self.batch_size_per_device, wanted // micro)

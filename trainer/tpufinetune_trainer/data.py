@@ -7,19 +7,25 @@ Formats (`--dataset-format`): dolly (`instruction`, optional `context`, `respons
 tutorial's ``Instruction: …\\nResponse: …``. Labels are the assistant turns only
 (-100 everywhere else), so the loss measures answers, never prompts or padding.
 
-Static shapes: examples are packed (best fit) into blocks of exactly ``max_seq_len``
-tokens. Each block carries segment ids (one per example, padding is its own segment)
-and position ids that restart at 0 for every example; the trainer turns the segment ids
-into block-diagonal attention masks, so an example only attends to itself and sees the
-positions it would see alone. Every example starts with prompt tokens (label -100), so
-no label ever crosses a boundary.
+Steps and static shapes: an optimizer step takes the tutorial's batch of examples
+(`BatchPlan`); each epoch groups the seeded shuffle into steps (`epoch_steps`) and packs
+each step's examples (best fit) into blocks of exactly ``max_seq_len`` tokens, a fixed
+number per device for the whole run (`blocks_per_device`, `plan_epoch`). Each block
+carries segment ids (one per example, padding is its own segment) and position ids that
+restart at 0 for every example; the trainer turns the segment ids into block-diagonal
+attention masks, so an example only attends to itself and sees the positions it would see
+alone. Every example starts with prompt tokens (label -100), so no label ever crosses a
+boundary.
 
-Runs in the driver (once), not in every worker; workers receive numpy arrays.
+Loading and tokenizing run in the driver (once); workers receive the token lists and
+plan and pack the epochs themselves (the same on every rank: it is a pure function of
+the lengths, the plan and the seed).
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,21 +262,28 @@ class Packed:
         return int(self.input_ids.shape[0])
 
 
-def pack(input_ids: list[list[int]], labels: list[list[int]], max_seq_len: int, pad_id: int) -> Packed:
-    """Best-fit-decreasing bin packing of examples into blocks of `max_seq_len` tokens."""
-    order = sorted(range(len(input_ids)), key=lambda i: (-len(input_ids[i]), i))
-    blocks: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (free tokens, block index), sorted
+def bin_pack(lengths: list[int] | np.ndarray, max_seq_len: int) -> list[list[int]]:
+    """Best-fit-decreasing bin packing: lists of indices into `lengths` whose lengths sum
+    to at most `max_seq_len`, the fewest bins this heuristic finds (deterministic)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free tokens, bin index), sorted
     for i in order:
-        need = len(input_ids[i])
+        need = int(lengths[i])
         at = bisect.bisect_left(free, (need, -1))
         if at == len(free):
-            blocks.append([i])
-            bisect.insort(free, (max_seq_len - need, len(blocks) - 1))
+            bins.append([i])
+            bisect.insort(free, (max_seq_len - need, len(bins) - 1))
         else:
             room, b = free.pop(at)
-            blocks[b].append(i)
+            bins[b].append(i)
             bisect.insort(free, (room - need, b))
+    return bins
+
+
+def fill_blocks(input_ids: list, labels: list, blocks: list[list[int]], max_seq_len: int, pad_id: int) -> Packed:
+    """Blocks of exactly `max_seq_len` tokens: block b holds the examples `blocks[b]` (in
+    index order), then padding (no labels). An empty list is an all-padding block."""
     shape = (len(blocks), max_seq_len)
     ids = np.full(shape, pad_id, dtype=np.int64)
     labs = np.full(shape, IGNORE_INDEX, dtype=np.int64)
@@ -293,9 +306,36 @@ def pack(input_ids: list[list[int]], labels: list[list[int]], max_seq_len: int, 
     return Packed(ids, labs, pos, seg, real, scored)
 
 
+def pack(input_ids: list[list[int]], labels: list[list[int]], max_seq_len: int, pad_id: int) -> Packed:
+    """Best-fit-decreasing bin packing of examples into blocks of `max_seq_len` tokens."""
+    return fill_blocks(input_ids, labels, bin_pack([len(x) for x in input_ids], max_seq_len), max_seq_len, pad_id)
+
+
+@dataclass
+class Examples:
+    """Tokenized training examples, not yet packed: packing happens per optimizer step,
+    from the epoch's seeded order (`plan_epoch`). Lists of token ids and labels."""
+
+    input_ids: list[list[int]]
+    labels: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.array([len(x) for x in self.input_ids], dtype=np.int64)
+
+    @property
+    def label_tokens(self) -> np.ndarray:
+        """Scored tokens per example: labels past its first token (every example starts
+        with an unlabelled prompt token, so this is what its block counts for it)."""
+        return np.array([sum(1 for t in y[1:] if t != IGNORE_INDEX) for y in self.labels], dtype=np.int64)
+
+
 @dataclass
 class PreparedData:
-    train: Packed
+    train: Examples
     eval: Packed | None
     examples: int
     eval_examples: int
@@ -337,7 +377,10 @@ def prepare(dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction
     def pack_subset(index: list[int]) -> Packed:
         return pack([enc.input_ids[i] for i in index], [enc.labels[i] for i in index], max_seq_len, pad_id)
 
-    return PreparedData(train=pack_subset(train_idx), eval=pack_subset(eval_idx) if eval_idx else None,
+    # Training examples are packed per step, from each epoch's order (plan_epoch); the
+    # evaluation's once, here.
+    train = Examples([enc.input_ids[i] for i in train_idx], [enc.labels[i] for i in train_idx])
+    return PreparedData(train=train, eval=pack_subset(eval_idx) if eval_idx else None,
                         examples=len(train_idx), eval_examples=len(eval_idx),
                         skipped_long_prompts=len(enc.skipped_long_prompts), truncated=enc.truncated,
                         dataset_format=dataset_format, prompt_format=prompt_format)
@@ -348,52 +391,135 @@ def prepare(dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How one optimizer step's global batch is split: `accum` micro-batches of
-    `per_device` blocks on each of `world` devices."""
+    """One optimizer step: `world` devices x `per_device` examples x `accum` micro-batches
+    (the tutorial's batch: examples, not blocks). The step's examples are packed into
+    blocks, dealt out as `accum` micro-batches of `blocks` blocks on each device; `blocks`
+    is fixed for the whole run (static shapes) and known up front (`blocks_per_device`)."""
 
     world: int
     per_device: int
     accum: int
+    blocks: int = 1
+
+    @property
+    def global_examples(self) -> int:
+        return self.world * self.per_device * self.accum
 
     @property
     def global_blocks(self) -> int:
-        return self.world * self.per_device * self.accum
+        return self.world * self.accum * self.blocks
 
 
-def epoch_permutation(num_blocks: int, epoch: int, seed: int) -> np.ndarray:
-    """The epoch's block order, the same on every rank (and after a resume)."""
-    return np.random.default_rng(seed + epoch).permutation(num_blocks)
+def epoch_permutation(num_examples: int, epoch: int, seed: int) -> np.ndarray:
+    """The epoch's example order, the same on every rank (and after a resume)."""
+    return np.random.default_rng(seed + epoch).permutation(num_examples)
 
 
-def steps_per_epoch(num_blocks: int, plan: BatchPlan) -> int:
-    """Whole global batches only (static shapes: no ragged last batch)."""
-    return num_blocks // plan.global_blocks
+def steps_per_epoch(num_examples: int, plan: BatchPlan) -> int:
+    """Every example once per epoch: the last step takes what is left (fewer examples in
+    the same blocks). Where the examples fill whole steps this is the tutorial's count
+    (its DataLoader drops a partial last batch instead)."""
+    return -(-num_examples // plan.global_examples)
 
 
-def step_blocks(order: np.ndarray, step: int, plan: BatchPlan, rank: int) -> np.ndarray:
-    """[accum, per_device] block indices of `rank` for optimizer step `step` (from 0).
-    Step s takes order[s*G:(s+1)*G]; ranks stride it, so a step's blocks do not depend
-    on the world size and a resumed run starts the next step exactly where it stopped."""
-    g = plan.global_blocks
-    chunk = order[step * g:(step + 1) * g]
-    return chunk[rank::plan.world].reshape(plan.accum, plan.per_device)
+# Steps whose examples are grouped together to even out their tokens (epoch_steps).
+BALANCE_WINDOW_STEPS = 16
 
 
-def global_label_tokens(packed: Packed, order: np.ndarray, step: int, plan: BatchPlan) -> int:
-    """Label tokens in the whole global batch of a step: the loss's denominator, known on
-    the host from the numpy arrays, so no device value is read to compute it."""
-    g = plan.global_blocks
-    return int(packed.label_tokens[order[step * g:(step + 1) * g]].sum())
+def epoch_steps(lengths: np.ndarray, plan: BatchPlan, epoch: int, seed: int) -> list[np.ndarray]:
+    """Each optimizer step's examples in epoch `epoch`: the seeded shuffle, cut into
+    windows of BALANCE_WINDOW_STEPS steps' worth of examples; inside a window the longest
+    example goes first, each to the step with the fewest tokens so far that still has room
+    (`plan.global_examples` examples, the last step of the epoch what is left), and the
+    window's steps are then taken in a seeded order. So every step has the tutorial's
+    number of examples, a random mix of them, and about the same number of tokens, which
+    keeps the fixed blocks per step nearly full (the fullest step sets them for the run).
+    Depends only on the lengths, the plan and the seed: every rank, and a resumed run, get
+    the same steps."""
+    order = epoch_permutation(len(lengths), epoch, seed)
+    size, steps = plan.global_examples, steps_per_epoch(len(lengths), plan)
+    rng = np.random.default_rng([seed, epoch])
+    out: list[np.ndarray] = []
+    for first in range(0, steps, BALANCE_WINDOW_STEPS):
+        window = range(first, min(steps, first + BALANCE_WINDOW_STEPS))
+        pool = order[first * size:window[-1] * size + size]
+        room = [len(order[s * size:(s + 1) * size]) for s in window]
+        members: list[list[int]] = [[] for _ in window]
+        heap = [(0, k) for k in range(len(window))]
+        for i in sorted(range(len(pool)), key=lambda i: (-int(lengths[pool[i]]), i)):
+            tokens, k = heapq.heappop(heap)
+            members[k].append(int(pool[i]))
+            if len(members[k]) < room[k]:
+                heapq.heappush(heap, (tokens + int(lengths[pool[i]]), k))
+        out += [np.array(sorted(members[k]), dtype=np.int64) for k in rng.permutation(len(window))]
+    return out
 
 
-def shard_order(num_blocks: int, world_size: int, batch_size: int, epoch: int, seed: int,
-                rank: int, shuffle: bool = True) -> np.ndarray:
-    """This rank's block indices for one epoch (one micro-batch per step), cut to whole
-    global batches."""
-    order = epoch_permutation(num_blocks, epoch, seed) if shuffle else np.arange(num_blocks)
-    plan = BatchPlan(world_size, batch_size, 1)
-    steps = steps_per_epoch(num_blocks, plan)
-    return np.concatenate([step_blocks(order, s, plan, rank).ravel() for s in range(steps)] or [np.zeros(0, int)])
+def step_bins(lengths: np.ndarray, examples: np.ndarray, max_seq_len: int) -> list[list[int]]:
+    """A step's examples packed into the fewest blocks (example indices per block)."""
+    return [[int(examples[i]) for i in members] for members in bin_pack(lengths[examples], max_seq_len)]
+
+
+def blocks_per_device(lengths: np.ndarray, plan: BatchPlan, epochs: int, seed: int, max_seq_len: int) -> int:
+    """Blocks per device per micro-batch for the whole run: what the fullest step of any
+    epoch needs, its blocks spread over every device and micro-batch. Known up front, as
+    every epoch's order is a seeded permutation."""
+    slots = plan.world * plan.accum
+    most = 1
+    for epoch in range(1, epochs + 1):
+        for examples in epoch_steps(lengths, plan, epoch, seed):
+            most = max(most, len(step_bins(lengths, examples, max_seq_len)))
+    return -(-most // slots)
+
+
+@dataclass
+class EpochPlan:
+    """One epoch's steps. `slots[s, a, r, k]` is the k-th block of rank r's micro-batch a
+    in step s, an index into `blocks` (lists of example indices), or -1 for an
+    all-padding block. `label_tokens` and `real_tokens` are each step's global counts."""
+
+    blocks: list[list[int]]
+    slots: np.ndarray
+    label_tokens: np.ndarray
+    real_tokens: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.slots.shape[0])
+
+
+def plan_epoch(lengths: np.ndarray, label_tokens: np.ndarray, plan: BatchPlan, epoch: int, seed: int,
+               max_seq_len: int) -> EpochPlan:
+    """The epoch's steps (epoch_steps), each packed into blocks: block j of a step goes
+    to rank j % world, its (j // world)-th place there (micro-batch place // blocks), and
+    the places left are all-padding blocks. Depends only on the data, the plan and the
+    seed: every rank, and a resumed run, get the same steps."""
+    grouped = epoch_steps(lengths, plan, epoch, seed)
+    steps = len(grouped)
+    slots = np.full((steps, plan.accum, plan.world, plan.blocks), -1, dtype=np.int64)
+    blocks: list[list[int]] = []
+    labels = np.zeros(steps, dtype=np.int64)
+    real = np.zeros(steps, dtype=np.int64)
+    for step, examples in enumerate(grouped):
+        bins = step_bins(lengths, examples, max_seq_len)
+        if len(bins) > plan.global_blocks:
+            raise RuntimeError(f"epoch {epoch} step {step} needs {len(bins)} blocks, more than the plan's "
+                               f"{plan.global_blocks}; blocks_per_device must come from the same order")
+        for j, members in enumerate(bins):
+            rank, place = j % plan.world, j // plan.world
+            slots[step, place // plan.blocks, rank, place % plan.blocks] = len(blocks)
+            blocks.append(members)
+        labels[step] = int(label_tokens[examples].sum())
+        real[step] = int(lengths[examples].sum())
+    return EpochPlan(blocks, slots, labels, real)
+
+
+def rank_blocks(examples: Examples, epoch: EpochPlan, rank: int, max_seq_len: int, pad_id: int) -> Packed:
+    """Rank `rank`'s blocks of the epoch, one per slot in step order ([steps * accum *
+    blocks] blocks; a padding slot is an all-padding block): step s's micro-batch a is
+    blocks [(s * accum + a) * blocks, … + blocks)."""
+    mine = epoch.slots[:, :, rank, :].reshape(-1)
+    return fill_blocks(examples.input_ids, examples.labels, [epoch.blocks[b] if b >= 0 else [] for b in mine],
+                       max_seq_len, pad_id)
 
 
 def eval_order(num_blocks: int, world_size: int, batch_size: int, rank: int) -> np.ndarray:

@@ -64,19 +64,13 @@ def check(cfg: FinetuneConfig) -> None:
 
 
 def prepare_data(cfg: FinetuneConfig) -> tuple[PreparedData, int]:
-    """Tokenize and pack the dataset once, on the driver; refuse data too small for one
-    global batch. Returns the data and the tokenizer's pad id."""
+    """Tokenize the dataset once, on the driver (training examples are packed per step in
+    the workers, from each epoch's order; the evaluation's here). Returns the data and the
+    tokenizer's pad id."""
     load_config(cfg.model_id)
     tokenizer = load_tokenizer(cfg.model_id)
     data = prepare(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction, cfg.seed,
                    cfg.long_prompts, cfg.prompt_format, cfg.dataset_format)
-    plan = cfg.batch_plan()
-    if len(data.train) < plan.global_blocks:
-        raise ConfigError(f"{data.examples} training examples pack into {len(data.train)} blocks of "
-                          f"{cfg.max_seq_len} tokens, fewer than one global batch of {plan.global_blocks} blocks "
-                          f"({cfg.num_workers} workers x --batch-size-per-device {cfg.batch_size_per_device} x "
-                          f"{plan.accum} accumulation); use more data, or lower --global-batch-blocks or "
-                          f"--batch-size-per-device")
     return data, pad_id_of(tokenizer)
 
 
@@ -94,8 +88,8 @@ def build_trainer(cfg: FinetuneConfig, data: PreparedData, pad_id: int):
     check_cluster_fits(backend, cfg.num_workers, ray.cluster_resources())
     print(f"Starting Ray Train FSDP2 SFT job: model={cfg.model_id}, topology={cfg.topology}, "
           f"accelerator_type={cfg.accelerator_type}, num_workers={cfg.num_workers}, backend={backend.name}", flush=True)
-    print(f"Data: {data.examples} train / {data.eval_examples} eval examples packed into {len(data.train)} / "
-          f"{len(data.eval) if data.eval else 0} blocks of {cfg.max_seq_len} tokens "
+    print(f"Data: {data.examples} train examples (packed per optimizer step) / {data.eval_examples} eval examples "
+          f"packed into {len(data.eval) if data.eval else 0} blocks of {cfg.max_seq_len} tokens "
           f"({data.skipped_long_prompts} skipped for long prompts, {data.truncated} responses truncated); "
           f"dataset format {data.dataset_format}, prompt format {data.prompt_format}", flush=True)
     data_ref = ray.put({"train": data.train, "eval": data.eval, "pad_id": pad_id})

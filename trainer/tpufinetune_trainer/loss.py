@@ -24,7 +24,8 @@ it: the weight read inside is the all-gathered one and its gradient is reduce-sc
 as after a plain forward.
 
 The cap: the most label tokens any micro-batch of the run holds, known on the host before
-the first step (`most_label_tokens`: every epoch's order is a seeded permutation), rounded
+the first step (`most_label_tokens`: every epoch's order is a seeded permutation and its
+steps are packed from it, data.plan_epoch), rounded
 up to ROW_ALIGN rows. Fewer labels are padded with positions whose target is the ignore
 index (zero loss, zero gradient); more can never be gathered, and the trainer checks every
 step's micro-batches against the cap on the host before the epoch starts (`check_cap`).
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE_INDEX, BatchPlan, Packed, epoch_permutation, eval_order, step_blocks
+from .data import IGNORE_INDEX, EpochPlan, Packed, eval_order
 from .errors import ModelError
 
 # Rows of one chunk: its fp32 logits are CHUNK_ROWS x vocab x 4 bytes (256 MiB for Gemma's
@@ -66,16 +67,14 @@ def micro_batch_labels(packed: Packed, blocks: np.ndarray) -> np.ndarray:
     return counts[index].sum(axis=-1)
 
 
-def most_label_tokens(packed: Packed, plan: BatchPlan, epochs: int, seed: int) -> int:
-    """The most label tokens of any training micro-batch of any rank in epochs 1..`epochs`,
-    from the same order the loop takes (data.epoch_permutation, data.step_blocks)."""
-    steps = len(packed) // plan.global_blocks
+def most_label_tokens(epochs: list[EpochPlan], example_labels: np.ndarray) -> int:
+    """The most label tokens of any training micro-batch of any rank in the run's epochs,
+    from the same plans the loop takes (data.plan_epoch: `slots[step, micro, rank]`)."""
     most = 0
-    for epoch in range(1, epochs + 1):
-        order = epoch_permutation(len(packed), epoch, seed)
-        blocks = [step_blocks(order, step, plan, rank) for step in range(steps) for rank in range(plan.world)]
-        if blocks:
-            most = max(most, int(micro_batch_labels(packed, np.stack(blocks)).max()))
+    for epoch in epochs:
+        per_block = np.array([int(example_labels[members].sum()) for members in epoch.blocks] + [0], dtype=np.int64)
+        if epoch.slots.size:
+            most = max(most, int(per_block[epoch.slots].sum(axis=-1).max()))  # -1 (padding) picks the 0
     return most
 
 

@@ -4,9 +4,10 @@ Built in a fixed order: device -> model -> parallelize (+compile) -> optimizer -
 schedule -> data on the device -> restore -> steps (train, progress, eval, sharded
 checkpoints) -> export of the best checkpoint. Only rank 0 prints.
 
-The hot loop never makes the host wait for the device: token counts come from the numpy
-blocks (every rank knows the global batch's label count), every step's block indices and
-count reach the device in one host-to-device copy per epoch (a step selects its row there),
+The hot loop never makes the host wait for the device: token counts come from the host's
+plan (every rank knows the global batch's label count), the epoch's packed blocks and every
+step's block indices and count reach the device in one host-to-device copy per epoch (a
+step selects its row there),
 the attention masks are built there from segment ids, the learning rate is read from a
 table on the device, and the loss is summed on the device in fp32, the LM head running
 at label positions only (loss.py: a buffer of a fixed number of rows, gathered there). The host reads a device
@@ -31,8 +32,8 @@ from . import notice
 from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device
 from .config import FinetuneConfig
 from .errors import Preempted
-from .data import IGNORE_INDEX, BatchPlan, Packed, epoch_permutation, eval_order, global_label_tokens, \
-    step_blocks, steps_per_epoch
+from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, blocks_per_device, eval_order, \
+    plan_epoch, rank_blocks, steps_per_epoch
 from .events import emit
 from .masks import MaskBuilder
 from .model import base_directory, load_tokenizer
@@ -81,7 +82,8 @@ def param_groups(params: list, weight_decay: float) -> list[dict]:
 
 
 class DeviceBlocks:
-    """One split's packed blocks, copied to the device once. A micro-batch is gathered
+    """Packed blocks copied to the device in one transfer (the evaluation's once, an
+    epoch's training blocks at the epoch's start). A micro-batch is gathered
     there by indices; index `len(packed)` is an all-padding filler block (no labels).
 
     Token ids, position ids and segment ids are int32 (the embedding lookup, the rotary
@@ -113,7 +115,8 @@ class Trainer:
         self.cfg, self.backend, self.rank, self.world = cfg, backend, rank, world
         self.device = setup_device(backend, local_rank)
         self.cpu_group = ckpt.cpu_group()  # DCP plans and barriers: pickled objects, never over ICI
-        self.train_data, self.eval_data = data["train"], data.get("eval")
+        self.examples: Examples = data["train"]
+        self.eval_data = data.get("eval")
         self.pad_id = int(data["pad_id"])
         self.tokenizer = load_tokenizer(cfg.model_id) if rank == 0 else None
         self.dtype = compute_dtype(backend, cfg.compute_dtype)
@@ -133,20 +136,26 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.masks = MaskBuilder(self.model.config, cfg.max_seq_len, self.device, self.dtype,
                                  backend.attn_implementation)
-        self.plan: BatchPlan = cfg.batch_plan()
-        self.epoch_steps = steps_per_epoch(len(self.train_data), self.plan)
+        # A step is the tutorial's batch of examples; its blocks per device are fixed for the
+        # run: what the fullest step of any epoch needs (static shapes).
+        lengths, example_labels = self.examples.lengths, self.examples.label_tokens
+        base = cfg.batch_plan()
+        self.epoch_steps = steps_per_epoch(len(self.examples), base)
         self.total_steps = self.epoch_steps * cfg.num_epochs
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
+        epochs = -(-self.total_steps // self.epoch_steps)  # the epochs the run reaches (--max-steps)
+        blocks = blocks_per_device(lengths, base, epochs, cfg.seed, cfg.max_seq_len)
+        self.plan: BatchPlan = BatchPlan(base.world, base.per_device, base.accum, blocks)
+        self.epoch_plans: list[EpochPlan] = [plan_epoch(lengths, example_labels, self.plan, epoch, cfg.seed,
+                                                        cfg.max_seq_len) for epoch in range(1, epochs + 1)]
         self._build_optimizer()
-        self.train_blocks = DeviceBlocks(self.train_data, self.device, self.pad_id)
         self.eval_blocks = DeviceBlocks(self.eval_data, self.device, self.pad_id) if self.eval_data else None
         # Rows of the loss head's label buffer: the most label tokens of any micro-batch the
         # run takes (static for the whole run; loss.py).
-        positions = self.plan.per_device * cfg.max_seq_len
-        self.train_cap = head.label_cap(head.most_label_tokens(self.train_data, self.plan, cfg.num_epochs, cfg.seed),
-                                        positions)
-        self.eval_cap = head.label_cap(head.most_eval_label_tokens(self.eval_data, world, self.plan.per_device),
+        positions = self.plan.blocks * cfg.max_seq_len
+        self.train_cap = head.label_cap(head.most_label_tokens(self.epoch_plans, example_labels), positions)
+        self.eval_cap = head.label_cap(head.most_eval_label_tokens(self.eval_data, world, self.plan.blocks),
                                        positions) if self.eval_data else positions
         self.history: list[dict] = []
         self.epoch, self.epoch_step, self.global_step = 1, 0, 0
@@ -162,7 +171,11 @@ class Trainer:
         self.stale_evals = 0
         self.stopped: dict | None = None
         self.grad_norm: torch.Tensor | None = None  # the last step's global norm before clipping
-        # The current epoch's step inputs on the device, and the row of the next step (train_epoch).
+        # The loaded epoch (load_epoch): this rank's blocks of it on the host and on the
+        # device, every step's inputs on the device, and the row of the next step.
+        self.loaded_epoch = 0
+        self.epoch_blocks: Packed | None = None
+        self.train_blocks: DeviceBlocks | None = None
         self.epoch_inputs: torch.Tensor | None = None
         self.epoch_row: torch.Tensor | None = None
 
@@ -245,38 +258,46 @@ class Trainer:
         return F.cross_entropy(out.logits.flatten(0, 1).float(), batch["targets"].flatten().long(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
-    def train_step(self, blocks: np.ndarray, label_tokens: int, loss_sum: torch.Tensor) -> None:
-        """One optimizer step: `blocks` is this rank's [accum, per_device] indices and
-        `label_tokens` the global batch's count. Inside train_epoch they are already on the
-        device, in the epoch's table (self.epoch_inputs), and the step takes its row there by
-        the device step counter; outside it (a step on its own) they are copied now."""
-        if self.epoch_inputs is not None:
-            step_input = self.epoch_inputs.index_select(0, self.epoch_row).squeeze(0)
-            self.epoch_row += 1
-        else:
-            head.check_cap(self.train_data, blocks, self.train_cap, "train_step")
-            host = np.concatenate([blocks.ravel(), [label_tokens]]).astype(np.int64)
-            step_input = torch.from_numpy(host).to(self.device)
+    def train_step(self, loss_sum: torch.Tensor) -> None:
+        """The next optimizer step of the current epoch (self.epoch), from the epoch's table
+        on the device: the step takes its row there by the device step counter."""
+        if self.loaded_epoch != self.epoch:
+            self.load_epoch()
+        step_input = self.epoch_inputs.index_select(0, self.epoch_row).squeeze(0)
+        self.epoch_row += 1
         self.step_from(step_input, loss_sum)
 
-    def epoch_table(self, order: np.ndarray) -> torch.Tensor:
-        """Every step's input of an epoch for this rank, [steps, accum * per_device + 1]
-        (its block indices, then the global batch's label count), copied to the device in
-        one transfer at the start of the epoch; a step selects its row on the device."""
-        data, plan = self.train_data, self.plan
-        blocks = [step_blocks(order, step, plan, self.rank) for step in range(self.epoch_steps)]
-        for step, step_of_rank in enumerate(blocks):
-            head.check_cap(data, step_of_rank, self.train_cap, f"epoch {self.epoch} step {step}")
-        rows = [np.concatenate([step_of_rank.ravel(), [global_label_tokens(data, order, step, plan)]])
-                for step, step_of_rank in enumerate(blocks)]
-        return torch.from_numpy(np.asarray(rows, dtype=np.int64).reshape(self.epoch_steps, -1)).to(self.device)
+    @property
+    def epoch_plan(self) -> EpochPlan:
+        return self.epoch_plans[self.epoch - 1]
+
+    def load_epoch(self) -> None:
+        """This rank's packed blocks of the current epoch and every step's input,
+        [steps, accum * blocks + 1] (its block indices, then the global batch's label
+        count), copied to the device at the start of the epoch; the next step is
+        self.epoch_step. Every micro-batch is checked against the loss head's cap first."""
+        plan, epoch = self.plan, self.epoch_plan
+        self.epoch_blocks = rank_blocks(self.examples, epoch, self.rank, self.cfg.max_seq_len, self.pad_id)
+        per_step = plan.accum * plan.blocks
+        index = np.arange(len(epoch) * per_step, dtype=np.int64).reshape(len(epoch), plan.accum, plan.blocks)
+        head.check_cap(self.epoch_blocks, index, self.train_cap, f"epoch {self.epoch}")
+        self.train_blocks = DeviceBlocks(self.epoch_blocks, self.device, self.pad_id)
+        rows = np.concatenate([index.reshape(len(epoch), per_step), epoch.label_tokens[:, None]], axis=1)
+        self.epoch_inputs = torch.from_numpy(rows).to(self.device)
+        self.epoch_row = torch.full((1,), self.epoch_step, dtype=torch.int64, device=self.device)
+        self.loaded_epoch = self.epoch
+
+    def rank_label_tokens(self, step: int) -> int:
+        """Label tokens of this rank's blocks in step `step` of the loaded epoch."""
+        per_step = self.plan.accum * self.plan.blocks
+        return int(self.epoch_blocks.label_tokens[step * per_step:(step + 1) * per_step].sum())
 
     def step_from(self, step_input: torch.Tensor, loss_sum: torch.Tensor) -> None:
         """One optimizer step from a device row: this rank's block indices, then the global
         batch's label count. Every response token weighs the same: the loss is the global sum
         divided by the global count. FSDP averages gradients over ranks, so each rank scales
         by the world size to make that average a sum."""
-        index = step_input[:-1].view(self.plan.accum, self.plan.per_device)
+        index = step_input[:-1].view(self.plan.accum, self.plan.blocks)
         scale = self.world / step_input[-1].clamp(min=1).to(torch.float32)
         for micro in range(self.plan.accum):
             summed = self.token_loss_sum(self.train_blocks.gather(index[micro]), self.train_cap)
@@ -318,15 +339,18 @@ class Trainer:
 
     def announce(self) -> None:
         cfg, plan = self.cfg, self.plan
-        say(f"Plan: {plan.world} devices x {plan.per_device} blocks x {plan.accum} accumulation = "
-            f"{plan.global_blocks} blocks ({plan.global_blocks * cfg.max_seq_len} tokens) per optimizer step; "
+        say(f"Plan: {plan.world} devices x {plan.per_device} examples x {plan.accum} accumulation = "
+            f"{plan.global_examples} examples per optimizer step, packed into {plan.blocks} blocks of "
+            f"{cfg.max_seq_len} tokens per device per micro-batch ({plan.global_blocks * cfg.max_seq_len} tokens "
+            f"per step); "
             f"{self.epoch_steps} steps per epoch, {self.total_steps} in all; lr {cfg.learning_rate:g} "
             f"(warmup {self.warmup} steps, {self.schedule_words()}); "
             f"clip {cfg.max_grad_norm:g}; compute {str(self.dtype).removeprefix('torch.')}, master weights "
             f"float32; compile {'on' if self.compiled else 'off'}; loss head "
-            + (f"at label positions ({self.train_cap} rows of {plan.per_device * cfg.max_seq_len} per micro-batch)"
+            + (f"at label positions ({self.train_cap} rows of {plan.blocks * cfg.max_seq_len} per micro-batch)"
                if self.label_head else "over every position (full logits)"))
-        emit("plan", global_batch_blocks=plan.global_blocks, global_batch_tokens=plan.global_blocks * cfg.max_seq_len,
+        emit("plan", global_batch_examples=plan.global_examples, blocks_per_device=plan.blocks,
+             global_batch_blocks=plan.global_blocks, global_batch_tokens=plan.global_blocks * cfg.max_seq_len,
              accumulation=plan.accum, steps_per_epoch=self.epoch_steps, total_steps=self.total_steps,
              warmup_steps=self.warmup, lr_schedule=cfg.lr_schedule, compute_dtype=str(self.dtype).split(".")[-1],
              compile=self.compiled, resumed_step=self.global_step if self.resumed_from else None,
@@ -342,28 +366,25 @@ class Trainer:
     def train_epoch(self) -> dict:
         """Steps of the current epoch from self.epoch_step on; checkpoints every
         --checkpoint-every-steps and stops at --max-steps."""
-        cfg, plan, data = self.cfg, self.plan, self.train_data
-        order = epoch_permutation(len(data), self.epoch, cfg.seed)
+        cfg = self.cfg
         self.model.train()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         window = ProgressWindow(time.perf_counter())
         label_tokens = real_tokens = steps = 0
         start = time.perf_counter()
-        self.epoch_inputs = self.epoch_table(order)  # the epoch's one host-to-device copy of step inputs
-        self.epoch_row = torch.full((1,), self.epoch_step, dtype=torch.int64, device=self.device)
+        self.load_epoch()  # the epoch's one host-to-device copy of blocks and step inputs
+        epoch = self.epoch_plan
         while self.epoch_step < self.epoch_steps and self.global_step < self.total_steps:
-            blocks = step_blocks(order, self.epoch_step, plan, self.rank)
-            global_blocks = order[self.epoch_step * plan.global_blocks:(self.epoch_step + 1) * plan.global_blocks]
-            count = global_label_tokens(data, order, self.epoch_step, plan)
-            self.train_step(blocks, count, loss_sum)  # its input is the table's row (epoch_inputs)
+            step = self.epoch_step
+            self.train_step(loss_sum)  # its input is the table's row (epoch_inputs)
             self.epoch_step += 1
             self.global_step += 1
             if self.global_step == cfg.fail_at_step and not self.restored:
                 raise RuntimeError(f"injected failure after step {self.global_step} (--fail-at-step)")
             steps += 1
-            label_tokens += count
-            real_tokens += int(data.real_tokens[global_blocks].sum())
-            window.add(int(data.label_tokens[blocks.ravel()].sum()), int(data.real_tokens[global_blocks].sum()))
+            label_tokens += int(epoch.label_tokens[step])
+            real_tokens += int(epoch.real_tokens[step])
+            window.add(self.rank_label_tokens(step), int(epoch.real_tokens[step]))
             if self.rank == 0 and window.due(cfg.progress_interval_s):
                 self.emit_progress(window, loss_sum)
             if cfg.checkpoint_every_steps and self.global_step % cfg.checkpoint_every_steps == 0 \
@@ -383,7 +404,7 @@ class Trainer:
             # metrics all_reduce follows), so status.progress and its curve are current at
             # each epoch's end, however short the epoch.
             self.emit_progress(window, loss_sum)
-        self.epoch_inputs = None
+        self.loaded_epoch, self.train_blocks, self.epoch_inputs = 0, None, None  # free the epoch's blocks
         return self.epoch_metrics(loss_sum, label_tokens, real_tokens, time.perf_counter() - start, steps)
 
     def on_notice(self, code: int, metrics) -> None:
@@ -418,7 +439,7 @@ class Trainer:
                 "tokens_per_s": real_tokens / max(elapsed, 1e-9), "padded_tokens_per_s": padded / max(elapsed, 1e-9),
                 "steps": steps, "epoch_step": self.epoch_step, "epoch_loss_sum": summed,
                 "epoch_label_tokens": label_tokens + carried_tokens,
-                "batch_shapes": [[self.plan.per_device, self.cfg.max_seq_len]]}
+                "batch_shapes": [[self.plan.blocks, self.cfg.max_seq_len]]}
 
     def emit_progress(self, window: "ProgressWindow", loss_sum: torch.Tensor) -> None:
         """Rank 0 only, throttled: the loss is rank 0's mean over the window, the gradient
@@ -444,7 +465,7 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.eval_blocks is None:
             return None
-        per_device = self.plan.per_device
+        per_device = self.plan.blocks
         order = eval_order(len(self.eval_data), self.world, per_device, self.rank)
         order = np.where(order < 0, self.eval_blocks.filler, order)
         self.model.eval()

@@ -118,11 +118,12 @@ class Training(_Model):
     epochs: int = Field(3, ge=1, le=1000,
                         description="Number of epochs.")
     batch_size_per_device: int = Field(
-        1, ge=1, le=4096,
-        description="Packed blocks of maxSeqLen tokens per device per micro-batch.")
+        4, ge=1, le=4096,
+        description="Examples per device per optimizer step (the tutorial's batch size), packed "
+                    "into blocks of maxSeqLen tokens.")
     global_batch_blocks: int = Field(
         0, ge=0, le=1048576,
-        description="Blocks per optimizer step over all devices: a multiple of devices x "
+        description="Examples per optimizer step over all devices: a multiple of devices x "
                     "batchSizePerDevice, the factor being gradient accumulation. 0: devices x "
                     "batchSizePerDevice (no accumulation).")
     max_seq_len: int = Field(512, ge=8, le=131072,
