@@ -180,8 +180,11 @@ def _global_batch_rule(is_collectives: str) -> dict:
     is_cpu = "(self.tpu.generation == 'cpu' && self.tpu.topology.matches('^[0-9]{1,3}$'))"
     known = f"({is_cpu} || {key} in {devices_map})"
     devices = f"({is_cpu} ? int(self.tpu.topology) : {devices_map}[{key}])"
+    from .api import Training  # api imports this module
+
+    default = Training.model_fields["batch_size_per_device"].default  # what defaulting fills in
     per_device = ("(has(self.training.batchSizePerDevice) ? "
-                  "self.training.batchSizePerDevice : 1)")
+                  f"self.training.batchSizePerDevice : {default})")
     micro = f"({devices} * {per_device})"
     return {
         "rule": (f"{is_collectives} || !has(self.training) || "
