@@ -79,17 +79,23 @@ class StoredTensor:
 
 
 def read_header(file: Path) -> dict[str, StoredTensor]:
-    """Every tensor of one safetensors file, from its header alone."""
-    with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    data_start = 8 + length
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        tensors[name] = StoredTensor(file, _DTYPES.get(entry["dtype"]), tuple(entry["shape"]),
-                                     data_start + entry["data_offsets"][0])
+    """Every tensor of one safetensors file, from its header alone. A file that is not one
+    (truncated, overwritten) is a ModelError naming it, as transformers' own load says."""
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > file.stat().st_size - 8:
+                raise ValueError(f"its header says {length} bytes, more than the file holds")
+            header = json.loads(f.read(length))
+        data_start = 8 + length
+        tensors = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            tensors[name] = StoredTensor(file, _DTYPES.get(entry["dtype"]), tuple(entry["shape"]),
+                                         data_start + entry["data_offsets"][0])
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error) as exc:
+        raise ModelError(f"{file}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
     return tensors
 
 
