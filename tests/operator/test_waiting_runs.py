@@ -12,6 +12,7 @@ test_kube_backend_cost.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import datetime, timedelta, timezone
 
 from tpufinetune import driver
@@ -46,15 +47,23 @@ class WatchedCluster(MemoryCluster):
         return view
 
 
-async def provisioning(cluster: WatchedCluster, **values) -> tuple[Run, asyncio.Event, asyncio.Task]:
+@contextlib.asynccontextmanager
+async def provisioning(cluster: WatchedCluster, **values):
+    """A run looping (Run.run) until it waits for its RayCluster; stopped, and its loop
+    ended within 5 s, on the way out (the stop ends a long sleep at once)."""
     # Writes are not spaced: every step's write goes at once, so a step is seen when it looks.
     run = Run(body(), cluster, RayJobs(), settings(status_write_interval=0, **values))
     cluster.run = run
     stopped = asyncio.Event()
     task = asyncio.create_task(run.run(stopped))
-    while not cluster.status.get("message", "").startswith("waiting for RayCluster"):
-        await asyncio.sleep(0.01)
-    return run, stopped, task
+    try:
+        while not cluster.status.get("message", "").startswith("waiting for RayCluster") \
+                and cluster.status.get("phase") != phases.FAILED:
+            await asyncio.sleep(0.01)
+        yield run
+    finally:
+        stopped.set()
+        await asyncio.wait_for(task, 5)
 
 
 async def until_phase(cluster: WatchedCluster, phase: str, within: float) -> None:
@@ -83,56 +92,46 @@ def test_the_timers_of_a_waiting_run():
 @in_loop
 async def test_a_watched_run_waiting_for_its_cluster_takes_no_steps_until_a_change_wakes_it():
     cluster = WatchedCluster()
-    run, stopped, task = await provisioning(cluster)  # polls every 0.05 s when not waiting
-    looks = cluster.looks
-    await asyncio.sleep(1.0)  # 20 polls' worth
-    assert cluster.looks - looks <= 1, cluster.looks - looks
-    cluster.ready = True
-    run.wake.set()  # what the RayCluster watch does
-    await until_phase(cluster, phases.SUBMITTING, within=5)
-    stopped.set()
-    await asyncio.wait_for(task, 5)
+    async with provisioning(cluster) as run:  # polls every 0.05 s when not waiting
+        looks = cluster.looks
+        await asyncio.sleep(1.0)  # 20 polls' worth
+        assert cluster.looks - looks <= 1, cluster.looks - looks
+        cluster.ready = True
+        run.wake.set()  # what the RayCluster watch does
+        await until_phase(cluster, phases.SUBMITTING, within=5)
 
 
 @in_loop
 async def test_a_change_that_arrives_during_a_step_is_not_lost():
     cluster = WatchedCluster()
-    run, stopped, task = await provisioning(cluster)
-    cluster.ready_after_look = cluster.looks + 1
-    run.wake.set()  # one more look, during which the cluster turns ready and wakes the run
-    # Cleared after the step, the wake-up would be lost until the idle resync (a minute).
-    await until_phase(cluster, phases.SUBMITTING, within=10)
-    stopped.set()
-    await asyncio.wait_for(task, 5)
+    async with provisioning(cluster) as run:
+        cluster.ready_after_look = cluster.looks + 1
+        run.wake.set()  # one more look, during which the cluster turns ready and wakes the run
+        # Cleared after the step, the wake-up would be lost until the idle resync (a minute).
+        await until_phase(cluster, phases.SUBMITTING, within=10)
 
 
 @in_loop
 async def test_a_waiting_run_still_fails_at_its_provisioning_timeout():
     cluster = WatchedCluster()
-    _, stopped, task = await provisioning(cluster, provision_timeout=1.0)
     assert driver.IDLE_RESYNC_S >= 30  # so the timeout below can only come from the timer
-    await until_phase(cluster, phases.FAILED, within=10)
-    assert cond.find(cluster.status, cond.FAILED)["reason"] == "ProvisioningTimeout", cluster.status
-    stopped.set()
-    await asyncio.wait_for(task, 5)
+    async with provisioning(cluster, provision_timeout=1.0):
+        await until_phase(cluster, phases.FAILED, within=10)
+        assert cond.find(cluster.status, cond.FAILED)["reason"] == "ProvisioningTimeout", cluster.status
 
 
 @in_loop
 async def test_stopping_the_operator_ends_a_waiting_runs_sleep_at_once():
     cluster = WatchedCluster()
-    _, stopped, task = await provisioning(cluster)
-    await asyncio.sleep(0.2)  # asleep now, for up to the idle resync
-    stopped.set()
-    await asyncio.wait_for(task, 5)
+    async with provisioning(cluster):
+        await asyncio.sleep(0.2)  # asleep now, for up to the idle resync; leaving stops it
 
 
 @in_loop
 async def test_an_unwatched_backend_keeps_polling():
     cluster = WatchedCluster()
     cluster.watched = False  # run --local, or a backend without watches
-    _, stopped, task = await provisioning(cluster)
-    looks = cluster.looks
-    await asyncio.sleep(1.0)
-    assert cluster.looks - looks >= 5, cluster.looks - looks
-    stopped.set()
-    await asyncio.wait_for(task, 5)
+    async with provisioning(cluster):
+        looks = cluster.looks
+        await asyncio.sleep(1.0)
+        assert cluster.looks - looks >= 5, cluster.looks - looks

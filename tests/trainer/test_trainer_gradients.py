@@ -4,38 +4,22 @@ event's `grad_norm`) is the global norm of that gradient."""
 
 from __future__ import annotations
 
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-from harness.ports import free_port
 from tpufinetune_trainer.data import pad_id_of, prepare
 from tpufinetune_trainer.model import load_tokenizer
+from trainer_helpers import run_rank_processes
 
 WORKER = Path(__file__).with_name("trainer_grad_worker.py")
 LENGTH = 256  # trainer_grad_worker.LENGTH
 
 
 def run_ranks(model: Path, data_file: Path, out: Path, world: int) -> dict:
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(model), str(data_file), str(out), str(port),
-                               str(rank), str(world)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for rank in range(world)]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-    for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, output[-4000:]
+    run_rank_processes(WORKER, world, lambda rank, port: [str(model), str(data_file), str(out), str(port),
+                                                          str(rank), str(world)])
     return torch.load(out)
 
 

@@ -6,22 +6,18 @@ processes on the CPU); checkpoints it cannot read by name fall back to the full 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness.ports import free_port
 from tpufinetune_trainer import sharded_load
 from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.errors import ConfigError
 from tpufinetune_trainer.model import load_causal_lm
 from tpufinetune_trainer.parallelize import apply_fsdp, build_mesh
-from trainer_helpers import load_differences, single_process_group
+from trainer_helpers import load_differences, run_rank_processes, single_process_group
 
 WORKER = Path(__file__).with_name("trainer_load_worker.py")
 
@@ -58,21 +54,8 @@ def test_one_rank_reads_the_model_the_full_load_makes(trainer_assets, process_gr
 
 
 def run_ranks(model: Path, out_prefix: Path, world: int, compute_dtype: str = "float32") -> list[dict]:
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(model), str(out_prefix), str(port), str(rank),
-                               str(world), compute_dtype], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(world)]
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-    for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, output[-4000:]
+    run_rank_processes(WORKER, world, lambda rank, port: [str(model), str(out_prefix), str(port), str(rank),
+                                                          str(world), compute_dtype])
     return [json.loads(Path(f"{out_prefix}.{rank}.json").read_text()) for rank in range(world)]
 
 

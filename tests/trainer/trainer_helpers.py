@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,3 +142,23 @@ def load_differences(old, new) -> list[str]:
         found.append("generation config")
     return found
 
+
+
+def run_rank_processes(worker: Path, world: int, argv_of, timeout: float = 240) -> None:
+    """`worker` once per rank, as separate processes meeting over gloo on a free loopback
+    port; `argv_of(rank, port)` gives each its arguments. A rank that fails fails the test
+    with its output; a hang kills every rank."""
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    procs = [subprocess.Popen([sys.executable, str(worker), *argv_of(rank, port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(world)]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, output[-4000:]
