@@ -149,7 +149,10 @@ def run_rank_processes(worker: Path, world: int, argv_of, timeout: float = 240) 
     port; `argv_of(rank, port)` gives each its arguments. A rank that fails fails the test
     with its output; a hang kills every rank."""
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # The workers import the test helpers as pytest's configured path does (`make test`
+    # sets no PYTHONPATH): they get this process's path.
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(path for path in sys.path if path))
     procs = [subprocess.Popen([sys.executable, str(worker), *argv_of(rank, port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(world)]
     outputs = []
