@@ -19,7 +19,7 @@ and the log bytes the new operator read (tpufinetune_log_bytes_total).
 Targets: requests/s independent of the number of waiting and finished runs, threads
 bounded, RSS < 250 MB at 1000 runs, restart -> steady state <= 30 s.
 
-    flock /tmp/tpuft-ground.lock .venv/bin/python benchmarks/bench_operator_scale.py \
+    .venv/bin/python benchmarks/bench_operator_scale.py \
         [--waiting 100,1000] [--finished 700] [--real 2] [--restart]
 """
 
