@@ -376,9 +376,8 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
         s["dashboardURL"] = cluster.dashboard_url
         _enter(s, d, SUBMITTING, "ClusterReady", f"RayCluster {name} is ready")
         return
-    waited_since = cond.parse_time(s.get("phaseTransitionTime")) or obs.now
     hosts = f"hosts ready {cluster.hosts_ready}/{plan.hosts}" if cluster.hosts_ready is not None and plan.hosts else ""
-    if obs.now - waited_since > plan.provision_timeout:
+    if _expired(_provisioning_deadline(plan, s), obs):
         minutes = int(plan.provision_timeout.total_seconds() // 60)
         detail = "; ".join(filter(None, [hosts, cluster.pod_problem and cluster.pod_problem.message, cluster.problem]))
         _fail(plan, s, obs, d, "ProvisioningTimeout",
@@ -407,8 +406,7 @@ def _refused(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decisio
     """The API server refused the RayCluster (a webhook, a quota, a policy): shown with its
     words, asked again every step, and counted against the provisioning timeout."""
     name = s["rayClusterName"]
-    waited_since = cond.parse_time(s.get("phaseTransitionTime")) or obs.now
-    if obs.now - waited_since > plan.provision_timeout:
+    if _expired(_provisioning_deadline(plan, s), obs):
         minutes = int(plan.provision_timeout.total_seconds() // 60)
         _fail(plan, s, obs, d, "ProvisioningTimeout",
               f"RayCluster {name} could not be created in {minutes} min: {obs.create_refused}")
@@ -603,10 +601,26 @@ def _silent_for(s: dict, obs: Observations) -> timedelta:
 
 def _past_deadline(plan: Plan, s: dict, obs: Observations) -> bool:
     """spec.activeDeadlineSeconds has passed (a job that already succeeded keeps its result)."""
-    started = cond.parse_time(s.get("startTime"))
-    if plan.active_deadline is None or started is None or (obs.job is not None and obs.job.status == "SUCCEEDED"):
+    if obs.job is not None and obs.job.status == "SUCCEEDED":
         return False
-    return obs.now - started > plan.active_deadline
+    return _expired(_active_deadline(plan, s), obs)
+
+
+def _provisioning_deadline(plan: Plan, s: dict) -> datetime | None:
+    """When the provisioning timeout ends, counted from the phase's start (None: not started)."""
+    since = cond.parse_time(s.get("phaseTransitionTime"))
+    return since + plan.provision_timeout if since is not None else None
+
+
+def _active_deadline(plan: Plan, s: dict) -> datetime | None:
+    """When spec.activeDeadlineSeconds ends, counted from startTime (None: no deadline, or
+    its clock is stopped)."""
+    started = cond.parse_time(s.get("startTime"))
+    return started + plan.active_deadline if plan.active_deadline is not None and started is not None else None
+
+
+def _expired(deadline: datetime | None, obs: Observations) -> bool:
+    return deadline is not None and obs.now > deadline
 
 
 # Phases in which a run only waits for something the operator watches (its RayCluster, the
@@ -618,15 +632,10 @@ def next_timer(plan: Plan, s: dict) -> datetime | None:
     """The earliest moment a waiting run's decision can change with no change to anything
     watched: its provisioning timeout (counted from the phase's start) and
     spec.activeDeadlineSeconds. None when it has no timer."""
-    timers = []
     phase = s.get("phase")
-    since = cond.parse_time(s.get("phaseTransitionTime"))
-    if phase == PROVISIONING and since is not None:
-        timers.append(since + plan.provision_timeout)
-    started = cond.parse_time(s.get("startTime"))
-    if phase and phase not in TERMINAL and plan.active_deadline is not None and started is not None:
-        timers.append(started + plan.active_deadline)
-    return min(timers, default=None)
+    timers = [_provisioning_deadline(plan, s) if phase == PROVISIONING else None,
+              _active_deadline(plan, s) if phase and phase not in TERMINAL else None]
+    return min((t for t in timers if t is not None), default=None)
 
 
 def _stop_and_fail(plan: Plan, s: dict, obs: Observations, d: Decision, reason: str, message: str) -> None:

@@ -175,13 +175,13 @@ def _devices_per_slice_map() -> str:
 
 
 def _global_batch_rule(is_collectives: str) -> dict:
+    from .api import Training  # api imports this module
+
     key = "self.tpu.generation + '/' + self.tpu.topology"
     devices_map = _devices_per_slice_map()
     is_cpu = "(self.tpu.generation == 'cpu' && self.tpu.topology.matches('^[0-9]{1,3}$'))"
     known = f"({is_cpu} || {key} in {devices_map})"
     devices = f"({is_cpu} ? int(self.tpu.topology) : {devices_map}[{key}])"
-    from .api import Training  # api imports this module
-
     default = Training.model_fields["batch_size_per_device"].default  # what defaulting fills in
     per_device = ("(has(self.training.batchSizePerDevice) ? "
                   f"self.training.batchSizePerDevice : {default})")
