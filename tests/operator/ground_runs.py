@@ -31,7 +31,9 @@ def resource(name: str, assets, storage: str, mode: str = "finetune", epochs: in
         "image": "registry.example/tpufinetune-trainer:test",
         "model": {"id": assets.model},
         "dataset": {"id": assets.data, "split": "train"},
-        "training": {"epochs": epochs, "batchSizePerDevice": 4, "maxSeqLen": 128},
+        # 8 examples a step: about the steps per epoch these runs took when a step was four
+        # 128-token blocks (the ground's examples average ~90 tokens), so runs stay short.
+        "training": {"epochs": epochs, "batchSizePerDevice": 8, "maxSeqLen": 128},
         "checkpoint": {"storagePath": storage},
     }
     for key, value in extra.items():
