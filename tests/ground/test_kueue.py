@@ -48,14 +48,15 @@ def tpu_run(name: str, assets, storage, **spec) -> dict:
     }
 
 
-def cpu_run(name: str, assets, storage, training: dict, **spec) -> dict:
+def cpu_run(name: str, assets, storage, training: dict, rows: int, **spec) -> dict:
+    """A one-worker cpu run in the cpu queue, on the data's first `rows` rows (short epochs)."""
     return {
         "apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": name},
         "spec": {
             "tpu": {"generation": "cpu", "topology": "1"},
             "image": "registry.example/tpufinetune-trainer:test",
             "model": {"id": assets.model},
-            "dataset": {"id": assets.data, "split": "train"},
+            "dataset": {"id": assets.data, "split": f"train[:{rows}]"},
             # 8 examples a step: about the steps per epoch these runs took when a step was four
             # 128-token blocks (the ground's examples average ~90 tokens), so runs stay short.
             "training": {"batchSizePerDevice": 8, "maxSeqLen": 128, **training},
@@ -176,12 +177,13 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
 def test_a_higher_priority_run_evicts_a_running_one_which_resumes_from_its_checkpoint(
         operator, kueue, queued_namespace, kube, ground_assets, storage):
     slow = {"epochs": 2, "checkpointEverySteps": 2}
-    kube.apply(cpu_run("low", ground_assets, f"{storage}/low", slow, workloadPriorityClassName="low"))
+    kube.apply(cpu_run("low", ground_assets, f"{storage}/low", slow, 480, workloadPriorityClassName="low"))
     # Running, with a checkpoint reported: there is something to resume from.
     kube.wait_for(lambda: kube.status("low").get("phase") == "Running" and kube.status("low").get("checkpointURI"),
                   "low running with a checkpoint", timeout=400, interval=1)
 
-    kube.apply(cpu_run("high", ground_assets, f"{storage}/high", {"epochs": 1}, workloadPriorityClassName="high"))
+    kube.apply(cpu_run("high", ground_assets, f"{storage}/high", {"epochs": 1}, 160,
+                       workloadPriorityClassName="high"))
     evicted = kube.wait_for(phase_is(kube, "low", "Queued"), "low evicted back to Queued", timeout=120)
     assert evicted["attempt"] == 2 and evicted["evictions"] == 1
     assert not cond.is_true(evicted, cond.FAILED)

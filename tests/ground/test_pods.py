@@ -303,8 +303,9 @@ def test_a_run_on_a_shared_claim_succeeds_with_its_checkpoint_on_the_volume(grou
     kube.apply({"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": "on-a-claim"},
                 "spec": {"tpu": {"generation": "cpu", "topology": "2"},
                          "image": "registry.example/tpufinetune-trainer:test",
-                         "model": {"id": ground_assets.model}, "dataset": {"id": ground_assets.data, "split": "train"},
-                         "training": {"epochs": 1, "batchSizePerDevice": 4, "maxSeqLen": 128},
+                         "model": {"id": ground_assets.model},
+                         "dataset": {"id": ground_assets.data, "split": "train[:320]"},  # a short epoch
+                         "training": {"epochs": 1, "batchSizePerDevice": 8, "maxSeqLen": 128},
                          "checkpoint": {"storagePath": "/mnt/checkpoints/run"}, "head": group, "workers": group}})
     kube.kubectl("wait", "tpufinetune/on-a-claim", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
     checkpoint = kube.status("on-a-claim")["checkpointURI"]

@@ -22,15 +22,18 @@ from harness.argocd_health import health
 from harness.operator_process import OperatorProcess
 
 
-def resource(name: str, assets, storage: str, mode: str = "finetune", epochs: int = 2, **extra) -> dict:
+def resource(name: str, assets, storage: str, mode: str = "finetune", epochs: int = 2, rows: int | None = None,
+             **extra) -> dict:
     """A cpu run of topology "2". `assets` is the `ground_assets` fixture and `storage` a gs://
-    prefix (the `storage` fixture): pods read nothing from this machine's paths."""
+    prefix (the `storage` fixture): pods read nothing from this machine's paths. `rows` trains
+    on the data's first rows only (the split `train[:rows]`): short epochs for a test that
+    needs several of them, or a run that ends soon after the fault it is about."""
     spec = {
         "tpu": {"generation": "cpu", "topology": "2"},
         "mode": mode,
         "image": "registry.example/tpufinetune-trainer:test",
         "model": {"id": assets.model},
-        "dataset": {"id": assets.data, "split": "train"},
+        "dataset": {"id": assets.data, "split": f"train[:{rows}]" if rows else "train"},
         # 8 examples a step: about the steps per epoch these runs took when a step was four
         # 128-token blocks (the ground's examples average ~90 tokens), so runs stay short.
         "training": {"epochs": epochs, "batchSizePerDevice": 8, "maxSeqLen": 128},

@@ -104,7 +104,8 @@ def test_a_killed_node_fails_over_and_the_run_resumes_from_its_checkpoint(
         operator, ground, kube, ground_assets, storage):
     # maxFailures: Ray Train restarts its worker group from the latest checkpoint inside the
     # job once KubeRay has replaced the lost worker.
-    manifest = resource("node-killed", ground_assets, storage, epochs=3, training={"maxFailures": 1})
+    manifest = resource("node-killed", ground_assets, storage, epochs=3, rows=480,
+                        training={"maxFailures": 1})
     uid, cluster = start_run(kube, manifest)
     kube.wait_for(lambda: kube.status("node-killed").get("checkpointURI"), "a first checkpoint", timeout=400)
     pods = pods_by_uid(kube, cluster)

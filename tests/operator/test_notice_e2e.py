@@ -42,7 +42,7 @@ def test_maintenance_then_a_deleted_worker_each_get_a_checkpoint_and_the_retry_l
     training goes on), then a worker pod deleted mid-epoch with a 30 s grace (its preStop
     hook has the trainer save the step before the pod goes; the retry resumes from it)."""
     # ttlSecondsAfterFinished keeps the head after the end, to read attempt 2's log.
-    manifest = resource("notice", ground_assets, storage, epochs=10, maxRetries=1,
+    manifest = resource("notice", ground_assets, storage, epochs=16, rows=640, maxRetries=1,
                         terminationGracePeriodSeconds=30, ttlSecondsAfterFinished=300)
     uid, cluster = start_run(kube, manifest)
     running(kube, "notice")

@@ -32,7 +32,7 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status(operator, ground,
                                                                tmp_path):
     """Model, data and checkpoints all in the ground's bucket (gs://), as on GKE. The operator
     is restarted mid-run: it reattaches without a second submission."""
-    manifest = resource("tiny-finetune", ground_assets, storage, epochs=3)
+    manifest = resource("tiny-finetune", ground_assets, storage, epochs=3, rows=800)
     assert all(v.startswith("gs://") for v in (manifest["spec"]["model"]["id"], manifest["spec"]["dataset"]["id"],
                                                 manifest["spec"]["checkpoint"]["storagePath"]))
     metrics_before = scrape(operator)
