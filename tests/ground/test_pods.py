@@ -17,6 +17,7 @@ from harness.nodeagent import health_check_to_gcs
 from harness.processes import tail
 from harness.podsandbox import mount_order
 from harness.podspec import ConfigError, MountError, container_env, mount_targets, service_env, volume_plan
+from tpufinetune_trainer.checkpoint import WRITE_THREADS
 
 # ---- pure: the kubelet's derivations -------------------------------------------------------
 
@@ -314,5 +315,6 @@ def test_a_run_on_a_shared_claim_succeeds_with_its_checkpoint_on_the_volume(grou
     volume_dir = Path(kube.cp.kubectl("get", "pv", claim["spec"]["volumeName"], "-o",
                                       "jsonpath={.spec.hostPath.path}").stdout)
     on_volume = volume_dir / checkpoint.removeprefix("/mnt/checkpoints/")
-    assert {p.name for p in on_volume.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}, list(on_volume.iterdir())
+    both_ranks = {f"__{rank}_{i}.distcp" for rank in (0, 1) for i in range(WRITE_THREADS)}  # the writer's files per rank
+    assert {p.name for p in on_volume.glob("*.distcp")} == both_ranks, list(on_volume.iterdir())
     assert (on_volume / ".metadata").is_file()

@@ -20,6 +20,7 @@ import pytest
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import runmetrics
+from tpufinetune_trainer.checkpoint import WRITE_THREADS
 
 from ground_runs import (Watch, by_phase, capture, check_health, delta, jobs_of, reconciles, released,
                          holds_applied, resource, scrape, start_run)
@@ -144,7 +145,8 @@ def _check_storage(gcs, storage: str, status: dict, tmp_path: Path) -> None:
     assert checkpoint.startswith(storage + "/") and export.startswith(storage + "/"), (checkpoint, export)
     assert export.rsplit("/", 1) == [checkpoint.rsplit("/", 1)[0], "export"], (checkpoint, export)
     shards = {name for name in gcs.list(checkpoint) if name.endswith(".distcp")}
-    assert shards == {"__0_0.distcp", "__1_0.distcp"}, gcs.list(checkpoint)  # rank 0's and rank 1's
+    # Rank 0's and rank 1's, each in the writer's WRITE_THREADS files.
+    assert shards == {f"__{rank}_{i}.distcp" for rank in (0, 1) for i in range(WRITE_THREADS)}, gcs.list(checkpoint)
     assert ".metadata" in gcs.list(checkpoint)
     assert json.loads(gcs.read(f"{checkpoint}/trainer_state.json"))["epoch"] in (1, 2, 3)  # the best of the three
     local = gcs.download(export, tmp_path / "export")
