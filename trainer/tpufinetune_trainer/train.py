@@ -115,6 +115,8 @@ class Trainer:
         self.cfg, self.backend, self.rank, self.world = cfg, backend, rank, world
         self.device = setup_device(backend, local_rank)
         self.cpu_group = ckpt.cpu_group()  # DCP plans and barriers: pickled objects, never over ICI
+        mesh = build_mesh(backend.device_type, world)
+        self.probe_checkpoint_storage(mesh)
         self.examples: Examples = data["train"]
         self.eval_data = data.get("eval")
         self.pad_id = int(data["pad_id"])
@@ -125,7 +127,7 @@ class Trainer:
         # the meta device and sharded there; each rank reads only its own slices (sharded_load.py).
         self.compiled = compile_enabled(backend, cfg.compile)
         self.model, loaded = load_sharded(cfg.model_id, backend.attn_implementation,
-                                          build_mesh(backend.device_type, world), self.dtype, compile=self.compiled,
+                                          mesh, self.dtype, compile=self.compiled,
                                           device=self.device, full=cfg.model_load == "full")
         if rank == 0:
             say(f"Model {cfg.model_id}: {loaded}")
@@ -178,6 +180,18 @@ class Trainer:
         self.train_blocks: DeviceBlocks | None = None
         self.epoch_inputs: torch.Tensor | None = None
         self.epoch_row: torch.Tensor | None = None
+
+    def probe_checkpoint_storage(self, mesh) -> None:
+        """Save and load a tiny sharded state the way every checkpoint will (ckpt.startup_probe)
+        before the model is loaded: a storage, gloo or device-to-host problem fails the run in
+        seconds (StorageError, naming the storage and the cause) instead of after an epoch."""
+        location = ckpt.join_uri(self.cfg.storage_path, self.cfg.run_name, ckpt.PROBE_DIR)
+        probe = ckpt.startup_probe(location, mesh, self.device, self.cpu_group)
+        if self.rank == 0:
+            removed = "removed" if probe["removed"] else f"NOT removed ({probe['remove_error']})"
+            say(f"Checkpoint probe: {self.world} ranks saved and loaded a sharded state at {location} in "
+                f"{probe['seconds']} s ({len(probe['files'])} files, {ckpt.WRITE_THREADS} per rank written in "
+                f"parallel); {removed}")
 
     def _build_optimizer(self) -> None:
         cfg, capturable = self.cfg, self.backend.capturable_optimizer
