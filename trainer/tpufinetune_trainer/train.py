@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from . import checkpoint as ckpt
 from . import loss as head
 from . import notice
-from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device
+from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .config import FinetuneConfig
 from .errors import Preempted
 from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, blocks_per_device, eval_order, \
@@ -113,6 +113,8 @@ class DeviceBlocks:
 class Trainer:
     def __init__(self, cfg: FinetuneConfig, backend: Backend, data: dict, rank: int, world: int, local_rank: int):
         self.cfg, self.backend, self.rank, self.world = cfg, backend, rank, world
+        # Before torch_tpu is imported and anything compiles: both read the cache's place then.
+        self.compile_cache = use_compile_cache(cfg.compile_cache_dir, backend)
         self.device = setup_device(backend, local_rank)
         self.cpu_group = ckpt.cpu_group()  # DCP plans and barriers: pickled objects, never over ICI
         mesh = build_mesh(backend.device_type, world)
@@ -360,7 +362,8 @@ class Trainer:
             f"{self.epoch_steps} steps per epoch, {self.total_steps} in all; lr {cfg.learning_rate:g} "
             f"(warmup {self.warmup} steps, {self.schedule_words()}); "
             f"clip {cfg.max_grad_norm:g}; compute {str(self.dtype).removeprefix('torch.')}, master weights "
-            f"float32; compile {'on' if self.compiled else 'off'}; loss head "
+            f"float32; compile {'on' if self.compiled else 'off'}"
+            + (f" (cache {cfg.compile_cache_dir})" if self.compile_cache else "") + "; loss head "
             + (f"at label positions ({self.train_cap} rows of {plan.blocks * cfg.max_seq_len} per micro-batch)"
                if self.label_head else "over every position (full logits)"))
         emit("plan", global_batch_examples=plan.global_examples, blocks_per_device=plan.blocks,
