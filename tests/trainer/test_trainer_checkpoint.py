@@ -6,6 +6,9 @@ naming it and the cause."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +17,9 @@ from torch.distributed.fsdp import fully_shard
 from tpufinetune_trainer import checkpoint as ckpt
 from tpufinetune_trainer.errors import StorageError
 from tpufinetune_trainer.parallelize import build_mesh
+from trainer_helpers import run_rank_processes
+
+WORKER = Path(__file__).with_name("trainer_probe_worker.py")
 
 
 def shard_files(world: int) -> list[str]:
@@ -53,6 +59,26 @@ def test_a_storage_the_probe_cannot_write_fails_with_a_storage_error_naming_it_a
     message = str(failed.value)
     assert f"Checkpoint storage {location}" in message and "could not create its directory" in message
     assert "rank 0: NotADirectoryError" in message, message
+
+
+def probe_ranks(location: str, out_prefix: Path, world: int = 2) -> list[dict]:
+    run_rank_processes(WORKER, world, lambda rank, port: [location, str(out_prefix), str(port), str(rank), str(world)])
+    return [json.loads(Path(f"{out_prefix}.{rank}.json").read_text()) for rank in range(world)]
+
+
+def test_two_ranks_probe_a_shared_storage_and_agree_when_it_is_not_shared(tmp_path):
+    shared = tmp_path / "shared" / "run" / ckpt.PROBE_DIR
+    first, second = probe_ranks(str(shared), tmp_path / "shared-result")
+    assert first["files"] == sorted([".metadata", *shard_files(2)]) and first["removed"], first
+    assert second["files"] == [] and not shared.exists()  # rank 0 lists and removes
+    # A "shared" path that is each host's own disk: rank 1's files are not where rank 0's
+    # metadata is, so rank 1 cannot load; every rank stops, naming rank 1's cause.
+    apart = list(probe_ranks(str(tmp_path / "host{rank}" / "run" / ckpt.PROBE_DIR),
+                                  tmp_path / "apart-result"))
+    for result in apart:
+        assert "could not load the state back: ranks 0, 1: DCP on rank 1: AssertionError: metadata is None" \
+            in result["error"] and "No such file or directory" in result["error"], result
+    assert f"Checkpoint storage {tmp_path / 'host0' / 'run' / ckpt.PROBE_DIR}" in apart[0]["error"]
 
 
 def test_a_probe_whose_state_cannot_be_read_back_fails(tmp_path, process_group, monkeypatch):

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -60,6 +61,9 @@ WRITE_THREADS = 4
 # trainer_state.json, so no restore ever takes it for a checkpoint.
 PROBE_DIR = "startup_probe"
 PROBE_ROWS, PROBE_COLS = 4, 8  # each rank's rows of the probe's sharded tensor
+# What a probe step may raise: DCP gathers every rank's failure into a CheckpointException,
+# which is a BaseException.
+_PROBE_FAILURES = (Exception, CheckpointException)
 _SHARDED = StateDictOptions(ignore_frozen_params=True)
 _LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
 
@@ -397,15 +401,29 @@ def _agree(group, location: str, phase: str, error: str | None) -> None:
     if any failed (a rank that raised alone would leave the others waiting in DCP)."""
     outcomes: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(outcomes, error, group=group)
-    failed = [(rank, e) for rank, e in enumerate(outcomes) if e]
-    if failed:
-        causes = "; ".join(f"rank {rank}: {e}" for rank, e in failed[:4])
-        more = f" (and {len(failed) - 4} more ranks)" if len(failed) > 4 else ""
-        raise StorageError(f"Checkpoint storage {location}: the startup probe could not {phase}: {causes}{more}. "
-                           "Every checkpoint of the run would fail the same way, so the run stops before training")
+    by_cause: dict[str, list[int]] = {}
+    for rank, cause in enumerate(outcomes):
+        if cause:
+            by_cause.setdefault(cause, []).append(rank)
+    if by_cause:
+        named = [f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)}: {cause}"
+                 for cause, ranks in list(by_cause.items())[:4]]
+        more = f" (and {len(by_cause) - 4} other causes)" if len(by_cause) > 4 else ""
+        raise StorageError(f"Checkpoint storage {location}: the startup probe could not {phase}: "
+                           f"{'; '.join(named)}{more}. Every checkpoint of the run would fail the same way, so the "
+                           "run stops before training")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 def _described(exc: BaseException) -> str:
+    """One line: the exception's type and message; for DCP's gathered failure, each failing
+    rank's own exception (not the tracebacks)."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"DCP on rank {rank}: {_described(failure[0] if isinstance(failure, tuple) else failure)}"
+                         for rank, failure in sorted(exc.failures.items()))
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:600]}" if text else type(exc).__name__
 
@@ -450,19 +468,19 @@ def startup_probe(location: str, mesh, device, group) -> dict:
         try:
             dcp.save(saved, storage_writer=checkpoint_writer(target), planner=dcp.DefaultSavePlanner(),
                      process_group=group)
-        except Exception as exc:  # noqa: BLE001 - every rank's cause is reported
+        except _PROBE_FAILURES as exc:  # every rank's cause is reported
             error = _described(exc)
         _agree(group, location, "save a sharded state (DCP, gloo)", error)
         if staging:
             try:
                 storage.upload_dir(staging.name, location)
-            except Exception as exc:  # noqa: BLE001
+            except _PROBE_FAILURES as exc:
                 error = _described(exc)
             _agree(group, location, "upload each rank's files", error)
         loaded = _probe_state(mesh, device, rank, fill=False)
         try:
             dcp.load(loaded, storage_reader=storage_reader(location), process_group=group)
-        except Exception as exc:  # noqa: BLE001
+        except _PROBE_FAILURES as exc:
             error = _described(exc)
         _agree(group, location, "load the state back", error)
         same = torch.equal(loaded["model"]["probe.weight"].to_local().cpu(),
