@@ -107,3 +107,22 @@ def test_a_worker_failure_ends_the_job_with_a_failure_event(ray_head, trainer_as
     events = events_of(logs)
     assert [e.kind for e in events] == ["start", "failure"]  # started, then one failure
     assert events[-1]["type"] == "ModelError" and str(broken) in events[-1]["message"]
+
+
+def test_a_checkpoint_storage_the_workers_cannot_use_fails_before_training(ray_head, trainer_assets, tmp_path):
+    """The driver's write check passes (the run's directory is writable) but the workers'
+    startup probe cannot make its directory there: the job ends with one StorageError naming
+    the storage, right after the workers start, before the model is loaded or a step taken."""
+    from tpufinetune_trainer.checkpoint import PROBE_DIR
+
+    storage = tmp_path / "storage"
+    (storage / "probe-blocked").mkdir(parents=True)
+    (storage / "probe-blocked" / PROBE_DIR).write_text("a file where the probe's directory goes")
+    args = dict(base_args(trainer_assets, storage), **{"--run-name": "probe-blocked"})
+    run = run_trainer(_argv(args), offline_env(ray_head.env()), timeout=300)
+    assert run.rc != 0
+    assert [e.kind for e in run.events] == ["start", "failure"], run.tail()
+    failure = run.events[-1]
+    assert failure["type"] == "StorageError", failure
+    assert f"Checkpoint storage {storage / 'probe-blocked' / PROBE_DIR}" in failure["message"]
+    assert "could not create its directory" in failure["message"] and "FileExistsError" in failure["message"]

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tpufinetune_trainer.checkpoint import WRITE_THREADS
 from tpufinetune_trainer.data import encode_rows, load_rows
 from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
 
@@ -168,8 +169,9 @@ def test_throughput_counts_real_tokens_and_batches_have_one_shape(trained):
 def test_checkpoints_are_sharded_and_the_best_by_eval_loss_is_exported(trained):
     run, storage = trained
     best = Path(run.one("result")["best_checkpoint_uri"])
-    assert sorted(p.name for p in best.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                      "trainer_state.json"]
+    assert sorted(p.name for p in best.iterdir()) == sorted(
+        [".metadata", *[f"__{rank}_{i}.distcp" for rank in (0, 1) for i in range(WRITE_THREADS)],
+         "trainer_state.json"])  # each rank's shards, in WRITE_THREADS files written in parallel
     meta = dcp.FileSystemReader(str(best)).read_metadata().state_dict_metadata
     weight = meta["model.model.language_model.layers.0.mlp.gate_proj.weight"]
     assert len(weight.chunks) == 2  # each rank wrote only its half

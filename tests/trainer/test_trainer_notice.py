@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from harness.waiting import wait_for
+from tpufinetune_trainer.checkpoint import WRITE_THREADS
 from trainer_helpers import Run, events_of, offline_env, run_trainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -85,8 +86,9 @@ def test_sigterm_on_one_worker_saves_the_step_on_every_rank_and_stops(preempted)
     assert max(e["step"] for e in run.of("progress")) <= notice["step"]
     saved = [e for e in run.of("checkpoint") if e["step"] == notice["step"]]
     assert len(saved) == 1 and saved[0]["epoch_end"] is False and saved[0]["uri"] == notice["uri"]
-    assert sorted(p.name for p in Path(notice["uri"]).iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json"]  # both ranks' shards
+    assert sorted(p.name for p in Path(notice["uri"]).iterdir()) == sorted(
+        [".metadata", *[f"__{rank}_{i}.distcp" for rank in (0, 1) for i in range(WRITE_THREADS)],
+         "trainer_state.json"])  # both ranks' shards
     assert run.of("failure")[-1]["type"] == "Preempted"
     assert not run.of("result") and not run.of("epoch")
     # Well inside GKE's 30 s notice, and inside the pods' grace period.

@@ -51,6 +51,8 @@ BACKENDS = {
 }
 COMPUTE_DTYPES = ("auto", "bfloat16", "float32")
 COMPILE_MODES = ("auto", "on", "off")
+# The default of --compile-cache-dir: the operator names a mounted volume here.
+COMPILE_CACHE_ENV = "TPUFT_COMPILE_CACHE_DIR"
 
 
 def host_has_tpu() -> bool:
@@ -167,6 +169,31 @@ def compile_enabled(backend: Backend, requested: str = "auto") -> bool:
     if requested not in COMPILE_MODES:
         raise UsageError(f"unknown --compile {requested!r}; choose one of {', '.join(COMPILE_MODES)}")
     return requested == "on" or (requested == "auto" and backend.compile_by_default)
+
+
+def compile_cache_env(cache_dir: str, backend: Backend) -> dict[str, str]:
+    """The variables that keep compiled programs under `cache_dir` (--compile-cache-dir, a
+    volume that outlives the pod), so a restarted worker loads them instead of compiling
+    again. Inductor's FX-graph and AOTAutograd caches (torch.compile on CUDA and CPU) default
+    to /tmp, which dies with the pod; on TPU, TorchTPU's persistent (tier-3) cache of
+    compiled PJRT executables is off unless its root is set. Empty without a directory."""
+    if not cache_dir:
+        return {}
+    env = {"TORCHINDUCTOR_CACHE_DIR": f"{cache_dir.rstrip('/')}/inductor"}
+    if backend.name == "tpu":
+        env["TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"] = f"{cache_dir.rstrip('/')}/torch_tpu"
+    return env
+
+
+def use_compile_cache(cache_dir: str, backend: Backend) -> dict[str, str]:
+    """Set compile_cache_env in this process, before torch_tpu is imported and before the
+    first compile (both read them then); returns what was set. The flag wins over a value
+    already there: inductor writes its /tmp default into the environment on first use."""
+    env = compile_cache_env(cache_dir, backend)
+    for name, directory in env.items():
+        os.makedirs(directory, exist_ok=True)
+        os.environ[name] = directory
+    return env
 
 
 def setup_device(backend: Backend, local_rank: int = 0):

@@ -1,6 +1,7 @@
 """Sharded checkpoints (torch.distributed.checkpoint) and the Hugging Face export.
 
-Each rank writes only its own shards (``__<rank>_0.distcp``), either straight into the
+Each rank writes only its own shards (``__<rank>_<i>.distcp``, WRITE_THREADS files written
+in parallel), either straight into the
 checkpoint directory on a shared file system or into a local staging directory whose
 files Ray Train uploads (every rank its own, merged into one directory in storage).
 Rank 0 adds the DCP ``.metadata`` and ``trainer_state.json``. No rank ever holds the
@@ -14,6 +15,10 @@ downloads the whole checkpoint to every host.
 DCP's own coordination (gathering plans, the final barrier) is pickled Python objects:
 it runs on a CPU (gloo) process group made once per run, never on the accelerator's
 collective backend.
+
+Before training, `startup_probe` saves and loads a tiny sharded state through the same
+writer, reader, group and storage, so a storage, gloo or device-to-host problem ends the run
+in seconds instead of at the first checkpoint, an epoch later.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -38,8 +45,25 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import storage
+from .errors import StorageError
 
 STATE_FILE = "trainer_state.json"
+# Files, and threads writing them, per rank and checkpoint. DCP splits a rank's shards by
+# size into this many files written at once; torch.save's copies and the file writes release
+# the GIL, so a disk or network that takes several streams (a Filestore share; the staging
+# directory Ray Train uploads with one stream per file) writes faster, while a v6e host's 4
+# workers make 16 streams, well within its cores. More than one thread also makes DCP take
+# its plain loader (`.cpu()` of one tensor at a time) instead of the overlapping
+# device-to-host loader it picks with one thread on an accelerator, which has never run on
+# a TPU. benchmarks/bench_checkpoint.py measures 1 against this.
+WRITE_THREADS = 4
+# Under <storage>/<run name>/ for the few seconds of the startup probe, then removed. No
+# trainer_state.json, so no restore ever takes it for a checkpoint.
+PROBE_DIR = "startup_probe"
+PROBE_ROWS, PROBE_COLS = 4, 8  # each rank's rows of the probe's sharded tensor
+# What a probe step may raise: DCP gathers every rank's failure into a CheckpointException,
+# which is a BaseException.
+_PROBE_FAILURES = (Exception, CheckpointException)
 _SHARDED = StateDictOptions(ignore_frozen_params=True)
 _LOAD = StateDictOptions(ignore_frozen_params=True, strict=False)
 
@@ -49,15 +73,21 @@ def cpu_group():
     return dist.new_group(backend="gloo")
 
 
+def checkpoint_writer(directory: str) -> dcp.FileSystemWriter:
+    """The writer of every checkpoint (and of the startup probe): WRITE_THREADS files per rank.
+    No fsync per file: like Ray Train's own upload, durability is left to the storage (a
+    staging directory needs none)."""
+    return dcp.FileSystemWriter(directory, sync_files=False, thread_count=WRITE_THREADS)
+
+
 def save_sharded(model, optimizer, directory: str, trainer_state: dict, group=None) -> None:
     """Collective: every rank calls it, with a local staging directory of its own or the
-    same shared directory. No fsync per file: like Ray Train's own upload, durability is
-    left to the storage (a staging directory needs none). Plan caching: from the second
-    epoch on, ranks whose save plan has not changed skip shipping it to the coordinator."""
+    same shared directory. Plan caching: from the second epoch on, ranks whose save plan has
+    not changed skip shipping it to the coordinator."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED)
     Path(directory).mkdir(parents=True, exist_ok=True)
     dcp.save({"model": model_sd, "optim": optim_sd},
-             storage_writer=dcp.FileSystemWriter(directory, sync_files=False),
+             storage_writer=checkpoint_writer(directory),
              planner=dcp.DefaultSavePlanner(enable_plan_caching=True), process_group=group)
     if dist.get_rank() == 0:
         Path(directory, STATE_FILE).write_text(json.dumps(trainer_state))
@@ -350,4 +380,120 @@ def tied_weight_copies(model) -> list[str]:
 
 
 def join_uri(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *[p.strip("/") for p in parts]])
+    return "/".join([base.rstrip("/"), *[p.strip("/") for p in parts if p.strip("/")]])
+
+
+# ---------------------------------------------------------------------- startup probe
+def _probe_state(mesh, device, rank: int, fill: bool) -> dict:
+    """A tiny state shaped as a checkpoint's: a tensor sharded by rows over the mesh (each
+    rank's rows on its device, values that name the rank) and a replicated scalar."""
+    from torch.distributed.tensor import DTensor, Shard
+    import torch
+
+    rows = torch.arange(PROBE_ROWS * PROBE_COLS, dtype=torch.float32).view(PROBE_ROWS, PROBE_COLS) + 1000.0 * rank
+    local = rows if fill else torch.zeros_like(rows)
+    sharded = DTensor.from_local(local.to(device), mesh, [Shard(0)], run_check=False)
+    return {"model": {"probe.weight": sharded}, "optim": {"probe.step": torch.tensor(7.0 if fill else 0.0)}}
+
+
+def _agree(group, location: str, phase: str, error: str | None) -> None:
+    """Every rank learns every rank's outcome of `phase`; all raise the same StorageError
+    if any failed (a rank that raised alone would leave the others waiting in DCP)."""
+    outcomes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, error, group=group)
+    by_cause: dict[str, list[int]] = {}
+    for rank, cause in enumerate(outcomes):
+        if cause:
+            by_cause.setdefault(cause, []).append(rank)
+    if by_cause:
+        named = [f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)}: {cause}"
+                 for cause, ranks in list(by_cause.items())[:4]]
+        more = f" (and {len(by_cause) - 4} other causes)" if len(by_cause) > 4 else ""
+        raise StorageError(f"Checkpoint storage {location}: the startup probe could not {phase}: "
+                           f"{'; '.join(named)}{more}. Every checkpoint of the run would fail the same way, so the "
+                           "run stops before training")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _described(exc: BaseException) -> str:
+    """One line: the exception's type and message; for DCP's gathered failure, each failing
+    rank's own exception (not the tracebacks)."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"DCP on rank {rank}: {_described(failure[0] if isinstance(failure, tuple) else failure)}"
+                         for rank, failure in sorted(exc.failures.items()))
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:600]}" if text else type(exc).__name__
+
+
+def _remove(location: str) -> str | None:
+    """Delete the probe's directory; the error, if that failed."""
+    try:
+        fs, path = storage.filesystem(location)
+        fs.delete_dir_contents(path, missing_dir_ok=True)
+        try:
+            fs.delete_dir(path)
+        except OSError:
+            if storage.exists(location):  # a bucket has no directory object once its files are gone
+                raise
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal: training does not need it gone
+        return _described(exc)
+    return None
+
+
+def startup_probe(location: str, mesh, device, group) -> dict:
+    """Collective: save a tiny sharded state to `location` (a path or URI under the run's
+    storage) with the checkpoints' writer on the gloo `group`, load it back with the
+    checkpoints' reader, check every rank's values, remove it. The path a checkpoint takes:
+    on a file system written in place; for a URI staged in a local directory and uploaded
+    by each rank (as Ray Train uploads), then read in place. Raises StorageError on every
+    rank, naming the location, the step and each failing rank's cause. Returns rank 0's
+    {"seconds", "files", "removed", "remove_error"} (files: what the storage held)."""
+    import torch
+
+    rank, start = dist.get_rank(group), time.perf_counter()
+    saved = _probe_state(mesh, device, rank, fill=True)
+    error = None
+    staging = tempfile.TemporaryDirectory(prefix="tpuft-probe-") if storage.is_uri(location) else None
+    target = staging.name if staging else location
+    files: list[str] = []
+    try:
+        try:
+            Path(target).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = _described(exc)
+        _agree(group, location, "create its directory", error)
+        try:
+            dcp.save(saved, storage_writer=checkpoint_writer(target), planner=dcp.DefaultSavePlanner(),
+                     process_group=group)
+        except _PROBE_FAILURES as exc:  # every rank's cause is reported
+            error = _described(exc)
+        _agree(group, location, "save a sharded state (DCP, gloo)", error)
+        if staging:
+            try:
+                storage.upload_dir(staging.name, location)
+            except _PROBE_FAILURES as exc:
+                error = _described(exc)
+            _agree(group, location, "upload each rank's files", error)
+        loaded = _probe_state(mesh, device, rank, fill=False)
+        try:
+            dcp.load(loaded, storage_reader=storage_reader(location), process_group=group)
+        except _PROBE_FAILURES as exc:
+            error = _described(exc)
+        _agree(group, location, "load the state back", error)
+        same = torch.equal(loaded["model"]["probe.weight"].to_local().cpu(),
+                           saved["model"]["probe.weight"].to_local().cpu()) and \
+            torch.equal(loaded["optim"]["probe.step"], saved["optim"]["probe.step"])
+        _agree(group, location, "read back what it wrote", None if same else "the loaded values differ")
+        if rank == 0:
+            fs, path = storage.filesystem(location)
+            files = sorted(_files_under(fs, path.rstrip("/")))
+    finally:
+        if staging:
+            staging.cleanup()
+        dist.barrier(group=group)  # every rank done with the files (or failed together)
+        remove_error = _remove(location) if rank == 0 else None
+    return {"seconds": round(time.perf_counter() - start, 2), "files": files, "removed": remove_error is None,
+            "remove_error": remove_error}

@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 
-from .backends import COMPILE_MODES, COMPUTE_DTYPES
+from .backends import COMPILE_CACHE_ENV, COMPILE_MODES, COMPUTE_DTYPES
 from .config import (DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET, DEFAULT_DECAY_RATIO, DEFAULT_MODEL, LOSS_HEADS,
                      MODEL_LOADS,
                      SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig)
@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--compile", default="auto", choices=list(COMPILE_MODES),
                     help="torch.compile each decoder block (auto: on for CUDA, off for TPU until measured "
                          "on a slice, off for CPU)")
+    ft.add_argument("--compile-cache-dir", default=os.environ.get(COMPILE_CACHE_ENV, ""),
+                    help="keep compiled programs (inductor's caches; TorchTPU's persistent cache on TPU) in this "
+                         f"directory, a volume that outlives the pod (default ${COMPILE_CACHE_ENV}; empty: each "
+                         "process's own, lost with the pod)")
     ft.add_argument("--compute-dtype", default="auto", choices=list(COMPUTE_DTYPES),
                     help="forward/backward dtype (auto: bfloat16 on TPU and CUDA, float32 on CPU); "
                          "weights and optimizer state are always float32")
@@ -163,7 +167,8 @@ def _config(args: argparse.Namespace):
             checkpoint_score_attribute=args.checkpoint_score_attribute,
             checkpoint_score_order=args.checkpoint_score_order, resume_from=args.resume_from,
             run_name=args.run_name, long_prompts=args.long_prompts, prompt_format=args.prompt_format,
-            dataset_format=args.dataset_format, compile=args.compile, compute_dtype=args.compute_dtype,
+            dataset_format=args.dataset_format, compile=args.compile, compile_cache_dir=args.compile_cache_dir,
+            compute_dtype=args.compute_dtype,
             loss_head=args.loss_head, model_load=args.model_load,
             progress_interval_s=args.progress_interval, max_failures=args.max_failures,
             target_eval_loss=args.target_eval_loss, early_stopping_patience=args.early_stopping_patience,

@@ -85,6 +85,7 @@ class FinetuneConfig(SliceConfig):
     prompt_format: str = "auto"
     dataset_format: str = "auto"
     compile: str = "auto"
+    compile_cache_dir: str = ""  # "": each process's default (inductor: /tmp; TorchTPU: no persistent cache)
     compute_dtype: str = "auto"
     loss_head: str = "labels"
     model_load: str = MODEL_LOADS[0]
@@ -112,6 +113,9 @@ class FinetuneConfig(SliceConfig):
             (self.max_steps >= 0, "--max-steps must not be negative (0: the epochs decide)"),
             (self.checkpoint_every_steps >= 0, "--checkpoint-every-steps must not be negative"),
             (self.compile in COMPILE_MODES, f"--compile must be one of {', '.join(COMPILE_MODES)}"),
+            (not self.compile_cache_dir or os.path.isabs(self.compile_cache_dir),
+             f"--compile-cache-dir {self.compile_cache_dir!r} must be an absolute path (a volume mounted on every "
+             "worker's pod at the same place)"),
             (self.compute_dtype in COMPUTE_DTYPES, f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}"),
             (self.loss_head in LOSS_HEADS, f"--loss-head must be one of {', '.join(LOSS_HEADS)}"),
             (self.model_load in MODEL_LOADS, f"--model-load must be one of {', '.join(MODEL_LOADS)}"),

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from . import checkpoint as ckpt
 from . import loss as head
 from . import notice
-from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device
+from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .config import FinetuneConfig
 from .errors import Preempted
 from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, blocks_per_device, eval_order, \
@@ -113,8 +113,12 @@ class DeviceBlocks:
 class Trainer:
     def __init__(self, cfg: FinetuneConfig, backend: Backend, data: dict, rank: int, world: int, local_rank: int):
         self.cfg, self.backend, self.rank, self.world = cfg, backend, rank, world
+        # Before torch_tpu is imported and anything compiles: both read the cache's place then.
+        self.compile_cache = use_compile_cache(cfg.compile_cache_dir, backend)
         self.device = setup_device(backend, local_rank)
         self.cpu_group = ckpt.cpu_group()  # DCP plans and barriers: pickled objects, never over ICI
+        mesh = build_mesh(backend.device_type, world)
+        self.probe_checkpoint_storage(mesh)
         self.examples: Examples = data["train"]
         self.eval_data = data.get("eval")
         self.pad_id = int(data["pad_id"])
@@ -125,7 +129,7 @@ class Trainer:
         # the meta device and sharded there; each rank reads only its own slices (sharded_load.py).
         self.compiled = compile_enabled(backend, cfg.compile)
         self.model, loaded = load_sharded(cfg.model_id, backend.attn_implementation,
-                                          build_mesh(backend.device_type, world), self.dtype, compile=self.compiled,
+                                          mesh, self.dtype, compile=self.compiled,
                                           device=self.device, full=cfg.model_load == "full")
         if rank == 0:
             say(f"Model {cfg.model_id}: {loaded}")
@@ -178,6 +182,18 @@ class Trainer:
         self.train_blocks: DeviceBlocks | None = None
         self.epoch_inputs: torch.Tensor | None = None
         self.epoch_row: torch.Tensor | None = None
+
+    def probe_checkpoint_storage(self, mesh) -> None:
+        """Save and load a tiny sharded state the way every checkpoint will (ckpt.startup_probe)
+        before the model is loaded: a storage, gloo or device-to-host problem fails the run in
+        seconds (StorageError, naming the storage and the cause) instead of after an epoch."""
+        location = ckpt.join_uri(self.cfg.storage_path, self.cfg.run_name, ckpt.PROBE_DIR)
+        probe = ckpt.startup_probe(location, mesh, self.device, self.cpu_group)
+        if self.rank == 0:
+            removed = "removed" if probe["removed"] else f"NOT removed ({probe['remove_error']})"
+            say(f"Checkpoint probe: {self.world} ranks saved and loaded a sharded state at {location} in "
+                f"{probe['seconds']} s ({len(probe['files'])} files, {ckpt.WRITE_THREADS} per rank written in "
+                f"parallel); {removed}")
 
     def _build_optimizer(self) -> None:
         cfg, capturable = self.cfg, self.backend.capturable_optimizer
@@ -346,7 +362,8 @@ class Trainer:
             f"{self.epoch_steps} steps per epoch, {self.total_steps} in all; lr {cfg.learning_rate:g} "
             f"(warmup {self.warmup} steps, {self.schedule_words()}); "
             f"clip {cfg.max_grad_norm:g}; compute {str(self.dtype).removeprefix('torch.')}, master weights "
-            f"float32; compile {'on' if self.compiled else 'off'}; loss head "
+            f"float32; compile {'on' if self.compiled else 'off'}"
+            + (f" (cache {cfg.compile_cache_dir})" if self.compile_cache else "") + "; loss head "
             + (f"at label positions ({self.train_cap} rows of {plan.blocks * cfg.max_seq_len} per micro-batch)"
                if self.label_head else "over every position (full logits)"))
         emit("plan", global_batch_examples=plan.global_examples, blocks_per_device=plan.blocks,
