@@ -31,6 +31,8 @@ NOT_PASSED = {
     "--global-batch-examples": "the operator passes the same flag by its other name, --global-batch-blocks",
     "--target-eval-loss": "passed only when training.targetEvalLoss is set (the trainer's 0 is off)",
     "--early-stopping-patience": "passed only when training.earlyStoppingPatience is set (0 is off)",
+    "--compile-cache-dir": "its default is the head's TPUFT_COMPILE_CACHE_DIR, set in spec.head.env beside the "
+                           "volume the user mounts (docs/gke.md, the compile cache across restarts)",
 }
 
 
