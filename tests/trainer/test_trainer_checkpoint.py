@@ -67,11 +67,11 @@ def probe_ranks(location: str, out_prefix: Path, world: int = 2) -> list[dict]:
 
 
 def test_two_ranks_probe_a_shared_storage_and_agree_when_it_is_not_shared(tmp_path):
-    shared = tmp_path / "shared" / "run" / ckpt.PROBE_DIR
-    first, second = probe_ranks(str(shared), tmp_path / "shared-result")
+    common = tmp_path / "common-storage" / "run" / ckpt.PROBE_DIR
+    first, second = probe_ranks(str(common), tmp_path / "common-result")
     assert first["files"] == sorted([".metadata", *shard_files(2)]) and first["removed"], first
-    assert second["files"] == [] and not shared.exists()  # rank 0 lists and removes
-    # A "shared" path that is each host's own disk: rank 1's files are not where rank 0's
+    assert second["files"] == [] and not common.exists()  # rank 0 lists and removes
+    # A path meant to be common that is each host's own disk: rank 1's files are not where rank 0's
     # metadata is, so rank 1 cannot load; every rank stops, naming rank 1's cause.
     apart = list(probe_ranks(str(tmp_path / "host{rank}" / "run" / ckpt.PROBE_DIR),
                                   tmp_path / "apart-result"))
