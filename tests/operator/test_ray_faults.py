@@ -20,7 +20,7 @@ import uuid
 import aiohttp
 import pytest
 from aiohttp import web
-from ray.exceptions import AuthenticationError
+from tpufinetune.adapters.jobapi import AuthenticationError
 
 from harness.ports import free_port
 from harness.waiting import wait_for

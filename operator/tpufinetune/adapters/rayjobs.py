@@ -1,4 +1,5 @@
-"""Thin adapter over Ray's Job API (JobSubmissionClient) plus an incremental log follower.
+"""Thin adapter over Ray's Job API (our own HTTP client, jobapi.py: the operator never
+imports `ray`) plus an incremental log follower.
 
 The client is synchronous (requests); callers run it in RayJobs' own pool of threads
 (`await jobs.call(jobs.job, ...)`), never in the one Kubernetes calls use. The log follower uses
@@ -17,9 +18,8 @@ import os
 import aiohttp
 from dataclasses import dataclass, field
 
-from ray.job_submission import JobSubmissionClient
-
 from tpufinetune.adapters import metrics
+from tpufinetune.adapters.jobapi import JobApiClient
 from tpufinetune.adapters.logresume import AnchoredStream, AnchorSearch, as_logged, stream_decoder
 from tpufinetune.adapters.pools import Pool
 from tpufinetune.core.phases import JOB_ACTIVE, JobView
@@ -48,7 +48,8 @@ STREAM_QUIET_HEARTBEATS = 10
 
 
 # Ray's JobSubmissionClient replaces the address it is given with either of these when
-# they are set; a stray one would send every run to one cluster.
+# they are set; a stray one would send every run to one cluster. JobApiClient reads
+# neither, but anything in this process that still used Ray's client would.
 ADDRESS_OVERRIDES = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 
 
@@ -61,17 +62,16 @@ def drop_address_overrides(environ=os.environ) -> list[str]:
     return removed
 
 
-class TimedJobClient(JobSubmissionClient):
-    """Ray's Job API client with a timeout on every HTTP request, connect and read: a head
+class TimedJobClient(JobApiClient):
+    """The Job API client with a timeout on every HTTP request, connect and read: a head
     that accepts connections and never answers holds one thread for `timeout` seconds, not
     for ever (the client is synchronous; each call runs in a worker thread). Its log
     stream is bounded too: `timeout` to open it, and a heartbeat while it is open."""
 
     def __init__(self, address: str, headers: dict, timeout: float, heartbeat: float = LOG_HEARTBEAT_S):
-        self._timeout = timeout
         self._heartbeat = heartbeat
         self.log_bytes = 0  # bytes of job logs received, every endpoint together
-        super().__init__(address, headers=headers)  # its version check already times out
+        super().__init__(address, headers=headers, timeout=timeout)  # its version check times out too
 
     def received(self, size: int) -> None:
         """Bytes of a job's log that came from the head (tpufinetune_log_bytes_total)."""
@@ -151,10 +151,6 @@ class TimedJobClient(JobSubmissionClient):
                     text = decoder.decode(chunk)
                     if text:
                         yield text
-
-    def _do_request(self, method: str, endpoint: str, **kwargs):
-        kwargs.setdefault("timeout", self._timeout)
-        return super()._do_request(method, endpoint, **kwargs)
 
     def job_or_none(self, submission_id: str):
         """The job's details, or None only when the head answers 404: a job lost is
