@@ -4,6 +4,7 @@ tests, then on a real Ray head: what a resume transfers)."""
 
 import asyncio
 import shlex
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -133,15 +134,19 @@ def test_an_anchor_from_an_older_status_or_a_typo_is_not_used():
 # ---- on a real Ray head: what a resume transfers --------------------------------------
 
 
-def submit_printing(ray_head, tmp_path, *parts: str, pause: float = 0) -> str:
-    """A real job printing `parts` (files, so the log holds exactly them), `pause`
-    seconds apart."""
+def submit_printing(ray_head, tmp_path, *parts: str, gate: Path | None = None) -> str:
+    """A real job printing `parts` (files, so the log holds exactly them); with `gate`, it
+    prints the first part, then waits for that file to exist before it prints the rest
+    (the test decides when, so no timing under load can skip the moment in between)."""
     commands = []
     for i, part in enumerate(parts):
         path = tmp_path / f"part{i}.txt"
         path.write_text(part)
         commands.append(shlex.join(["cat", str(path)]))
-    return ray_head.job_client().submit_job(entrypoint=f" && sleep {pause} && ".join(commands))
+    if gate is not None:
+        wait = f"until [ -e {shlex.quote(str(gate))} ]; do sleep 0.1; done"
+        commands = commands[:1] + [wait] + commands[1:]
+    return ray_head.job_client().submit_job(entrypoint=" && ".join(commands))
 
 
 def whole_log(ray_head, job_id: str, ends_with: str) -> str:
@@ -151,17 +156,23 @@ def whole_log(ray_head, job_id: str, ends_with: str) -> str:
                     f"the log of {job_id} to end with its last line")
 
 
-def follow(ray_head, job_id: str, cursor: int, anchor: str, until) -> tuple[list[dict], LogFollower, int]:
+def follow(ray_head, job_id: str, cursor: int, anchor: str, until,
+           on_resumed=lambda: None) -> tuple[list[dict], LogFollower, int]:
     """A follower resuming at (cursor, anchor), as after a restart: its events once
-    `until(events)`, and the log bytes its client received."""
+    `until(events)`, and the log bytes its client received. `on_resumed()` is called once,
+    when the follower has resumed from the log's tail."""
     jobs = RayJobs(headers=ray_head.headers(), timeout=10, heartbeat=2)
 
     async def scenario():
         f = LogFollower(jobs, ray_head.dashboard_url, job_id, skip=cursor, anchor=anchor)
         f.start()
         events: list[dict] = []
+        resumed = False
         try:
             for _ in range(600):
+                if not resumed and f.tail_resumes:
+                    resumed = True
+                    on_resumed()
                 events += f.drain()
                 if until(events) or not f.running:
                     break
@@ -217,12 +228,18 @@ def test_a_cursor_whose_lines_are_not_in_the_tail_replays_the_log_from_its_start
 @pytest.mark.ray
 def test_a_restart_while_the_job_prints_follows_from_the_cursor(ray_head, tmp_path):
     before, after = long_log(20000), long_log(300, every=10)
-    job_id = submit_printing(ray_head, tmp_path, before, after, pause=4)
-    log = whole_log(ray_head, job_id, before[-200:])  # the job now sleeps before its last lines
+    gate = tmp_path / "go"
+    job_id = submit_printing(ray_head, tmp_path, before, after, gate=gate)
+    log = whole_log(ray_head, job_id, before[-200:])  # the job now waits for the gate
     assert log.endswith(before)  # after Ray's own first lines
     cursor, anchor = position_after(log)
     expected = [event_dict(e) for e in parse_text(after)]
-    events, f, received = follow(ray_head, job_id, cursor, anchor, lambda got: got[-1:] == expected[-1:])
+    # The job prints its last lines once the follower resumed from the tail: it follows them.
+    try:
+        events, f, received = follow(ray_head, job_id, cursor, anchor, lambda got: got[-1:] == expected[-1:],
+                                     on_resumed=gate.touch)
+    finally:
+        gate.touch()  # never leave the job waiting on the shared head
     assert events == expected
     assert f.tail_resumes >= 1 and f.full_replays == 0
     assert received < len(before.encode()) / 4, received

@@ -104,8 +104,10 @@ def test_the_log_tail_of_a_failed_job_is_cut_on_the_head(ray_head, tmp_path):
     jobs = RayJobs(headers=ray_head.headers(), timeout=10)
     # The head writes the driver's log file asynchronously: under load its last lines land
     # a moment after the job is FAILED (in a full suite run, more than 20 s twice).
-    tail = wait_for(lambda: (t := jobs.log_tail(ray_head.dashboard_url, job_id)).split(" | ")[-1] == "line 4999" and t,
-                    60, "the log's last line, line 4999, in the tail")
+    seen = []
+    tail = wait_for(lambda: (t := jobs.log_tail(ray_head.dashboard_url, job_id), seen.append(t))[0]
+                    .split(" | ")[-1] == "line 4999" and t,
+                    60, "the log's last line, line 4999, in the tail", details=lambda: f"last tail: {seen[-1]!r}")
     assert "line 4990" not in tail and len(tail.split(" | ")) <= 8
 
 

@@ -71,8 +71,10 @@ def ssl_context_for(verify: str | bool):
 
 
 class JobApiClient:
-    """Ray's Job API at one head's dashboard address, over one `requests.Session` (its
-    connections are kept alive between calls). Every request has a connect and read
+    """Ray's Job API at one head's dashboard address. Each request is its own connection,
+    as with Ray's client: no pooled connection that the head closed while idle (its
+    keep-alive ends long before a waiting run's next call) is ever reused, and threads
+    share nothing but the headers. Every request has a connect and read
     timeout (`timeout` seconds): a head that accepts connections and never answers holds
     the calling thread that long, not for ever. Blocking: call it from a worker thread.
 
@@ -87,14 +89,8 @@ class JobApiClient:
         self._timeout = timeout
         self._verify = verify
         self._ssl_context = ssl_context_for(verify)
-        self._session = requests.Session()
-        self._session.headers.update(self._headers)
-        self._session.verify = verify
         self._server_ray_version: str | None = None
         self._check_connection_and_version()
-
-    def close(self) -> None:
-        self._session.close()
 
     # ---- the HTTP layer, named and worded as Ray's (dashboard_sdk.SubmissionClient)
 
@@ -103,7 +99,8 @@ class JobApiClient:
         """One request; a refused token raises AuthenticationError at once, whatever the
         endpoint, so no caller reads a 401 or 403 as an answer about a job."""
         kwargs.setdefault("timeout", self._timeout)
-        response = self._session.request(method, self._address + endpoint, data=data, json=json_data, **kwargs)
+        response = requests.request(method, self._address + endpoint, headers=self._headers, verify=self._verify,
+                                    data=data, json=json_data, **kwargs)
         message = auth_error_message(response.status_code, response.text)
         if message:
             raise AuthenticationError(message)
