@@ -9,7 +9,8 @@ import pytest
 from api_spec_cases import spec_with
 
 from tpufinetune.core.api import parse_spec
-from tpufinetune.core.jobspec import job_submission, run_name, submission_id, trainer_argv
+from tpufinetune.core.jobspec import (checkpoint_request, job_submission, preflight_submission, run_name,
+                                     submission_id, trainer_argv)
 
 UID = "6f1c2a7e-0b1d-4c55-9a57-3c1e0d2b8f10"
 
@@ -90,8 +91,19 @@ def test_runtime_env_never_carries_the_token():
     text = json.dumps(job.runtime_env) + job.entrypoint
     assert "HF_TOKEN" not in text and "hf-secret" not in text and "hf_api_token" not in text
     assert job.runtime_env == {"env_vars": {
-        "PYTHONUNBUFFERED": "1", "TPUFINETUNE_NAME": "run", "TPUFINETUNE_NAMESPACE": "ns",
-        "TPUFINETUNE_ATTEMPT": "1", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}}
+        "PYTHONUNBUFFERED": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TPUFINETUNE_NAME": "run",
+        "TPUFINETUNE_NAMESPACE": "ns", "TPUFINETUNE_ATTEMPT": "1", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "600"}}
+
+
+def test_every_job_runs_without_torchs_device_backend_autoload():
+    """`import torch` in the TorchTPU image would import torch_tpu and load libtpu in each of
+    a job's processes (the driver and controller on CPU hosts too); the trainer loads it itself
+    on TPU hosts (backends.load_tpu_runtime)."""
+    spec = parse_spec(spec_with())
+    jobs = [job_submission("run", "ns", UID, spec, attempt=1), preflight_submission("run", "ns", UID, spec, 1),
+            checkpoint_request("run", "ns", UID, 1, 1, "maintenance", "node n")]
+    for job in jobs:
+        assert job.runtime_env["env_vars"]["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0", job.submission_id
 
 
 def test_ids_are_deterministic_and_attempts_share_the_run_name():

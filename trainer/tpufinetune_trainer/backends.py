@@ -127,7 +127,8 @@ def scaling_config(backend: Backend, num_workers: int, topology: str, accelerato
 def torch_config(backend: Backend):
     """Ray Train's TorchConfig, whose backend first runs on every worker (an actor call, so
     on the worker's main thread): the SIGTERM handler of checkpoint on notice (notice.py),
-    and on TPU the device check before tpu_dist starts (tpu_guard.py)."""
+    and on TPU the device check (tpu_guard.py) and torch_tpu's import (load_tpu_runtime)
+    before tpu_dist starts."""
     from ray.train.torch import TorchConfig
     from ray.train.torch.config import _TorchBackend
 
@@ -144,6 +145,8 @@ def torch_config(backend: Backend):
             if is_tpu:
                 ray.get([worker_group.execute_single_async(i, require_tpu_device, worker_rank=i, world_size=size)
                          for i in range(size)])
+                # tpu_dist, which super().on_start starts, exists once torch_tpu is imported.
+                ray.get([worker_group.execute_single_async(i, load_tpu_runtime) for i in range(size)])
             ray.get([worker_group.execute_single_async(i, install_sigterm_handler) for i in range(size)])
             super().on_start(worker_group, backend_config)
 
@@ -196,13 +199,21 @@ def use_compile_cache(cache_dir: str, backend: Backend) -> dict[str, str]:
     return env
 
 
+def load_tpu_runtime() -> None:
+    """Import torch_tpu: it registers the `tpu` device and the `tpu_dist` process group
+    backend. Jobs run with TORCH_DEVICE_BACKEND_AUTOLOAD=0 (the operator's JOB_ENV), so
+    `import torch` no longer does it in every process; a worker on a TPU host does it here,
+    before Ray Train starts `tpu_dist` and before the first use of the device."""
+    importlib.import_module("torch_tpu")
+
+
 def setup_device(backend: Backend, local_rank: int = 0):
     """Bring up this process's device. Call inside a worker, never in the driver.
     `local_rank` is the CUDA device index as this process sees it."""
     import torch
 
     if backend.name == "tpu":
-        importlib.import_module("torch_tpu")  # registers the `tpu` device; only on TPU hosts
+        load_tpu_runtime()  # only on TPU hosts
         return torch.device("tpu")
     if backend.name == "cuda":
         device = torch.device("cuda", local_rank)

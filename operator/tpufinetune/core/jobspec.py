@@ -19,6 +19,16 @@ TRAINER = "tpufinetune-train"
 # group again without waiting for the host either.
 WORKER_GROUP_START_TIMEOUT_S = 600
 LABEL_PREFIX = "tpufinetune.dev/"
+# What every job the operator submits (fine-tune, preflight, checkpoint request) runs with,
+# in each of its processes: the driver, Ray Train's controller and every worker.
+# - Event lines reach the job log as they are printed.
+# - No device-backend autoload: `import torch` would otherwise import torch_tpu (an entry
+#   point of the TorchTPU image) and load libtpu in every process, the driver and the
+#   controller on CPU hosts included: about 4.6 s and 380 MB each, and libtpu off a TPU
+#   host may poll the cloud metadata server. The trainer imports torch_tpu itself, on TPU
+#   hosts only, before the `tpu_dist` process group starts (backends.load_tpu_runtime),
+#   and after it set the compile cache's place, which torch_tpu reads at import.
+JOB_ENV = {"PYTHONUNBUFFERED": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
 
 def submission_id(uid: str, attempt: int) -> str:
@@ -130,7 +140,7 @@ def preflight_submission(name: str, namespace: str, uid: str, spec: TPUFineTuneS
         submission_id=preflight_id(uid, attempt),
         entrypoint_argv=argv,
         entrypoint=shlex.join(argv),
-        runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
+        runtime_env={"env_vars": dict(JOB_ENV)},
         metadata={f"{LABEL_PREFIX}name": name, f"{LABEL_PREFIX}namespace": namespace, f"{LABEL_PREFIX}uid": uid,
                   f"{LABEL_PREFIX}attempt": str(attempt), f"{LABEL_PREFIX}preflight": "true"},
     )
@@ -147,7 +157,7 @@ def checkpoint_request(name: str, namespace: str, uid: str, attempt: int, reques
         submission_id=checkpoint_request_id(uid, attempt, request),
         entrypoint_argv=argv,
         entrypoint=shlex.join(argv),
-        runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
+        runtime_env={"env_vars": dict(JOB_ENV)},
         metadata={f"{LABEL_PREFIX}name": name, f"{LABEL_PREFIX}namespace": namespace, f"{LABEL_PREFIX}uid": uid,
                   f"{LABEL_PREFIX}attempt": str(attempt), f"{LABEL_PREFIX}checkpoint-request": str(request)},
     )
@@ -160,7 +170,7 @@ def job_submission(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec,
     # Only non-secret settings: the runtime env is visible in the Ray dashboard and job
     # API. The Hugging Face token reaches the trainer through the pods' environment.
     env_vars = {
-        "PYTHONUNBUFFERED": "1",  # event lines reach the job log as they are printed
+        **JOB_ENV,
         "TPUFINETUNE_NAME": name,
         "TPUFINETUNE_NAMESPACE": namespace,
         "TPUFINETUNE_ATTEMPT": str(attempt),
