@@ -107,3 +107,16 @@ def test_cpu_rank_arithmetic_numbers_hosts_in_order():
               for ip in ["b", "b", "a", "a"]]
     assert [(r["worker_id"], r["local_rank"], r["rank"]) for r in assign_ranks(places)] == [
         (0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+
+
+def test_torch_tpu_is_imported_only_after_the_compile_cache_is_placed(monkeypatch, tmp_path):
+    """Jobs run without torch's device-backend autoload, so the worker imports torch_tpu
+    itself (before tpu_dist starts), and only once the cache root it reads at import is set.
+    The import is recorded, not done: this host has no torch_tpu."""
+    root = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
+    monkeypatch.setenv(root, "unset")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset")
+    imported = []
+    monkeypatch.setattr(backends.importlib, "import_module", lambda name: imported.append((name, backends.os.environ[root])))
+    backends.load_tpu_runtime(str(tmp_path))
+    assert imported == [("torch_tpu", f"{tmp_path}/torch_tpu")]

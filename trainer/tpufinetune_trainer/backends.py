@@ -124,7 +124,7 @@ def scaling_config(backend: Backend, num_workers: int, topology: str, accelerato
     return ScalingConfig(num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": 1})
 
 
-def torch_config(backend: Backend):
+def torch_config(backend: Backend, compile_cache_dir: str = ""):
     """Ray Train's TorchConfig, whose backend first runs on every worker (an actor call, so
     on the worker's main thread): the SIGTERM handler of checkpoint on notice (notice.py),
     and on TPU the device check (tpu_guard.py) and torch_tpu's import (load_tpu_runtime)
@@ -146,7 +146,8 @@ def torch_config(backend: Backend):
                 ray.get([worker_group.execute_single_async(i, require_tpu_device, worker_rank=i, world_size=size)
                          for i in range(size)])
                 # tpu_dist, which super().on_start starts, exists once torch_tpu is imported.
-                ray.get([worker_group.execute_single_async(i, load_tpu_runtime) for i in range(size)])
+                ray.get([worker_group.execute_single_async(i, load_tpu_runtime, compile_cache_dir)
+                         for i in range(size)])
             ray.get([worker_group.execute_single_async(i, install_sigterm_handler) for i in range(size)])
             super().on_start(worker_group, backend_config)
 
@@ -199,11 +200,13 @@ def use_compile_cache(cache_dir: str, backend: Backend) -> dict[str, str]:
     return env
 
 
-def load_tpu_runtime() -> None:
+def load_tpu_runtime(compile_cache_dir: str = "") -> None:
     """Import torch_tpu: it registers the `tpu` device and the `tpu_dist` process group
     backend. Jobs run with TORCH_DEVICE_BACKEND_AUTOLOAD=0 (the operator's JOB_ENV), so
     `import torch` no longer does it in every process; a worker on a TPU host does it here,
-    before Ray Train starts `tpu_dist` and before the first use of the device."""
+    before Ray Train starts `tpu_dist` and before the first use of the device. The compile
+    cache's place is set first (`compile_cache_dir`): torch_tpu reads it at import."""
+    use_compile_cache(compile_cache_dir, BACKENDS["tpu"])
     importlib.import_module("torch_tpu")
 
 
