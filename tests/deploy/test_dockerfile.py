@@ -48,18 +48,20 @@ def test_slim_python_311_non_root_operator_without_the_train_extra():
     assert command[0] == "operator" and any(a.startswith("--liveness=http://0.0.0.0:") for a in command)
 
 
-def test_the_operator_runs_without_the_train_extra():
-    """The image installs the package without `train`: the operator's modules must not need
-    torch, transformers or datasets (imports of them are refused here)."""
+def test_the_operator_runs_without_the_train_extra_or_ray():
+    """The image installs the package without `train`, and its lock holds no `ray` (the
+    operator speaks the Job API over HTTP itself): the operator's modules must not need
+    ray, torch, transformers or datasets (imports of them are refused here)."""
     script = """
 import importlib.abc, sys
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "transformers", "datasets", "safetensors", "tokenizers"}:
-            raise ImportError(f"{name} is in the train extra")
+        if name.split(".")[0] in {"ray", "torch", "transformers", "datasets", "safetensors", "tokenizers"}:
+            raise ImportError(f"{name} is in the train extra, not the operator's")
 sys.meta_path.insert(0, Refuse())
 from tpufinetune import cli, serve  # noqa: F401
-from tpufinetune.adapters import handlers, metrics  # noqa: F401
+from tpufinetune.adapters import handlers, jobapi, metrics, rayjobs  # noqa: F401
+from tpufinetune import driver, local  # noqa: F401
 cli.build_parser().parse_args(["operator", "--metrics-port=9090", "--json-logs"])
 print("ok")
 """
@@ -90,6 +92,6 @@ def test_the_image_installs_the_lock_with_hashes_and_the_lock_holds_the_projects
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = _pins(project["dependencies"] + project["optional-dependencies"]["operator"])
     assert {name: lock.get(name) for name in wanted} == wanted
-    assert not {"torch", "transformers", "datasets"} & lock.keys()
+    assert not {"ray", "torch", "transformers", "datasets"} & lock.keys()
     ignore = (ROOT / "Dockerfile.operator.dockerignore").read_text()
     assert "!requirements/operator.lock.txt" in ignore
