@@ -1,35 +1,19 @@
 """The operator's own Job API client (adapters/jobapi.py) against a real local Ray head:
 Ray's wire format (submit, details, logs, stop), Ray's refusals worded as Ray words them
-(a duplicate submission id, an unknown job, a missing or wrong token), and the reason
-it exists: the operator's process never imports `ray`.
+(a duplicate submission id, an unknown job, a missing or wrong token). That the
+operator's modules never import `ray`, the reason it exists, is tests/deploy/test_dockerfile.py's.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
 from harness.waiting import wait_for
 from tpufinetune.adapters.jobapi import AuthenticationError, JobApiClient
 
-REPO = Path(__file__).resolve().parents[2]
-VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-
-
-def test_the_operator_never_imports_ray():
-    """In a fresh interpreter: another test's import of ray must not hide one here."""
-    python = VENV_PYTHON if VENV_PYTHON.exists() else Path(sys.executable)
-    code = ("import sys, tpufinetune.adapters.rayjobs, tpufinetune.driver, tpufinetune.serve, "
-            "tpufinetune.adapters.handlers; "
-            "loaded = sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')); "
-            "assert not loaded, loaded")
-    done = subprocess.run([str(python), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def _status(client: JobApiClient, job_id: str) -> str:

@@ -11,19 +11,15 @@ What it leaves out, because the operator never needs it: uploading a local worki
 or py_modules (a runtime_env here holds env_vars and remote URIs only; a local path is
 refused before any request), Ray's address resolution (`ray://`, `auto`, RAY_ADDRESS:
 the address given is the head's dashboard URL, always) and Ray's own token discovery
-(the caller sends `Authorization: Bearer <token>` in `headers`).
+(the caller sends `Authorization: Bearer <token>` in `headers`) and Ray's `verify` (an
+https head's certificate is checked against the system's CAs, the default of Ray's client).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import ssl
-
 import requests
 
 
-log = logging.getLogger(__name__)
 MIN_RAY_MAJOR = 2  # Ray's client refuses a head older than 2.0 too
 
 
@@ -58,18 +54,6 @@ def check_remote_only(runtime_env: dict) -> None:
                          "can be sent without Ray's client to upload them")
 
 
-def ssl_context_for(verify: str | bool):
-    """What aiohttp needs for Ray's `verify`: None (default checks), False (no checks) or
-    a context trusting a CA file or directory."""
-    if isinstance(verify, str):
-        if not os.path.exists(verify):
-            raise FileNotFoundError(f"Path to CA certificates: '{verify}', does not exist.")
-        if os.path.isdir(verify):
-            return ssl.create_default_context(capath=verify)
-        return ssl.create_default_context(cafile=verify)
-    return False if verify is False else None
-
-
 class JobApiClient:
     """Ray's Job API at one head's dashboard address. Each request is its own connection,
     as with Ray's client: no pooled connection that the head closed while idle (its
@@ -81,15 +65,10 @@ class JobApiClient:
     Like Ray's client, creating one asks the head its version, so an address with no
     head behind it fails here (ConnectionError), once, not on every later call."""
 
-    def __init__(self, address: str, headers: dict | None = None, timeout: float = 10.0,
-                 verify: str | bool = True):
+    def __init__(self, address: str, headers: dict | None = None, timeout: float = 10.0):
         self._address = address.rstrip("/")
         self._headers = dict(headers or {})
-        self._cookies = None  # what the websocket and stream sessions send (Ray's name)
         self._timeout = timeout
-        self._verify = verify
-        self._ssl_context = ssl_context_for(verify)
-        self._server_ray_version: str | None = None
         self._check_connection_and_version()
 
     # ---- the HTTP layer, named and worded as Ray's (dashboard_sdk.SubmissionClient)
@@ -99,7 +78,7 @@ class JobApiClient:
         """One request; a refused token raises AuthenticationError at once, whatever the
         endpoint, so no caller reads a 401 or 403 as an answer about a job."""
         kwargs.setdefault("timeout", self._timeout)
-        response = requests.request(method, self._address + endpoint, headers=self._headers, verify=self._verify,
+        response = requests.request(method, self._address + endpoint, headers=self._headers,
                                     data=data, json=json_data, **kwargs)
         message = auth_error_message(response.status_code, response.text)
         if message:
@@ -128,7 +107,6 @@ class JobApiClient:
                                "Please ensure the cluster is running Ray 2.0 or higher.")
         response.raise_for_status()
         version = response.json()["ray_version"]
-        self._server_ray_version = version
         if int(version.split(".")[0]) < MIN_RAY_MAJOR:
             raise RuntimeError(f"Ray version {version} is running on the cluster. "
                                "Please ensure the cluster is running Ray 2.0 or higher.")

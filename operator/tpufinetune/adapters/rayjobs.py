@@ -84,10 +84,9 @@ class TimedJobClient(JobApiClient):
         error once a pong is missed, instead of waiting for ever. A quiet job still
         answers pings."""
         timeout = aiohttp.ClientTimeout(total=None, connect=self._timeout, sock_connect=self._timeout)
-        async with aiohttp.ClientSession(cookies=self._cookies, headers=self._headers, timeout=timeout) as session:
+        async with aiohttp.ClientSession(headers=self._headers, timeout=timeout) as session:
             ws = await asyncio.wait_for(session.ws_connect(
                 f"{self._address}/api/jobs/{job_id}/logs/tail", headers=self._headers,
-                ssl=self._ssl_context if self._ssl_context is not None else True,
                 heartbeat=self._heartbeat), self._timeout)
             async with ws:
                 while True:
@@ -130,11 +129,10 @@ class TimedJobClient(JobApiClient):
         params = {"submission_id": submission_id, "node_id": node_id, "lines": str(lines),
                   "interval": str(STREAM_INTERVAL_S)}
         decoder = stream_decoder()
-        async with aiohttp.ClientSession(cookies=self._cookies, headers=self._headers, timeout=timeout) as session:
+        async with aiohttp.ClientSession(headers=self._headers, timeout=timeout) as session:
             # The head answers (headers and all) only with the tail's first bytes.
             response = await asyncio.wait_for(session.get(
-                f"{self._address}/api/v0/logs/stream", params=params,
-                ssl=self._ssl_context if self._ssl_context is not None else True), self._timeout)
+                f"{self._address}/api/v0/logs/stream", params=params), self._timeout)
             async with response:
                 if response.status != 200:
                     raise RuntimeError(f"log stream of {submission_id} refused: {response.status} "
