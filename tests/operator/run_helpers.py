@@ -1,13 +1,17 @@
 """The driver's tests without Kubernetes: an in-memory stand-in for the one RayCluster a
 run sees (the faults these tests show are in the order of the driver's own steps, not in
-Kubernetes), a resource body, settings with short bounds, and a fresh event loop."""
+Kubernetes), a resource body, settings with short bounds, and a fresh event loop; and a
+real job on a Ray head that prints given text."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import shlex
 import time
+from pathlib import Path
 
+from harness.waiting import wait_for
 from tpufinetune.core.phases import ClusterView
 from tpufinetune_trainer.events import format_event
 from tpufinetune.core.podstatus import HEALTHY
@@ -105,3 +109,30 @@ def long_log(lines: int, every: int = 100) -> str:
             out.append(f"step {i}: nothing to report " + "." * 40)
     out.append(format_event("result", best_checkpoint_uri="gs://b/best"))
     return "".join(line + "\n" for line in out)
+
+
+# Ray's job supervisor writes this line into the job's log through a file buffer that it
+# flushes only after the job's process has started: a job that prints at once can have
+# the line land after its output, or inside it (Ray 2.60, job_supervisor._exec_entrypoint).
+RAY_ENTRYPOINT_LINE = "Running entrypoint for job "
+
+
+def submit_printing(ray_head, tmp_path: Path, *parts: str, gate: Path | None = None, then: str = "") -> str:
+    """A real job on `ray_head` printing `parts` (from files, so the log holds exactly them
+    after Ray's own lines), then running the shell command `then`. It starts printing only
+    once Ray's entrypoint line is in its log (a start file this waits for, then creates), so
+    its output is the log's end. With `gate`, it waits for that file after its first part
+    (the test creates it when it wants the rest)."""
+    start = tmp_path / "start"
+    commands = [f"until [ -e {shlex.quote(str(start))} ]; do sleep 0.1; done"]
+    for i, part in enumerate(parts):
+        path = tmp_path / f"part{i}.txt"
+        path.write_text(part)
+        commands.append(shlex.join(["cat", str(path)]))
+        if i == 0 and gate is not None:
+            commands.append(f"until [ -e {shlex.quote(str(gate))} ]; do sleep 0.1; done")
+    client = ray_head.job_client()
+    job_id = client.submit_job(entrypoint=" && ".join(commands + ([then] if then else [])))
+    wait_for(lambda: RAY_ENTRYPOINT_LINE in client.get_job_logs(job_id), 120, f"Ray's entrypoint line in {job_id}'s log")
+    start.touch()
+    return job_id

@@ -3,14 +3,12 @@ what status already holds; resuming at a cursor finds its anchor in a bounded ta
 tests, then on a real Ray head: what a resume transfers)."""
 
 import asyncio
-import shlex
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from harness.waiting import wait_for
-from run_helpers import long_log
+from run_helpers import long_log, submit_printing
 from tpufinetune.driver import Run, status_patch
 from tpufinetune.adapters.logresume import ANCHOR_LINES, AnchorSearch, as_logged, stream_decoder
 from tpufinetune.adapters.rayjobs import RESUME_LINES, LogFollower, RayJobs, event_dict
@@ -132,21 +130,6 @@ def test_an_anchor_from_an_older_status_or_a_typo_is_not_used():
 
 
 # ---- on a real Ray head: what a resume transfers --------------------------------------
-
-
-def submit_printing(ray_head, tmp_path, *parts: str, gate: Path | None = None) -> str:
-    """A real job printing `parts` (files, so the log holds exactly them); with `gate`, it
-    prints the first part, then waits for that file to exist before it prints the rest
-    (the test decides when, so no timing under load can skip the moment in between)."""
-    commands = []
-    for i, part in enumerate(parts):
-        path = tmp_path / f"part{i}.txt"
-        path.write_text(part)
-        commands.append(shlex.join(["cat", str(path)]))
-    if gate is not None:
-        wait = f"until [ -e {shlex.quote(str(gate))} ]; do sleep 0.1; done"
-        commands = commands[:1] + [wait] + commands[1:]
-    return ray_head.job_client().submit_job(entrypoint=" && ".join(commands))
 
 
 def whole_log(ray_head, job_id: str, ends_with: str) -> str:

@@ -32,7 +32,7 @@ from tpufinetune.local import LocalBackend
 from tpufinetune.settings import Settings
 from tpufinetune_trainer.events import format_event, parse_text
 
-from run_helpers import long_log
+from run_helpers import long_log, submit_printing
 
 pytestmark = [pytest.mark.ray]
 
@@ -74,13 +74,9 @@ def wait_job(client, job_id: str, timeout: float = 120) -> str:
 
 
 def printing_job(ray_head, tmp_path, lines: list[str]) -> str:
-    """A real job whose log is `lines` (trainer event lines among them); they come from a
-    file, since Ray's log repeats the entrypoint's command line."""
-    text = tmp_path / "log.txt"
-    text.write_text("".join(line + "\n" for line in lines))
-    client = ray_head.job_client()
-    job_id = client.submit_job(entrypoint=shlex.join(["cat", str(text)]))
-    assert wait_job(client, job_id) == "SUCCEEDED"
+    """A real job whose log is `lines` (trainer event lines among them) after Ray's own."""
+    job_id = submit_printing(ray_head, tmp_path, "".join(line + "\n" for line in lines))
+    assert wait_job(ray_head.job_client(), job_id) == "SUCCEEDED"
     return job_id
 
 
@@ -96,18 +92,12 @@ def test_a_job_is_lost_only_when_the_head_answers_404(ray_head, tmp_path):
 
 
 def test_the_log_tail_of_a_failed_job_is_cut_on_the_head(ray_head, tmp_path):
-    text = tmp_path / "long.txt"
-    text.write_text("".join(f"line {i}\n" for i in range(5000)))
-    client = ray_head.job_client()
-    job_id = client.submit_job(entrypoint=f"cat {shlex.quote(str(text))} && exit 3")
-    assert wait_job(client, job_id) == "FAILED"
-    jobs = RayJobs(headers=ray_head.headers(), timeout=10)
-    # The head writes the driver's log file asynchronously: under load its last lines land
-    # a moment after the job is FAILED (in a full suite run, more than 20 s twice).
-    seen = []
-    tail = wait_for(lambda: (t := jobs.log_tail(ray_head.dashboard_url, job_id), seen.append(t))[0]
-                    .split(" | ")[-1] == "line 4999" and t,
-                    60, "the log's last line, line 4999, in the tail", details=lambda: f"last tail: {seen[-1]!r}")
+    # Its lines come after Ray's entrypoint line (submit_printing): in a full suite run Ray
+    # wrote that line after a fast job's output, and the tail ended with it, not line 4999.
+    job_id = submit_printing(ray_head, tmp_path, "".join(f"line {i}\n" for i in range(5000)), then="exit 3")
+    assert wait_job(ray_head.job_client(), job_id) == "FAILED"
+    tail = RayJobs(headers=ray_head.headers(), timeout=10).log_tail(ray_head.dashboard_url, job_id)
+    assert tail.split(" | ")[-1] == "line 4999", tail
     assert "line 4990" not in tail and len(tail.split(" | ")) <= 8
 
 
