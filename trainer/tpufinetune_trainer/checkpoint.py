@@ -1,11 +1,11 @@
 """Sharded checkpoints (torch.distributed.checkpoint) and the Hugging Face export.
 
 Each rank writes only its own shards (``__<rank>_<i>.distcp``, WRITE_THREADS files written
-in parallel), either straight into the
-checkpoint directory on a shared file system or into a local staging directory whose
-files Ray Train uploads (every rank its own, merged into one directory in storage).
-Rank 0 adds the DCP ``.metadata`` and ``trainer_state.json``. No rank ever holds the
-whole model while checkpointing. The frozen per-layer embeddings
+in parallel) straight into the checkpoint's directory: a path on a shared file system, or a
+URI (gs://) through the trainer's pyarrow file system (`ArrowWriter`); nothing is staged on
+a local disk or uploaded afterwards. Rank 0 adds the DCP ``.metadata`` and, once every
+rank's shards and the metadata are written, ``trainer_state.json``: a checkpoint is complete
+only with it (`is_complete`). No rank ever holds the whole model while checkpointing. The frozen per-layer embeddings
 are left out: they never change, and a reload starts from the base model that has them.
 
 A load reads straight from storage (a path, or a URI such as gs:// through
@@ -14,7 +14,10 @@ downloads the whole checkpoint to every host.
 
 DCP's own coordination (gathering plans, the final barrier) is pickled Python objects:
 it runs on a CPU (gloo) process group made once per run, never on the accelerator's
-collective backend.
+collective backend. `async_save_sharded` stages a host copy of the shards and writes it on a
+background thread, on a gloo group of its own (`cpu_group()` again): a group's collectives
+must be issued in the same order on every rank, and the training thread's (the notice
+agreement, loads, barriers) would interleave with the writer thread's differently per rank.
 
 Before training, `startup_probe` saves and loads a tiny sharded state through the same
 writer, reader, group and storage, so a storage, gloo or device-to-host problem ends the run
@@ -30,6 +33,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch.distributed as dist
@@ -73,24 +77,109 @@ def cpu_group():
     return dist.new_group(backend="gloo")
 
 
-def checkpoint_writer(directory: str) -> dcp.FileSystemWriter:
-    """The writer of every checkpoint (and of the startup probe): WRITE_THREADS files per rank.
-    No fsync per file: like Ray Train's own upload, durability is left to the storage (a
-    staging directory needs none)."""
-    return dcp.FileSystemWriter(directory, sync_files=False, thread_count=WRITE_THREADS)
+def checkpoint_writer(location: str) -> dcp.FileSystemWriter:
+    """The writer of every checkpoint (and of the startup probe): WRITE_THREADS files per rank,
+    straight to `location` (a path, or a URI through pyarrow). No fsync per file: durability
+    is left to the storage (a bucket's object is durable once its upload completes)."""
+    writer = ArrowWriter if storage.is_uri(location) else dcp.FileSystemWriter
+    return writer(location, sync_files=False, thread_count=WRITE_THREADS)
 
 
-def save_sharded(model, optimizer, directory: str, trainer_state: dict, group=None) -> None:
-    """Collective: every rank calls it, with a local staging directory of its own or the
-    same shared directory. Plan caching: from the second epoch on, ranks whose save plan has
-    not changed skip shipping it to the coordinator."""
+def _state_dicts(model, optimizer) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED)
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": model_sd, "optim": optim_sd},
-             storage_writer=checkpoint_writer(directory),
-             planner=dcp.DefaultSavePlanner(enable_plan_caching=True), process_group=group)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _planner():
+    """Plan caching: from the second save on, ranks whose save plan has not changed skip
+    shipping it to the coordinator."""
+    return dcp.DefaultSavePlanner(enable_plan_caching=True)
+
+
+def write_trainer_state(location: str, text: str) -> None:
+    """Rank 0, after the DCP save completed on every rank: the file that makes the
+    checkpoint complete."""
+    fs, path = storage.filesystem(location)
+    with fs.open_output_stream(f"{path.rstrip('/')}/{STATE_FILE}") as f:
+        f.write(text.encode("utf-8"))
+
+
+def save_sharded(model, optimizer, location: str, trainer_state: dict, group=None) -> None:
+    """Collective and synchronous: every rank calls it with the same path or URI; returns,
+    on every rank, once the checkpoint is complete."""
+    if not storage.is_uri(location):
+        Path(location).mkdir(parents=True, exist_ok=True)
+    dcp.save(_state_dicts(model, optimizer), storage_writer=checkpoint_writer(location), planner=_planner(),
+             process_group=group)
     if dist.get_rank() == 0:
-        Path(directory, STATE_FILE).write_text(json.dumps(trainer_state))
+        write_trainer_state(location, json.dumps(trainer_state))
+    dist.barrier(group=group)  # no rank reports it before rank 0 wrote the state
+
+
+class PendingSave:
+    """A checkpoint being written in the background (async_save_sharded). `future` is done on
+    this rank once its shards and the metadata are written (DCP's final step gathers every
+    rank's results to rank 0, which writes the metadata, then answers all) and, on rank 0,
+    trainer_state.json too; so once every rank's is done the checkpoint is complete.
+    `blocked_s`: what the call took from training (the host copy); `done_at`: when the
+    future finished (perf_counter)."""
+
+    def __init__(self, location: str, future: Future, started: float, blocked_s: float) -> None:
+        self.location, self.future, self.started, self.blocked_s = location, future, started, blocked_s
+        self.done_at: float | None = None
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> float:
+        """Block until this rank's part is done (raising its failure); returns the seconds
+        it waited."""
+        start = time.perf_counter()
+        self.future.result()
+        return time.perf_counter() - start
+
+    def failure(self) -> BaseException | None:
+        return self.future.exception() if self.future.done() else None
+
+    @property
+    def write_s(self) -> float | None:
+        """From the call to this rank's part written."""
+        return None if self.done_at is None else self.done_at - self.started
+
+
+def async_save_sharded(model, optimizer, location: str, trainer_state: dict, group=None) -> PendingSave:
+    """Collective: start a checkpoint of the current state and return while it is written.
+
+    Blocks only for a host copy of this rank's shards (the writer's staging: a copy even of
+    CPU tensors, so the steps that follow cannot change what is written); the plans, the
+    writes and the metadata run on DCP's writer thread on `group`, which must be a group
+    nothing else uses while the save is in flight (see the module's docstring). Rank 0 writes
+    trainer_state.json on that thread once DCP's save returned. At most one save may be in
+    flight: wait for the previous one first."""
+    start = time.perf_counter()
+    if not storage.is_uri(location):
+        Path(location).mkdir(parents=True, exist_ok=True)
+    rank, text = dist.get_rank(), json.dumps(trainer_state)  # as of now: the caller's dicts may change
+    saved = dcp.async_save(_state_dicts(model, optimizer), storage_writer=checkpoint_writer(location),
+                           planner=_planner(), process_group=group)
+    blocked = time.perf_counter() - start
+    complete: Future = Future()
+    pending = PendingSave(location, complete, start, blocked)
+
+    def finish(written: Future) -> None:  # on DCP's writer thread (or here, if already done)
+        try:
+            written.result()
+            if rank == 0:
+                write_trainer_state(location, text)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits (CheckpointException is one)
+            pending.done_at = time.perf_counter()
+            complete.set_exception(exc)
+            return
+        pending.done_at = time.perf_counter()
+        complete.set_result(None)
+
+    saved.add_done_callback(finish)
+    return pending
 
 
 def load_sharded(model, optimizer, location: str, group=None) -> dict:
@@ -216,6 +305,18 @@ class RangeReader(io.RawIOBase):
 class ArrowReader(dcp.FileSystemReader):
     def __init__(self, uri: str) -> None:
         super().__init__(uri)
+        self.fs = ArrowFileSystem()
+        self.path = self.fs.init_path(uri)
+
+
+class ArrowWriter(dcp.FileSystemWriter):
+    """DCP's file-system writer over a pyarrow file system: every file is an output stream
+    straight to the URI. On GCS, directories are not real (mkdir writes a marker, harmless)
+    and the metadata's rename from `.metadata.tmp` is a copy and a delete of one small
+    object."""
+
+    def __init__(self, uri: str, **kwargs) -> None:
+        super().__init__(uri, **kwargs)
         self.fs = ArrowFileSystem()
         self.path = self.fs.init_path(uri)
 
@@ -447,8 +548,7 @@ def startup_probe(location: str, mesh, device, group) -> dict:
     """Collective: save a tiny sharded state to `location` (a path or URI under the run's
     storage) with the checkpoints' writer on the gloo `group`, load it back with the
     checkpoints' reader, check every rank's values, remove it. The path a checkpoint takes:
-    on a file system written in place; for a URI staged in a local directory and uploaded
-    by each rank (as Ray Train uploads), then read in place. Raises StorageError on every
+    every file written straight to the path or URI, then read in place. Raises StorageError on every
     rank, naming the location, the step and each failing rank's cause. Returns rank 0's
     {"seconds", "files", "removed", "remove_error"} (files: what the storage held)."""
     import torch
@@ -456,27 +556,20 @@ def startup_probe(location: str, mesh, device, group) -> dict:
     rank, start = dist.get_rank(group), time.perf_counter()
     saved = _probe_state(mesh, device, rank, fill=True)
     error = None
-    staging = tempfile.TemporaryDirectory(prefix="tpuft-probe-") if storage.is_uri(location) else None
-    target = staging.name if staging else location
     files: list[str] = []
     try:
         try:
-            Path(target).mkdir(parents=True, exist_ok=True)
+            if not storage.is_uri(location):
+                Path(location).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             error = _described(exc)
         _agree(group, location, "create its directory", error)
         try:
-            dcp.save(saved, storage_writer=checkpoint_writer(target), planner=dcp.DefaultSavePlanner(),
+            dcp.save(saved, storage_writer=checkpoint_writer(location), planner=dcp.DefaultSavePlanner(),
                      process_group=group)
         except _PROBE_FAILURES as exc:  # every rank's cause is reported
             error = _described(exc)
         _agree(group, location, "save a sharded state (DCP, gloo)", error)
-        if staging:
-            try:
-                storage.upload_dir(staging.name, location)
-            except _PROBE_FAILURES as exc:
-                error = _described(exc)
-            _agree(group, location, "upload each rank's files", error)
         loaded = _probe_state(mesh, device, rank, fill=False)
         try:
             dcp.load(loaded, storage_reader=storage_reader(location), process_group=group)
@@ -491,8 +584,6 @@ def startup_probe(location: str, mesh, device, group) -> dict:
             fs, path = storage.filesystem(location)
             files = sorted(_files_under(fs, path.rstrip("/")))
     finally:
-        if staging:
-            staging.cleanup()
         dist.barrier(group=group)  # every rank done with the files (or failed together)
         remove_error = _remove(location) if rank == 0 else None
     return {"seconds": round(time.perf_counter() - start, 2), "files": files, "removed": remove_error is None,

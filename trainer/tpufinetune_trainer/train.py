@@ -18,7 +18,6 @@ on rank 0, and at each epoch's end.
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from . import checkpoint as ckpt
 from . import loss as head
 from . import notice
+from . import storage
 from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .config import FinetuneConfig
 from .errors import Preempted
@@ -117,6 +117,9 @@ class Trainer:
         self.compile_cache = use_compile_cache(cfg.compile_cache_dir, backend)
         self.device = setup_device(backend, local_rank)
         self.cpu_group = ckpt.cpu_group()  # DCP plans and barriers: pickled objects, never over ICI
+        # DCP's background writes only: a group shared with this thread's collectives could
+        # pair them differently on different ranks.
+        self.save_group = ckpt.cpu_group()
         mesh = build_mesh(backend.device_type, world)
         self.probe_checkpoint_storage(mesh)
         self.examples: Examples = data["train"]
@@ -168,7 +171,8 @@ class Trainer:
         self.restored = False
         self.resumed_from: str | None = None
         self.notice = notice.NoticeWatch(rank)  # SIGTERM only; train_func adds Ray's KV requests
-        self.saved_step = -1  # the global step of the last checkpoint written
+        self.saved_step = -1  # the global step of the last checkpoint written or being written
+        self.pending: dict | None = None  # the checkpoint being written in the background
         # Early stopping: training seconds (across attempts, from the checkpoint's state),
         # evaluations in a row without a lower eval loss, and why the run stopped early.
         self.training_s_before, self.started = 0.0, time.perf_counter()
@@ -397,6 +401,7 @@ class Trainer:
             self.epoch_step += 1
             self.global_step += 1
             if self.global_step == cfg.fail_at_step and not self.restored:
+                self.settle_checkpoint(wait=True)  # the test's resume point is then deterministic
                 raise RuntimeError(f"injected failure after step {self.global_step} (--fail-at-step)")
             steps += 1
             label_tokens += int(epoch.label_tokens[step])
@@ -414,6 +419,8 @@ class Trainer:
             if code:
                 self.on_notice(code, lambda: self.epoch_metrics(loss_sum, label_tokens, real_tokens,
                                                                 time.perf_counter() - start, steps))
+            if self.pending is not None:
+                self.settle_checkpoint(wait=False)
             if self.stopped is not None:
                 break
         if self.rank == 0 and window.steps:
@@ -430,8 +437,10 @@ class Trainer:
         on SIGTERM stop. The step in flight when the signal came is finished and kept."""
         received = time.perf_counter()
         request = self.notice.served()
+        self.settle_checkpoint(wait=True)  # the one in flight may be this very step's
         if self.saved_step != self.global_step:
-            self.report(metrics(), epoch_end=False, evaluate=False)
+            # Synchronous: on SIGTERM it must be complete before the process goes.
+            self.report(metrics(), epoch_end=False, evaluate=False, synchronous=True)
         uri = self.weights_uri
         fields = {"reason": notice.REASONS[code], "requested_by": request.get("reason"),
                   "detail": request.get("detail"), "epoch": self.epoch, "step": self.global_step,
@@ -496,9 +505,12 @@ class Trainer:
         return float(total.item()) / label_tokens if label_tokens else None
 
     # ------------------------------------------------------------------ checkpoints
-    def report(self, m: dict, epoch_end: bool, evaluate: bool = True) -> None:
+    def report(self, m: dict, epoch_end: bool, evaluate: bool = True, synchronous: bool = False) -> None:
         cfg = self.cfg
-        eval_loss = self.evaluate() if evaluate else None
+        eval_loss = self.evaluate() if evaluate else None  # overlaps the previous save's writes
+        # The previous save completes first: at most one in flight, and early stopping and
+        # the new checkpoint's history see every earlier checkpoint.
+        self.settle_checkpoint(wait=True)
         metrics = {"epoch": m["epoch"], "step": m["step"], "loss": round(m["loss"], 4),
                    "eval_loss": None if eval_loss is None else round(eval_loss, 4),
                    "epoch_time_s": round(m["epoch_time_s"], 2), "tokens_per_s": round(m["tokens_per_s"], 1),
@@ -513,14 +525,8 @@ class Trainer:
                        "epoch_loss_sum": m["epoch_loss_sum"], "epoch_label_tokens": m["epoch_label_tokens"],
                        "training_s": round(self.training_s(), 3), "stale_evals": self.stale_evals}
         name = f"epoch_{m['epoch']:04d}" if epoch_end else f"step_{m['step']:07d}"
-        uri = self.checkpoint(name, {k: v for k, v in metrics.items() if v is not None}, state_extra)
-        if self.stopped is not None:
-            self.stopped.setdefault("uri", uri)
-        if self.rank == 0:
-            emit("checkpoint", epoch=m["epoch"], step=m["step"], epoch_end=epoch_end, uri=uri,
-                 save_s=self.history[-1]["save_s"])
-            if self.stopped is not None and self.stopped["uri"] == uri:
-                emit("early_stop", **self.stopped)
+        self.checkpoint(name, {k: v for k, v in metrics.items() if v is not None}, state_extra, epoch_end,
+                        synchronous)
         if epoch_end:
             self.epoch, self.epoch_step, self.carried = self.epoch + 1, 0, (0.0, 0)
 
@@ -538,17 +544,16 @@ class Trainer:
             self.stopped = {"reason": "Patience", "patience": cfg.early_stopping_patience,
                             "best_eval_loss": best, **common}
 
-    def checkpoint(self, name: str, metrics: dict, state_extra: dict) -> str:
-        """Sharded save + report; returns the checkpoint's URI in storage.
-
-        A file-system storage path (shared by all hosts, as Ray Train requires) is written
-        in place and reported without an upload: one write of each shard instead of a
-        write plus a copy. A URI (gs://) is staged in a local directory that Ray Train
-        uploads, every rank its own files, in parallel."""
-        import ray.train
-        from ray.train import CheckpointUploadMode
-
+    def checkpoint(self, name: str, metrics: dict, state_extra: dict, epoch_end: bool,
+                   synchronous: bool = False) -> str:
+        """Start the sharded save of the current state straight to storage (a path or a URI);
+        returns its location. Asynchronous unless asked: training blocks only for the host
+        copy of the shards, and Ray Train, the `checkpoint` event and self.history learn of
+        the checkpoint only once it is complete on every rank (settle_checkpoint)."""
+        self.settle_checkpoint(wait=True)  # at most one save in flight
         uri = ckpt.join_uri(self.cfg.storage_path, self.cfg.run_name, name)
+        if self.stopped is not None:
+            self.stopped.setdefault("uri", uri)
         entry = dict(metrics, uri=uri)
         # Ray Train ranks by the score attribute; a checkpoint saved without evaluation (on
         # notice) ranks last there instead of being logged as missing the key. Finite: Ray
@@ -558,21 +563,68 @@ class Trainer:
         reported = {self.cfg.checkpoint_score_attribute: worst, **metrics}
         state = {"epoch": metrics["epoch"], "step": metrics["step"], "history": self.history + [entry],
                  "run_name": self.cfg.run_name, **state_extra}
-        start = time.perf_counter()
-        if "://" in uri:
-            with tempfile.TemporaryDirectory(prefix="tpuft-ckpt-") as local:
-                ckpt.save_sharded(self.model, self.optimizer, local, state, self.cpu_group)
-                ray.train.report(reported, checkpoint=ray.train.Checkpoint.from_directory(local),
-                                 checkpoint_dir_name=name)
+        pending = {"name": name, "entry": entry, "reported": reported, "epoch_end": epoch_end, "waited_s": 0.0}
+        if synchronous:
+            start = time.perf_counter()
+            ckpt.save_sharded(self.model, self.optimizer, uri, state, self.save_group)
+            seconds = time.perf_counter() - start
+            self.pending = dict(pending, seconds=(seconds, seconds))
+            self.complete_checkpoint()
         else:
-            ckpt.save_sharded(self.model, self.optimizer, uri, state, self.cpu_group)
-            ray.train.report(reported, checkpoint=ray.train.Checkpoint(uri), checkpoint_dir_name=name,
-                             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-        entry["save_s"] = round(time.perf_counter() - start, 3)
-        self.history.append(entry)
-        self.weights_uri = uri
+            save = ckpt.async_save_sharded(self.model, self.optimizer, uri, state, self.save_group)
+            self.pending = dict(pending, save=save)
         self.saved_step = metrics["step"]
         return uri
+
+    def settle_checkpoint(self, wait: bool) -> None:
+        """Collective (every rank calls it at the same step): if a save is in flight, agree
+        whether it is complete on every rank, with one all_reduce on the gloo group, and if
+        so report it. With `wait`, block until this rank's part is written first (the time
+        counts as the save's). Every rank must call ray.train.report at the same point, and a
+        rank's own future being done says nothing of the others', hence the agreement."""
+        import concurrent.futures
+
+        if self.pending is None:
+            return
+        save = self.pending["save"]
+        if wait and not save.done():
+            start = time.perf_counter()
+            concurrent.futures.wait([save.future])
+            self.pending["waited_s"] += time.perf_counter() - start
+        flags = torch.tensor([0 if save.done() else 1, 1 if save.failure() is not None else 0], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        not_done, failed = flags.tolist()
+        if failed:
+            if save.failure() is not None:
+                save.future.result()  # this rank's own failure
+            raise RuntimeError(f"the checkpoint {self.pending['entry']['uri']} failed on another rank")
+        if not_done:
+            return
+        self.pending["seconds"] = (save.blocked_s + self.pending["waited_s"], save.write_s)
+        self.complete_checkpoint()
+
+    def complete_checkpoint(self) -> None:
+        """The pending checkpoint is complete on every rank: report it to Ray Train (every
+        rank, in place, no upload), add it to the history, emit its event. save_s is the
+        training time it blocked (the host copy, plus any wait for it); write_s the time from
+        its start to rank 0's trainer_state.json (this rank's last file otherwise)."""
+        import ray.train
+        from ray.train import CheckpointUploadMode
+
+        pending, self.pending = self.pending, None
+        entry, uri = pending["entry"], pending["entry"]["uri"]
+        blocked, written = pending["seconds"]
+        entry["save_s"], entry["write_s"] = round(blocked, 3), round(written, 3)
+        fs, path = storage.filesystem(uri)
+        ray.train.report(pending["reported"], checkpoint=ray.train.Checkpoint(path, filesystem=fs),
+                         checkpoint_dir_name=pending["name"], checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        self.history.append(entry)
+        self.weights_uri = uri
+        if self.rank == 0:
+            emit("checkpoint", epoch=entry["epoch"], step=entry["step"], epoch_end=pending["epoch_end"], uri=uri,
+                 save_s=entry["save_s"], write_s=entry["write_s"])
+            if self.stopped is not None and self.stopped["uri"] == uri:
+                emit("early_stop", **self.stopped)
 
     def print_epoch(self, m: dict) -> None:
         eval_part = f" | eval_loss={m['eval_loss']:.4f}" if m["eval_loss"] is not None else ""
@@ -583,6 +635,7 @@ class Trainer:
     # ------------------------------------------------------------------ export
     def export(self) -> None:
         cfg = self.cfg
+        self.settle_checkpoint(wait=True)  # the last checkpoint is complete and in the history
         best = best_entry(self.history, cfg.checkpoint_score_attribute, cfg.checkpoint_score_order)
         if self.stopped is not None and self.stopped["reason"] == "TargetEvalLoss":
             # The checkpoint that reached the target is the one asked for.
@@ -602,7 +655,7 @@ class Trainer:
                 f"{time.perf_counter() - start:.1f}s; from the base: {done['towers']} tower weights, "
                 f"{', '.join(done['copied']) or 'no other file'}"
                 + ("" if base is not None else f" (no directory of {cfg.model_id} to copy its other files from)"))
-            final = {k: v for k, v in self.history[-1].items() if k not in ("uri", "save_s")}
+            final = {k: v for k, v in self.history[-1].items() if k not in ("uri", "save_s", "write_s")}
             emit("result", best_checkpoint_uri=best["uri"], best_epoch=best["epoch"], best_step=best.get("step"),
                  exported_model_uri=destination, metrics=final,
                  stopped_early=self.stopped["reason"] if self.stopped else None)
