@@ -1,5 +1,5 @@
 """The checkpoints' writer and the startup probe (checkpoint.py): every rank writes its
-shards into WRITE_THREADS files in parallel, and before training a tiny sharded state is
+shards into WRITE_THREADS files in parallel, straight to the path or URI, and before training a tiny sharded state is
 saved and loaded the way every checkpoint will be, through the same writer, reader, gloo
 group and storage, then removed; a storage it cannot use stops the run with a StorageError
 naming it and the cause."""
@@ -39,7 +39,7 @@ def test_the_probe_saves_and_loads_a_sharded_state_and_removes_its_directory(tmp
     assert probe(run_dir / ckpt.PROBE_DIR)["removed"]  # a rerun (the next attempt) probes again
 
 
-def test_a_probe_in_a_bucket_is_staged_uploaded_read_in_place_and_removed(gcs, monkeypatch, process_group):
+def test_a_probe_in_a_bucket_is_written_and_read_in_place_and_removed(gcs, monkeypatch, process_group):
     from tpufinetune_trainer import storage
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.endpoint)
@@ -116,3 +116,28 @@ def test_a_checkpoint_is_written_in_write_threads_files_per_rank_and_loads_back(
     moments = [s["exp_avg"].full_tensor() for s in optimizer.state.values()]
     loaded = [s["exp_avg"].full_tensor() for s in other_optimizer.state.values()]
     assert all(torch.equal(a, b) for a, b in zip(moments, loaded))
+
+
+def test_a_checkpoint_to_a_uri_is_written_straight_through_pyarrow(tmp_path, process_group, monkeypatch):
+    """No local staging directory: the writer for a URI is the pyarrow one, and nothing
+    makes a temporary directory while saving."""
+    import tempfile
+
+    model, optimizer = tiny_sharded_model(0)
+    location = f"file://{tmp_path / 'bucket' / 'epoch_0001'}"
+    assert isinstance(ckpt.checkpoint_writer(location), ckpt.ArrowWriter)
+    assert type(ckpt.checkpoint_writer(str(tmp_path / "x"))) is ckpt.dcp.FileSystemWriter
+
+    def no_staging(*args, **kwargs):
+        raise AssertionError("a checkpoint was staged in a local temporary directory")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_staging)
+    ckpt.save_sharded(model, optimizer, location, {"epoch": 1, "step": 3}, dist.group.WORLD)
+    monkeypatch.undo()
+    directory = tmp_path / "bucket" / "epoch_0001"
+    assert sorted(p.name for p in directory.iterdir()) == sorted([".metadata", *shard_files(1), ckpt.STATE_FILE])
+    assert ckpt.is_complete(location) and ckpt.read_trainer_state(location) == {"epoch": 1, "step": 3}
+    other, other_optimizer = tiny_sharded_model(1)
+    ckpt.load_sharded(other, other_optimizer, location, dist.group.WORLD)
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
