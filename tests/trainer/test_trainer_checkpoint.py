@@ -141,3 +141,23 @@ def test_a_checkpoint_to_a_uri_is_written_straight_through_pyarrow(tmp_path, pro
     ckpt.load_sharded(other, other_optimizer, location, dist.group.WORLD)
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
+
+
+def test_the_host_stager_copies_into_the_same_buffers_and_never_while_they_are_written(process_group):
+    from concurrent.futures import Future
+
+    model, optimizer = tiny_sharded_model(0)
+    stager = ckpt.HostStager()
+    first = stager.stage(ckpt._state_dicts(model, optimizer))
+    weight = model[0].weight
+    kept = first["model"]["0.weight"].to_local().clone()
+    with torch.no_grad():
+        weight.add_(1.0)  # training goes on: the staged copy does not move
+    assert torch.equal(first["model"]["0.weight"].to_local(), kept)
+    assert first["model"]["0.weight"].placements == weight.placements and first["model"]["0.weight"].shape == weight.shape
+    second = stager.stage(ckpt._state_dicts(model, optimizer))
+    assert second["model"]["0.weight"].to_local().data_ptr() == first["model"]["0.weight"].to_local().data_ptr()
+    assert torch.equal(second["model"]["0.weight"].to_local(), weight.to_local())
+    stager.in_flight = Future()  # a save still writing from the buffers
+    with pytest.raises(RuntimeError, match="still being written"):
+        stager.stage(ckpt._state_dicts(model, optimizer))

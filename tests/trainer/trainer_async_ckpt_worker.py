@@ -77,6 +77,7 @@ def make_trainer(storage_uri: str, rank: int, world: int):
     trainer.cpu_group, trainer.save_group = ckpt.cpu_group(), ckpt.cpu_group()
     trainer.history, trainer.stopped, trainer.pending = [], None, None
     trainer.saved_step, trainer.weights_uri = -1, None
+    trainer.stager = ckpt.HostStager()
     return trainer
 
 
@@ -97,9 +98,9 @@ def main(storage_uri: str, out_prefix: str, port: int, rank: int, world: int) ->
 
     start_save = ckpt.async_save_sharded
 
-    def logged_start(model, optimizer, location, state, group=None):
+    def logged_start(model, optimizer, location, state, group=None, stager=None):
         log.append({"what": "start", "location": location, "step": state["step"]})
-        return start_save(model, optimizer, location, state, group)
+        return start_save(model, optimizer, location, state, group, stager)
 
     ray.train.report, train.emit, ckpt.async_save_sharded = report, emit, logged_start
     trainer = make_trainer(storage_uri, rank, world)

@@ -36,10 +36,12 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -116,6 +118,61 @@ def save_sharded(model, optimizer, location: str, trainer_state: dict, group=Non
     dist.barrier(group=group)  # no rank reports it before rank 0 wrote the state
 
 
+class HostStager(AsyncStager):
+    """async_save's staging: a host copy of every tensor of the state dict, done before
+    async_save returns, into buffers kept for the next save (the same tensors each time), so
+    only the first save pays for fresh pages; a DTensor keeps its spec (mesh, placements,
+    global shape) around the copy of its local shard. The peak is one copy, as with DCP's own
+    stager, which also deep-copies each CPU DTensor, shard included, first: on CPU several
+    times slower (benchmarks/bench_checkpoint.py). The buffers may be reused only once the
+    save that wrote from them is done (`in_flight`); `release` drops them."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.used = 0
+        self.in_flight: Future | None = None
+
+    def stage(self, state_dict):
+        if self.in_flight is not None and not self.in_flight.done():
+            raise RuntimeError("a checkpoint is still being written from the staging buffers")
+        self.used = 0
+        return self._copy(state_dict)
+
+    def _buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        index, self.used = self.used, self.used + 1
+        if index < len(self.buffers) and self.buffers[index].shape == tensor.shape \
+                and self.buffers[index].dtype == tensor.dtype:
+            buffer = self.buffers[index]
+        else:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            self.buffers[index:index + 1] = [buffer]
+        return buffer.copy_(tensor.detach())
+
+    def _copy(self, obj):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, DTensor):
+            return DTensor(self._buffer(obj._local_tensor), obj._spec, requires_grad=False)
+        if isinstance(obj, torch.Tensor):
+            return self._buffer(obj)
+        if isinstance(obj, dict):
+            return {key: self._copy(value) for key, value in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(value) for value in obj)
+        return obj
+
+    def release(self) -> None:
+        self.buffers = []
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class PendingSave:
     """A checkpoint being written in the background (async_save_sharded). `future` is done on
     this rank once its shards and the metadata are written (DCP's final step gathers every
@@ -147,11 +204,12 @@ class PendingSave:
         return None if self.done_at is None else self.done_at - self.started
 
 
-def async_save_sharded(model, optimizer, location: str, trainer_state: dict, group=None) -> PendingSave:
+def async_save_sharded(model, optimizer, location: str, trainer_state: dict, group=None,
+                       stager: HostStager | None = None) -> PendingSave:
     """Collective: start a checkpoint of the current state and return while it is written.
 
-    Blocks only for a host copy of this rank's shards (the writer's staging: a copy even of
-    CPU tensors, so the steps that follow cannot change what is written); the plans, the
+    Blocks only for a host copy of this rank's shards (`stager`'s, kept for the next save;
+    a copy even of CPU tensors, so the steps that follow cannot change what is written); the plans, the
     writes and the metadata run on DCP's writer thread on `group`, which must be a group
     nothing else uses while the save is in flight (see the module's docstring). Rank 0 writes
     trainer_state.json on that thread once DCP's save returned. At most one save may be in
@@ -161,7 +219,7 @@ def async_save_sharded(model, optimizer, location: str, trainer_state: dict, gro
         Path(location).mkdir(parents=True, exist_ok=True)
     rank, text = dist.get_rank(), json.dumps(trainer_state)  # as of now: the caller's dicts may change
     saved = dcp.async_save(_state_dicts(model, optimizer), storage_writer=checkpoint_writer(location),
-                           planner=_planner(), process_group=group)
+                           planner=_planner(), process_group=group, async_stager=stager or HostStager())
     blocked = time.perf_counter() - start
     complete: Future = Future()
     pending = PendingSave(location, complete, start, blocked)
@@ -178,6 +236,8 @@ def async_save_sharded(model, optimizer, location: str, trainer_state: dict, gro
         pending.done_at = time.perf_counter()
         complete.set_result(None)
 
+    if stager is not None:
+        stager.in_flight = complete
     saved.add_done_callback(finish)
     return pending
 

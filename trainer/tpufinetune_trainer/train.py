@@ -173,6 +173,7 @@ class Trainer:
         self.notice = notice.NoticeWatch(rank)  # SIGTERM only; train_func adds Ray's KV requests
         self.saved_step = -1  # the global step of the last checkpoint written or being written
         self.pending: dict | None = None  # the checkpoint being written in the background
+        self.stager = ckpt.HostStager()  # its host copy, kept from one checkpoint to the next
         # Early stopping: training seconds (across attempts, from the checkpoint's state),
         # evaluations in a row without a lower eval loss, and why the run stopped early.
         self.training_s_before, self.started = 0.0, time.perf_counter()
@@ -571,7 +572,7 @@ class Trainer:
             self.pending = dict(pending, seconds=(seconds, seconds))
             self.complete_checkpoint()
         else:
-            save = ckpt.async_save_sharded(self.model, self.optimizer, uri, state, self.save_group)
+            save = ckpt.async_save_sharded(self.model, self.optimizer, uri, state, self.save_group, self.stager)
             self.pending = dict(pending, save=save)
         self.saved_step = metrics["step"]
         return uri
@@ -636,6 +637,7 @@ class Trainer:
     def export(self) -> None:
         cfg = self.cfg
         self.settle_checkpoint(wait=True)  # the last checkpoint is complete and in the history
+        self.stager.release()  # no more checkpoints: the host copy goes before rank 0 gathers the model
         best = best_entry(self.history, cfg.checkpoint_score_attribute, cfg.checkpoint_score_order)
         if self.stopped is not None and self.stopped["reason"] == "TargetEvalLoss":
             # The checkpoint that reached the target is the one asked for.
