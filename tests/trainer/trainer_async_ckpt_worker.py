@@ -113,7 +113,7 @@ def main(storage_uri: str, out_prefix: str, port: int, rank: int, world: int) ->
         metrics = {"epoch": 1, "step": step, "loss": 10.0 - step}
         extra = {"epoch_step": step, "epoch_steps": 100, "epoch_loss_sum": 2.5 * step, "epoch_label_tokens": step,
                  "training_s": 1.0, "stale_evals": 0}
-        return trainer.checkpoint(f"step_{step:07d}", metrics, extra, epoch_end=False, synchronous=synchronous)
+        return trainer.checkpoint(f"step_{step:07d}", metrics, extra, synchronous=synchronous)
 
     # 1. A save at step 1, kept in flight (the gate shut) while training takes steps 2-4.
     train_step(model, optimizer, 1)

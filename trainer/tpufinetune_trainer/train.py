@@ -526,8 +526,12 @@ class Trainer:
                        "epoch_loss_sum": m["epoch_loss_sum"], "epoch_label_tokens": m["epoch_label_tokens"],
                        "training_s": round(self.training_s(), 3), "stale_evals": self.stale_evals}
         name = f"epoch_{m['epoch']:04d}" if epoch_end else f"step_{m['step']:07d}"
-        self.checkpoint(name, {k: v for k, v in metrics.items() if v is not None}, state_extra, epoch_end,
-                        synchronous)
+        args = (name, {k: v for k, v in metrics.items() if v is not None}, state_extra)
+        # The flag only when set: benchmarks/bench_trainer.py wraps checkpoint(name, metrics, state_extra).
+        if synchronous:
+            self.checkpoint(*args, synchronous=True)
+        else:
+            self.checkpoint(*args)
         if epoch_end:
             self.epoch, self.epoch_step, self.carried = self.epoch + 1, 0, (0.0, 0)
 
@@ -545,10 +549,9 @@ class Trainer:
             self.stopped = {"reason": "Patience", "patience": cfg.early_stopping_patience,
                             "best_eval_loss": best, **common}
 
-    def checkpoint(self, name: str, metrics: dict, state_extra: dict, epoch_end: bool,
-                   synchronous: bool = False) -> str:
+    def checkpoint(self, name: str, metrics: dict, state_extra: dict, synchronous: bool = False) -> str:
         """Start the sharded save of the current state straight to storage (a path or a URI);
-        returns its location. Asynchronous unless asked: training blocks only for the host
+        returns its location. An epoch's checkpoint is named `epoch_NNNN` (report). Asynchronous unless asked: training blocks only for the host
         copy of the shards, and Ray Train, the `checkpoint` event and self.history learn of
         the checkpoint only once it is complete on every rank (settle_checkpoint)."""
         self.settle_checkpoint(wait=True)  # at most one save in flight
@@ -564,7 +567,8 @@ class Trainer:
         reported = {self.cfg.checkpoint_score_attribute: worst, **metrics}
         state = {"epoch": metrics["epoch"], "step": metrics["step"], "history": self.history + [entry],
                  "run_name": self.cfg.run_name, **state_extra}
-        pending = {"name": name, "entry": entry, "reported": reported, "epoch_end": epoch_end, "waited_s": 0.0}
+        pending = {"name": name, "entry": entry, "reported": reported, "epoch_end": name.startswith("epoch_"),
+                   "waited_s": 0.0}
         if synchronous:
             start = time.perf_counter()
             ckpt.save_sharded(self.model, self.optimizer, uri, state, self.save_group)
