@@ -105,7 +105,9 @@ class Run:
             return
         self.generation = generation
         self.ident = Identity(meta["name"], meta.get("namespace", "default"), meta["uid"], generation)
-        self._spec_source = dict(self.body.get("spec") or {})  # this generation's, as stored
+        # This generation's spec, as stored, kept as JSON: the body's dicts are replaced at
+        # every event, and a copy of the old ones held here costs a few KB a waiting run.
+        self._spec_source = json.dumps(self.body.get("spec") or {}, separators=(",", ":"))
         self.spec_error, self.ignored_fields = "", ()
         try:
             # Fields a newer CRD has and this version lacks are ignored, and reported.
@@ -115,7 +117,7 @@ class Run:
         self.plan = phases.plan_for(self.ident, spec, timedelta(seconds=self.settings.provision_timeout))
 
     def _parse_spec(self):
-        return parse_stored_spec(dict(self._spec_source), one_machine=getattr(self.backend, "one_machine", False))
+        return parse_stored_spec(json.loads(self._spec_source), one_machine=getattr(self.backend, "one_machine", False))
 
     @property
     def spec(self):

@@ -34,3 +34,22 @@ def test_a_trim_hands_a_bursts_freed_memory_back():
     before, after, released = float(out[0]), float(out[1]), out[2]
     assert released == "1"
     assert before - after > 60, f"RSS {before:.0f} MB -> {after:.0f} MB after the trim"
+
+
+def test_the_body_kopf_keeps_for_a_run_loses_its_managed_fields_and_nothing_else():
+    # kopf's own Body view, as its watch hands it to the event handler and keeps it for the
+    # run's daemon: the drop must reach the dict kopf holds, not a copy.
+    import kopf
+
+    from tpufinetune.adapters.handlers import drop_managed_fields
+
+    raw = {"metadata": {"name": "a", "namespace": "n", "uid": "u", "generation": 2, "labels": {"x": "y"},
+                        "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}]},
+           "spec": {"epochs": 3}, "status": {"phase": "Pending"}}
+    body = kopf.Body(raw)
+    drop_managed_fields(body)
+    assert "managedFields" not in raw["metadata"]
+    assert raw == {"metadata": {"name": "a", "namespace": "n", "uid": "u", "generation": 2, "labels": {"x": "y"}},
+                   "spec": {"epochs": 3}, "status": {"phase": "Pending"}}
+    assert body.metadata.name == "a" and body.spec["epochs"] == 3
+    drop_managed_fields(kopf.Body({}))  # an event without metadata: nothing to drop

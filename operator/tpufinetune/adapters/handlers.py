@@ -168,6 +168,18 @@ async def node_maintenance(type: str, body: kopf.Body, memo: kopf.Memo, **_) -> 
             run.wake.set()
 
 
+def drop_managed_fields(body) -> None:
+    """kopf keeps each live object's body, as its watch delivered it, for the object's
+    daemon (the Run's live view) until the next event replaces it. Its managedFields (every
+    writer's field list: about 11 KB decoded a run, a third of what a waiting run holds)
+    are read by nothing here, so they go, in place: kopf's view hands out its own dicts.
+    kopf calls the event handlers right after it puts an event's body in place, and before
+    it spawns a new object's daemon, so the kept body holds them only for that moment."""
+    meta = body.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def resource_seen(type: str, body: kopf.Body, **_) -> None:
     """Every change to a TPUFineTune, from kopf's watch:
@@ -177,7 +189,9 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
       acts now instead of after its sleep (a waiting run sleeps up to a minute).
     One handler for both: kopf runs it for every event anyway, and a run compares the
     generation itself (kopf's on.field would add a handler run, and its bookkeeping, to
-    every creation)."""
+    every creation).
+    It also drops the body's managedFields (drop_managed_fields)."""
+    drop_managed_fields(body)
     meta = body.get("metadata", {})
     key = (meta.get("namespace"), meta.get("name"))
     if type == "DELETED":
