@@ -41,9 +41,13 @@ def test_maintenance_then_a_deleted_worker_each_get_a_checkpoint_and_the_retry_l
     """One run, two notices: GKE's maintenance label on a node of the run (a checkpoint now,
     training goes on), then a worker pod deleted mid-epoch with a 30 s grace (its preStop
     hook has the trainer save the step before the pod goes; the retry resumes from it)."""
-    # ttlSecondsAfterFinished keeps the head after the end, to read attempt 2's log.
+    # ttlSecondsAfterFinished keeps the head after the end, to read attempt 2's log. Every
+    # checkpoint is kept: with the default of one, Ray Train deletes the notice's checkpoint
+    # (reported without an evaluation, so ranked last) once the epoch's next one completes,
+    # which can come before the bucket is looked at below.
     manifest = resource("notice", ground_assets, storage, epochs=16, rows=640, maxRetries=1,
-                        terminationGracePeriodSeconds=30, ttlSecondsAfterFinished=300)
+                        terminationGracePeriodSeconds=30, ttlSecondsAfterFinished=300,
+                        checkpoint={"keep": 100})
     uid, cluster = start_run(kube, manifest)
     running(kube, "notice")
     training(kube, cluster, uid)
