@@ -181,8 +181,8 @@ class PendingSave:
     `blocked_s`: what the call took from training (the host copy); `done_at`: when the
     future finished (perf_counter)."""
 
-    def __init__(self, location: str, future: Future, started: float, blocked_s: float) -> None:
-        self.location, self.future, self.started, self.blocked_s = location, future, started, blocked_s
+    def __init__(self, future: Future, started: float, blocked_s: float) -> None:
+        self.future, self.started, self.blocked_s = future, started, blocked_s
         self.done_at: float | None = None
 
     def done(self) -> bool:
@@ -222,19 +222,21 @@ def async_save_sharded(model, optimizer, location: str, trainer_state: dict, gro
                            planner=_planner(), process_group=group, async_stager=stager or HostStager())
     blocked = time.perf_counter() - start
     complete: Future = Future()
-    pending = PendingSave(location, complete, start, blocked)
+    pending = PendingSave(complete, start, blocked)
 
     def finish(written: Future) -> None:  # on DCP's writer thread (or here, if already done)
         try:
             written.result()
             if rank == 0:
                 write_trainer_state(location, text)
+            failure = None
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits (CheckpointException is one)
-            pending.done_at = time.perf_counter()
-            complete.set_exception(exc)
-            return
+            failure = exc
         pending.done_at = time.perf_counter()
-        complete.set_result(None)
+        if failure is None:
+            complete.set_result(None)
+        else:
+            complete.set_exception(failure)
 
     if stager is not None:
         stager.in_flight = complete

@@ -567,17 +567,15 @@ class Trainer:
         reported = {self.cfg.checkpoint_score_attribute: worst, **metrics}
         state = {"epoch": metrics["epoch"], "step": metrics["step"], "history": self.history + [entry],
                  "run_name": self.cfg.run_name, **state_extra}
-        pending = {"name": name, "entry": entry, "reported": reported, "epoch_end": name.startswith("epoch_"),
-                   "waited_s": 0.0}
+        pending = {"name": name, "entry": entry, "reported": reported, "epoch_end": name.startswith("epoch_")}
         if synchronous:
             start = time.perf_counter()
             ckpt.save_sharded(self.model, self.optimizer, uri, state, self.save_group)
             seconds = time.perf_counter() - start
-            self.pending = dict(pending, seconds=(seconds, seconds))
-            self.complete_checkpoint()
+            self.complete_checkpoint(pending, blocked_s=seconds, write_s=seconds)
         else:
             save = ckpt.async_save_sharded(self.model, self.optimizer, uri, state, self.save_group, self.stager)
-            self.pending = dict(pending, save=save)
+            self.pending = dict(pending, save=save, waited_s=0.0)
         self.saved_step = metrics["step"]
         return uri
 
@@ -605,21 +603,19 @@ class Trainer:
             raise RuntimeError(f"the checkpoint {self.pending['entry']['uri']} failed on another rank")
         if not_done:
             return
-        self.pending["seconds"] = (save.blocked_s + self.pending["waited_s"], save.write_s)
-        self.complete_checkpoint()
+        pending, self.pending = self.pending, None
+        self.complete_checkpoint(pending, blocked_s=save.blocked_s + pending["waited_s"], write_s=save.write_s)
 
-    def complete_checkpoint(self) -> None:
-        """The pending checkpoint is complete on every rank: report it to Ray Train (every
-        rank, in place, no upload), add it to the history, emit its event. save_s is the
-        training time it blocked (the host copy, plus any wait for it); write_s the time from
-        its start to rank 0's trainer_state.json (this rank's last file otherwise)."""
+    def complete_checkpoint(self, pending: dict, blocked_s: float, write_s: float) -> None:
+        """A checkpoint is complete on every rank: report it to Ray Train (every rank, in
+        place, no upload), add it to the history, emit its event. save_s is the training time
+        it blocked (the host copy, plus any wait for it); write_s the time from its start to
+        rank 0's trainer_state.json (this rank's last file otherwise)."""
         import ray.train
         from ray.train import CheckpointUploadMode
 
-        pending, self.pending = self.pending, None
         entry, uri = pending["entry"], pending["entry"]["uri"]
-        blocked, written = pending["seconds"]
-        entry["save_s"], entry["write_s"] = round(blocked, 3), round(written, 3)
+        entry["save_s"], entry["write_s"] = round(blocked_s, 3), round(write_s, 3)
         fs, path = storage.filesystem(uri)
         ray.train.report(pending["reported"], checkpoint=ray.train.Checkpoint(path, filesystem=fs),
                          checkpoint_dir_name=pending["name"], checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
