@@ -252,6 +252,8 @@ INVALID: list[Invalid] = [
             spec_with(checkpoint={"storagePath": "gs://b/p", "scoreAttribute": "accuracy"}),
             "spec.checkpoint.scoreAttribute", '"accuracy" is not valid',
             admission='Unsupported value: "accuracy"', python_exact=False),
+    Invalid("unknown-loss-on", spec_with(training={"lossOn": "prompts"}), "spec.training.lossOn",
+            '"prompts" is not valid', admission='Unsupported value: "prompts"', python_exact=False),
     Invalid("eval-fraction-one", spec_with(training={"evalFraction": 1}),
             "spec.training.evalFraction", "must be less than 1",
             admission="should be less than 1", python_exact=False),

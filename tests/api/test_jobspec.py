@@ -44,6 +44,11 @@ def test_finetune_argv_carries_every_setting():
     }
 
 
+def test_loss_on_is_passed_only_when_set():
+    assert "loss-on" not in flags(trainer_argv(parse_spec(spec_with())))
+    assert flags(trainer_argv(parse_spec(spec_with(training={"lossOn": "all"}))))["loss-on"] == "all"
+
+
 @pytest.mark.parametrize("generation,topology,accelerator,workers", [
     ("v4", "2x2x2", "TPU-V4", "8"), ("v5e", "4x4", "TPU-V5LITEPOD", "16"),
     ("v5p", "2x2x4", "TPU-V5P", "16"), ("trillium", "4x4", "TPU-V6E", "16"),

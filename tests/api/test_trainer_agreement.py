@@ -29,6 +29,7 @@ NOT_PASSED = {
     "--progress-interval": "the trainer's default (30 s) applies",
     "--fail-at-step": "fault injection for the trainer's own tests",
     "--global-batch-examples": "the operator passes the same flag by its other name, --global-batch-blocks",
+    "--loss-on": "passed only when training.lossOn is set (unset: the trainer's responses)",
     "--target-eval-loss": "passed only when training.targetEvalLoss is set (the trainer's 0 is off)",
     "--early-stopping-patience": "passed only when training.earlyStoppingPatience is set (0 is off)",
     "--compile-cache-dir": "its default is the head's TPUFT_COMPILE_CACHE_DIR, set in spec.head.env beside the "
@@ -118,6 +119,7 @@ TRAINER_REFUSALS = [
     ({"training": {"earlyStoppingPatience": 3, "evalFraction": 0}},
      ["--early-stopping-patience=3", "--eval-fraction=0.0"]),
     ({"training": {"targetEvalLoss": -1.0}}, ["--target-eval-loss=-1.0"]),
+    ({"training": {"lossOn": "prompts"}}, ["--loss-on=prompts"]),
 ]
 
 

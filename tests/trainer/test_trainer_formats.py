@@ -10,7 +10,7 @@ from datasets import Dataset
 from tpufinetune.core.runevents import apply_event, split_malformed
 from tpufinetune_trainer.cli import build_parser
 from tpufinetune_trainer.config import FinetuneConfig
-from tpufinetune_trainer.data import IGNORE_INDEX, detect_format, encode_rows, prepare, resolve_prompt_format
+from tpufinetune_trainer.data import IGNORE_INDEX, detect_format, encode_rows, pack, prepare, resolve_prompt_format
 from tpufinetune_trainer.errors import ConfigError, DataError
 from tpufinetune_trainer.model import load_tokenizer
 from tpufinetune_trainer.schedule import decay_steps, lr_table, warmup_steps
@@ -40,6 +40,24 @@ def test_chat_format_labels_only_the_assistant_turn(tokenizer):
     assert text == ("<bos><start_of_turn>user\nName a fruit.\n\nBe brief.<end_of_turn>\n"
                     "<start_of_turn>model\nApple.<end_of_turn>\n")
     assert labelled_text(tokenizer, ids, labels) == "Apple.<end_of_turn>\n"  # answer and its end marker
+
+
+@pytest.mark.parametrize("prompt_format", ["chat", "tutorial"])
+def test_loss_on_all_labels_every_token_but_the_first_and_no_label_crosses_a_packed_boundary(tokenizer,
+                                                                                              prompt_format):
+    rows = Dataset.from_list([{"instruction": "Name a fruit.", "context": "Be brief.", "response": "Apple."},
+                              {"instruction": "Name a colour.", "context": "", "response": "Red."}])
+    responses = encode_rows(rows, tokenizer, 512, prompt_format)
+    everything = encode_rows(rows, tokenizer, 512, prompt_format, loss_on="all")
+    assert everything.input_ids == responses.input_ids  # the same tokens; only the labels differ
+    for ids, labels in zip(everything.input_ids, everything.labels):
+        assert labels == [IGNORE_INDEX] + ids[1:]  # the tutorial's labels: every token, prompt included
+    packed = pack(everything.input_ids, everything.labels, 64, 0)
+    assert len(packed) == 1
+    starts = np.flatnonzero(np.diff(packed.segment_ids[0])) + 1  # where the next example (or padding) starts
+    assert len(starts) >= 1 and all(packed.labels[0, k] == IGNORE_INDEX for k in starts)  # nobody's target
+    with pytest.raises(DataError, match="--loss-on 'prompts'"):
+        encode_rows(rows, tokenizer, 512, prompt_format, loss_on="prompts")
 
 
 def test_multi_turn_messages_label_every_assistant_turn_and_nothing_else(tokenizer):

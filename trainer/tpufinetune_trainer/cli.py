@@ -16,7 +16,7 @@ from .backends import COMPILE_CACHE_ENV, COMPILE_MODES, COMPUTE_DTYPES
 from .config import (DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET, DEFAULT_DECAY_RATIO, DEFAULT_MODEL, LOSS_HEADS,
                      MODEL_LOADS,
                      SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig)
-from .data import DATASET_FORMATS, PROMPT_FORMATS
+from .data import DATASET_FORMATS, LOSS_ON, PROMPT_FORMATS
 from .schedule import SCHEDULES
 from .errors import Preempted, TrainerError, UsageError
 from .events import emit
@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--prompt-format", default="auto", choices=list(PROMPT_FORMATS),
                     help="chat: the tokenizer's chat template, labels on assistant turns only; tutorial: "
                          "'Instruction: ...\\nResponse: ...'; auto: chat when the tokenizer has a template")
+    ft.add_argument("--loss-on", default="responses", choices=list(LOSS_ON),
+                    help="responses: the loss on assistant turns (the response) only; all: on every token, prompt "
+                         "included, as the tutorial's loop")
     ft.add_argument("--dataset-format", default="auto", choices=list(DATASET_FORMATS),
                     help="dolly (instruction/context/response), messages (role/content turns) or "
                          "prompt-completion; auto: from the columns")
@@ -167,6 +170,7 @@ def _config(args: argparse.Namespace):
             checkpoint_score_attribute=args.checkpoint_score_attribute,
             checkpoint_score_order=args.checkpoint_score_order, resume_from=args.resume_from,
             run_name=args.run_name, long_prompts=args.long_prompts, prompt_format=args.prompt_format,
+            loss_on=args.loss_on,
             dataset_format=args.dataset_format, compile=args.compile, compile_cache_dir=args.compile_cache_dir,
             compute_dtype=args.compute_dtype,
             loss_head=args.loss_head, model_load=args.model_load,

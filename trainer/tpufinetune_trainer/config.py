@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from .backends import COMPILE_MODES, COMPUTE_DTYPES
-from .data import DATASET_FORMATS, PROMPT_FORMATS, BatchPlan
+from .data import DATASET_FORMATS, LOSS_ON, PROMPT_FORMATS, BatchPlan
 from .errors import ConfigError
 from .schedule import SCHEDULES
 
@@ -83,6 +83,7 @@ class FinetuneConfig(SliceConfig):
     run_name: str = ""
     long_prompts: str = "skip"
     prompt_format: str = "auto"
+    loss_on: str = "responses"
     dataset_format: str = "auto"
     compile: str = "auto"
     compile_cache_dir: str = ""  # "": each process's default (inductor: /tmp; TorchTPU: no persistent cache)
@@ -120,6 +121,7 @@ class FinetuneConfig(SliceConfig):
             (self.loss_head in LOSS_HEADS, f"--loss-head must be one of {', '.join(LOSS_HEADS)}"),
             (self.model_load in MODEL_LOADS, f"--model-load must be one of {', '.join(MODEL_LOADS)}"),
             (self.prompt_format in PROMPT_FORMATS, f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}"),
+            (self.loss_on in LOSS_ON, f"--loss-on must be one of {', '.join(LOSS_ON)}"),
             (self.dataset_format in DATASET_FORMATS,
              f"--dataset-format must be one of {', '.join(DATASET_FORMATS)}"),
             (self.progress_interval_s > 0, "--progress-interval must be positive"),

@@ -4,8 +4,10 @@ Formats (`--dataset-format`): dolly (`instruction`, optional `context`, `respons
 `messages` (a list of `{role, content}` turns) and `prompt`/`completion`. Prompt formats
 (`--prompt-format`): `chat` renders every example with the tokenizer's own chat template
 (what an instruct model such as gemma-4-E2B-it was trained on), `tutorial` is the
-tutorial's ``Instruction: …\\nResponse: …``. Labels are the assistant turns only
-(-100 everywhere else), so the loss measures answers, never prompts or padding.
+tutorial's ``Instruction: …\\nResponse: …``. Labels (`--loss-on`): `responses` labels the
+assistant turns only (-100 everywhere else), so the loss measures answers, never prompts
+or padding; `all` labels every token of the example but its first, prompt included, as the
+tutorial's DataCollatorForLanguageModeling does.
 
 Steps and static shapes: an optimizer step takes the tutorial's batch of examples
 (`BatchPlan`); each epoch groups the seeded shuffle into steps (`epoch_steps`) and packs
@@ -14,8 +16,8 @@ number per device for the whole run (`blocks_per_device`, `plan_epoch`). Each bl
 carries segment ids (one per example, padding is its own segment) and position ids that
 restart at 0 for every example; the trainer turns the segment ids into block-diagonal
 attention masks, so an example only attends to itself and sees the positions it would see
-alone. Every example starts with prompt tokens (label -100), so no label ever crosses a
-boundary.
+alone. Every example's first token is unlabelled (a prompt token, label -100), so no
+label ever crosses a boundary.
 
 Loading and tokenizing run in the driver (once); workers receive the token lists and
 plan and pack the epochs themselves (the same on every rank: it is a pure function of
@@ -38,6 +40,7 @@ from .errors import DataError
 IGNORE_INDEX = -100
 DATASET_FORMATS = ("auto", "dolly", "messages", "prompt-completion")
 PROMPT_FORMATS = ("auto", "chat", "tutorial")
+LOSS_ON = ("responses", "all")
 COLUMNS = {"dolly": ("instruction", "response"), "messages": ("messages",),
            "prompt-completion": ("prompt", "completion")}
 REQUIRED_COLUMNS = COLUMNS["dolly"]  # `context` is optional, as in dolly
@@ -206,8 +209,11 @@ class Encoded:
 
 
 def encode_rows(rows, tokenizer, max_seq_len: int, prompt_format: str = "tutorial",
-                dataset_format: str = "auto") -> Encoded:
-    """Tokenize every row; only assistant tokens carry labels."""
+                dataset_format: str = "auto", loss_on: str = "responses") -> Encoded:
+    """Tokenize every row; only assistant tokens carry labels, or (loss_on "all") every
+    token but the first."""
+    if loss_on not in LOSS_ON:
+        raise DataError(f"--loss-on {loss_on!r}: choose one of {', '.join(LOSS_ON)}")
     dataset_format = detect_format(list(rows.column_names), "rows", dataset_format)
     prompt_format = resolve_prompt_format(prompt_format, tokenizer)
     turns = conversations(rows, dataset_format)
@@ -239,6 +245,8 @@ def encode_rows(rows, tokenizer, max_seq_len: int, prompt_format: str = "tutoria
         if len(tokens) > max_seq_len:
             tokens, labels = tokens[:max_seq_len], labels[:max_seq_len]
             out.truncated += 1
+        if loss_on == "all":  # the first stays unlabelled: in a packed block it is the previous example's target
+            labels = [IGNORE_INDEX] + tokens[1:]
         out.input_ids.append(tokens)
         out.labels.append(labels)
     return out
@@ -361,11 +369,12 @@ def pad_id_of(tokenizer) -> int:
 
 
 def prepare(dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction: float, seed: int,
-            long_prompts: str = "skip", prompt_format: str = "auto", dataset_format: str = "auto") -> PreparedData:
+            long_prompts: str = "skip", prompt_format: str = "auto", dataset_format: str = "auto",
+            loss_on: str = "responses") -> PreparedData:
     rows = load_rows(dataset, split)
     dataset_format = validate_rows(rows, dataset, split, dataset_format)
     prompt_format = resolve_prompt_format(prompt_format, tokenizer)
-    enc = encode_rows(rows, tokenizer, max_seq_len, prompt_format, dataset_format)
+    enc = encode_rows(rows, tokenizer, max_seq_len, prompt_format, dataset_format, loss_on)
     if enc.skipped_long_prompts and (long_prompts == "fail" or not enc.input_ids):
         first = enc.skipped_long_prompts[0]
         raise DataError(f"{len(enc.skipped_long_prompts)} of {len(rows)} examples have a prompt longer than "

@@ -70,7 +70,7 @@ def prepare_data(cfg: FinetuneConfig) -> tuple[PreparedData, int]:
     load_config(cfg.model_id)
     tokenizer = load_tokenizer(cfg.model_id)
     data = prepare(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction, cfg.seed,
-                   cfg.long_prompts, cfg.prompt_format, cfg.dataset_format)
+                   cfg.long_prompts, cfg.prompt_format, cfg.dataset_format, cfg.loss_on)
     return data, pad_id_of(tokenizer)
 
 
@@ -91,7 +91,7 @@ def build_trainer(cfg: FinetuneConfig, data: PreparedData, pad_id: int):
     print(f"Data: {data.examples} train examples (packed per optimizer step) / {data.eval_examples} eval examples "
           f"packed into {len(data.eval) if data.eval else 0} blocks of {cfg.max_seq_len} tokens "
           f"({data.skipped_long_prompts} skipped for long prompts, {data.truncated} responses truncated); "
-          f"dataset format {data.dataset_format}, prompt format {data.prompt_format}", flush=True)
+          f"dataset format {data.dataset_format}, prompt format {data.prompt_format}, loss on {cfg.loss_on}", flush=True)
     data_ref = ray.put({"train": data.train, "eval": data.eval, "pad_id": pad_id})
     return TorchTrainer(
         train_loop_per_worker=train_func,

@@ -158,6 +158,11 @@ class Training(_Model):
         "auto", description="chat: the tokenizer's chat template, loss on assistant turns "
                             "only; tutorial: 'Instruction: ...\\nResponse: ...'; auto: chat "
                             "when the tokenizer has a template.")
+    # No schema default, as targetEvalLoss below: unset is the trainer's own, responses.
+    loss_on: Literal["responses", "all"] | None = Field(
+        None, description="Which tokens the loss is on: responses, the assistant turns only "
+                          "(the default); all, every token of an example, prompt included, as "
+                          "the tutorial's loop (docs/trainer.md says when that learns more).")
     dataset_format: Literal["auto", "dolly", "messages", "prompt-completion"] = Field(
         "auto", description="dolly (instruction, context, response), messages (role/content "
                             "turns) or prompt-completion; auto: from the columns.")

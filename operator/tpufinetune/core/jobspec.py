@@ -102,6 +102,8 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         f"--checkpoint-score-attribute={checkpoint.score_attribute}",
         f"--checkpoint-score-order={checkpoint.score_order}",
     ]
+    if training.loss_on is not None:
+        argv.append(f"--loss-on={training.loss_on}")
     if training.target_eval_loss is not None:
         argv.append(f"--target-eval-loss={training.target_eval_loss!r}")
     if training.early_stopping_patience is not None:
