@@ -383,10 +383,14 @@ def make_baseline_train_func(out: str, heldout: str, score_every: int):
 
 # ----------------------------------------------------------------------------- one run (a subprocess)
 
+# Ours with its defaults, and with the loss on every token as the tutorial's loop has it
+# (--loss-on all; its final held-out loss only, in the same-epochs table).
+OURS = {"ours": {}, "ours-loss-on-all": {"loss_on": "all"}}
+
 
 def run_one(args) -> None:
     out = str(args.out)
-    if args.one == "ours":
+    if args.one in OURS:
         from tpufinetune_trainer import finetune
         from tpufinetune_trainer import train as product
         from tpufinetune_trainer.config import FinetuneConfig
@@ -396,7 +400,7 @@ def run_one(args) -> None:
         # CPU, 2 workers.
         cfg = FinetuneConfig(model_id=args.model, dataset=args.data, dataset_split="train", num_workers=2,
                              num_epochs=args.epochs, learning_rate=args.lr, eval_fraction=0.0, device="cpu",
-                             storage_path=args.storage, run_name=f"ours-{int(time.time())}")
+                             storage_path=args.storage, run_name=f"ours-{int(time.time())}", **OURS[args.one])
         finetune.run(cfg)
         return
     import ray
@@ -535,7 +539,8 @@ def overview(by_base: dict) -> list[tuple]:
                      f"{ours[-1]['seconds']:.1f}", f"{tutorial[-1]['seconds']:.1f}",
                      f"{ours[-1]['seconds'] / tutorial[-1]['seconds']:.2f}x",
                      "not reached" if reach is None else f"{reach:.1f} ({reach / tutorial[-1]['seconds']:.2f}x)",
-                     f"{ours[-1]['step']} / {tutorial[-1]['step']}"))
+                     f"{ours[-1]['step']} / {tutorial[-1]['step']}",
+                     f"{results['ours-loss-on-all'][-1]['heldout']:.3f}"))
     return rows
 
 
@@ -549,9 +554,10 @@ def main() -> None:
     parser.add_argument("--pretrain-steps", type=int, default=200, help="plain-text pretraining of the pretrained base")
     parser.add_argument("--bases", default=",".join(BASES),
                         help="pretrained (pretrained here first), scratch (random weights), or both")
-    parser.add_argument("--redo", action="append", default=[], help="ours, baseline or all (else cached)")
+    parser.add_argument("--redo", action="append", default=[],
+                        help="ours, ours-loss-on-all, baseline or all (else cached)")
     parser.add_argument("--plot", type=Path, default=None, help="write the curves as a PNG here (needs matplotlib)")
-    parser.add_argument("--one", choices=["ours", "baseline"], help=argparse.SUPPRESS)
+    parser.add_argument("--one", choices=[*OURS, "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--score-every", type=int, default=8, help=argparse.SUPPRESS)
     for hidden in ("--model", "--data", "--heldout-file", "--out", "--storage"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -583,7 +589,7 @@ def main() -> None:
             assets = json.loads(assets_file.read_text())
             cache = where / "results.json"
             results = json.loads(cache.read_text()) if cache.exists() else {}
-            todo = [k for k in ("ours", "baseline") if k not in results or k in args.redo or "all" in args.redo]
+            todo = [k for k in (*OURS, "baseline") if k not in results or k in args.redo or "all" in args.redo]
             if todo and head is None:
                 head = RayHead.start(num_cpus=4)
             for kind in todo:
@@ -602,7 +608,8 @@ def main() -> None:
         print_curves(results)
     print(f"\nSame epochs ({args.epochs}), both bases:")
     print_table(("base", "ours final", "tutorial final", "ours <= tutorial", "ours s", "tutorial s", "time ratio",
-                 "ours to the tutorial's final, s", "steps ours / tutorial"), overview(by_base))
+                 "ours to the tutorial's final, s", "steps ours / tutorial", "ours --loss-on all final"),
+                overview(by_base))
     if args.plot:
         print(f"\nplot: {args.plot}" if plot(by_base, args.plot, args.rows, args.epochs)
               else "\nplot skipped: matplotlib is not installed")

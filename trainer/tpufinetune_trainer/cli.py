@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--long-prompts", default="skip", choices=["skip", "fail"],
                     help="examples whose prompt alone exceeds --max-seq-len: skip them (counted) or fail")
     ft.add_argument("--prompt-format", default="auto", choices=list(PROMPT_FORMATS),
-                    help="chat: the tokenizer's chat template, labels on assistant turns only; tutorial: "
+                    help="chat: the tokenizer's chat template (labels on assistant turns, see --loss-on); tutorial: "
                          "'Instruction: ...\\nResponse: ...'; auto: chat when the tokenizer has a template")
     ft.add_argument("--loss-on", default="responses", choices=list(LOSS_ON),
                     help="responses: the loss on assistant turns (the response) only; all: on every token, prompt "

@@ -155,9 +155,9 @@ class Training(_Model):
                     "disables evaluation; checkpoint.scoreAttribute eval_loss needs more "
                     "than 0).")
     prompt_format: Literal["auto", "chat", "tutorial"] = Field(
-        "auto", description="chat: the tokenizer's chat template, loss on assistant turns "
-                            "only; tutorial: 'Instruction: ...\\nResponse: ...'; auto: chat "
-                            "when the tokenizer has a template.")
+        "auto", description="chat: the tokenizer's chat template (the loss on assistant turns "
+                            "unless lossOn is all); tutorial: 'Instruction: ...\\nResponse: "
+                            "...'; auto: chat when the tokenizer has a template.")
     # No schema default, as targetEvalLoss below: unset is the trainer's own, responses.
     loss_on: Literal["responses", "all"] | None = Field(
         None, description="Which tokens the loss is on: responses, the assistant turns only "
