@@ -225,11 +225,11 @@ def async_save_sharded(model, optimizer, location: str, trainer_state: dict, gro
     pending = PendingSave(complete, start, blocked)
 
     def finish(written: Future) -> None:  # on DCP's writer thread (or here, if already done)
+        failure = None
         try:
             written.result()
             if rank == 0:
                 write_trainer_state(location, text)
-            failure = None
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits (CheckpointException is one)
             failure = exc
         pending.done_at = time.perf_counter()
