@@ -436,6 +436,31 @@ class Ground:
         root = podcgroup.ground_cgroup(self.ground_id)
         return podcgroup.procs(root / pod_uid if pod_uid else root)
 
+    def pod_report(self, namespace: str) -> str:
+        """For a failed test: each pod of `namespace` still on the ground, its memory (now,
+        peak, limit, times the limit was hit) and the tail of its Ray logs; what shows a
+        head that stopped answering (starved, near its limit, or hung)."""
+        status, body = self.cp.get_json(f"/api/v1/namespaces/{namespace}/pods")
+        if status != 200:
+            return f"(pods of {namespace}: {status})"
+        lines = []
+        root = podcgroup.ground_cgroup(self.ground_id)
+        for pod in body["items"]:
+            meta = pod["metadata"]
+            lines.append(f"pod {meta['name']} ({pod['status'].get('phase')}, node {pod['spec'].get('nodeName')})")
+            for container in sorted(p for p in (root / meta["uid"]).glob("*") if p.is_dir()):
+                usage = {key: podcgroup.read_number(container / f"memory.{key}")
+                         for key in ("usage_in_bytes", "max_usage_in_bytes", "limit_in_bytes", "failcnt")}
+                lines.append(f"  {container.name}: memory now {usage['usage_in_bytes'] >> 20} MiB, "
+                             f"peak {usage['max_usage_in_bytes'] >> 20} MiB, limit "
+                             f"{usage['limit_in_bytes'] >> 20} MiB, hit {usage['failcnt']} times; "
+                             f"{len(podcgroup.procs(container))} processes")
+            logs = self.workdir / "kubelet" / "pods" / meta["uid"] / "tmp" / "ray" / "session_latest" / "logs"
+            for name in ("dashboard.log", "gcs_server.out", "raylet.out"):
+                if (logs / name).exists():
+                    lines.append(f"  -- {name} --\n" + tail(logs / name, 15))
+        return "\n".join(lines) or f"(no pods in {namespace})"
+
     def alive(self) -> bool:
         return self.cp.etcd.poll() is None and self.cp.apiserver.poll() is None and all(
             p.poll() is None for p in self.processes.values()) and (

@@ -110,6 +110,10 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     setattr(item, f"rep_{report.when}", report)
+    if report.when == "call" and report.failed and "kube" in item.funcargs:
+        # Before teardown deletes the namespace: its pods are still there to look at.
+        kube = item.funcargs["kube"]
+        report.sections.append(("ground pods", kube.ground.pod_report(kube.ns)))
 
 
 # Reads go to the API server's REST API (ControlPlane.get_json): the waits poll them every

@@ -56,6 +56,14 @@ def create(cgroup: Path, limit_bytes: int | None = None) -> Path:
     return cgroup
 
 
+def read_number(path: Path) -> int:
+    """An integer cgroup file (memory.usage_in_bytes ...); 0 when it is gone."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def oom_kills(cgroup: Path) -> int:
     try:
         for line in (cgroup / "memory.oom_control").read_text().splitlines():
