@@ -448,6 +448,11 @@ class Ground:
         for pod in body["items"]:
             meta = pod["metadata"]
             lines.append(f"pod {meta['name']} ({pod['status'].get('phase')}, node {pod['spec'].get('nodeName')})")
+            for c in pod["status"].get("containerStatuses") or []:
+                last = (c.get("lastState") or {}).get("terminated")
+                if c.get("restartCount") or last:
+                    lines.append(f"  {c['name']}: restarted {c.get('restartCount', 0)} times; last ended: {last}")
+            lines.append("  -- its log --\n" + tail(self.workdir / "pods" / f"{meta['namespace']}_{meta['name']}.log", 15))
             for container in sorted(p for p in (root / meta["uid"]).glob("*") if p.is_dir()):
                 usage = {key: podcgroup.read_number(container / f"memory.{key}")
                          for key in ("usage_in_bytes", "max_usage_in_bytes", "limit_in_bytes", "failcnt")}
@@ -455,10 +460,15 @@ class Ground:
                              f"peak {usage['max_usage_in_bytes'] >> 20} MiB, limit "
                              f"{usage['limit_in_bytes'] >> 20} MiB, hit {usage['failcnt']} times; "
                              f"{len(podcgroup.procs(container))} processes")
-            logs = self.workdir / "kubelet" / "pods" / meta["uid"] / "tmp" / "ray" / "session_latest" / "logs"
-            for name in ("dashboard.log", "gcs_server.out", "raylet.out"):
-                if (logs / name).exists():
-                    lines.append(f"  -- {name} --\n" + tail(logs / name, 15))
+            # Every Ray session of the pod: a restarted head starts a new one beside the old.
+            for logs in sorted((self.workdir / "kubelet" / "pods" / meta["uid"] / "tmp" / "ray").glob("session_2*/logs")):
+                for name in ("ray_process_exit.log", "dashboard.log", "gcs_server.out", "raylet.out", "monitor.log"):
+                    try:
+                        text = (logs / name).read_text(errors="replace").splitlines()
+                    except OSError:
+                        continue
+                    text = [line for line in text if not line.startswith("[state-dump]")][-12:]
+                    lines.append(f"  -- {logs.parent.name}/{name} --\n" + "\n".join(text))
         return "\n".join(lines) or f"(no pods in {namespace})"
 
     def alive(self) -> bool:

@@ -101,8 +101,6 @@ def _operator_log_on_failure(request):
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed and "operator" in request.fixturenames:
         print("---- operator log tail ----\n" + request.getfixturevalue("operator").log_tail())
-        ground = request.getfixturevalue("ground")
-        print("---- node agent log tail ----\n" + tail(ground.workdir / "node-agent.log", 40))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -113,7 +111,12 @@ def pytest_runtest_makereport(item, call):
     if report.when == "call" and report.failed and "kube" in item.funcargs:
         # Before teardown deletes the namespace: its pods are still there to look at.
         kube = item.funcargs["kube"]
-        report.sections.append(("ground pods", kube.ground.pod_report(kube.ns)))
+        try:
+            pods = kube.ground.pod_report(kube.ns)
+        except Exception as error:  # a report, never a second failure
+            pods = f"(no report: {error!r})"
+        report.sections.append(("ground pods", pods))
+        report.sections.append(("node agent log tail", tail(kube.ground.workdir / "node-agent.log", 40)))
 
 
 # Reads go to the API server's REST API (ControlPlane.get_json): the waits poll them every

@@ -88,7 +88,7 @@ def test_a_refused_token_fails_the_run_after_the_bound_and_never_blocks_a_delete
 
 def test_a_head_killed_mid_run_is_retried_once_from_the_last_checkpoint(
         operator, ground, kube, ground_assets, storage):
-    manifest = resource("head-killed", ground_assets, storage, epochs=4, rows=640, maxRetries=1)
+    manifest = resource("head-killed", ground_assets, storage, epochs=4, rows=400, maxRetries=1)
     uid, cluster = start_run(kube, manifest)
     kube.wait_for(lambda: kube.status("head-killed").get("checkpointURI"), "a first checkpoint", timeout=400)
     assert kube.status("head-killed")["epoch"] < 4
@@ -119,7 +119,7 @@ def test_a_head_killed_mid_run_is_retried_once_from_the_last_checkpoint(
 
 def test_a_raycluster_deleted_mid_run_is_a_lost_job_retried_on_a_new_cluster(
         operator, ground, kube, ground_assets, storage):
-    manifest = resource("cluster-deleted", ground_assets, storage, epochs=3, rows=640, maxRetries=1)
+    manifest = resource("cluster-deleted", ground_assets, storage, epochs=3, rows=400, maxRetries=1)
     uid, cluster = start_run(kube, manifest)
     kube.wait_for(lambda: kube.status("cluster-deleted").get("checkpointURI"), "a first checkpoint", timeout=400)
     old_pods = [p["metadata"]["uid"] for p in kube.pods_of(cluster)]

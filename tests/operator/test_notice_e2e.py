@@ -45,7 +45,7 @@ def test_maintenance_then_a_deleted_worker_each_get_a_checkpoint_and_the_retry_l
     # checkpoint is kept: with the default of one, Ray Train deletes the notice's checkpoint
     # (reported without an evaluation, so ranked last) once the epoch's next one completes,
     # which can come before the bucket is looked at below.
-    manifest = resource("notice", ground_assets, storage, epochs=16, rows=640, maxRetries=1,
+    manifest = resource("notice", ground_assets, storage, epochs=10, rows=640, maxRetries=1,
                         terminationGracePeriodSeconds=30, ttlSecondsAfterFinished=300,
                         checkpoint={"keep": 100})
     uid, cluster = start_run(kube, manifest)
