@@ -57,6 +57,7 @@ import images  # noqa: E402
 import podcgroup  # noqa: E402
 from ports import free_ports  # noqa: E402
 from processes import spawn, stop_process, tail  # noqa: E402
+from nodeagent import pod_log_path, ray_session_logs  # noqa: E402
 from nodepools import MAINTENANCE_LABEL, NodePool, default_pools, node_manifest, node_status  # noqa: E402
 
 # deploy/'s namespace (the Lease lives there) and the pod names the operator replicas get,
@@ -452,7 +453,7 @@ class Ground:
                 last = (c.get("lastState") or {}).get("terminated")
                 if c.get("restartCount") or last:
                     lines.append(f"  {c['name']}: restarted {c.get('restartCount', 0)} times; last ended: {last}")
-            lines.append("  -- its log --\n" + tail(self.workdir / "pods" / f"{meta['namespace']}_{meta['name']}.log", 15))
+            lines.append("  -- its log --\n" + tail(pod_log_path(self.workdir, meta["namespace"], meta["name"]), 15))
             for container in sorted(p for p in (root / meta["uid"]).glob("*") if p.is_dir()):
                 usage = {key: podcgroup.read_number(container / f"memory.{key}")
                          for key in ("usage_in_bytes", "max_usage_in_bytes", "limit_in_bytes", "failcnt")}
@@ -460,8 +461,7 @@ class Ground:
                              f"peak {usage['max_usage_in_bytes'] >> 20} MiB, limit "
                              f"{usage['limit_in_bytes'] >> 20} MiB, hit {usage['failcnt']} times; "
                              f"{len(podcgroup.procs(container))} processes")
-            # Every Ray session of the pod: a restarted head starts a new one beside the old.
-            for logs in sorted((self.workdir / "kubelet" / "pods" / meta["uid"] / "tmp" / "ray").glob("session_2*/logs")):
+            for logs in ray_session_logs(self.workdir, meta["uid"]):
                 for name in ("ray_process_exit.log", "dashboard.log", "gcs_server.out", "raylet.out", "monitor.log"):
                     try:
                         text = (logs / name).read_text(errors="replace").splitlines()

@@ -97,6 +97,23 @@ _OWN_FLAGS = {
 }
 
 
+# Where a pod's files are, under the agent's workdir (Ground.pod_report reads them too).
+PODS_DIR = Path("kubelet", "pods")  # one directory per pod uid: its /tmp, HOME; removed with the pod
+RAY_TEMP_DIR = "/tmp/ray"  # `ray start --temp-dir`, inside the pod's own /tmp
+
+
+def pod_log_path(workdir: Path, namespace: str, name: str) -> Path:
+    """The pod's log (each container's output in turn); it stays after the pod is gone."""
+    return workdir / "pods" / f"{namespace}_{name}.log"
+
+
+def ray_session_logs(workdir: Path, pod_uid: str) -> list[Path]:
+    """The log directory of every Ray session a pod started (a restarted container starts a
+    new one beside the old), oldest first."""
+    temp = workdir / PODS_DIR / pod_uid / Path(RAY_TEMP_DIR).relative_to("/")
+    return sorted(temp.glob("session_2*/logs"))  # not session_latest, a link to the newest
+
+
 def now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -336,7 +353,7 @@ class NodeAgent:
         # (images.py); any other image runs this machine's own environment.
         self.images = dict(images or {})
         self.cgroup = podcgroup.create(podcgroup.ground_cgroup(ground_id))
-        self.pods_dir = workdir / "kubelet" / "pods"
+        self.pods_dir = workdir / PODS_DIR
         self.shm_dir = Path("/dev/shm") / f"tpuft-{ground_id}"
         # What the ground adds to every pod, as GKE's nodes add credentials and endpoints
         # (tests/README.md lists them): nothing can be downloaded or reported from here.
@@ -439,7 +456,7 @@ class NodeAgent:
             head=ray and labels.get("ray.io/node-type") == "head", ray=ray, cluster=cluster,
             cluster_uid=next((ref.uid for ref in meta.owner_references or [] if ref.controller), f"{meta.namespace}/{cluster}"),
             dir=self.pods_dir / meta.uid, shm=self.shm_dir / meta.uid, cgroup=self.cgroup / meta.uid,
-            log_path=self.workdir / "pods" / f"{meta.namespace}_{meta.name}.log", pod=pod,
+            log_path=pod_log_path(self.workdir, meta.namespace, meta.name), pod=pod,
             restart_policy=spec.restart_policy or "Always",
             inits=[ContainerState(c.name, c.image, {"waiting": {"reason": "PodInitializing"}}) for c in spec.init_containers or []],
             mains=[ContainerState(c.name, c.image) for c in spec.containers],
@@ -691,7 +708,7 @@ class NodeAgent:
         # listens where the agent put it.
         env.update(RAY_ADDRESS=run.gcs_address, RAY_PORT=run.gcs_address.rsplit(":", 1)[1])
         return [str(self.image_bin(spec.get("image") or "") / "ray"), "start",
-                *rewrite_ray_start(ray_start_args(spec), head=run.head, ip=run.ip, temp_dir="/tmp/ray",
+                *rewrite_ray_start(ray_start_args(spec), head=run.head, ip=run.ip, temp_dir=RAY_TEMP_DIR,
                                    gcs_address=run.gcs_address, ports=ports)]
 
     def sync_running(self, run: PodRun) -> None:
