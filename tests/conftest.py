@@ -5,3 +5,21 @@
 # session_order first: the fixture plugins import it, and it must be rewritten before that.
 pytest_plugins = ["harness.session_order", "harness.k8s_fixtures", "harness.ray_fixtures",
                   "harness.ground_fixtures", "harness.kueue_fixtures", "harness.gcs_fixtures"]
+
+import pytest
+
+# Every test has a time limit (pytest-timeout, the signal method: the test fails with its
+# report, fixtures torn down, and the session goes on), by what it runs. A test may name its
+# own with @pytest.mark.timeout(N). pyproject.toml's session_timeout ends the whole session
+# with its summary before CI's limit.
+TIME_LIMITS_S = (("ground", 900), ("slow", 600), ("ray", 600), ("cluster", 300))
+PURE_TIME_LIMIT_S = 300
+
+
+@pytest.hookimpl(trylast=True)  # after the fixture plugins have marked the tests
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("timeout") is not None:
+            continue
+        limit = next((s for marker, s in TIME_LIMITS_S if item.get_closest_marker(marker)), PURE_TIME_LIMIT_S)
+        item.add_marker(pytest.mark.timeout(limit))

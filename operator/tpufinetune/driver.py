@@ -16,22 +16,20 @@ from tpufinetune.adapters import metrics
 from tpufinetune.core import attempts, conditions, phases, runevents
 from tpufinetune.core.api import SpecError, parse_stored_spec
 from tpufinetune.core.errors import CreateRefused, StatusConflict
-from tpufinetune.core.jobspec import checkpoint_request, job_submission, preflight_submission, submission_id
+from tpufinetune.core.jobspec import job_submission, preflight_submission
 from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
 from tpufinetune.core.podstatus import SliceHealth
 from tpufinetune.core.progress import ProgressTracker
-from tpufinetune.adapters.kube import server_message
-from tpufinetune.adapters.rayjobs import LogFollower, RayJobs
+from tpufinetune.adapters.logfollow import LogFollower
+from tpufinetune.adapters.rayjobs import RayJobs
+from tpufinetune.runray import RayNotAnswering, RunRay, _one_line
 from tpufinetune.settings import Settings
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
 from tpufinetune.core.status import STATUS_KEYS, checked_status
 from tpufinetune.core.generations import generation
-from tpufinetune.core.sizing import total_devices
 
 log = logging.getLogger(__name__)
-# While deleting, Ray gets this long to answer (the job's state, a stop request).
-DELETE_RAY_TIMEOUT = 5.0
 # A refused status write (StatusConflict) is retried at once, after a re-read, this many
 # times in a row; then at the poll interval.
 CONFLICT_RETRIES = 3
@@ -62,7 +60,7 @@ def status_patch(old: dict, new: dict) -> dict:
     return patch
 
 
-class Run:
+class Run(RunRay):
     """One resource's run. Holds the last status it wrote and the resourceVersion that write
     produced: every status write is conditional on it, so a stale copy cannot win."""
 
@@ -88,8 +86,9 @@ class Run:
         # again on the next step, so a failed write loses none.
         self.unwritten: list[dict] = []
         self.status_stale = False  # a write failed: re-read the object before deciding
-        # Since when the head has not answered, for one (phase, attempt): a new phase or
-        # attempt (a suspend, an eviction, a rebuild, a retry) starts the clock again.
+        # Since when the head has not answered (any Ray call, its token included), for one
+        # (phase, attempt): a new phase or attempt (a suspend, an eviction, a rebuild, a
+        # retry) starts the clock again.
         self.ray_down_since: tuple[tuple, datetime] | None = None
         self.retry_waiting_since: tuple[int, datetime] | None = None  # (attempt, since)
         self.create_refused = ""  # the API server's words when it last refused the RayCluster
@@ -114,7 +113,8 @@ class Run:
             spec, self.ignored_fields = self._parse_spec()
         except SpecError as error:
             spec, self.spec_error = None, str(error)
-        self.plan = phases.plan_for(self.ident, spec, timedelta(seconds=self.settings.provision_timeout))
+        self.plan = phases.plan_for(self.ident, spec, timedelta(seconds=self.settings.provision_timeout),
+                                    timedelta(seconds=self.settings.submit_timeout))
 
     def _parse_spec(self):
         return parse_stored_spec(json.loads(self._spec_source), one_machine=getattr(self.backend, "one_machine", False))
@@ -137,71 +137,34 @@ class Run:
         if self.status.get("rayClusterName"):
             cluster = await self.backend.observe(self.ident, self.status["rayClusterName"])
         address = self.status.get("dashboardURL") or (cluster.dashboard_url if cluster else "")
-        await self._authorize(address)
-        if deleting:
+        if deleting:  # never waits on Ray, nor on the signing key: best effort, bounded
             job = await self._job_while_deleting(address, cluster)
             return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, deleting=True)
         kueue_holds = bool(self.plan.queue) and cluster is not None and cluster.suspended  # head gone or going
         if kueue_holds or (phase == phases.QUEUED and self.follower is not None):
             return await self._observe_evicted(now, address, cluster, phase)
-        unreachable = ""
         lost = phases.cluster_lost(cluster)  # its head went with it: Ray is not asked
-        if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId") and not lost:
-            job, unreachable = await self._job(now, address)
-            if self.plan.queue and (job is None or job.status not in phases.JOB_ACTIVE):
-                # An eviction ends the job: Kueue suspends the RayCluster before KubeRay
-                # deletes its pods, so a cluster read after the job shows why it ended.
-                cluster = await self.backend.observe(self.ident, self.status["rayClusterName"])
-        events = await self._new_events(address, job)
-        self.unwritten.extend(events)
-        preflight_job, preflight_events = await self._preflight(address, phase, lost)
-        maintenance = ()
+        preflight_job, preflight_events, maintenance = None, (), ()
+        down = unreachable = ""
+        try:
+            if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId") and not lost:
+                job = await self._ray(address, self.jobs.job, self.status["jobId"])
+                if self.plan.queue and (job is None or job.status not in phases.JOB_ACTIVE):
+                    # An eviction ends the job: Kueue suspends the RayCluster before KubeRay
+                    # deletes its pods, so a cluster read after the job shows why it ended.
+                    cluster = await self.backend.observe(self.ident, self.status["rayClusterName"])
+            events = await self._new_events(address, job)
+            self.unwritten.extend(events)
+            preflight_job, preflight_events = await self._preflight(address, phase, lost)
+        except RayNotAnswering as error:
+            job = None
+            down, unreachable = self._ray_verdict(now, error)
         if phase == phases.RUNNING and job is not None and job.status in phases.JOB_ACTIVE and cluster is not None:
             maintenance = await self.backend.maintenance(self.ident, self.status["rayClusterName"])
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job,
-                            events=tuple(self.unwritten), ray_unreachable=unreachable,
+                            events=tuple(self.unwritten), ray_unreachable=unreachable, ray_down=down,
                             create_refused=self.create_refused, maintenance=maintenance,
                             preflight_job=preflight_job, preflight_events=preflight_events)
-
-    async def _preflight(self, address: str, phase: str, lost: bool):
-        """The attempt's preflight job while it is the one to watch, and its events once it
-        ended (its log is short: read whole, once)."""
-        result = self.status.get("preflight") or {}
-        if phase != phases.SUBMITTING or lost or not address or result.get("phase") != "Running" \
-                or result.get("attempt") != self.status.get("attempt"):
-            return None, ()
-        job = await self.jobs.call(self.jobs.job, address, result["jobId"])
-        if job is None or job.status in phases.JOB_ACTIVE:
-            return job, ()
-        return job, tuple(await self.jobs.call(self.jobs.events, address, result["jobId"]))
-
-    async def _authorize(self, address: str) -> None:
-        """Every Ray call to this run's head carries the run's own token, and no other
-        head ever gets it (None: the backend's head takes the operator's default token)."""
-        if not address or address == self.authorized_address:
-            return
-        token = await self.backend.ray_token(self.ident)
-        if token is not None:
-            self.jobs.authorize(address, token)
-        self.authorized_address = address
-
-    async def _job(self, now: datetime, address: str):
-        """(the job as Ray reports it, ""); or, once the head has not answered for
-        `ray_unreachable_timeout`, (None, why). Until then a failure is transient: the
-        step fails and is retried."""
-        try:
-            job = await self.jobs.call(self.jobs.job, address, self.status["jobId"])
-        except Exception as error:
-            key = (self.status.get("phase"), self.status.get("attempt"))
-            if self.ray_down_since is None or self.ray_down_since[0] != key:
-                self.ray_down_since = (key, now)
-            down = (now - self.ray_down_since[1]).total_seconds()
-            if down < self.settings.ray_unreachable_timeout:
-                raise
-            detail = _one_line(error)
-            return None, f"the Ray head at {address} has not answered for {int(down)} s: {detail}"
-        self.ray_down_since = None
-        return job, ""
 
     async def _observe_evicted(self, now, address: str, cluster: ClusterView, phase: str) -> Observations:
         """Kueue suspended the cluster (an eviction): its head may answer for a moment, so
@@ -210,60 +173,13 @@ class Run:
         stopped) are taken and its log stream closed."""
         job = None
         if phase in (phases.SUBMITTING, phases.RUNNING) and address and self.status.get("jobId"):
-            job = await self._ray_while_deleting("reading the evicted job", self.jobs.job, address, self.status["jobId"])
+            job = await self._ray_while_deleting("reading the evicted job", address, self.jobs.job, self.status["jobId"])
         if self.follower is not None:
             self.unwritten.extend(self.follower.drain())
             if phase == phases.QUEUED:
                 await self._close_follower()
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job,
                             events=tuple(self.unwritten))
-
-    async def _job_while_deleting(self, address: str, cluster: ClusterView | None):
-        """The job, only to stop it politely; unknown (None) when the head is gone or does
-        not answer in time."""
-        if not (address and self.status.get("jobId") and cluster is not None and cluster.exists and cluster.ready):
-            return None
-        return await self._ray_while_deleting("reading the job", self.jobs.job, address, self.status["jobId"])
-
-    async def _ray_while_deleting(self, what: str, call, *args):
-        """Best effort and bounded: deletion (and an eviction) never waits on Ray. A dead
-        head, a refused token or a timeout gives None, and losing the cluster ends the job
-        anyway."""
-        try:
-            return await asyncio.wait_for(self.jobs.call(call, *args), DELETE_RAY_TIMEOUT)
-        except Exception as error:
-            log.info("%s/%s: %s failed (%s); the cluster is going, and the job with it",
-                     self.ident.namespace, self.ident.name, what, error or type(error).__name__)
-            return None
-
-    async def _new_events(self, address: str, job) -> tuple[dict, ...]:
-        if job is None or self.status.get("phase") != phases.RUNNING:
-            return ()
-        job_id = self.status["jobId"]
-        if self.follower is None or self.follower.submission_id != job_id:
-            await self._close_follower()  # the previous attempt's stream
-            same_job = self.status.get("logJobId") == job_id
-            skip = int(self.status.get("logCursor") or 0) if same_job else 0
-            anchor = str(self.status.get("logAnchor") or "") if same_job else ""
-            self.follower = LogFollower(self.jobs, address, job_id, skip=skip, anchor=anchor, wake=self.wake)
-            self.follower.start()
-        if job.status not in phases.JOB_ACTIVE:
-            # Decide the outcome only once the whole log is parsed: the last lines
-            # (result, failure) may still be in flight when Ray reports the job ended.
-            await self.follower.finish()
-        return tuple(self.follower.drain())
-
-    def _log_cursor(self, status: dict) -> None:
-        """Where the drained events end in the log (bytes, and the anchor naming the lines
-        before); saved with the status they produced, so a restart resumes exactly there."""
-        if self.follower is None:
-            return
-        cursor, anchor = self.follower.drained
-        same_job = status.get("logJobId") == self.follower.submission_id
-        if not same_job or cursor > int(status.get("logCursor") or 0):
-            status["logCursor"] = cursor
-            status["logAnchor"] = anchor
-            status["logJobId"] = self.follower.submission_id
 
     # ---- one step ---------------------------------------------------------------------
 
@@ -321,17 +237,6 @@ class Run:
                                   entry.get("reason") or "", float((entry.get("usage") or {}).get("chipHours") or 0) * 3600)
         await self._perform(decision)
         return decision
-
-    async def _log_tail(self, job_id: str) -> str:
-        """The failed job's last lines; never a reason to leave the failure undecided: a
-        tail that cannot be read is said so, and the job's own message is what remains."""
-        try:
-            return await self.jobs.call(self.jobs.log_tail, self.status["dashboardURL"], job_id)
-        except Exception as error:
-            detail = _one_line(error)
-            log.warning("%s/%s: the log tail of %s could not be read: %s", self.ident.namespace,
-                        self.ident.name, job_id, detail)
-            return f"(the log tail could not be read: {detail})"
 
     async def _slice_health(self, since: str):
         """The slice's pods and nodes, judged (podstatus.slice_health). Pods that cannot be
@@ -421,8 +326,8 @@ class Run:
                 self.backend.record(self.ident, action.type, action.reason, action.message)
             elif isinstance(action, phases.CreateCluster):
                 try:
-                    await self.backend.create(self.ident, raycluster_with_pod_settings(
-                        self.ident.name, self.ident.namespace, self.ident.uid, self.spec))
+                    await self.backend.create(self.ident, await self._keyed(raycluster_with_pod_settings(
+                        self.ident.name, self.ident.namespace, self.ident.uid, self.spec)))
                 except CreateRefused as refusal:  # shown, and timed, by the next step
                     self.create_refused = str(refusal) or "refused"
                     continue
@@ -437,93 +342,28 @@ class Run:
                 submission = job_submission(
                     self.ident.name, self.ident.namespace, self.ident.uid, self.spec, action.attempt, resume_from=resume
                 )
-                await self.jobs.call(
-                    self.jobs.submit, self.status["dashboardURL"], action.submission_id,
-                    submission.entrypoint, submission.runtime_env, submission.metadata,
-                )
+                await self._ray(self.status["dashboardURL"], self.jobs.submit, action.submission_id,
+                                submission.entrypoint, submission.runtime_env, submission.metadata)
                 if action.attempt == 1:
                     metrics.job_submitted(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
             elif isinstance(action, phases.SubmitPreflight):
                 request = preflight_submission(self.ident.name, self.ident.namespace, self.ident.uid, self.spec,
                                                action.attempt)
-                await self.jobs.call(self.jobs.submit, self.status["dashboardURL"], request.submission_id,
-                                        request.entrypoint, request.runtime_env, request.metadata)
+                await self._ray(self.status["dashboardURL"], self.jobs.submit, request.submission_id,
+                                request.entrypoint, request.runtime_env, request.metadata)
             elif isinstance(action, phases.RequestCheckpoint):
                 await self._request_checkpoint(action)
             elif isinstance(action, phases.StopJob) and decision.phase in (phases.DELETING, phases.QUEUED):
-                await self._ray_while_deleting(f"stopping job {action.submission_id}", self.jobs.stop,
-                                               self.status["dashboardURL"], action.submission_id)
+                await self._ray_while_deleting(f"stopping job {action.submission_id}", self.status["dashboardURL"],
+                                               self.jobs.stop, action.submission_id)
                 if decision.phase == phases.QUEUED and self.follower is not None:
                     await self._last_lines_of_evicted_job()
             elif isinstance(action, phases.StopJob):
-                await self.jobs.call(self.jobs.stop, self.status["dashboardURL"], action.submission_id)
+                await self._ray(self.status["dashboardURL"], self.jobs.stop, action.submission_id)
         if decision.phase != phases.RUNNING:
             # An evicted attempt's last lines (its newest checkpoint) are applied on the
             # next step; any other stream's are not this run's any more.
             await self._close_follower(keep_events=decision.phase == phases.QUEUED)
-
-    async def _request_checkpoint(self, action: phases.RequestCheckpoint) -> None:
-        """Best effort: the request is recorded in status already; a head that does not take
-        it is said so in an Event (the run goes on, as it would without the notice)."""
-        request = checkpoint_request(self.ident.name, self.ident.namespace, self.ident.uid, action.attempt,
-                                     action.request, action.reason, action.detail)
-        try:
-            await self.jobs.call(self.jobs.submit, self.status["dashboardURL"], request.submission_id,
-                                    request.entrypoint, request.runtime_env, request.metadata)
-        except Exception as error:
-            log.warning("%s/%s: asking for a checkpoint failed: %s", self.ident.namespace, self.ident.name, error)
-            self.backend.record(self.ident, "Warning", "CheckpointRequestFailed",
-                                f"could not ask the trainer for a checkpoint: {_one_line(error)}")
-
-    async def _previous_attempt_ended(self, attempt: int) -> None:
-        """Never two trainers on one slice: before attempt N is submitted, attempt N-1 must
-        be unknown to the head (404: a new head) or ended; an active one is asked to stop
-        and the submit waits for a later step."""
-        if attempt <= 1:
-            return
-        address, previous = self.status["dashboardURL"], submission_id(self.ident.uid, attempt - 1)
-        job = await self.jobs.call(self.jobs.job, address, previous)
-        if job is not None and job.status in phases.JOB_ACTIVE:
-            await self.jobs.call(self.jobs.stop, address, previous)
-            raise RetryNotReady(f"attempt {attempt - 1} ({previous}) is still {job.status}; "
-                                f"stopping it before attempt {attempt} is submitted")
-        if job is not None and self._within_retry_bound(attempt):
-            # The same RayCluster: the ended driver's workers must have left Ray first.
-            left = await self.jobs.call(self.jobs.leftovers, address, previous)
-            if left:
-                raise RetryNotReady(f"attempt {attempt} waits for attempt {attempt - 1}'s {left} to leave Ray")
-        await self._workers_back(address, attempt)
-
-    async def _workers_back(self, address: str, attempt: int) -> None:
-        """A retry after a lost head goes in once the workers have rejoined the new head
-        (their raylets outlive the old one for a while): submitted earlier, the trainer
-        would find no room and fail at once. Bounded: after TPUFT_RAY_UNREACHABLE_TIMEOUT
-        the retry is submitted anyway and the trainer says what is missing."""
-        if not self._within_retry_bound(attempt):
-            return
-        spec = self.spec
-        need = {("TPU" if generation(spec.tpu.generation).is_tpu else "CPU"): float(total_devices(spec))}
-        have = await self.jobs.call(self.jobs.alive_resources, address)
-        short = {k: have.get(k, 0.0) for k, v in need.items() if have.get(k, 0.0) < v}
-        if short:
-            detail = ", ".join(f"{k} {have_:g}/{need[k]:g}" for k, have_ in short.items())
-            raise RetryNotReady(f"attempt {attempt} waits for the cluster's workers to rejoin Ray ({detail})")
-
-    def _within_retry_bound(self, attempt: int) -> bool:
-        """A retry waits (for the last attempt's leftovers to leave, for workers to rejoin)
-        at most TPUFT_RAY_UNREACHABLE_TIMEOUT; then it is submitted anyway and the trainer
-        says what is missing."""
-        now = datetime.now(timezone.utc)
-        if self.retry_waiting_since is None or self.retry_waiting_since[0] != attempt:
-            self.retry_waiting_since = (attempt, now)
-        return (now - self.retry_waiting_since[1]).total_seconds() <= self.settings.ray_unreachable_timeout
-
-    async def _close_follower(self, keep_events: bool = False) -> None:
-        if self.follower is not None:
-            await self.follower.close()
-            if keep_events:
-                self.unwritten.extend(self.follower.drain())
-            self.follower = None
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -607,29 +447,5 @@ class Run:
             for waiting in waits:
                 waiting.cancel()
 
-    async def _last_lines_of_evicted_job(self) -> None:
-        """The stopped job's last lines (a checkpoint it reported) are read before the next
-        step takes them; bounded, and a head already gone only ends the stream."""
-        try:
-            await asyncio.wait_for(self.follower.finish(timeout=DELETE_RAY_TIMEOUT), 2 * DELETE_RAY_TIMEOUT)
-        except Exception as error:
-            log.info("%s/%s: the evicted job's log could not be read to its end (%s)",
-                     self.ident.namespace, self.ident.name, error or type(error).__name__)
-
     async def close(self) -> None:
         await self._close_follower()
-
-
-def _one_line(error: Exception) -> str:
-    """An error in one line: the API server's own message when it sent one (a Kubernetes
-    ApiException carries it in a JSON body), else the error's first line."""
-    message = server_message(error)
-    if message:
-        return f"{getattr(error, 'status', '')} {message}".strip()[:300]
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
-
-
-class RetryNotReady(RuntimeError):
-    """The next attempt is not submitted yet: the previous one is still active, or the
-    cluster's workers have not rejoined Ray."""

@@ -8,8 +8,9 @@
 | TPUFT_OPERATOR_NAMESPACE | tpufinetune-system | the operator's own namespace (the Deployment sets it from the downward API): where the leader-election Lease and the Ray token signing key Secret live, and the namespace each run's NetworkPolicy admits to the Ray dashboard |
 | TPUFT_POLL_INTERVAL | 5 | seconds between looks at a running job (new log lines wake the loop sooner) |
 | TPUFT_PROVISION_TIMEOUT | 1800 | seconds to wait for a RayCluster to become ready before failing and releasing it |
+| TPUFT_SUBMIT_TIMEOUT | 900 | seconds a run may stay in Submitting (its preflight, with spec.preflight, and the submit) before the attempt ends with reason SubmitTimeout: a preflight that never ends (a hung all_reduce, a stuck host) does not hold the slice. The next attempt runs on a new RayCluster, counted against spec.maxRetries; with none left the run fails and the slice is released |
 | TPUFT_RAY_TIMEOUT | 10 | seconds any one call to a Ray head may take (connect and answer); a head that accepts connections and never answers costs no more |
-| TPUFT_RAY_UNREACHABLE_TIMEOUT | 600 | seconds a submitting or running job's head may stay unreachable (down, crash-looping, refusing the token, its RayCluster deleted) before the run ends Failed with reason RayUnreachable and the slice is released |
+| TPUFT_RAY_UNREACHABLE_TIMEOUT | 600 | seconds a submitting or running job's head may stay unreachable (down, crash-looping, refusing the token, or its token not derivable because the signing key cannot be read) before the attempt ends with reason RayUnreachable: the next attempt runs on a new RayCluster, counted against spec.maxRetries; with none left the run fails and the slice is released. Until then status.message and a Warning Event say why |
 | TPUFT_STALL_TIMEOUT | 300 | seconds a run's status may fail to be written (any error: refused, unreachable API server) before the operator's /healthz fails, so that Kubernetes restarts it; a successful write resets the clock |
 | TPUFT_KUBE_TIMEOUT | 30 | seconds any one Kubernetes API call may take (connect and answer); an API server that never answers holds one worker thread no longer |
 | TPUFT_STATUS_WRITE_INTERVAL | 1 | least seconds between two status writes of one run within a phase: a chatty trainer's events are gathered into fewer writes; a write that changes the phase goes at once |
@@ -54,6 +55,7 @@ class Settings(BaseModel):
     ray_token: str = Field("", repr=False)
     poll_interval: float = Field(5.0, gt=0, le=3600)
     provision_timeout: float = Field(1800.0, gt=0)
+    submit_timeout: float = Field(900.0, gt=0)
     ray_timeout: float = Field(10.0, gt=0, le=300)
     ray_unreachable_timeout: float = Field(600.0, gt=0)
     stall_timeout: float = Field(300.0, gt=0)

@@ -259,4 +259,16 @@ INVALID: list[Invalid] = [
             admission="should be less than 1", python_exact=False),
     Invalid("unknown-field", spec_with(epochs=3), "spec.epochs", "unknown field",
             admission='unknown field "spec.epochs"'),
+    # LoRA (training.method lora, training.lora).
+    Invalid("lora-rank-zero", spec_with(training={"method": "lora", "lora": {"rank": 0}}),
+            "spec.training.lora.rank", "must be greater than or equal to 1",
+            admission="should be greater than or equal to 1", python_exact=False),
+    Invalid("lora-unknown-module",
+            spec_with(training={"method": "lora", "lora": {"targetModules": ["q_proj", "attn"]}}),
+            "spec.training.lora.targetModules[1]", '"attn" is not valid',
+            admission='Unsupported value: "attn"', python_exact=False),
+    Invalid("lora-with-method-full", spec_with(training={"lora": {"rank": 8}}), "spec.training.lora",
+            "applies to method lora only; set method: lora, or remove lora"),
+    Invalid("unknown-method", spec_with(training={"method": "qlora"}), "spec.training.method",
+            '"qlora" is not valid', admission='Unsupported value: "qlora"', python_exact=False),
 ]

@@ -129,3 +129,31 @@ def test_a_local_checkpoint_path_needs_no_shared_volume_on_one_machine():
         parse_spec(spec)
     assert parse_spec(spec, one_machine=True).checkpoint.storage_path == "/tmp/ckpt"
     assert parse_stored_spec(spec, one_machine=True)[0].checkpoint.storage_path == "/tmp/ckpt"
+
+
+def test_lora_defaults_adapt_the_language_models_attention_and_mlp_projections():
+    assert parse_spec(base_spec()).training.method == "full"
+    assert parse_spec(base_spec()).training.lora_settings() is None
+    lora = parse_spec(spec_with(training={"method": "lora"})).training.lora_settings()
+    assert (lora.rank, lora.alpha, lora.export_merged) == (16, 32.0, True)
+    assert lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    given = parse_spec(spec_with(training={"method": "lora", "lora": {"rank": 4, "targetModules": ["q_proj"]}}))
+    assert (given.training.lora.rank, given.training.lora.target_modules) == (4, ["q_proj"])
+
+
+def test_every_known_lora_module_name_is_some_familys():
+    names = {name for family in api.LORA_TARGET_MODULES.values() for name in family}
+    assert set(api.LORA_MODULE_NAMES) == names and set(api.DEFAULT_LORA_TARGET_MODULES) <= names
+
+
+def test_the_trainers_result_puts_the_exported_adapter_in_status():
+    from tpufinetune.core.runevents import apply_event
+
+    status: dict = {}
+    apply_event(status, {"event": "result", "best_checkpoint_uri": "gs://b/run/epoch_0001-x", "best_step": 9,
+                         "exported_model_uri": "gs://b/run/export",
+                         "exported_adapter_uri": "gs://b/run/export-adapter"})
+    parsed = TPUFineTuneStatus.model_validate(status)
+    assert (parsed.exported_model_uri, parsed.exported_adapter_uri) == ("gs://b/run/export",
+                                                                      "gs://b/run/export-adapter")
+    assert parsed.model_dump(by_alias=True, exclude_none=True)["exportedAdapterURI"] == "gs://b/run/export-adapter"

@@ -21,9 +21,9 @@ def test_every_field_is_read_from_its_variable(tmp_path):
     token.write_text("s3cret\n")
     settings = Settings.from_env({
         "TPUFT_DASHBOARD_URL": "http://{service}:8265", "TPUFT_POLL_INTERVAL": "2.5",
-        "TPUFT_PROVISION_TIMEOUT": "60", "TPUFT_NAMESPACE": "ml",
+        "TPUFT_PROVISION_TIMEOUT": "60", "TPUFT_SUBMIT_TIMEOUT": "45", "TPUFT_NAMESPACE": "ml",
         "TPUFT_RAY_TOKEN_FILE": str(token)})
-    assert settings.poll_interval == 2.5 and settings.provision_timeout == 60
+    assert settings.poll_interval == 2.5 and settings.provision_timeout == 60 and settings.submit_timeout == 45
     assert settings.namespace == "ml"
     assert settings.dashboard_for(cluster="c", namespace="n", service="s") == "http://s:8265"
     assert settings.ray_headers() == {"Authorization": "Bearer s3cret"}
@@ -34,6 +34,7 @@ def test_every_field_is_read_from_its_variable(tmp_path):
     ({"TPUFT_POLL_INTERVAL": "5s"},
      "TPUFT_POLL_INTERVAL='5s' is not a number of seconds; write a plain number, e.g. 5"),
     ({"TPUFT_PROVISION_TIMEOUT": "30m"}, "TPUFT_PROVISION_TIMEOUT='30m' is not a number"),
+    ({"TPUFT_SUBMIT_TIMEOUT": "0"}, "TPUFT_SUBMIT_TIMEOUT='0': input should be greater than 0"),
     ({"TPUFT_POLL_INTERVAL": "0"}, "TPUFT_POLL_INTERVAL='0': input should be greater than 0"),
     ({"TPUFT_RAY_THREADS": "many"}, "TPUFT_RAY_THREADS='many' is not a whole number"),
     ({"TPUFT_KUBE_THREADS": "0"}, "TPUFT_KUBE_THREADS='0': input should be greater than or equal to 1"),

@@ -20,16 +20,28 @@ SPEC = parse_spec({"tpu": {"generation": "cpu", "topology": "2"}, "image": IMAGE
                    "checkpoint": {"storagePath": "gs://b/ckpt"}})
 
 
-def test_every_raycluster_turns_on_token_auth_with_its_own_secret():
-    cluster = raycluster_with_pod_settings("demo", "ml", UID, SPEC)
-    assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": "tft-demo-ray-token-6f1c2a7e"}
-    secret = raytoken.token_secret("demo", "ml", UID, "t0k")
+def test_every_raycluster_turns_on_token_auth_with_its_own_secret_named_for_its_key():
+    rendered = raycluster_with_pod_settings("demo", "ml", UID, SPEC)
+    assert rendered["spec"]["authOptions"] == {"mode": "token", "secretName": "tft-demo-ray-token-6f1c2a7e"}
+    key_id = raytoken.key_id(KEY)
+    cluster = raytoken.with_key_id(rendered, "demo", UID, key_id)
+    assert cluster["spec"]["authOptions"] == {"mode": "token", "secretName": f"tft-demo-ray-token-6f1c2a7e-{key_id}"}
+    assert cluster["metadata"]["labels"][raytoken.KEY_ID_LABEL] == key_id
+    assert rendered["spec"]["authOptions"]["secretName"] == "tft-demo-ray-token-6f1c2a7e"  # not changed in place
+    secret = raytoken.token_secret("demo", "ml", UID, "t0k", key_id)
     assert secret["metadata"]["name"] == cluster["spec"]["authOptions"]["secretName"]
     assert secret["metadata"]["namespace"] == "ml"
     # KubeRay reads the key auth_token; the Secret goes with the TPUFineTune.
     assert secret["stringData"] == {"auth_token": "t0k"}
     assert secret["metadata"]["ownerReferences"] == cluster["metadata"]["ownerReferences"]
     assert secret["metadata"]["labels"] == cluster["metadata"]["labels"]
+
+
+def test_a_cluster_rebuilt_after_a_rotation_names_another_secret():
+    new_key = b"n" * 32
+    names = {raytoken.with_key_id(raycluster_with_pod_settings("demo", "ml", UID, SPEC), "demo", UID,
+                                  raytoken.key_id(key))["spec"]["authOptions"]["secretName"] for key in (KEY, new_key)}
+    assert len(names) == 2
 
 
 def test_a_new_object_of_the_same_name_gets_another_secret_and_token():
@@ -105,3 +117,56 @@ def test_a_ray_version_without_token_auth_is_refused_naming_the_field(version):
         parse_spec(spec_with(rayVersion=version))
     assert not re.match(RAY_VERSION_AT_LEAST, version)
     assert "2.52.0" in RAY_VERSION_MESSAGE
+
+
+# ---- the signing keyring and key ids (rotation: docs/gke.md) --------------------------
+
+def b64(key: bytes) -> str:
+    import base64
+    return base64.b64encode(key).decode()
+
+
+WHERE = "tpufinetune-system/tpufinetune-ray-token-key"
+OLD, NEW = b"o" * 32, b"n" * 32
+
+
+def test_a_key_id_is_short_stable_and_tells_keys_apart_without_showing_them():
+    assert raytoken.key_id(KEY) == raytoken.key_id(bytes(KEY))
+    assert len(raytoken.key_id(KEY)) == raytoken.KEY_ID_CHARS
+    assert raytoken.key_id(OLD) != raytoken.key_id(NEW)
+    assert re.fullmatch(r"[0-9a-f]+", raytoken.key_id(KEY))  # a label value
+    assert raytoken.key_id(KEY) not in (KEY.hex(), b64(KEY))
+
+
+def test_the_keyring_is_the_current_key_then_the_older_ones_by_entry_name():
+    keyring = raytoken.parse_keyring({"key": b64(NEW), "key.2026-11": b64(OLD), "key.2026-10": b64(KEY),
+                                      "key.same-as-current": b64(NEW)}, WHERE)
+    assert keyring.current == raytoken.key_id(NEW)
+    assert keyring.ids() == (raytoken.key_id(NEW), raytoken.key_id(KEY), raytoken.key_id(OLD))
+    assert keyring.key(raytoken.key_id(OLD)) == OLD
+    assert keyring.key("0000000000") is None
+    assert raytoken.parse_keyring({"key": b64(NEW)}, WHERE).ids() == (raytoken.key_id(NEW),)
+
+
+@pytest.mark.parametrize("data,words", [
+    (None, f"Secret {WHERE} has no data.key; put the current key there"),
+    ({"key.old": b64(OLD)}, "has no data.key; put the current key there"),
+    ({"key": "%%% not base64"}, r"data.key is not base64 .*restore it from your copy or remove the entry"),
+    ({"key": b64(NEW), "key.old": "nope!"}, r"data.key.old is not base64"),
+    ({"key": b64(b"secret")}, r"data.key holds 6 bytes; a key needs at least 16"),
+    ({"key": b64(NEW), "previous": b64(OLD)}, r"data.previous is not a keyring entry; .*data.key.<name>"),
+])
+def test_a_keyring_that_cannot_be_used_is_named_with_the_entry_and_the_fix(data, words):
+    with pytest.raises(raytoken.KeyringError, match=words):
+        raytoken.parse_keyring(data, WHERE)
+
+
+def test_a_run_refused_again_under_the_same_key_uses_a_retry_and_under_a_new_key_does_not():
+    from tpufinetune.core.phaseattempts import _free_rebuild, token_refused
+
+    why = token_refused("aaaa", "the head took no key")
+    assert _free_rebuild({}, why)
+    ended = {"attempts": [{"attempt": 1, "endTime": "t", "message": why}]}
+    assert not _free_rebuild(ended, token_refused("aaaa", "again"))
+    assert _free_rebuild(ended, token_refused("bbbb", "a second rotation"))
+    assert not _free_rebuild({}, "the Ray head at x does not answer")

@@ -136,3 +136,18 @@ def test_subcommands_come_from_one_table():
     with pytest.raises(SystemExit) as caught:
         cli.main([])
     assert caught.value.code == 2
+
+
+def test_a_run_that_cannot_fit_its_slice_is_refused_with_the_figure_and_what_fits(tmp_path, capsys):
+    big = spec_with(model={"id": "google/gemma-4-31B-it"})
+    code, out, err = run(tmp_path, capsys, resource("big", big))
+    assert (code, out) == (2, "")
+    assert err.startswith('tpufinetune render: ') and 'TPUFineTune "big": does not fit' in err
+    assert "GiB of HBM per chip" in err and "28.8 GiB usable on v6e" in err and "smallest that fits" in err
+
+
+def test_a_run_that_fits_shows_its_memory_plan_as_a_comment(tmp_path, capsys):
+    code, out, err = run(tmp_path, capsys, resource("small", spec_with(model={"id": "google/gemma-4-E2B-it"})))
+    assert (code, err) == (0, "")
+    assert "# TPUFineTune default/small: memory plan: full fine-tune of google/gemma-4-E2B-it:" in out
+    assert [d["kind"] for d in yaml.safe_load_all(out)] == ["RayCluster"]

@@ -9,10 +9,12 @@ import argparse
 import pytest
 from api_spec_cases import INVALID, base_spec, spec_with
 
+from tpufinetune.core import api
 from tpufinetune.core.api import SCORE_ATTRIBUTES, Checkpoint, parse_spec
 from tpufinetune.core.errors import SpecError
 from tpufinetune.core.jobspec import trainer_argv
 from tpufinetune_trainer import cli as trainer_cli
+from tpufinetune_trainer import lora as trainer_lora
 from tpufinetune_trainer.errors import TrainerError
 
 # Flags whose value comes from the slice, the storage or the run's identity rather than a
@@ -32,6 +34,11 @@ NOT_PASSED = {
     "--loss-on": "passed only when training.lossOn is set (unset: the trainer's responses)",
     "--target-eval-loss": "passed only when training.targetEvalLoss is set (the trainer's 0 is off)",
     "--early-stopping-patience": "passed only when training.earlyStoppingPatience is set (0 is off)",
+    "--method": "passed only when training.method is lora (full is the trainer's default, and an older trainer "
+                "image knows no --method)",
+    **{flag: "passed only when training.method is lora, with training.lora's values or its defaults"
+       for flag in ("--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-target-modules",
+                    "--lora-export-merged")},
     "--compile-cache-dir": "its default is the head's TPUFT_COMPILE_CACHE_DIR, set in spec.head.env beside the "
                            "volume the user mounts (docs/gke.md, the compile cache across restarts)",
 }
@@ -120,6 +127,11 @@ TRAINER_REFUSALS = [
      ["--early-stopping-patience=3", "--eval-fraction=0.0"]),
     ({"training": {"targetEvalLoss": -1.0}}, ["--target-eval-loss=-1.0"]),
     ({"training": {"lossOn": "prompts"}}, ["--loss-on=prompts"]),
+    ({"training": {"method": "lora", "lora": {"rank": 0}}}, ["--lora-rank=0", "--method=lora"]),
+    ({"training": {"method": "lora", "lora": {"targetModules": ["q_proj", "attn"]}}},
+     ["--lora-target-modules=q_proj,attn", "--method=lora"]),
+    ({"training": {"lora": {"rank": 8}}}, ["--lora-rank=8"]),  # LoRA's settings with method full
+    ({"training": {"method": "qlora"}}, ["--method=qlora"]),
 ]
 
 
@@ -138,7 +150,9 @@ def test_what_the_trainer_refuses_the_api_refuses(changes, flags):
     with pytest.raises(SpecError) as caught:
         parse_spec(spec_with(**changes))
     changed = {f"spec.{section}.{key}" for section, values in changes.items() for key in values}
-    assert caught.value.field in changed, (caught.value.field, changed)
+    # A nested block's refusal names the field inside it (spec.training.lora.rank).
+    assert any(caught.value.field == field or caught.value.field.startswith((field + ".", field + "["))
+               for field in changed), (caught.value.field, changed)
 
 
 def test_every_trainer_refusal_is_an_admission_case():
@@ -166,3 +180,34 @@ def test_a_collectives_run_ignores_the_checkpoint_ranking():
                                 checkpoint={"scoreAttribute": "eval_loss"},
                                 training={"evalFraction": 0}))
     assert trainer_argv(spec)[1] == "collectives"
+
+
+def test_loras_closed_sets_and_module_table_are_the_trainers():
+    choices = {action.dest: tuple(action.choices) for action in _finetune_parser()._actions
+               if action.choices}
+    assert api.TRAINING_METHODS == choices["method"] == trainer_lora.METHODS
+    assert api.LORA_TARGET_MODULES == trainer_lora.TARGET_MODULES
+    assert api.DEFAULT_LORA_TARGET_MODULES == trainer_lora.DEFAULT_TARGET_MODULES
+
+
+def test_method_lora_without_settings_passes_the_trainers_lora_defaults():
+    argv = trainer_argv(parse_spec(spec_with(training={"method": "lora"})), run_name="r")
+    given = vars(trainer_cli.build_parser().parse_args(argv[1:]))
+    defaults = vars(trainer_cli.build_parser().parse_args(["finetune"]))
+    flags = _passed_flags(argv)
+    lora_flags = [flag for flag in flags if flag.startswith("--lora-")]
+    assert len(lora_flags) == 5 and flags["--method"] == "lora"
+    dests = _flag_dests()
+    for flag in lora_flags:
+        assert given[dests[flag]] == defaults[dests[flag]], flag
+    config = _trainer_config(argv)
+    assert (config.method, config.lora_rank, config.lora_alpha) == ("lora", 16, 32.0)
+
+
+def test_the_lora_settings_of_a_spec_reach_the_trainer():
+    spec = spec_with(training={"method": "lora", "lora": {"rank": 8, "alpha": 8, "dropout": 0,
+                                                          "targetModules": ["q_proj", "v_proj"],
+                                                          "exportMerged": False}})
+    config = _trainer_config(trainer_argv(parse_spec(spec), run_name="r"))
+    assert (config.lora_rank, config.lora_alpha, config.lora_dropout) == (8, 8.0, 0.0)
+    assert (config.lora_target_modules, config.lora_export_merged) == ("q_proj,v_proj", False)

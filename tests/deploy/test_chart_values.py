@@ -9,6 +9,7 @@ import json
 import jsonschema
 import pytest
 from manifests import CHART, DEPLOY, documents, load
+from tpufinetune.settings import PREFIX, Settings
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES = load((CHART / "values.yaml").read_text())
@@ -80,3 +81,28 @@ def test_notes_point_at_no_sample_with_a_placeholder_image():
     assert "PROJECT" not in notes
     assert "kubectl apply -f deploy/samples" not in notes
     assert "helm show crds" in notes  # Helm never upgrades CRDs: the notes say how
+
+
+# Set elsewhere than the settings ConfigMap: the namespace from the downward API, and a fixed
+# head's token (only with a fixed dashboard URL) from a Secret.
+NOT_IN_THE_CONFIGMAP = {"operator_namespace", "ray_token"}
+
+
+def test_every_operator_setting_is_shipped_with_its_default_in_both_configmaps():
+    """A setting added to the operator (a new bound, say) reaches users only if kustomize's
+    ConfigMap and the chart's template carry it; the kustomize one with the operator's own
+    default, so the two sources of a default cannot drift apart."""
+    base = next(d for d in documents((DEPLOY / "base" / "configmap.yaml").read_text()) if d["kind"] == "ConfigMap")
+    template = (CHART / "templates" / "configmap.yaml").read_text()
+    for name, field in Settings.model_fields.items():
+        if name in NOT_IN_THE_CONFIGMAP:
+            continue
+        variable = PREFIX + name.upper()
+        assert variable in base["data"], f"{variable} is not in deploy/base/configmap.yaml"
+        assert f"  {variable}: " in template, f"{variable} is not in the chart's configmap template"
+        default = field.default
+        shipped = base["data"][variable]
+        if isinstance(default, bool):
+            assert shipped == str(default).lower(), (variable, shipped, default)
+        elif isinstance(default, (int, float)):
+            assert float(shipped) == float(default), (variable, shipped, default)

@@ -19,6 +19,7 @@ SAMPLES = {
     "cpu-rehearsal-pvc.yaml": ("cpu", "2", "finetune"),
     "finetune-v6e-4x4-gcsfuse.yaml": ("v6e", "4x4", "finetune"),
     "finetune-v6e-4x4-queued.yaml": ("v6e", "4x4", "finetune"),
+    "finetune-v6e-4x4-lora.yaml": ("v6e", "4x4", "finetune"),
 }
 
 

@@ -5,7 +5,8 @@
   16 google.com/tpu of pods exist.
   A third run deleted while Queued leaves nothing behind and takes nothing from the quota;
   the second, deleted once admitted, gives its quota back.
-- Preemption: a higher-priority run evicts a running one, which goes back to Queued and,
+- Preemption: a higher-priority run (a collectives check: it needs the quota, not training)
+  evicts a running one, which goes back to Queued and,
   admitted again, resumes from its checkpoint as a new attempt that is not a failure. On the
   ground TPU workers stop for want of a chip, so this one uses cpu runs, which really train
   and checkpoint, in a ClusterQueue whose CPU quota holds one such run.
@@ -177,12 +178,13 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
 def test_a_higher_priority_run_evicts_a_running_one_which_resumes_from_its_checkpoint(
         operator, kueue, queued_namespace, kube, ground_assets, storage):
     slow = {"epochs": 2, "checkpointEverySteps": 2}
-    kube.apply(cpu_run("low", ground_assets, f"{storage}/low", slow, 480, workloadPriorityClassName="low"))
+    kube.apply(cpu_run("low", ground_assets, f"{storage}/low", slow, 320, workloadPriorityClassName="low"))
     # Running, with a checkpoint reported: there is something to resume from.
     kube.wait_for(lambda: kube.status("low").get("phase") == "Running" and kube.status("low").get("checkpointURI"),
                   "low running with a checkpoint", timeout=400, interval=1)
 
-    kube.apply(cpu_run("high", ground_assets, f"{storage}/high", {"epochs": 1}, 160,
+    # The higher priority needs the quota, not training: a collectives check, which ends sooner.
+    kube.apply(cpu_run("high", ground_assets, f"{storage}/high", {}, 160, mode="collectives",
                        workloadPriorityClassName="high"))
     evicted = kube.wait_for(phase_is(kube, "low", "Queued"), "low evicted back to Queued", timeout=120)
     assert evicted["attempt"] == 2 and evicted["evictions"] == 1

@@ -1,22 +1,37 @@
 """Pods on the test ground get what GKE gives them and nothing else: their own /tmp, HOME
 and /dev/shm, the env their spec gives (with a kubelet's additions), the volumes they
-declare, init containers that really run, and their memory limit (an OOM kill ends the
-container with OOMKilled). Plain pods with small commands, and a TPUFineTune run whose
-worker is OOM-killed.
+declare, init containers that really run, their memory limit (an OOM kill ends the
+container with OOMKilled), CPU shares from their requests, and their probes (a failed
+liveness probe restarts the container, readiness decides Ready). Plain pods with small
+commands, and a TPUFineTune run whose worker is OOM-killed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from harness.nodeagent import health_check_to_gcs
+from harness import images, podcgroup
+from harness.nodeagent import (
+    CONTAINER_CREATING, PODS_DIR, POD_INITIALIZING, ContainerState, NodeAgent, PodRun, health_check_to_gcs,
+    probe_command, ray_port_map, service_endpoints, waiting)
+from harness.ports import free_ports
 from harness.processes import tail
+from harness.podprobes import (
+    LIVENESS, READINESS, STARTUP, ContainerProbes, ProbeWorker, http_get, probes_of, tcp_socket)
 from harness.podsandbox import mount_order
-from harness.podspec import ConfigError, MountError, container_env, mount_targets, service_env, volume_plan
+from harness.podspec import (
+    ConfigError, MountError, container_cpu_shares, container_env, milli_cpu_to_shares, mount_targets, pod_cpu_shares,
+    service_env, volume_plan)
 from tpufinetune_trainer.checkpoint import WRITE_THREADS
 
 # ---- pure: the kubelet's derivations -------------------------------------------------------
@@ -95,6 +110,264 @@ def test_kuberays_gcs_wait_asks_the_heads_real_gcs_address():
     assert health_check_to_gcs(script, "127.40.0.2:40123") == (
         "if ray health-check --address 127.40.0.2:40123 > /dev/null 2>&1; then\n"
         "if ray health-check --address 127.40.0.2:40123; then")
+
+
+# ---- pure: CPU shares and probes, as a kubelet derives and times them ------------------------
+
+
+@pytest.mark.parametrize("milli, shares", [(0, 2), (1, 2), (2, 2), (250, 256), (1000, 1024), (1500, 1536),
+                                           (10**6, 262144)])
+def test_millicpu_to_shares_as_the_kubelet(milli, shares):
+    assert milli_cpu_to_shares(milli) == shares
+
+
+def cpu(request: str | None = None, limit: str | None = None, **fields) -> dict:
+    resources = {k: {"cpu": v} for k, v in (("requests", request), ("limits", limit)) if v}
+    return {"name": "c", "resources": resources, **fields}
+
+
+def test_pod_cpu_shares_sum_its_containers_or_its_largest_init_step():
+    assert container_cpu_shares(cpu("250m")) == 256
+    assert container_cpu_shares(cpu()) == 2  # no request: the minimum
+    assert container_cpu_shares(cpu(limit="2")) == 2048  # the API server's default: request = limit
+    assert container_cpu_shares(cpu("0.0001")) == 2  # 1 millicore, rounded up as MilliValue
+    assert pod_cpu_shares({"containers": [cpu("250m"), cpu("1.5"), cpu()]}) == 1792
+    assert pod_cpu_shares({"containers": [cpu()]}) == 2  # BestEffort
+    assert pod_cpu_shares({"containers": [cpu("500m")], "initContainers": [cpu("3")]}) == 3072
+    # a sidecar (restartable init container) runs beside the containers and later inits
+    assert pod_cpu_shares({"containers": [cpu("1")], "overhead": {"cpu": "250m"},
+                           "initContainers": [cpu("1", restartPolicy="Always"), cpu("1500m")]}) == 2816
+
+
+def test_probes_take_the_api_servers_defaults():
+    container = {"livenessProbe": {"exec": {"command": ["true"]}},
+                 "readinessProbe": {"httpGet": {"port": 80}, "periodSeconds": 2, "failureThreshold": 1},
+                 "startupProbe": {"grpc": {"port": 9}}}  # gRPC: not run on the ground
+    probes = probes_of(container)
+    assert set(probes) == {LIVENESS, READINESS}
+    liveness = probes[LIVENESS]
+    assert (liveness.initial_delay, liveness.period, liveness.timeout, liveness.success_threshold,
+            liveness.failure_threshold) == (0, 10, 1, 1, 3)
+    assert (probes[READINESS].handler, probes[READINESS].period, probes[READINESS].failure_threshold) == ("httpGet", 2, 1)
+
+
+def ticks(worker: ProbeWorker, until: float, step: float = 0.5) -> list[float]:
+    """When the worker probes, sampled every `step` (the agent's sync loop)."""
+    return [t for t in (i * step for i in range(int(until / step) + 1)) if worker.tick(t)]
+
+
+def test_a_probe_waits_its_initial_delay_then_runs_every_period():
+    worker = ProbeWorker(probes_of({"readinessProbe": {"exec": {"command": ["x"]}, "initialDelaySeconds": 10,
+                                                       "periodSeconds": 5}})[READINESS], started=0.0)
+    assert ticks(worker, 21) == [10, 15, 20]  # ticks at 0 and 5 fall inside the delay
+    late = ProbeWorker(worker.probe, started=0.0)
+    assert late.tick(12.5) and not late.tick(14.5) and late.tick(15)  # a late tick is not made up
+
+
+def test_readiness_is_reported_past_its_thresholds():
+    probe = probes_of({"readinessProbe": {"exec": {"command": ["x"]}, "successThreshold": 2,
+                                          "failureThreshold": 3}})[READINESS]
+    worker = ProbeWorker(probe, 0.0)
+    assert worker.result is False  # not Ready before a probe has passed
+    assert [worker.record(ok) for ok in (True, True)] == [None, True] and worker.result
+    assert [worker.record(ok) for ok in (False, False, True, False, False, False)] == [None, None, None, None, None, False]
+    assert worker.result is False and not worker.on_hold  # readiness keeps probing
+
+
+def test_a_liveness_failure_past_its_threshold_is_reported_once_then_held():
+    probe = probes_of({"livenessProbe": {"exec": {"command": ["x"]}, "failureThreshold": 2, "periodSeconds": 1}})[LIVENESS]
+    worker = ProbeWorker(probe, 0.0)
+    assert worker.result is True  # live until proven otherwise
+    assert [worker.record(ok) for ok in (False, True, False, False)] == [None, True, None, False]
+    assert worker.on_hold and not worker.tick(100)  # the container is killed; a new one gets a new worker
+
+
+def test_liveness_and_readiness_wait_for_the_startup_probe():
+    probes = ContainerProbes({"startupProbe": {"tcpSocket": {"port": 80}, "periodSeconds": 1},
+                              "livenessProbe": {"tcpSocket": {"port": 80}, "periodSeconds": 1},
+                              "readinessProbe": {"tcpSocket": {"port": 80}, "periodSeconds": 1}}, started=0.0)
+    assert not probes.started and not probes.ready
+    assert [w.probe.kind for w in probes.due(0)] == [STARTUP]
+    probes.workers[STARTUP].record(True)
+    assert probes.started and not probes.ready
+    assert sorted(w.probe.kind for w in probes.due(1)) == [LIVENESS, READINESS]
+    probes.workers[READINESS].record(True)
+    assert probes.ready
+    assert ContainerProbes({}, 0.0).ready  # without probes: ready once running
+
+
+def test_a_ray_containers_probes_reach_the_ports_the_agent_moved():
+    """KubeRay's probes name Ray's declared ports (its `ray start` flags, else Ray's
+    defaults); on the ground every pod shares one port space, so the agent moved them."""
+    moved = {"gcs": 41001, "client": 41002, "metrics": 41003, "agent_http": 41004, "agent_grpc": 41005,
+             "dashboard": 8265}
+    args = ["--dashboard-agent-listen-port=52365", "--num-cpus=0", "--metrics-export-port", "9000"]
+    assert ray_port_map(args, True, moved) == {6379: 41001, 10001: 41002, 9000: 41003, 52365: 41004, 8265: 8265}
+    assert ray_port_map(args, False, moved) == {9000: 41003, 52365: 41004}
+    wget = ("wget --tries 1 -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success && "
+            "wget --tries 1 -T 10 -q -O- http://localhost:8265/api/gcs_healthz | grep success")
+    assert probe_command(["bash", "-c", wget], "127.40.0.3", ray_port_map(args, True, moved))[2] == (
+        "wget --tries 1 -T 2 -q -O- http://127.40.0.3:41004/api/local_raylet_healthz | grep success && "
+        "wget --tries 1 -T 10 -q -O- http://127.40.0.3:8265/api/gcs_healthz | grep success")
+
+
+def test_cluster_dns_publishes_a_pod_before_it_is_ready_only_where_the_service_says_so():
+    """KubeRay's head Service is headless with publishNotReadyAddresses: its name resolves
+    while the head's readiness probe has not passed yet; another Service's waits for Ready."""
+    def obj(**fields):
+        return SimpleNamespace(**fields)
+
+    head = obj(metadata=obj(namespace="ns", labels={"node": "head"}, deletion_timestamp=None),
+               status=obj(pod_ip="127.40.0.2", conditions=[obj(type="Ready", status="False")]))
+    services = [obj(metadata=obj(name=name, namespace="ns"),
+                    spec=obj(selector={"node": "head"}, publish_not_ready_addresses=publish))
+                for name, publish in (("rc-head-svc", True), ("web", None))]
+    assert service_endpoints(services, [head]) == {
+        "rc-head-svc.ns": "127.40.0.2", "rc-head-svc.ns.svc": "127.40.0.2", "rc-head-svc.ns.svc.cluster.local": "127.40.0.2"}
+    head.status.conditions[0].status = "True"
+    assert service_endpoints(services, [head])["web.ns.svc"] == "127.40.0.2"
+
+
+class _Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/healthz" else 500)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_http_and_tcp_probes_in_the_kubelets_words(monkeypatch):
+    server = ThreadingHTTPServer(("127.250.0.9", 0), _Health)  # 127.250/16: no ground's pods
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # never asked: probes go straight to the pod
+    try:
+        port = server.server_address[1]
+        base = f"http://127.250.0.9:{port}"
+        assert http_get(f"{base}/healthz", {}, 2).success
+        assert http_get(f"{base}/other", {}, 2).output == "HTTP probe failed with statuscode: 500"
+        assert tcp_socket("127.250.0.9", port, 1).success
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert http_get(f"{base}/healthz", {}, 1).output == (
+        f'Get "{base}/healthz": dial tcp 127.250.0.9:{port}: connect: connection refused')
+    assert tcp_socket("127.250.0.9", port, 1).output == f"dial tcp 127.250.0.9:{port}: connect: connection refused"
+
+
+# ---- pure: a waiting container always says why ---------------------------------------------
+
+
+def a_run(tmp_path, stage: str = "main", inits: int = 0, image: str = "python:3.11", **fields) -> PodRun:
+    fields = {"head": False, "ray": False, **fields}
+    return PodRun(namespace="ns", name="p", uid="uid-1", ip="127.250.0.2", node="n", cluster="", cluster_uid="ns/",
+                  dir=tmp_path, shm=tmp_path, cgroup=tmp_path, log_path=tmp_path / "p.log", pod=None, stage=stage,
+                  inits=[ContainerState(f"init-{i}", image, waiting(POD_INITIALIZING)) for i in range(inits)],
+                  mains=[ContainerState("main", image, waiting(POD_INITIALIZING if inits else CONTAINER_CREATING))],
+                  **fields)
+
+
+def waiting_reasons(status: dict) -> list[str]:
+    """Each container's waiting reason ('' for one waiting without); running and terminated
+    ones left out."""
+    states = [c["state"] for c in [*status.get("initContainerStatuses", []), *status["containerStatuses"]]]
+    assert all(len(state) == 1 for state in states), states
+    return [(s["waiting"] or {}).get("reason", "") for s in states if "waiting" in s]
+
+
+@pytest.mark.parametrize("stage, inits, expected", [
+    ("setup", 0, [CONTAINER_CREATING]),
+    ("setup", 1, [POD_INITIALIZING, POD_INITIALIZING]),  # the kubelet's default with init containers
+    ("init", 2, [POD_INITIALIZING, POD_INITIALIZING, POD_INITIALIZING]),
+    ("main", 0, [CONTAINER_CREATING]),
+    ("main", 1, [POD_INITIALIZING]),  # init done (terminated), main not created yet
+])
+def test_a_container_not_created_yet_waits_with_the_kubelets_reason(tmp_path, stage, inits, expected):
+    run = a_run(tmp_path, stage, inits)
+    if stage == "main":
+        for c in run.inits:
+            c.state = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+    assert waiting_reasons(NodeAgent.pod_status(None, run)) == expected
+
+
+def test_a_state_without_a_reason_is_never_written(tmp_path):
+    run = a_run(tmp_path)
+    run.mains[0].state = {"waiting": {}}
+    assert waiting_reasons(NodeAgent.pod_status(None, run)) == [CONTAINER_CREATING]
+    with pytest.raises(ValueError):
+        waiting("")
+
+
+class _Dashboard(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/api/version" else 404)
+        self.end_headers()
+        self.wfile.write(b'{"version": "4"}')
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_heads_readiness_is_asked_of_the_pod_not_through_the_shells_proxy(tmp_path, monkeypatch):
+    """`make cluster` from a shell with an HTTP proxy: the usual no_proxy (localhost,
+    127.0.0.1) does not name the pods' 127.N.x.y addresses, so a probe through urllib's
+    default opener asked the proxy, the head was never Ready, and its workers waited for it
+    in PodInitializing for good (the operator: hosts ready 0/4, no reason). A kubelet's probe
+    never takes a proxy."""
+    run = a_run(tmp_path, head=True, ray=True, main_env={})
+    server = ThreadingHTTPServer((run.ip, 8265), _Dashboard)  # 127.250/16: no ground's pods (127.20-219)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for name in ("http_proxy", "HTTP_PROXY"):
+            monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens: a proxy that cannot reach pods
+        for name in ("no_proxy", "NO_PROXY"):
+            monkeypatch.setenv(name, "localhost,127.0.0.1")
+        monkeypatch.setattr(urllib.request, "_opener", None)  # as in the agent: built on its first probe
+        assert NodeAgent.answers(None, run)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Core:
+    """The CoreV1Api calls image_present makes: events, kept."""
+
+    def __init__(self):
+        self.events = []
+
+    def create_namespaced_event(self, namespace, body):
+        self.events.append((body["type"], body["reason"], body["message"]))
+
+
+def test_a_container_waits_pulling_while_its_images_environment_is_prepared(tmp_path):
+    """Another process building or refreshing the trainer image's environment (images.ensure
+    holds its lock) is this node pulling that image: the container waits in the kubelet's
+    state with its Pulling event, and starts (Pulled) once it is done; an environment nobody
+    built fails to pull."""
+    env = tmp_path / "trainer-env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").touch()
+    (env / ".project").write_text("key")
+    image = "us-docker.pkg.dev/ground-project/tpufinetune/trainer:0.1.0"
+    agent = NodeAgent.__new__(NodeAgent)
+    agent.images, agent.core = {"trainer": env}, _Core()
+    run = a_run(tmp_path, image=image)
+    with open(images.lock_path(env), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as images.ensure() holds it while it works
+        assert not agent.image_present(run, run.mains[0])
+        assert not agent.image_present(run, run.mains[0])  # one Pulling event, not one per try
+        assert waiting_reasons(NodeAgent.pod_status(None, run)) == [CONTAINER_CREATING]
+        assert agent.core.events == [("Normal", "Pulling", f'Pulling image "{image}"')]
+    assert agent.image_present(run, run.mains[0])
+    assert agent.core.events[1][:2] == ("Normal", "Pulled")
+    assert agent.core.events[1][2].startswith(f'Successfully pulled image "{image}" in ')
+
+    (env / "bin" / "python").unlink()
+    missing = a_run(tmp_path, image=image)
+    assert not agent.image_present(missing, missing.mains[0])
+    state = missing.mains[0].state["waiting"]
+    assert state["reason"] == "ErrImagePull" and str(env) in state["message"] and "make images" in state["message"]
 
 
 # ---- on the ground: plain pods -------------------------------------------------------------
@@ -181,6 +454,33 @@ def test_a_pod_waits_for_its_secret_and_starts_once_it_exists(ground, kube):
 
 
 @pytest.mark.ground
+def test_a_pod_waits_pulling_while_its_images_environment_is_prepared(ground, kube):
+    """The agent and images.py across processes: while the trainer image's environment is
+    locked (images.ensure() building or refreshing it), a pod of that image waits in
+    ContainerCreating with the kubelet's Pulling event, then runs from it (Pulled)."""
+    image = "us-docker.pkg.dev/ground-project/tpufinetune/trainer:0.1.0"
+    env = images.trainer_env()
+    pod = plain_pod("pulls", ["python", "-c", "import sys; print('prefix=' + sys.prefix)"], container={"image": image})
+
+    def reasons(reason: str) -> list[dict]:
+        return [e for e in kube.items("events") if e.get("reason") == reason
+                and e["involvedObject"]["name"] == "pulls"]
+
+    with open(images.lock_path(env), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        kube.apply(pod)
+        pulling = kube.wait_for(lambda: reasons("Pulling"), "a Pulling event", timeout=60)
+        assert (pulling[0]["type"], pulling[0]["message"]) == ("Normal", f'Pulling image "{image}"')
+        time.sleep(1.5)  # a few of the agent's tries: still waiting, still one event
+        status = kube.get("pod", "pulls")["status"]
+        assert status["phase"] == "Pending" and waiting_reasons(status) == [CONTAINER_CREATING]
+        assert len(reasons("Pulling")) == 1 and "prefix=" not in pod_log(ground, kube, "pulls")
+    wait_phase(kube, "pulls", "Succeeded")
+    assert reasons("Pulled")[0]["message"].startswith(f'Successfully pulled image "{image}" in ')
+    assert f"prefix={env}" in pod_log(ground, kube, "pulls")
+
+
+@pytest.mark.ground
 def test_volumes_as_a_kubelet_mounts_them(ground, kube):
     kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "conf"}, "data": {"a.txt": "A", "b.txt": "B"}})
     kube.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "sec"}, "stringData": {"key": "K"}})
@@ -248,6 +548,101 @@ def test_a_container_over_its_memory_limit_is_oom_killed(ground, kube):
     terminated = kube.get("pod", "hungry")["status"]["containerStatuses"][0]["state"]["terminated"]
     assert (terminated["reason"], terminated["exitCode"]) == ("OOMKilled", 137)
     assert "survived" not in pod_log(ground, kube, "hungry")
+
+
+@pytest.mark.ground
+def test_a_pods_cgroups_weigh_its_cpu_requests_as_a_kubelets(ground, kube):
+    """cpu.shares of the pod's cgroup (its containers' and init containers' requests, as
+    the kubelet sums them) and of its running container, whose processes are in it."""
+    pod = plain_pod("weighed", ["sh", "-c", "echo started && exec sleep 600"], container={
+        "resources": {"requests": {"cpu": "250m"}}},
+        initContainers=[{"name": "init", "image": "x", "command": ["true"], "resources": {"requests": {"cpu": "100m"}}}])
+    pod["spec"]["containers"].append(
+        {"name": "second", "image": "python:3.11", "command": ["true"], "resources": {"requests": {"cpu": "1.5"}}})
+    kube.apply(pod)
+    kube.wait_for(lambda: "started" in pod_log(ground, kube, "weighed"), "the container started")
+    cgroup = podcgroup.ground_cgroup(ground.ground_id) / kube.get("pod", "weighed")["metadata"]["uid"]
+    assert podcgroup.cpu_shares(cgroup) == 1792  # (250m + 1500m) * 1024 / 1000
+    assert podcgroup.cpu_shares(cgroup / "main") == 256
+    in_memory = set(podcgroup.procs(cgroup / "main"))
+    in_cpu = {int(p) for p in (podcgroup.cpu_cgroup(cgroup / "main") / "cgroup.procs").read_text().split()}
+    assert in_memory and in_cpu == in_memory  # the container's processes, in both of its cgroups
+
+
+def pod_events(kube, name: str, reason: str) -> list[str]:
+    return [e["message"] for e in kube.items("events") if e.get("reason") == reason and e["involvedObject"]["name"] == name]
+
+
+def container_status(kube, name: str) -> dict:
+    return ((kube.get("pod", name).get("status") or {}).get("containerStatuses") or [{}])[0]
+
+
+def condition(kube, name: str, kind: str) -> str:
+    return next((c["status"] for c in (kube.get("pod", name).get("status") or {}).get("conditions") or []
+                 if c["type"] == kind), "")
+
+
+@pytest.mark.ground
+def test_a_failed_liveness_probe_restarts_the_container(ground, kube):
+    """An exec liveness probe (run in the container: its env, working directory and /tmp)
+    fails in the first container, which is killed past failureThreshold with the kubelet's
+    events and restarted; the second container passes its probes and is left running."""
+    start = ("if [ -e /tmp/started-once ]; then echo second-start; touch /tmp/healthy;"
+             " else touch /tmp/started-once; echo first-start; fi; exec sleep 600")
+    probe = ('test "$PROBED_ENV" = given && test "$(pwd)" = /home/ray && cat /tmp/healthy'
+             " && echo passed >> /tmp/probes")
+    threshold = 2
+    kube.apply(plain_pod("liveness", ["sh", "-c", start], restart="Always", container={
+        "env": [{"name": "PROBED_ENV", "value": "given"}],
+        "livenessProbe": {"exec": {"command": ["sh", "-c", probe]}, "periodSeconds": 1,
+                          "failureThreshold": threshold}}))
+    kube.wait_for(lambda: container_status(kube, "liveness").get("restartCount") == 1
+                  and "running" in container_status(kube, "liveness").get("state", {}), "the container restarted",
+                  timeout=60)
+    assert [m.rstrip("\n") for m in pod_events(kube, "liveness", "Unhealthy")] == [  # the command's output, as is
+        "Liveness probe failed: cat: /tmp/healthy: No such file or directory"]
+    assert pod_events(kube, "liveness", "Killing") == ["Container main failed liveness probe, will be restarted"]
+    terminated = container_status(kube, "liveness")["lastState"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (143, "Error")  # SIGTERM, as a kubelet's kill
+    output = pod_log(ground, kube, "liveness").splitlines()
+    assert (output.count("first-start"), output.count("second-start")) == (1, 1)
+    # The new container passes more probes in a row than the threshold: no second kill.
+    probes = ground.workdir / PODS_DIR / kube.get("pod", "liveness")["metadata"]["uid"] / "tmp" / "probes"
+    kube.wait_for(lambda: probes.exists() and len(probes.read_text().split()) > threshold, "passed liveness probes")
+    assert container_status(kube, "liveness")["restartCount"] == 1
+    assert len(pod_events(kube, "liveness", "Killing")) == 1
+
+
+@pytest.mark.ground
+def test_readiness_follows_the_probe_and_waits_for_startup(ground, kube):
+    """An HTTP readiness probe (a named port, at the pod's address) keeps the pod not Ready
+    while it fails, Ready once it passes, not Ready again when it fails; a TCP startup probe
+    holds readiness until the server listens."""
+    port = free_ports(1, "0.0.0.0")[0]
+    serve = "sleep 2; exec python -m http.server $(PORT) --bind $(POD_IP) --directory /tmp"
+    kube.apply(plain_pod("readiness", ["sh", "-c", serve], restart="Always", container={
+        "ports": [{"name": "web", "containerPort": port}],
+        "env": [{"name": "PORT", "value": str(port)},
+                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "startupProbe": {"tcpSocket": {"port": "web"}, "periodSeconds": 1, "failureThreshold": 30},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "web"}, "periodSeconds": 1, "failureThreshold": 1}}))
+    wait_phase(kube, "readiness", "Running")
+    uid, ip = kube.get("pod", "readiness")["metadata"]["uid"], kube.get("pod", "readiness")["status"]["podIP"]
+    kube.wait_for(lambda: "Readiness probe failed: HTTP probe failed with statuscode: 404"
+                  in pod_events(kube, "readiness", "Unhealthy"), "the readiness probe answered 404")
+    # The server started 2 s late: the startup probe was refused first.
+    assert f"Startup probe failed: dial tcp {ip}:{port}: connect: connection refused" in pod_events(
+        kube, "readiness", "Unhealthy")
+    status = container_status(kube, "readiness")
+    assert status["started"] and not status["ready"] and "running" in status["state"]
+    assert condition(kube, "readiness", "Ready") == "False" and condition(kube, "readiness", "ContainersReady") == "False"
+    ready_file = ground.workdir / PODS_DIR / uid / "tmp" / "ready"
+    ready_file.write_text("ok")
+    kube.wait_for(lambda: condition(kube, "readiness", "Ready") == "True", "the pod Ready", timeout=30)
+    assert condition(kube, "readiness", "ContainersReady") == "True" and container_status(kube, "readiness")["ready"]
+    ready_file.unlink()
+    kube.wait_for(lambda: condition(kube, "readiness", "Ready") == "False", "the pod not Ready again", timeout=30)
+    assert container_status(kube, "readiness")["restartCount"] == 0  # readiness never restarts
 
 
 @pytest.mark.ground

@@ -1,8 +1,10 @@
 """TPU slices on the test ground: the tutorial's v6e 4x4 and v7x 2x2x2 samples go through the
 real KubeRay, the real scheduler and Ray's own TPU slice reservation across the simulated
-hosts, up to the first call that needs a chip (the v7x one with spec.preflight, which finds
-every host short of its devices before any fine-tune is submitted); and a pool too small
-for the slice says why.
+hosts, up to the first call that needs a chip: spec.preflight, which finds every host short
+of its devices before any fine-tune is submitted (each is the sample in deploy/samples/ itself,
+with only what a user fills in: finetune-v6e-4x4.yaml as it ships, finetune-v7x-2x2x2.yaml
+with the preflight and a short ttlSecondsAfterFinished added); and a pool too small for the
+slice says why.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from kubernetes.utils import parse_quantity
 
 from harness import images
@@ -36,6 +39,21 @@ def tpu_resource(name: str, generation: str, topology: str, assets, storage, **e
             **extra,
         },
     }
+
+
+SAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "samples"
+
+
+def sample_on_the_ground(kube, ground, sample: str) -> dict:
+    """A tutorial sample as a ground user applies it: PROJECT and BUCKET filled in (the
+    image's repository, `trainer`, is the trainer image's environment on the ground; the
+    bucket is the ground's Cloud Storage), and the Hugging Face token Secret it names
+    created in the namespace. Nothing else of it changes."""
+    text = (SAMPLES / sample).read_text().replace("PROJECT", "ground-project").replace("BUCKET", ground.gcs.bucket)
+    manifest = yaml.safe_load(text)
+    token = manifest["spec"]["model"]["tokenSecret"]
+    kube.kubectl("create", "secret", "generic", token["name"], f"--from-literal={token['key']}=hf_ground_token")
+    return manifest
 
 
 # Programs of the base image itself (Ray's /bin/sh fate-sharing watchdog and its sleep).
@@ -80,9 +98,10 @@ def _fits(requests: dict, allocatable: dict) -> bool:
 
 
 def check_slice(kube, ground, name: str, generation_label: str, topology: str, pool: str,
-                hosts: int, chips_per_host: int, tpu_per_host: int, head_resource: str, preflight: bool = False):
+                hosts: int, chips_per_host: int, tpu_per_host: int, head_resource: str, head_kept: bool = False):
     """`chips_per_host`: google.com/tpu per pod; `tpu_per_host`: Ray's TPU resource per host
-    (devices: two per chip on v7x)."""
+    (devices: two per chip on v7x); `head_kept`: the run has ttlSecondsAfterFinished, so
+    the head's own job list can be read after the failure."""
     cluster = kube.wait_for(lambda: kube.status(name).get("rayClusterName"), "rayClusterName")
 
     def scheduled():
@@ -130,34 +149,28 @@ def check_slice(kube, ground, name: str, generation_label: str, topology: str, p
     kube.kubectl("wait", f"tpufinetune/{name}", "--for=condition=Failed", "--timeout=500s", timeout=520)
     status = kube.status(name)
     (attempt,) = status["attempts"]
-    if preflight:
-        # spec.preflight: the collectives check places one worker per device on every host,
-        # finds each host short of its devices (the ground has no chips), and the run fails
-        # before any fine-tune job is submitted.
-        assert cond.find(status, cond.FAILED)["reason"] == "PreflightFailed", (status.get("message"),
-                                                                               status.get("preflight"))
-        assert "short of TPU devices" in status["message"], status["message"]
-        result = status["preflight"]
-        assert result["phase"] == "Failed" and result["jobId"].endswith("-1-preflight")
-        assert result["hosts"] == hosts and set(result["shortHosts"].values()) == {0}
-        assert len(result["shortHosts"]) == hosts
-        assert sum(result["devicesPerHost"].values()) == hosts * tpu_per_host
+    # spec.preflight: the collectives check places one worker per device on every host,
+    # finds each host short of its devices (the ground has no chips), and the run fails
+    # before any fine-tune job is submitted.
+    assert cond.find(status, cond.FAILED)["reason"] == "PreflightFailed", (status.get("message"),
+                                                                           status.get("preflight"))
+    assert "short of TPU devices" in status["message"], status["message"]
+    result = status["preflight"]
+    assert result["phase"] == "Failed" and result["jobId"].endswith("-1-preflight")
+    assert result["hosts"] == hosts and set(result["shortHosts"].values()) == {0}
+    assert len(result["shortHosts"]) == hosts
+    assert sum(result["devicesPerHost"].values()) == hosts * tpu_per_host
+    assert cond.find(status, cond.JOB_SUBMITTED) is None, status["conditions"]  # no fine-tune job
+    if head_kept:
         uid = kube.get("tpufinetune", name)["metadata"]["uid"]
         jobs = [job.submission_id for job in kube.head_job_client(cluster).list_jobs()]
-        assert jobs == [f"tft-{uid}-1-preflight"], jobs  # no fine-tune job
-        assert attempt["reason"] == "PreflightFailed"
-        # Held for ttlSecondsAfterFinished after the failure: read again once released.
-        kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster deleted", timeout=90)
-        status = kube.status(name)
-        (attempt,) = status["attempts"]
-        released_at = cond.parse_time(attempt["sliceReleaseTime"])
-    else:
-        # The trainer reserves the slice and places one worker per device, then meets the
-        # one thing the ground lacks.
-        assert "no TPU device" in status["message"], status["message"]
-        assert f"of {hosts * tpu_per_host}" in status["message"], status["message"]
-        assert attempt["reason"] == "AppFailed" and "no TPU device" in attempt["message"]
-        released_at = cond.parse_time(status["completionTime"])  # no ttlSecondsAfterFinished
+        assert jobs == [f"tft-{uid}-1-preflight"], jobs  # and the head says so
+    assert attempt["reason"] == "PreflightFailed"
+    # Released (at once, or after ttlSecondsAfterFinished): read again once it is.
+    kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster deleted", timeout=90)
+    status = kube.status(name)
+    (attempt,) = status["attempts"]
+    released_at = cond.parse_time(attempt["sliceReleaseTime"])
     # The slice cost its chips from being ready (its last host Ready, no later than
     # ClusterReady) to its release, and the attempt says why it ended.
     ready = cond.parse_time(attempt["sliceReadyTime"])
@@ -173,21 +186,31 @@ def check_slice(kube, ground, name: str, generation_label: str, topology: str, p
     kube.wait_for(lambda: not any(ground.ray_processes(uid) for uid in uids), "Ray processes gone", timeout=60)
 
 
-def test_the_tutorial_v6e_4x4_sample_reserves_its_slice_and_fails_only_for_want_of_a_chip(
-        operator, ground, kube, ground_assets, storage):
-    kube.apply(tpu_resource("v6e-sample", "v6e", "4x4", ground_assets, storage))
-    check_slice(kube, ground, "v6e-sample", "tpu-v6e-slice", "4x4", "v6e-4x4", hosts=4, chips_per_host=4, tpu_per_host=4,
-                head_resource="TPU-v6e-16-head")
+def test_the_tutorial_v6e_4x4_sample_reserves_its_slice_and_fails_only_for_want_of_a_chip(operator, ground, kube):
+    # The sample itself: its preflight (spec.preflight) runs on the slice before the fine-tune.
+    manifest = sample_on_the_ground(kube, ground, "finetune-v6e-4x4.yaml")
+    assert manifest["spec"]["preflight"]["enabled"] is True
+    kube.apply(manifest)
+    check_slice(kube, ground, manifest["metadata"]["name"], "tpu-v6e-slice", "4x4", "v6e-4x4", hosts=4,
+                chips_per_host=4, tpu_per_host=4, head_resource="TPU-v6e-16-head")
+
+
+# What the v7x test adds to its sample, and only this: the preflight the v6e sample ships
+# with, and ttlSecondsAfterFinished, which keeps the head a little to read its job list.
+V7X_ADDITIONS = {"preflight": {"enabled": True}, "ttlSecondsAfterFinished": 20}
 
 
 def test_the_tutorial_v7x_2x2x2_sample_with_preflight_counts_two_devices_per_chip_and_fails_before_the_fine_tune(
-        operator, ground, kube, ground_assets, storage):
-    # ttlSecondsAfterFinished keeps the head a little, to read its job list.
-    kube.apply(tpu_resource("v7x-sample", "v7x", "2x2x2", ground_assets, storage,
-                            preflight={"enabled": True}, ttlSecondsAfterFinished=20))
+        operator, ground, kube):
+    manifest = sample_on_the_ground(kube, ground, "finetune-v7x-2x2x2.yaml")
+    assert manifest["spec"]["tpu"] == {"generation": "v7x", "topology": "2x2x2"}
+    shipped = {key: manifest["spec"].get(key) for key in V7X_ADDITIONS}
+    assert all(value in (None, V7X_ADDITIONS[key]) for key, value in shipped.items()), shipped
+    manifest["spec"].update(V7X_ADDITIONS)
+    kube.apply(manifest)
     # 2 hosts of 4 chips; Ray schedules per chiplet: 8 TPU per host, 16 workers.
-    check_slice(kube, ground, "v7x-sample", "tpu7x", "2x2x2", "v7x-2x2x2", hosts=2, chips_per_host=4, tpu_per_host=8,
-                head_resource="TPU-v7x-16-head", preflight=True)
+    check_slice(kube, ground, manifest["metadata"]["name"], "tpu7x", "2x2x2", "v7x-2x2x2", hosts=2, chips_per_host=4,
+                tpu_per_host=8, head_resource="TPU-v7x-16-head", head_kept=True)
 
 
 def test_a_pool_short_of_capacity_shows_the_schedulers_reason_within_60s(operator, ground, kube, ground_assets, storage):

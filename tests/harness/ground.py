@@ -62,6 +62,7 @@ from nodepools import MAINTENANCE_LABEL, NodePool, default_pools, node_manifest,
 
 # deploy/'s namespace (the Lease lives there) and the pod names the operator replicas get,
 # as a Deployment's downward API would give them.
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
 OPERATOR_NAMESPACE = "tpufinetune-system"
 OPERATOR_PODS = ("tpufinetune-operator-0", "tpufinetune-operator-1")
 
@@ -372,6 +373,11 @@ class Ground:
     def operator_environment(self, kubeconfig: Path) -> dict:
         env = dict(os.environ)
         env.pop("TPUFT_DASHBOARD_URL", None)  # the operator reaches each head by its Service name
+        # A developer's shell proxy is not the pod's: through it no head's Service name answers
+        # (a Deployment's pod carries only what its spec gives).
+        for name in PROXY_VARIABLES:
+            env.pop(name, None)
+            env.pop(name.upper(), None)
         env.update(
             KUBECONFIG=str(kubeconfig),
             # Stray Ray address variables must not redirect any run (the operator drops

@@ -6,7 +6,7 @@ kube-controller-manager, KubeRay and GKE-shaped nodes whose pods are real Ray pr
   each Ray head by its Service name through the ground's cluster DNS; metrics on. At the end
   of the session it fails if the ServiceAccount was ever refused (a missing RBAC rule).
 - `ground_namespace` (function): a fresh namespace on the ground, deleted afterwards (the
-  real namespace controller empties it).
+  real namespace controller empties it; `delete_namespace`).
 - `kube` (function): kubectl helpers bound to that namespace.
 - `ground_assets` (session): the trainer's offline assets (`trainer_assets`) uploaded to the
   ground's bucket: `.model`, `.data` and `.root` are gs:// URIs (pods never read host paths).
@@ -87,12 +87,19 @@ def operator(ground):
                     "deploy/base/clusterrole.yaml lacks a rule:\n" + "\n".join(refused[:20]), pytrace=False)
 
 
+def delete_namespace(ground, name: str) -> None:
+    """Delete a test's namespace without waiting: its Ray pods drain for up to 30 s after
+    SIGTERM (Ray's own drain), idle, while the next test starts. Waiting for them cost about
+    45 s a test (measured), the suite's budget cannot hold that."""
+    ground.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
 @pytest.fixture
 def ground_namespace(request, ground):
     name = namespace_name(request)
     ground.kubectl("create", "namespace", name)
     yield name
-    ground.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    delete_namespace(ground, name)
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +123,30 @@ def pytest_runtest_makereport(item, call):
         except Exception as error:  # a report, never a second failure
             pods = f"(no report: {error!r})"
         report.sections.append(("ground pods", pods))
+        try:
+            nodes = _nodes_and_evictions(kube)
+        except Exception as error:  # a report, never a second failure
+            nodes = f"(no report: {error!r})"
+        report.sections.append(("ground nodes and evictions", nodes))
         report.sections.append(("node agent log tail", tail(kube.ground.workdir / "node-agent.log", 40)))
+
+
+def _nodes_and_evictions(kube) -> str:
+    """Each node's Ready condition and taints, and the namespace's eviction and preemption
+    events: whether the test's pods lost their node before its failure."""
+    lines = []
+    for node in json.loads(kube.ground.kubectl("get", "nodes", "-o", "json").stdout)["items"]:
+        ready = next((c for c in node["status"].get("conditions") or [] if c["type"] == "Ready"), {})
+        taints = ",".join(f"{t['key']}:{t['effect']}" for t in node["spec"].get("taints") or [])
+        lines.append(f"{node['metadata']['name']}: Ready={ready.get('status')} {ready.get('reason', '')} "
+                     f"since {ready.get('lastTransitionTime')} taints=[{taints}]")
+    events = json.loads(kube.ground.kubectl("-n", kube.ns, "get", "events", "-o", "json").stdout)["items"]
+    for e in events:
+        if e.get("reason") in ("TaintManagerEviction", "Evicted", "Preempted", "Preempting", "NodeNotReady",
+                               "Killing", "FailedScheduling"):
+            lines.append(f"{e.get('lastTimestamp') or e.get('eventTime')} {e['involvedObject']['kind']}/"
+                         f"{e['involvedObject']['name']}: {e['reason']}: {e.get('message', '')}")
+    return "\n".join(lines)
 
 
 # Reads go to the API server's REST API (ControlPlane.get_json): the waits poll them every

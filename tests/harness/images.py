@@ -15,12 +15,18 @@ with `pip install --no-deps .`. Here, with no container engine:
   the sources change (`ensure()`, called by the ground at start).
 
 Pods whose image is the trainer's run this environment (tests/harness/nodeagent.py), so the
-lock and the TPU import path are what the ground exercises.
+lock and the TPU import path are what the ground exercises. Building or refreshing it is
+this machine's image pull: `ensure()` holds the environment's lock file (`lock_path`) while
+it works, so two callers (`make images`, a ground starting beside a running one) take turns,
+and the node agent, which asks `state()`, holds a container of that image in
+ContainerCreating with a kubelet's `Pulling` event until it is done.
 
     python tests/harness/images.py        # build or refresh (silent when up to date)
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -161,7 +167,7 @@ def _torch_tpu_needs(env: Path) -> list[str]:
 
 
 def install_project(env: Path, key: str) -> None:
-    build_dir = cache_root() / "project-build"
+    build_dir = env.with_name(env.name + ".project-build")  # its own: another environment may build beside it
     shutil.rmtree(build_dir, ignore_errors=True)
     # A clean copy of the sources, as the Dockerfile's COPY lines make (no egg-info, no
     # build leftovers of the checkout).
@@ -179,15 +185,56 @@ def install_project(env: Path, key: str) -> None:
     (env / ".project").write_text(key)
 
 
-def ensure() -> Path:
-    """The trainer image's environment, built or refreshed; returns its venv."""
-    env = trainer_env()
-    if not (env / "bin" / "python").exists():
-        build_environment(env)
-    key = sources_key()
+def lock_path(env: Path) -> Path:
+    """The lock `ensure()` holds while it builds or refreshes `env` (beside it, not in it:
+    a build replaces the whole directory)."""
+    return env.with_name(env.name + ".lock")
+
+
+@contextlib.contextmanager
+def _locked(env: Path, mode: int = fcntl.LOCK_EX):
+    env.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path(env), "a+") as handle:
+        fcntl.flock(handle, mode)
+        yield
+
+
+def _current(env: Path, key: str) -> bool:
     stamp = env / ".project"
-    if not stamp.exists() or stamp.read_text() != key:
-        install_project(env, key)
+    return (env / "bin" / "python").exists() and stamp.exists() and stamp.read_text() == key
+
+
+# What state() answers: the environment can run a container; another process is building or
+# refreshing it (a pull in progress); nobody has built it (`make images`).
+READY, PREPARING, MISSING = "ready", "preparing", "missing"
+
+
+def state(env: Path) -> str:
+    """Whether a container of this image can start now (the node agent asks before each
+    start). Never waits: a build in progress holds the lock."""
+    try:
+        with open(lock_path(env), "a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return PREPARING
+    except OSError:  # no cache directory yet: nothing built
+        return MISSING
+    return READY if (env / "bin" / "python").exists() and (env / ".project").exists() else MISSING
+
+
+def ensure() -> Path:
+    """The trainer image's environment, built or refreshed; returns its venv. Under its lock
+    (`lock_path`): a second caller waits for the first and then finds it current."""
+    env = trainer_env()
+    key = sources_key()
+    if _current(env, key):
+        return env
+    with _locked(env):
+        if not (env / "bin" / "python").exists():
+            build_environment(env)
+        if not _current(env, key):
+            install_project(env, key)
     return env
 
 

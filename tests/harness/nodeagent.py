@@ -5,8 +5,12 @@ get what a GKE pod gets and nothing else.
 - One sync loop (as a kubelet's syncPod) moves every pod a step: mount its volumes, run its
   init containers in order, start its container, report it; a missing Secret, ConfigMap or
   volume is retried until it appears (CreateContainerConfigError, FailedMount meanwhile).
-- Each container runs through `podsandbox.py` (the ground's runc): in the pod's memory cgroup
-  (`podcgroup.py`, `limits.memory`), in a mount namespace of its own with the pod's own /tmp,
+  A container it has not created yet always says why, as a kubelet does: ContainerCreating
+  or PodInitializing, an error's reason and message with a Failed event, or, while another
+  process prepares its image's environment (images.py), ContainerCreating with Pulling.
+- Each container runs through `podsandbox.py` (the ground's runc): in the pod's cgroups
+  (`podcgroup.py`: memory with `limits.memory`, CPU with `cpu.shares` from the requests, as a
+  kubelet sets them), in a mount namespace of its own with the pod's own /tmp,
   HOME (/home/ray, also the working directory), /dev/shm, its volumes (`podspec.py`: emptyDir,
   Secret, ConfigMap, PVC, hostPath, GCS FUSE CSI from `--gcs-root`) and the ground's cluster
   DNS as /etc/hosts; the checkout and its venv are the image. Its environment is the image's,
@@ -14,8 +18,14 @@ get what a GKE pod gets and nothing else.
 - A KubeRay container's `ray start …` line runs with the addresses and ports this machine
   needs (each pod has its own loopback address as podIP; all share one port space); other
   containers run their command as given. KubeRay's `wait-gcs-ready` init container asks the
-  head's real GCS port. Running and Ready once the process answers: the head's dashboard,
-  a worker's registration, any other container's start.
+  head's real GCS port. A head's workers start once it answers (its dashboard, asked
+  directly, never through an HTTP proxy of the agent's environment).
+- Probes as a kubelet runs them (`podprobes.py`): startup, liveness and readiness probes of
+  the spec (exec inside the container, httpGet and tcpSocket at the pod's address; a Ray
+  container's ports as the agent moved them) with their delays, periods, timeouts and
+  thresholds. Readiness makes the container and the pod Ready (at once without a probe); a
+  liveness or startup failure past its threshold kills the container (Unhealthy, Killing)
+  and it restarts per restartPolicy. KubeRay injects such probes into every Ray container.
 - An OOM kill in a container's cgroup kills the whole container (OOMKilled, exit 137); a
   container that exits is reported terminated and restarted per restartPolicy with back-off
   (CrashLoopBackOff; Init:CrashLoopBackOff blocks the pod). Deleting the pod SIGTERMs its
@@ -40,6 +50,7 @@ Where this differs from GKE is listed in tests/README.md. Run as a process by `G
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -64,13 +75,18 @@ sys.path.insert(0, str(HERE))
 from kubernetes import client, config  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
+import images  # noqa: E402
 import podcgroup  # noqa: E402
+import podprobes  # noqa: E402
 from kubernetes.utils import parse_quantity  # noqa: E402
+from gke_shapes import family_by_ray_type, tpu_pod_environment  # noqa: E402
 from listwatch import list_and_watch  # noqa: E402
 from nodelife import NodeLife  # noqa: E402
 from nodepools import SIMULATED_LABEL, tpu_host  # noqa: E402
+from podprobes import DIRECT, LIVENESS, STARTUP, ContainerProbes, Outcome, Probe  # noqa: E402
 from podspec import (  # noqa: E402
-    ConfigError, MountError, VolumePlan, container_env, expand, mount_targets, service_env, volume_plan)
+    ConfigError, MountError, VolumePlan, container_cpu_shares, container_env, expand, mount_targets, pod_cpu_shares,
+    service_env, volume_plan)
 from ports import free_ports  # noqa: E402
 from provisioner import Provisioner  # noqa: E402
 from tpufinetune.core.generations import ACCELERATOR_LABEL, GENERATIONS, TOPOLOGY_LABEL, chips_in  # noqa: E402
@@ -116,6 +132,33 @@ def ray_session_logs(workdir: Path, pod_uid: str) -> list[Path]:
 
 def now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# The agent asks a head's dashboard directly (podprobes.DIRECT), never through an HTTP proxy:
+# from a shell with a proxy set, no head would ever answer and its workers would wait for it
+# forever.
+
+# The kubelet's waiting reasons for a container that is not created yet (its
+# defaultWaitingState): PodInitializing in a pod with init containers, else ContainerCreating.
+CONTAINER_CREATING, POD_INITIALIZING = "ContainerCreating", "PodInitializing"
+
+
+def waiting(reason: str, message: str = "") -> dict:
+    """A waiting container state; a kubelet never writes one without a reason."""
+    if not reason:
+        raise ValueError("a waiting container state needs its reason")
+    return {"waiting": {"reason": reason, "message": message} if message else {"reason": reason}}
+
+
+def kubelet_state(state: dict, default_reason: str) -> dict:
+    """A container state as a kubelet reports it: running, terminated, or waiting with a
+    reason (its default one when nothing more is known), never an empty one."""
+    if state.get("running") is not None or state.get("terminated") is not None:
+        return state
+    if (state.get("waiting") or {}).get("reason"):
+        return state
+    log.warning("a container state without a reason: %s; reported as %s", state, default_reason)
+    return waiting(default_reason, (state.get("waiting") or {}).get("message", ""))
 
 
 # ---- pure parts ----------------------------------------------------------------------------
@@ -176,17 +219,12 @@ def rewrite_ray_start(args: list[str], *, head: bool, ip: str, temp_dir: str,
 
 def tpu_environment(topology: str, worker_id: int, slice_name: str, hostnames: list[str],
                     ray_accelerator: str) -> dict[str, str]:
-    """What GKE gives a pod on a TPU slice node, as Ray's TPU code reads it."""
-    from ray._private.accelerators.tpu import infer_tpu_pod_type_from_topology
-
-    pod_type = infer_tpu_pod_type_from_topology(topology, ray_accelerator) or ""
-    return {
-        "TPU_WORKER_ID": str(worker_id),
-        "TPU_WORKER_HOSTNAMES": ",".join(hostnames),
-        "TPU_NAME": slice_name,
-        "TPU_ACCELERATOR_TYPE": pod_type,
-        "TPU_TOPOLOGY": topology,
-    }
+    """What GKE gives a pod on a TPU slice node (the node's variables and the KubeRay TPU
+    webhook's), from GKE's published facts in gke_shapes.py, never from the product's table:
+    TPU_ACCELERATOR_TYPE is GKE's name for the slice (v6e-16, tpu7x-16), which Ray's TPU code
+    reads. ValueError (the pod's CreateContainerError) for a Ray accelerator type no GKE
+    TPU has, or a topology of the wrong shape for it."""
+    return tpu_pod_environment(family_by_ray_type(ray_accelerator), topology, worker_id, slice_name, hostnames)
 
 
 # The node label GKE puts on a slice's nodes -> Ray's accelerator type, from the one TPU table.
@@ -216,15 +254,17 @@ def hosts_file_text(entries: dict[str, str]) -> str:
 
 
 def service_endpoints(services, pods) -> dict[str, str]:
-    """DNS name -> pod IP for every Service with a selector and a ready pod it selects."""
+    """DNS name -> pod IP for every Service with a selector and a ready pod it selects (any
+    pod it selects with `publishNotReadyAddresses`, as KubeRay's headless head Service has:
+    the head's name resolves before its readiness probe passes, as on GKE)."""
     entries: dict[str, str] = {}
-    ready = [p for p in pods if p.status and p.status.pod_ip and p.metadata.deletion_timestamp is None
-             and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
+    live = [p for p in pods if p.status and p.status.pod_ip and p.metadata.deletion_timestamp is None]
+    ready = [p for p in live if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
     for service in services:
         selector = service.spec.selector or {}
         if not selector:
             continue
-        for pod in ready:
+        for pod in live if service.spec.publish_not_ready_addresses else ready:
             labels = pod.metadata.labels or {}
             if pod.metadata.namespace == service.metadata.namespace and all(
                     labels.get(k) == v for k, v in selector.items()):
@@ -246,6 +286,42 @@ def health_check_to_gcs(text: str, gcs_address: str) -> str:
     <head service>:<head port>`: the port is the one the head's GCS listens on elsewhere,
     so it gets the head's real GCS address, as the worker's own `ray start --address`."""
     return re.sub(r"(ray\s+health-check\s+--address[ =])[^\s;&|]+", lambda m: m.group(1) + gcs_address, text)
+
+
+# Ports a Ray container declares (its `ray start` flags, else Ray's defaults; KubeRay always
+# writes --dashboard-agent-listen-port) that the agent moves: probes of them reach the moved ones.
+RAY_DECLARED_PORTS = {  # the agent's name -> (flag, Ray's default, on the head only)
+    "gcs": ("--port", 6379, True), "client": ("--ray-client-server-port", 10001, True),
+    "dashboard": ("--dashboard-port", DASHBOARD_PORT, True),
+    "metrics": ("--metrics-export-port", 8080, False),
+    "agent_http": ("--dashboard-agent-listen-port", 52365, False),
+}
+
+
+def ray_port_map(args: list[str], head: bool, moved: dict[str, int]) -> dict[int, int]:
+    """Declared port -> the port it really is on the ground, for a `ray start` line's flags
+    (`args`, as ray_start_args gives them) and the ports the agent gave (`moved`)."""
+    flags = {}
+    for i, token in enumerate(args):
+        name, sep, value = token.partition("=")
+        if not sep and i + 1 < len(args):
+            value = args[i + 1]
+        flags.setdefault(name, value)
+    ports = {}
+    for name, (flag, default, head_only) in RAY_DECLARED_PORTS.items():
+        if name in moved and (head or not head_only):
+            declared = flags.get(flag, "")
+            ports[int(declared) if declared.isdigit() else default] = moved[name]
+    return ports
+
+
+def probe_command(command: list[str], ip: str, ports: dict[int, int]) -> list[str]:
+    """An exec probe of a Ray container (KubeRay's `wget … http://localhost:52365/…` before
+    Ray 2.53) asks the pod's own address at the ports the agent moved."""
+    def moved(match: re.Match) -> str:
+        port = int(match.group(2))
+        return f"{ip}:{ports[port]}" if port in ports else match.group(0)
+    return [re.sub(r"\b(localhost|127\.0\.0\.1):(\d+)\b", moved, word) for word in command]
 
 
 def plain_command(container: dict, env: dict) -> list[str]:
@@ -278,15 +354,17 @@ class ContainerState:
     """One container's status as a kubelet reports it."""
     name: str
     image: str
-    state: dict = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
+    state: dict = field(default_factory=lambda: waiting(CONTAINER_CREATING))
     last: dict | None = None
     restarts: int = 0
     ready: bool = False
+    started: bool = True  # its startup probe has passed (true without one)
     container_id: str = ""
 
-    def as_status(self) -> dict:
+    def as_status(self, default_reason: str = CONTAINER_CREATING) -> dict:
         status = {"name": self.name, "image": self.image, "imageID": "", "ready": self.ready,
-                  "started": "running" in self.state, "restartCount": self.restarts, "state": self.state}
+                  "started": self.started and "running" in self.state, "restartCount": self.restarts,
+                  "state": kubelet_state(self.state, default_reason)}
         if self.last:
             status["lastState"] = self.last
         if self.container_id:
@@ -325,17 +403,29 @@ class PodRun:
     crashed: bool = False  # the last container exit is reported; the back-off comes next
     tries: int = 0
     gcs_address: str = ""
-    ready: bool = False
+    answering: bool = False  # its process answers (answers()): a head's workers may start
+    ready: bool = False  # its readiness (probe) has passed
+    probes: ContainerProbes | None = None  # the running main container's probe workers
+    probing: dict = field(default_factory=dict)  # probe kind -> the probe running now (a Future)
+    ports: dict = field(default_factory=dict)  # a Ray container's declared port -> its port here
+    kill_deadline: float | None = None  # a kill for a failed probe under way: SIGKILL then
     deleting: bool = False
     stop_deadline: float | None = None
     hook: subprocess.Popen | None = None  # the preStop hook, while it runs
     event_messages: set = field(default_factory=set)
+    pulling: dict = field(default_factory=dict)  # image -> when its Pulling event was sent (monotonic)
+    waits: set = field(default_factory=set)  # what the pod's log already says it waits for
     conditions: dict = field(default_factory=dict)  # type -> (status, since)
     written: str = ""  # the last status written
 
     @property
     def container(self) -> ContainerState:
         return self.inits[self.init_index] if self.stage == "init" else self.mains[0]
+
+    @property
+    def default_reason(self) -> str:
+        """What a kubelet reports for a container it has not created yet."""
+        return POD_INITIALIZING if self.inits else CONTAINER_CREATING
 
 
 class NodeAgent:
@@ -352,7 +442,8 @@ class NodeAgent:
         # Image repository name -> the environment built as its Dockerfile builds it
         # (images.py); any other image runs this machine's own environment.
         self.images = dict(images or {})
-        self.cgroup = podcgroup.create(podcgroup.ground_cgroup(ground_id))
+        # The kubelet's kubepods: every pod's cgroup below it (podcgroup.py).
+        self.cgroup = podcgroup.create(podcgroup.ground_cgroup(ground_id), shares=podcgroup.node_cpu_shares())
         self.pods_dir = workdir / PODS_DIR
         self.shm_dir = Path("/dev/shm") / f"tpuft-{ground_id}"
         # What the ground adds to every pod, as GKE's nodes add credentials and endpoints
@@ -369,9 +460,12 @@ class NodeAgent:
         self.life = NodeLife(self)  # the nodes' heartbeats and failures (nodelife.py)
         # Every pod, as the watch last delivered it: the sync loop and cluster DNS read it.
         self.pods: dict[str, object] = {}
+        self.pods_listed = threading.Event()  # the pod watch has listed once: the agent sees every pod
         self.next_ip = 1
         self.stop_event = threading.Event()
         self.wake = threading.Event()
+        # Probes run beside the sync loop (a kubelet's probe workers): one may take its timeout.
+        self.prober = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="probe")
 
     def allocate_ip(self) -> str:
         n = self.next_ip
@@ -411,7 +505,10 @@ class NodeAgent:
         for uid, pod in live.items():
             run = self.runs.get(uid)
             if run is None:
-                self.admit(pod)
+                try:
+                    self.admit(pod)
+                except Exception:  # one pod never holds up the others
+                    log.exception("admitting pod %s/%s", pod.metadata.namespace, pod.metadata.name)
             elif pod.metadata.deletion_timestamp is not None and not run.deleting:
                 # The deletion's own grace period (kubectl delete --grace-period), else the pod's.
                 grace = pod.metadata.deletion_grace_period_seconds
@@ -458,8 +555,9 @@ class NodeAgent:
             dir=self.pods_dir / meta.uid, shm=self.shm_dir / meta.uid, cgroup=self.cgroup / meta.uid,
             log_path=pod_log_path(self.workdir, meta.namespace, meta.name), pod=pod,
             restart_policy=spec.restart_policy or "Always",
-            inits=[ContainerState(c.name, c.image, {"waiting": {"reason": "PodInitializing"}}) for c in spec.init_containers or []],
-            mains=[ContainerState(c.name, c.image) for c in spec.containers],
+            inits=[ContainerState(c.name, c.image, waiting(POD_INITIALIZING)) for c in spec.init_containers or []],
+            mains=[ContainerState(c.name, c.image, waiting(POD_INITIALIZING if spec.init_containers else CONTAINER_CREATING))
+                   for c in spec.containers],
         )
         if registry_host(spec.containers[0].image).endswith(UNRESOLVABLE_DOMAIN):
             run.stage = "pull"
@@ -468,7 +566,7 @@ class NodeAgent:
             self.heads[run.cluster_uid] = run
         for path in (run.dir / "tmp", run.dir / "home", run.shm):
             path.mkdir(parents=True, exist_ok=True)
-        podcgroup.create(run.cgroup)
+        podcgroup.create(run.cgroup, shares=pod_cpu_shares(body["spec"]))
         self.write_status(run)
 
     def sync(self, run: PodRun) -> None:
@@ -482,17 +580,21 @@ class NodeAgent:
         elif run.crashed:  # the exit was reported (Error / Init:Error); now the back-off
             run.crashed = False
             c = run.container
-            c.last, c.state = c.state, {"waiting": {"reason": "CrashLoopBackOff", "message": (
+            c.last, c.state = c.state, waiting("CrashLoopBackOff", (
                 f"back-off {self.backoff(c.restarts)}s restarting failed container={c.name} "
-                f"pod={run.name}_{run.namespace}({run.uid})")}}
+                f"pod={run.name}_{run.namespace}({run.uid})"))
             run.next_try = time.monotonic() + self.backoff(c.restarts)
             c.restarts += 1
         elif run.stage == "pull":
             self.sync_pull(run)
         elif run.stage == "setup":
             self.sync_volumes(run)
-        else:
-            self.start_container(run)
+        elif self.image_present(run, run.container):
+            try:
+                self.start_container(run)
+            except Exception as error:  # the runtime failed to create it: the kubelet's CreateContainerError
+                log.exception("pod %s/%s: creating container %s", run.namespace, run.name, run.container.name)
+                self.container_error(run, "CreateContainerError", f"{type(error).__name__}: {error}", retry=5)
         self.write_status(run)
 
     @staticmethod
@@ -505,14 +607,59 @@ class NodeAgent:
         c = run.mains[0]
         host = registry_host(c.image)
         if c.state.get("waiting", {}).get("reason") == "ErrImagePull":
-            c.state = {"waiting": {"reason": "ImagePullBackOff", "message": f'Back-off pulling image "{c.image}"'}}
+            c.state = waiting("ImagePullBackOff", f'Back-off pulling image "{c.image}"')
             run.next_try = time.monotonic() + min(10, 2 ** run.tries)
         else:
             run.tries += 1
-            c.state = {"waiting": {"reason": "ErrImagePull", "message": (
+            c.state = waiting("ErrImagePull", (
                 f'failed to pull and unpack image "{c.image}": failed to resolve reference "{c.image}": '
-                f"dial tcp: lookup {host}: no such host")}}
+                f"dial tcp: lookup {host}: no such host"))
             run.next_try = time.monotonic() + 1
+
+    def image_present(self, run: PodRun, c: ContainerState) -> bool:
+        """A kubelet pulls a container's image before it creates it, and says so. On the
+        ground an image's environment (images.py) may be being built or refreshed by
+        another process (`make images`, a ground starting beside this one): the container
+        waits, with the kubelet's reason and its `Pulling` event, until that is done
+        (`Pulled` then); one nobody builds fails to pull, as an image a registry lacks."""
+        venv = self.images.get(image_repository(c.image))
+        state = images.READY if venv is None else images.state(venv)  # other images: this machine's own
+        if state == images.READY:
+            started = run.pulling.pop(c.image, None)
+            if started is not None:
+                took = time.monotonic() - started
+                self.event(run, "Pulled", f'Successfully pulled image "{c.image}" in {took:.3f}s '
+                                          f"({took:.3f}s including waiting)", kind="Normal")
+            return True
+        if state == images.PREPARING:
+            if c.image not in run.pulling:
+                run.pulling[c.image] = time.monotonic()
+                self.event(run, "Pulling", f'Pulling image "{c.image}"', kind="Normal")
+            c.state = waiting(run.default_reason)
+            run.next_try = time.monotonic() + 1
+        else:
+            self.container_error(run, "ErrImagePull", (
+                f'failed to pull image "{c.image}": the ground has not built this image\'s environment '
+                f"{venv} (make images)"), retry=5)
+        return False
+
+    def container_error(self, run: PodRun, reason: str, message: str, retry: float = 2) -> None:
+        """The container cannot be created yet: the kubelet's waiting reason and message,
+        its `Failed` event (once per message), and another try later."""
+        run.container.state = waiting(reason, message)
+        self.event(run, "Failed", f"Error: {message}")
+        run.next_try = time.monotonic() + retry
+
+    def say_waiting(self, run: PodRun, what: str) -> None:
+        """A wait the agent holds a container in, written once to the pod's log (where a
+        container that polled for it would have said so)."""
+        if what in run.waits:
+            return
+        run.waits.add(what)
+        log.info("pod %s/%s: waiting for %s", run.namespace, run.name, what)
+        run.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(run.log_path, "ab") as out:
+            out.write(f"---- {now()} the node waits for {what}\n".encode())
 
     # -- volumes and environment
 
@@ -542,7 +689,9 @@ class NodeAgent:
                 plan = volume_plan(volume, run.namespace, self.lookup(run.namespace),
                                    str(self.gcs_root) if self.gcs_root else None)
                 paths[volume["name"]] = self.materialize(run, volume["name"], plan)
-        except MountError as error:
+        except Exception as error:  # MountError, or the node failing to write it (a kubelet says FailedMount too)
+            if not isinstance(error, MountError):
+                log.exception("pod %s/%s: volume %s", run.namespace, run.name, volume["name"])
             self.event(run, "FailedMount", f'MountVolume.SetUp failed for volume "{volume["name"]}" : {error}')
             run.next_try = time.monotonic() + 2
             return
@@ -649,7 +798,14 @@ class NodeAgent:
         spec = body["spec"]["initContainers"][run.init_index] if init else body["spec"]["containers"][0]
         if run.ray and not run.head:  # a worker reaches its head's GCS: wait for its address
             head = self.heads.get(run.cluster_uid)
-            if head is None or not head.gcs_address or (not init and not head.ready):
+            if head is None or not head.gcs_address or (not init and not head.answering):
+                # On a cluster the container would start and poll (wait-gcs-ready, `ray start
+                # --address`); here it starts once the head's address is known, in the
+                # kubelet's waiting state, and its log says what it waits for.
+                self.say_waiting(run, f"the head of RayCluster {run.namespace}/{run.cluster} to start its GCS"
+                                 if init or head is None or not head.gcs_address else
+                                 f"head pod {head.name} of RayCluster {run.namespace}/{run.cluster} to answer")
+                c.state = waiting(run.default_reason)
                 run.next_try = time.monotonic() + 0.5
                 return
             run.gcs_address = head.gcs_address
@@ -663,17 +819,15 @@ class NodeAgent:
             argv = self.command(run, spec, env, init)
             mounts = self.mounts(run, spec, env)
         except ConfigError as error:
-            c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(error)}}
-            run.next_try = time.monotonic() + 2
+            self.container_error(run, "CreateContainerConfigError", str(error))
             return
         except (MountError, ValueError) as error:  # a subPath outside its volume, no command
-            c.state = {"waiting": {"reason": "CreateContainerError", "message": str(error)}}
-            run.next_try = time.monotonic() + 2
+            self.container_error(run, "CreateContainerError", str(error))
             return
         cgroup = run.cgroup / spec["name"]
         podcgroup.remove(cgroup)  # a restarted container starts with a fresh one
         limit = ((spec.get("resources") or {}).get("limits") or {}).get("memory")
-        podcgroup.create(cgroup, int(parse_quantity(limit)) if limit else None)
+        podcgroup.create(cgroup, int(parse_quantity(limit)) if limit else None, shares=container_cpu_shares(spec))
         sandbox = run.dir / f"{spec['name']}.json"
         sandbox.write_text(json.dumps({"cgroup": str(cgroup), "mounts": mounts,
                                        "cwd": spec.get("workingDir") or POD_HOME, "argv": argv}))
@@ -682,12 +836,20 @@ class NodeAgent:
             out.write(f"\n---- {now()} {spec['name']}: {shlex.join(argv)}\n".encode())
             out.flush()
             run.log_offset = out.tell()
-            run.proc = subprocess.Popen([sys.executable, "-I", str(HERE / "podsandbox.py"), str(sandbox)],
-                                        env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
+            run.proc = self.sandboxed(run, spec["name"], sandbox, env, stdout=out, stderr=subprocess.STDOUT)
         run.oom = False
         c.state = {"running": {"startedAt": now()}}
         c.container_id = f"ground://{run.proc.pid}"
+        if not init:
+            run.probes = ContainerProbes(spec, time.monotonic())
+            c.started = run.probes.started
+
+    def sandboxed(self, run: PodRun, container: str, sandbox: Path, env: dict, **streams) -> subprocess.Popen:
+        """A process in the container (podsandbox.py: its memory cgroup, mounts and working
+        directory; its CPU cgroup joined before exec), as the runtime starts or execs one."""
+        with podcgroup.CpuJoin(run.cgroup / container) as join:
+            return subprocess.Popen([sys.executable, "-I", str(HERE / "podsandbox.py"), str(sandbox)], env=env,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=join, **streams)
 
     def command(self, run: PodRun, spec: dict, env: dict, init: bool) -> list[str]:
         if init:
@@ -704,6 +866,7 @@ class NodeAgent:
         ports = dict(zip(names, free_ports(len(names), "0.0.0.0")))
         if run.head:
             run.gcs_address = f"{run.ip}:{ports['gcs']}"
+        run.ports = ray_port_map(ray_start_args(spec), run.head, {**ports, "dashboard": DASHBOARD_PORT})
         # KubeRay's RAY_ADDRESS / RAY_PORT name port 6379 on the head; here the GCS
         # listens where the agent put it.
         env.update(RAY_ADDRESS=run.gcs_address, RAY_PORT=run.gcs_address.rsplit(":", 1)[1])
@@ -720,11 +883,19 @@ class NodeAgent:
             podcgroup.kill_all(cgroup)
         code = run.proc.poll()
         if code is None:
-            if run.stage == "main" and not run.ready and self.answers(run):
-                run.ready = c.ready = True
+            if run.kill_deadline is not None:
+                self.sync_kill(run, cgroup)
+            elif run.stage == "main":
+                if not run.answering and self.answers(run):
+                    run.answering = True
+                self.sync_probes(run, c)
             return
         run.proc = None
-        run.ready = c.ready = False
+        run.ready = c.ready = run.answering = False
+        run.probes, run.probing, run.kill_deadline = None, {}, None  # a probe still running is forgotten
+        if run.hook is not None:  # a probe's kill ran the preStop hook; the container ended first
+            self.end_pre_stop(run, run.hook)
+            run.hook = None
         podcgroup.kill_all(cgroup)  # the container's processes end with its main one
         code = 137 if run.oom else exit_code(code)
         reason = "OOMKilled" if run.oom else "Error" if code else "Completed"
@@ -743,9 +914,113 @@ class NodeAgent:
         else:
             run.stage = "done"
 
+    # -- probes (podprobes.py): a kubelet's prober workers for the main container
+
+    def sync_probes(self, run: PodRun, c: ContainerState) -> None:
+        """Each probe's outcome taken in, the probes due started beside the sync loop; the
+        container's started and ready follow them."""
+        for kind, future in list(run.probing.items()):
+            if future.done():
+                del run.probing[kind]
+                self.probe_result(run, c, run.probes.workers[kind], future.result())
+                if run.kill_deadline is not None:
+                    return
+        for worker in run.probes.due(time.monotonic()):
+            kind = worker.probe.kind
+            if kind not in run.probing:  # one at a time: a slow one delays the next tick
+                run.probing[kind] = self.prober.submit(self.probe, run, worker.probe)
+                run.probing[kind].add_done_callback(lambda _: self.wake.set())
+        c.started = run.probes.started
+        run.ready = c.ready = run.probes.ready
+
+    def probe_result(self, run: PodRun, c: ContainerState, worker, outcome: Outcome) -> None:
+        """The kubelet's events for a failed probe (Unhealthy, each distinct message once per
+        container), and for a liveness or startup failure past its threshold the kill
+        (Killing), after which the container restarts per restartPolicy."""
+        kind = worker.probe.kind
+        if not outcome.success:
+            self.event(run, "Unhealthy", f"{kind} probe failed: {outcome.output}", key=c.container_id)
+        if worker.record(outcome.success) is False and kind in (LIVENESS, STARTUP):
+            restarted = ", will be restarted" if run.restart_policy != "Never" else ""
+            self.event(run, "Killing", f"Container {c.name} failed {kind.lower()} probe{restarted}", kind="Normal",
+                       key=c.container_id)
+            grace = worker.probe.termination_grace
+            if grace is None:
+                grace = run.pod.spec.termination_grace_period_seconds
+            self.kill_container(run, 30 if grace is None else grace)
+
+    def probe(self, run: PodRun, probe: Probe) -> Outcome:
+        """One probe, on a prober thread: an exec one inside the container, HTTP and TCP
+        ones at the pod's address (a Ray container's moved ports: run.ports)."""
+        try:
+            spec = self.api.sanitize_for_serialization(run.pod)["spec"]["containers"][0]
+            if probe.handler == "exec":
+                return self.exec_probe(run, spec, probe)
+            port = podprobes.port_number(probe.action.get("port"), spec)
+            port = run.ports.get(port, port)
+            host = probe.action.get("host") or run.ip
+            if probe.handler == "tcpSocket":
+                return podprobes.tcp_socket(host, port, probe.timeout)
+            path = probe.action.get("path") or "/"
+            scheme = (probe.action.get("scheme") or "HTTP").lower()
+            headers = {h["name"]: h["value"] for h in probe.action.get("httpHeaders") or []}
+            return podprobes.http_get(f"{scheme}://{host}:{port}{'' if path.startswith('/') else '/'}{path}",
+                                      headers, probe.timeout)
+        except Exception as error:  # the probe could not run: a failure that says why
+            log.exception("pod %s/%s: %s probe", run.namespace, run.name, probe.kind)
+            return Outcome(False, f"{type(error).__name__}: {error}")
+
+    def exec_probe(self, run: PodRun, spec: dict, probe: Probe) -> Outcome:
+        """An exec probe as the runtime execs it: in the container's cgroups, mounts,
+        working directory and environment; killed with what it started past its timeout."""
+        command = list(probe.action.get("command") or [])
+        if run.ray:
+            command = probe_command(command, run.ip, run.ports)
+        sandbox = run.dir / f"{spec['name']}.json"
+        probe_spec = run.dir / f"{spec['name']}-{probe.kind.lower()}-probe.json"
+        probe_spec.write_text(json.dumps({**json.loads(sandbox.read_text()), "argv": command}))
+        proc = self.sandboxed(run, spec["name"], probe_spec, dict(run.main_env or {}),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            output, _ = proc.communicate(timeout=probe.timeout)
+            return podprobes.exec_outcome(command, proc.returncode, output)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:  # something it started left its group and holds the pipe
+                proc.wait()
+            return podprobes.exec_outcome(command, None, b"")
+
+    def kill_container(self, run: PodRun, grace: float) -> None:
+        """A kubelet's killContainer for a failed probe: the preStop hook, then SIGTERM to the
+        main process, SIGKILL to the container once the grace period is over (sync_kill)."""
+        run.kill_deadline = time.monotonic() + max(1.0, min(grace, MAX_GRACE_SECONDS))
+        run.ready = run.container.ready = False
+        run.hook = self.start_pre_stop(run)
+        if run.hook is None:
+            self.terminate_main(run)
+
+    def sync_kill(self, run: PodRun, cgroup: Path) -> None:
+        now_ = time.monotonic()
+        if run.hook is not None:
+            if run.hook.poll() is None and now_ < run.kill_deadline:
+                return
+            self.end_pre_stop(run, run.hook)
+            run.hook = None
+            run.kill_deadline = max(run.kill_deadline, now_ + 2)  # SIGTERM still gets 2 s (the kubelet's)
+            self.terminate_main(run)
+        elif now_ >= run.kill_deadline:
+            podcgroup.kill_all(cgroup)
+
     def answers(self, run: PodRun) -> bool:
-        """Readiness, decided by the agent: the head's dashboard answers, a worker's
-        `ray start` registered it, any other container has started."""
+        """Whether the container's process answers, decided by the agent: the head's
+        dashboard answers, a worker's `ray start` registered it, any other container has
+        started. A head's workers start once it answers (their readiness is the pod's
+        probes')."""
         if not run.ray:
             return True
         if run.head:
@@ -753,7 +1028,7 @@ class NodeAgent:
             request = urllib.request.Request(f"http://{run.ip}:{DASHBOARD_PORT}/api/version",
                                              headers={"Authorization": f"Bearer {token}"} if token else {})
             try:
-                with urllib.request.urlopen(request, timeout=2) as response:
+                with DIRECT.open(request, timeout=2) as response:
                     return response.status == 200
             except OSError:
                 return False
@@ -782,18 +1057,18 @@ class NodeAgent:
             if run.conditions.get(kind, (None,))[0] != value:
                 run.conditions[kind] = (value, stamp)
         mains = run.mains
-        if run.stage in ("init", "setup"):
-            waiting = {"waiting": {"reason": "PodInitializing" if run.stage == "init" else "ContainerCreating"}}
-            mains = [dataclasses.replace(c, state=waiting) for c in run.mains]
+        if run.stage in ("setup", "init"):
+            state = waiting(POD_INITIALIZING if run.stage == "init" else run.default_reason)
+            mains = [dataclasses.replace(c, state=state) for c in run.mains]
         elif len(run.mains) > 1:  # only the first container runs; the others report as it does
             mains = [run.mains[0]] + [dataclasses.replace(run.mains[0], name=c.name, image=c.image) for c in run.mains[1:]]
         status = {"phase": phase, "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
                   "startTime": run.started_at, "podIP": run.ip, "podIPs": [{"ip": run.ip}],
                   "conditions": [{"type": kind, "status": "True" if value else "False", "lastTransitionTime": since,
                                   "lastProbeTime": None} for kind, (value, since) in run.conditions.items()],
-                  "containerStatuses": [c.as_status() for c in mains]}
+                  "containerStatuses": [c.as_status(run.default_reason) for c in mains]}
         if run.inits:
-            status["initContainerStatuses"] = [c.as_status() for c in run.inits]
+            status["initContainerStatuses"] = [c.as_status(run.default_reason) for c in run.inits]
         return status
 
     def write_status(self, run: PodRun) -> None:
@@ -817,11 +1092,12 @@ class NodeAgent:
             if error.status != 404:
                 log.warning("status of %s/%s: %s", run.namespace, run.name, error)
 
-    def event(self, run: PodRun, reason: str, message: str) -> None:
-        """A Warning event on the pod, once per distinct message (a kubelet repeats them)."""
-        if message in run.event_messages:
+    def event(self, run: PodRun, reason: str, message: str, kind: str = "Warning", key: str = "") -> None:
+        """An event on the pod from the kubelet, once per distinct message (a kubelet
+        repeats them), or once per message and `key` (a probe's: once per container)."""
+        if (key, message) in run.event_messages:
             return
-        run.event_messages.add(message)
+        run.event_messages.add((key, message))
         log.info("pod %s/%s: %s: %s", run.namespace, run.name, reason, message)
         stamp = now()
         try:
@@ -829,7 +1105,7 @@ class NodeAgent:
                 "metadata": {"generateName": f"{run.name}."},
                 "involvedObject": {"kind": "Pod", "namespace": run.namespace, "name": run.name, "uid": run.uid,
                                    "apiVersion": "v1"},
-                "reason": reason, "message": message, "type": "Warning", "count": 1,
+                "reason": reason, "message": message, "type": kind, "count": 1,
                 "firstTimestamp": stamp, "lastTimestamp": stamp,
                 "source": {"component": "kubelet", "host": run.node}})
         except ApiException as error:
@@ -843,7 +1119,8 @@ class NodeAgent:
         or the grace period is over (sync_stop)."""
         run.deleting = True
         run.stop_deadline = time.monotonic() + max(1.0, min(grace, MAX_GRACE_SECONDS))
-        run.hook = self.start_pre_stop(run)
+        if run.hook is None:  # else a probe's kill has run it already: it goes on
+            run.hook = self.start_pre_stop(run)
         if run.hook is None:
             self.terminate_main(run)
 
@@ -862,9 +1139,7 @@ class NodeAgent:
         with open(run.log_path, "ab") as out:
             out.write(f"\n---- {now()} {spec['name']}: preStop {shlex.join(command)}\n".encode())
             out.flush()
-            return subprocess.Popen([sys.executable, "-I", str(HERE / "podsandbox.py"), str(hook)],
-                                    env=dict(run.main_env), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            return self.sandboxed(run, spec["name"], hook, dict(run.main_env), stdout=out, stderr=subprocess.STDOUT)
 
     def run_pre_stop(self, run: PodRun, grace: float) -> None:
         """The hook, waited for (graceful node shutdown runs it from its own thread)."""
@@ -933,6 +1208,7 @@ class NodeAgent:
     def watch_pods(self) -> None:
         def listed(items) -> None:
             self.pods = {pod.metadata.uid: pod for pod in items}
+            self.pods_listed.set()
             self.wake.set()
 
         def event(kind: str, pod) -> None:
@@ -969,6 +1245,7 @@ class NodeAgent:
     def shutdown(self) -> None:
         self.stop_event.set()
         self.wake.set()
+        self.prober.shutdown(wait=False, cancel_futures=True)
         podcgroup.signal_all(self.cgroup, signal.SIGTERM)
         deadline = time.monotonic() + 10
         while podcgroup.procs(self.cgroup) and time.monotonic() < deadline:
@@ -1011,6 +1288,9 @@ def main(argv: list[str]) -> int:
     for loop in (agent.watch_pods, agent.sync_loop, agent.resolve_services, lambda: provisioner.run(agent.stop_event)):
         threading.Thread(target=loop, daemon=True).start()
     agent.life.start()
+    # Ready once it sees every pod (the ground waits for this file before it registers nodes).
+    if not agent.pods_listed.wait(60):
+        log.warning("the pod watch has not listed within 60s")
     # The node-level variables every pod gets, for tests to tell them from the spec's.
     (args.workdir / "nodeagent.ready").write_text(json.dumps({"pid": os.getpid(), "node_env": sorted(agent.node_env)}))
     agent.stop_event.wait()

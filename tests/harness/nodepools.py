@@ -1,25 +1,35 @@
 """GKE-shaped Node objects for the test ground: one node pool per TPU slice, plus CPU nodes.
 
 Each TPU node carries the labels and the taint GKE puts on a TPU slice node, and the
-capacity of its machine type from the one TPU table (`tpufinetune.core.generations`). What a
-pod may use is the allocatable GKE leaves after its system reservations, computed with
-GKE's published formula, so a worker pod that fits here fits the real machine.
+capacity of its machine type as GKE publishes it (`gke_shapes.py`, written once in the
+harness, never read from the product's own table, so a wrong product figure meets these
+nodes as it would meet GKE's). What a pod may use is the allocatable GKE leaves after its
+system reservations, computed with GKE's published formula, so a worker pod that fits here
+fits the real machine.
 
 Pure: this module builds manifests; `Ground` creates them.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-from tpufinetune.core.generations import (
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from gke_shapes import (  # noqa: E402
     ACCELERATOR_LABEL,
+    CPU_MACHINE,
     SPOT_LABEL,
     TOPOLOGY_LABEL,
     TPU_RESOURCE,
+    check_topology,
     chips_in,
-    generation,
-    select_machine,
+    default_chips_per_host,
+    family,
 )
 
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
@@ -37,10 +47,6 @@ SPOT_TAINT = {"key": SPOT_LABEL, "value": "true", "effect": "NoSchedule"}
 MAINTENANCE_LABEL = "cloud.google.com/scheduled-maintenance-time"
 MAX_PODS = 110  # GKE's default maximum pods per node (Standard clusters)
 EPHEMERAL_STORAGE_GIB = 100  # the boot disk of a default GKE node pool
-
-# The CPU nodes that hold Ray heads and the `cpu` stand-in's workers.
-# n2-standard-16: 16 vCPUs, 64 GB (https://cloud.google.com/compute/docs/general-purpose-machines#n2_machines).
-CPU_MACHINE_TYPE, CPU_MACHINE_VCPUS, CPU_MACHINE_MEMORY_GIB = "n2-standard-16", 16, 64
 
 
 @dataclass(frozen=True)
@@ -61,21 +67,26 @@ class NodePool:
 
 def tpu_pool(name: str, generation_name: str, topology: str, nodes: int | None = None,
              chips_per_host: int | None = None) -> NodePool:
-    """The node pool GKE creates for one slice: hosts = chips / chips per host, unless
-    `nodes` asks for another count (a pool short of capacity, for tests)."""
-    gen = generation(generation_name)
-    machine = select_machine(gen, topology, chips_per_host)
-    hosts = chips_in(topology) // machine.chips_per_host
+    """The node pool GKE creates for one slice (`gcloud container node-pools create
+    --machine-type=... --tpu-topology=...`): hosts = chips / chips per VM, unless `nodes`
+    asks for another count (a pool short of capacity, for tests)."""
+    tpu = family(generation_name)
+    check_topology(tpu, topology)
+    machine = tpu.machine(chips_per_host or default_chips_per_host(topology))
+    if chips_in(topology) % machine.tpu_chips:
+        raise ValueError(f"{machine.machine_type} ({machine.tpu_chips} chips) cannot form a {topology} slice")
+    hosts = chips_in(topology) // machine.tpu_chips
     return NodePool(
         name=name, machine_type=machine.machine_type, nodes=hosts if nodes is None else nodes,
-        vcpus=machine.vcpus, memory_gib=machine.memory_gib, tpu_chips=machine.chips_per_host,
-        accelerator=gen.accelerator_label, topology=topology,
+        vcpus=machine.vcpus, memory_gib=machine.memory_gib, tpu_chips=machine.tpu_chips,
+        accelerator=tpu.accelerator_label, topology=topology,
     )
 
 
 def cpu_pool(name: str = "cpu-pool", nodes: int = 3, spot: bool = False) -> NodePool:
-    return NodePool(name=name, machine_type=CPU_MACHINE_TYPE, nodes=nodes,
-                    vcpus=CPU_MACHINE_VCPUS, memory_gib=CPU_MACHINE_MEMORY_GIB, spot=spot)
+    """CPU nodes: they hold the Ray heads and the `cpu` stand-in's workers."""
+    return NodePool(name=name, machine_type=CPU_MACHINE.machine_type, nodes=nodes,
+                    vcpus=CPU_MACHINE.vcpus, memory_gib=CPU_MACHINE.memory_gib, spot=spot)
 
 
 def default_pools() -> list[NodePool]:

@@ -10,6 +10,7 @@ ContainerCreating, with a FailedMount event); the agent retries both on its sync
 from __future__ import annotations
 
 import base64
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -230,3 +231,58 @@ def mount_targets(container: dict, volume_paths: dict[str, str], env: dict) -> l
         mounts.append({"source": source, "target": m["mountPath"], "readOnly": bool(m.get("readOnly")),
                        "subPath": bool(sub)})
     return mounts
+
+
+# ---- CPU shares ----------------------------------------------------------------------------
+
+# The kubelet's cgroup v1 CPU weights (pkg/kubelet/cm/helpers_linux.go): MinShares,
+# MaxShares, SharesPerCPU.
+MIN_SHARES, MAX_SHARES, SHARES_PER_CPU = 2, 262144, 1024
+
+
+def milli_cpu_to_shares(milli: int) -> int:
+    """The kubelet's MilliCPUToShares: 1024 per CPU requested, 2 for none, capped."""
+    if milli == 0:
+        return MIN_SHARES
+    return max(MIN_SHARES, min(MAX_SHARES, milli * SHARES_PER_CPU // 1000))
+
+
+def _milli(quantity: str) -> int:
+    return math.ceil(parse_quantity(quantity) * 1000)  # Quantity.MilliValue rounds up
+
+
+def cpu_request_milli(container: dict) -> int:
+    """A container's CPU request in millicores, rounded up as Quantity.MilliValue; its limit
+    when it has no request (the API server's defaulting), 0 with neither."""
+    resources = container.get("resources") or {}
+    value = (resources.get("requests") or {}).get("cpu") or (resources.get("limits") or {}).get("cpu")
+    return 0 if value is None else _milli(value)
+
+
+def pod_cpu_milli(spec: dict) -> int:
+    """The pod's CPU request as the kubelet sizes its pod cgroup (resource.PodRequests): the
+    app containers and sidecars (restartable init containers) summed, or the largest step
+    of the init containers if more, plus the pod's overhead."""
+    total = sum(cpu_request_milli(c) for c in spec.get("containers") or [])
+    sidecars = init_peak = 0
+    for init in spec.get("initContainers") or []:
+        milli = cpu_request_milli(init)
+        if init.get("restartPolicy") == "Always":  # a sidecar runs beside everything after it
+            total += milli
+            sidecars += milli
+            step = sidecars
+        else:
+            step = milli + sidecars
+        init_peak = max(init_peak, step)
+    overhead = (spec.get("overhead") or {}).get("cpu")
+    return max(total, init_peak) + (_milli(overhead) if overhead else 0)
+
+
+def pod_cpu_shares(spec: dict) -> int:
+    """cpu.shares of the pod's cgroup."""
+    return milli_cpu_to_shares(pod_cpu_milli(spec))
+
+
+def container_cpu_shares(container: dict) -> int:
+    """cpu.shares of a container's cgroup (a container without a request gets 2)."""
+    return milli_cpu_to_shares(cpu_request_milli(container))

@@ -58,6 +58,9 @@ def _start_stack(workdir: Path):
     ground = Ground(workdir=workdir, with_operator=True).start()
     try:
         start_queues(ground)
+        t = time.monotonic()
+        wait_ready_for_samples(ground)
+        ground.timings["ready for samples"] = round(time.monotonic() - t, 1)
     except BaseException:
         ground.stop()
         raise
@@ -72,6 +75,51 @@ def start_queues(ground, namespace: str = "default"):
     kueue = ground.start_kueue()
     kueue.add_local_queues(namespace)
     return kueue
+
+
+def sample_readiness(ground, namespace: str = "default") -> dict:
+    """What a sample applied the moment `up` returns needs beyond every component answering
+    its health check (Ground.start: the node agent sees every pod, the nodes are Ready):
+    name -> a check."""
+    import images
+    from ground import OPERATOR_NAMESPACE, OPERATOR_PODS
+    from tpufinetune.settings import Settings
+
+    settings = Settings.from_env(ground.operator.env if ground.operator else {})
+    lease, elects = settings.lease_name, settings.leader_election
+
+    def found(path: str) -> dict | None:
+        status, body = ground.cp.get_json(path)
+        return body if status == 200 else None
+
+    def leading() -> bool:
+        body = found(f"/apis/coordination.k8s.io/v1/namespaces/{OPERATOR_NAMESPACE}/leases/{lease}") or {}
+        return (body.get("spec") or {}).get("holderIdentity") == OPERATOR_PODS[0]
+
+    checks = {
+        # The ServiceAccount admission refuses every pod of a namespace until its controller
+        # has made the `default` ServiceAccount there.
+        f"ServiceAccount {namespace}/default": lambda: found(f"/api/v1/namespaces/{namespace}/serviceaccounts/default") is not None,
+        # Built by `make images` and refreshed by Ground.start; another process may be at it.
+        "the trainer image's environment": lambda: images.state(images.trainer_env()) == images.READY,
+    }
+    if ground.operator and elects:  # until it leads, the operator's handlers do not run
+        checks[f"the operator leading (Lease {OPERATOR_NAMESPACE}/{lease})"] = leading
+    return checks
+
+
+def wait_ready_for_samples(ground, namespace: str = "default", timeout: float = 120.0) -> None:
+    from waiting import wait_for
+
+    pending = sample_readiness(ground, namespace)
+
+    def all_ready() -> bool:
+        for name, ready in list(pending.items()):
+            if ready():
+                del pending[name]
+        return not pending
+
+    wait_for(all_ready, timeout, "ready for samples", interval=0.3, details=lambda: f"still waiting: {', '.join(pending)}")
 
 
 def _serve() -> int:

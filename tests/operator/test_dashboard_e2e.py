@@ -23,7 +23,7 @@ import pytest
 
 from ground_runs import resource
 from harness import dashboard_check
-from harness.ground_fixtures import Kube
+from harness.ground_fixtures import Kube, delete_namespace
 from harness.k8s_fixtures import namespace_name
 from harness.prometheus import Prometheus
 
@@ -80,7 +80,7 @@ def finished_run(request, ground, operator, prometheus, ground_assets) -> Finish
         prometheus.wait_scraped()
         yield FinishedRun(prometheus, namespace, RUN, start, time.time(), kube.status(RUN))
     finally:
-        ground.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        delete_namespace(ground, namespace)
 
 
 def check(path: Path, run: FinishedRun) -> list[dashboard_check.Outcome]:

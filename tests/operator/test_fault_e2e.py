@@ -1,6 +1,8 @@
-"""The operator on the test ground under Ray faults: a dead head, a refused token, a head
-killed mid-run. Deletion never waits on Ray; an unreachable Ray ends the run with its
-reason and releases the slice; a retry after a lost head resumes from the last checkpoint.
+"""The operator on the test ground under Ray faults: a refused token, a head killed mid-run
+and then the RayCluster deleted in the same run. Deletion never waits on Ray; an unreachable
+Ray ends the run with its reason and releases the slice; a retry after a lost head or a lost
+cluster resumes from the last checkpoint. The application crash, the lost pod and the delete
+behind a dead head share the notice run (test_notice_e2e.py).
 
 That a retry never runs beside its previous attempt is shown where that attempt is still
 alive on the head (a killed head comes back with an empty job table, so it cannot be seen
@@ -15,7 +17,6 @@ import os
 import signal
 import time
 from contextlib import contextmanager
-from datetime import timedelta
 
 import pytest
 
@@ -86,12 +87,17 @@ def test_a_refused_token_fails_the_run_after_the_bound_and_never_blocks_a_delete
         kube.wait_for(lambda: kube.get("raycluster", deleted_cluster) is None, "the deleted run's RayCluster gone")
 
 
-def test_a_head_killed_mid_run_is_retried_once_from_the_last_checkpoint(
+def test_a_killed_head_then_a_deleted_raycluster_are_each_retried_from_the_last_checkpoint(
         operator, ground, kube, ground_assets, storage):
-    manifest = resource("head-killed", ground_assets, storage, epochs=4, rows=400, maxRetries=1)
+    """Two faults in sequence on one run (maxRetries 2): its head killed mid-run (the new head
+    has an empty job table: attempt 2, on the same RayCluster, from attempt 1's checkpoint),
+    then, once attempt 2 runs, its RayCluster deleted by someone else (a lost job: attempt 3
+    on a new cluster, from the newest checkpoint reported). The run ends Succeeded with every
+    epoch once."""
+    manifest = resource("head-killed", ground_assets, storage, epochs=5, rows=400, maxRetries=2)
     uid, cluster = start_run(kube, manifest)
     kube.wait_for(lambda: kube.status("head-killed").get("checkpointURI"), "a first checkpoint", timeout=400)
-    assert kube.status("head-killed")["epoch"] < 4
+    assert kube.status("head-killed")["epoch"] < 5
     kill_head(ground, kube, cluster)
     kube.wait_for(lambda: kube.status("head-killed").get("attempt") == 2, "the retry", timeout=300)
     checkpoint = kube.status("head-killed")["checkpointURI"]  # attempt 1's last one
@@ -110,131 +116,30 @@ def test_a_head_killed_mid_run_is_retried_once_from_the_last_checkpoint(
     jobs = kube.wait_for(retry_on_the_new_head, "attempt 2 on the new head", timeout=300, interval=1)
     assert [j.submission_id for j in jobs] == [f"tft-{uid}-2"]  # nothing else was submitted there
     assert checkpoint in jobs[0].entrypoint  # resumed from the checkpoint attempt 1 reported
-    status = kube.wait_for(lambda: (s := kube.status("head-killed")).get("phase") in ("Succeeded", "Failed") and s,
-                           "the run to end", timeout=600, interval=2)
-    assert status["phase"] == "Succeeded", status.get("message")
-    assert status["attempt"] == 2 and status["jobId"] == f"tft-{uid}-2"
-    assert [entry["epoch"] for entry in status["history"]] == [1, 2, 3, 4]
 
-
-def test_a_raycluster_deleted_mid_run_is_a_lost_job_retried_on_a_new_cluster(
-        operator, ground, kube, ground_assets, storage):
-    manifest = resource("cluster-deleted", ground_assets, storage, epochs=3, rows=400, maxRetries=1)
-    uid, cluster = start_run(kube, manifest)
-    kube.wait_for(lambda: kube.status("cluster-deleted").get("checkpointURI"), "a first checkpoint", timeout=400)
+    # Then, attempt 2 running on the new head, the RayCluster deleted outside the operator.
+    assert kube.status("head-killed")["epoch"] < 5, "the run ended before its second fault"
     old_pods = [p["metadata"]["uid"] for p in kube.pods_of(cluster)]
     kube.kubectl("delete", "raycluster", cluster, "--wait=false")  # someone else's delete
     # Used to fail step after step until RayUnreachable (ten minutes by default).
-    kube.wait_for(lambda: kube.status("cluster-deleted").get("attempt") == 2, "the retry", timeout=120)
-    status = kube.status("cluster-deleted")
-    assert status["retries"] == 1
-    kube.wait_for(lambda: kube.status("cluster-deleted").get("phase") in ("Succeeded", "Failed"), "the end",
-                  timeout=600)
-    status = kube.status("cluster-deleted")
+    kube.wait_for(lambda: kube.status("head-killed").get("attempt") == 3, "the second retry", timeout=120)
+    assert kube.status("head-killed")["retries"] == 2
+    status = kube.wait_for(lambda: (s := kube.status("head-killed")).get("phase") in ("Succeeded", "Failed") and s,
+                           "the run to end", timeout=600, interval=2)
     assert status["phase"] == "Succeeded", status.get("message")
-    assert status["attempt"] == 2 and status["jobId"] == f"tft-{uid}-2"
-    events = json.loads(kube.kubectl("get", "events", "--field-selector", "involvedObject.name=cluster-deleted",
-                                     "-o", "json").stdout)["items"]
-    lost = [e for e in events if e["reason"] == "ClusterLost"]
-    assert lost and lost[0]["type"] == "Warning" and "deleted outside the operator" in lost[0]["message"]
+    assert status["attempt"] == 3 and status["jobId"] == f"tft-{uid}-3"
+    assert [entry["epoch"] for entry in status["history"]] == [1, 2, 3, 4, 5]
+    first, lost, last = status["attempts"]
+    # The head's restart lost attempt 1's job, the delete attempt 2's: both are ClusterLost.
+    assert [a["reason"] for a in status["attempts"]] == ["ClusterLost", "ClusterLost", "Succeeded"], status["attempts"]
+    assert lost["resumedFrom"] == checkpoint, status["attempts"]
+    # From attempt 1's checkpoint, or one attempt 2 wrote before its cluster went (its notice
+    # on SIGTERM, or a later epoch's).
+    assert last["resumedFrom"].rsplit("/", 1)[0] == checkpoint.rsplit("/", 1)[0], status["attempts"]
+    # A lost cluster is never trusted again: each retry ran on a RayCluster of its own.
+    assert len({a["rayClusterUID"] for a in (first, lost, last)}) == 3, status["attempts"]
+    lost_events = [e for e in kube.items("events", "--field-selector", "involvedObject.name=head-killed")
+                   if e["reason"] == "ClusterLost"]
+    assert any(e["type"] == "Warning" and "deleted outside the operator" in e["message"] for e in lost_events), \
+        lost_events
     assert not any(ground.ray_processes(pod) for pod in old_pods)
-
-
-def watch_workers(kube, cluster: str, seen: dict) -> None:
-    """Each worker pod's Ready time and, once seen, its deletion time (for its lifetime)."""
-    for p in kube.pods_of(cluster):
-        if p["metadata"]["labels"].get("ray.io/node-type") != "worker":
-            continue
-        entry = seen.setdefault(p["metadata"]["uid"], {})
-        ready = next((c for c in (p.get("status") or {}).get("conditions") or []
-                      if c["type"] == "Ready" and c["status"] == "True"), None)
-        if ready:
-            entry.setdefault("ready", cond.parse_time(ready["lastTransitionTime"]))
-        if p["metadata"].get("deletionTimestamp"):
-            # deletionTimestamp is the deadline (the request + the grace period), not the request.
-            grace = timedelta(seconds=p["metadata"].get("deletionGracePeriodSeconds") or 0)
-            entry.setdefault("deleted", cond.parse_time(p["metadata"]["deletionTimestamp"]) - grace)
-
-
-def retry_to_running(kube, name: str, watch=lambda: None) -> float:
-    """Seconds from attempt 1's end to attempt 2 Running (both from the status)."""
-    status = kube.wait_for(lambda: (watch(), s := kube.status(name))[1].get("phase") == "Running"
-                           and s.get("attempt") == 2 and s, f"{name}: attempt 2 Running", timeout=400, interval=1)
-    ended = cond.parse_time(status["attempts"][0]["endTime"])
-    return (cond.parse_time(status["phaseTransitionTime"]) - ended).total_seconds()
-
-
-def test_an_app_failure_retries_on_the_same_raycluster_faster_than_a_lost_pod_and_each_attempt_is_counted(
-        operator, ground, kube, ground_assets, storage):
-    """Attempt 1's driver killed (an application crash on a healthy slice): attempt 2 runs on
-    the same RayCluster, from the checkpoint. A worker pod deleted instead (the cloud taking
-    a host): attempt 1 is Preempted and attempt 2 runs on a new RayCluster, later. Both
-    attempts are in status.attempts with their reasons, and usage.hostHours is what the
-    worker pods lived. Last, the rebuilt slice's head is killed and the run deleted: the
-    delete never waits on the dead head."""
-    manifest = resource("app-crash", ground_assets, f"{storage}/a", epochs=2, rows=480, maxRetries=1,
-                        training={"checkpointEverySteps": 2})
-    uid, cluster = start_run(kube, manifest)
-    cluster_uid = kube.wait_for(lambda: (kube.get("raycluster", cluster) or {}).get("metadata", {}).get("uid"),
-                                "the RayCluster")
-    workers: dict = {}
-    kube.wait_for(lambda: (watch_workers(kube, cluster, workers), kube.status("app-crash").get("checkpointURI"))[1],
-                  "a first checkpoint", timeout=400, interval=1)
-    checkpoint = kube.status("app-crash")["checkpointURI"]
-    driver = kube.head_job_client(cluster).get_job_info(f"tft-{uid}-1").driver_info
-    os.kill(int(driver.pid), signal.SIGKILL)  # the trainer's driver dies; every pod stays Ready
-    reuse = retry_to_running(kube, "app-crash", lambda: watch_workers(kube, cluster, workers))
-
-    def ended():
-        watch_workers(kube, cluster, workers)
-        status = kube.status("app-crash")
-        return status if status.get("phase") in ("Succeeded", "Failed") else None
-
-    status = kube.wait_for(ended, "app-crash to end", timeout=600, interval=1)
-    assert status["phase"] == "Succeeded", status.get("message")
-    kube.wait_for(lambda: (watch_workers(kube, cluster, workers), not kube.pods_of(cluster))[1], "pods gone",
-                  timeout=120, interval=1)
-    status = kube.status("app-crash")
-    first, second = status["attempts"]
-    assert first["reason"] == "AppFailed" and "log tail:" in first["message"], first
-    assert second["reason"] == "Succeeded"
-    # From the last checkpoint attempt 1 reported: the one seen before the kill, or a later one.
-    resumed, seen = second["resumedFrom"].rsplit("/", 1), checkpoint.rsplit("/", 1)
-    assert resumed[0] == seen[0] and resumed[1] >= seen[1], (resumed, seen)
-    assert first["rayClusterUID"] == second["rayClusterUID"] == cluster_uid
-    assert first["lostSteps"] >= 0
-    wide = kube.kubectl("get", "tpufinetunes", "app-crash", "-o", "wide").stdout.splitlines()
-    assert wide[1][wide[0].index("ATTEMPTS"):].split()[0] == "2", wide  # kubectl aligns columns
-    events = kube.items("events", "--field-selector", "involvedObject.name=app-crash")
-    assert any(e["reason"] == "AttemptFailed" and "AppFailed" in e["message"] for e in events)
-    # Host-hours: the two worker pods, from Ready to deleted (the slice was never rebuilt).
-    assert len(workers) == 2 and all({"ready", "deleted"} <= set(w) for w in workers.values()), workers
-    lived = sum((w["deleted"] - w["ready"]).total_seconds() for w in workers.values()) / 3600
-    usage = status["usage"]
-    assert usage["chipHours"] == 0 and usage["provisioningSeconds"] > 0
-    assert abs(usage["hostHours"] - lived) <= 0.1 * lived, (usage, lived)
-
-    # The same fault as the cloud's: a worker pod taken away. The slice is rebuilt.
-    uid, cluster = start_run(kube, resource("pod-lost", ground_assets, f"{storage}/b", epochs=50, maxRetries=1))
-    running(kube, "pod-lost")
-    kube.wait_for(lambda: kube.status("pod-lost").get("lastEventTime"), "the trainer's first event", timeout=300)
-    old_uid = kube.get("raycluster", cluster)["metadata"]["uid"]
-    worker = next(p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "worker")
-    kube.kubectl("delete", "pod", worker["metadata"]["name"], "--wait=false")
-    rebuild = retry_to_running(kube, "pod-lost")
-    first, second = kube.status("pod-lost")["attempts"]
-    # The pod is gone when the operator looks (its preStop hook had the trainer save and
-    # stop at once): the message names it, or its replacement.
-    assert first["reason"] == "Preempted", first
-    assert worker["metadata"]["name"] in first["message"] or "was replaced" in first["message"], first
-    assert first["rayClusterUID"] == old_uid != second["rayClusterUID"]
-    print(f"\nretry to Running: same RayCluster {reuse:.0f} s, rebuilt {rebuild:.0f} s")
-    assert reuse < rebuild, (reuse, rebuild)
-
-    # Its new head dies; deleting the run then never waits on Ray: the finalizer goes within
-    # 30 s and every pod and Ray process of the slice is released.
-    cluster = kube.status("pod-lost")["rayClusterName"]
-    pods = kube.pods_of(cluster)
-    kill_head(ground, kube, cluster)
-    delete_within_30s(kube, "pod-lost")
-    released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])

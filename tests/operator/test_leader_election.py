@@ -8,7 +8,7 @@ resourceVersion.
 - Fencing against the real kube-apiserver: a writer holding a stale copy (a replica that
   lost its Lease) is refused, and the newer Succeeded status stays.
 The whole operator, two replicas and a leader killed mid-run, is in
-tests/ground/test_two_replicas.py.
+tests/operator/test_operator_e2e.py (its finetune run).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from harness.waiting import wait_for
 from run_helpers import long_log, submit_printing
 from tpufinetune.driver import Run, status_patch
 from tpufinetune.adapters.logresume import ANCHOR_LINES, AnchorSearch, as_logged, stream_decoder
-from tpufinetune.adapters.rayjobs import RESUME_LINES, LogFollower, RayJobs, event_dict
+from tpufinetune.adapters.logfollow import LogFollower
+from tpufinetune.adapters.rayjobs import RESUME_LINES, RayJobs, event_dict
 from tpufinetune_trainer.events import format_event, parse_text
 
 EPOCH1 = format_event("epoch", epoch=1, epochs=2, loss=3.0)

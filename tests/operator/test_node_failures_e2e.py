@@ -13,7 +13,9 @@ On the ground (two runs, each proving several things):
   drain is refused by the worker's PodDisruptionBudget, and a preemption gives the worker
   SIGTERM (Ray's own handler logs it and drains; SIGKILL only after the pod's 15 s share of
   the notice) and the Failed/Terminated status of graceful node shutdown, before the node
-  goes away.
+  goes away. The pool refills the node, and the run ends Succeeded: its first attempt
+  `Preempted`, with at most the step in flight lost (its preStop hook saved the step), the
+  next one resumed from that checkpoint.
 """
 
 from __future__ import annotations
@@ -159,10 +161,16 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
     ground.add_pools([pool])
     try:
         toleration = {"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
-        manifest = resource("spot", ground_assets, storage, epochs=50,
+        # Far more epochs than the first attempt can train before its node is preempted; the
+        # retry gets fewer (below).
+        manifest = resource("spot", ground_assets, storage, epochs=50, maxRetries=1,
                             tpu={"topology": "1", "spot": True}, workers={"tolerations": [toleration]})
         _, cluster = start_run(kube, manifest)
         running(kube, "spot")
+        # The trainer steps: a notice then has a step to save (before, the job would only
+        # wait for its worker to come back).
+        kube.wait_for(lambda: (kube.status("spot").get("progress") or {}).get("step", 0) >= 1,
+                      "the trainer's first steps", timeout=300, interval=1)
         worker = next(p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "worker")
         assert worker["spec"]["nodeName"] == spot_node
 
@@ -180,6 +188,11 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
         assert node_of(ground, spot_node)["spec"].get("unschedulable") is True  # cordoned
         same = kube.get("pod", worker["metadata"]["name"])
         assert same["metadata"]["uid"] == worker["metadata"]["uid"] and not same["metadata"].get("deletionTimestamp")
+        # The maintenance is called off before the preemption comes (GKE drops the label),
+        # so that what ends the attempt is the preemption alone.
+        ground.kubectl("label", "node", spot_node, f"{MAINTENANCE_LABEL}-")
+        status = kube.status("spot")
+        assert status["phase"] == "Running" and status["attempt"] == 1, status.get("message")
 
         # KubeRay deletes a Failed worker at once: the watch sees the status it had.
         uid = worker["metadata"]["uid"]
@@ -205,6 +218,32 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
         assert code == 1 or (code == 137 and shut_down_after >= POD_SHUTDOWN_SECONDS - 1), (code, shut_down_after)
         kube.wait_for(lambda: node_of(ground, spot_node) is None, "the preempted node gone", timeout=90)
         assert time.monotonic() - noticed >= PREEMPTION_NOTICE_SECONDS - 1
+
+        # The first attempt has ended; the retry waits for a Spot node. A spec edit applies
+        # to the next attempt: a target every evaluation reaches ends the run at the retry's
+        # first epoch end. (An edit of the epochs would change what the checkpoint was
+        # trained for, and the resume would be refused: docs/api.md.)
+        status = kube.wait_for(lambda: (s := kube.status("spot")).get("attempt", 1) >= 2 and s, "the retry",
+                               timeout=120)
+        epochs_before = len(status.get("history") or [])
+        kube.kubectl("patch", "tpufinetune", "spot", "--type=merge",
+                     "-p", json.dumps({"spec": {"training": {"targetEvalLoss": 1000.0}}}))
+        # The Spot pool refills: a fresh VM under the same name, where the retry runs.
+        ground.restore_node(spot_node)
+        status = kube.wait_for(lambda: (s := kube.status("spot")).get("phase") in ("Succeeded", "Failed") and s,
+                               "the run to end", timeout=600, interval=2)
+        assert status["phase"] == "Succeeded", status.get("message")
+        preempted = [a for a in status["attempts"] if a.get("reason") == "Preempted"]
+        assert len(preempted) == 1 and preempted[0]["attempt"] == 1, status["attempts"]
+        # The worker's preStop hook had the trainer save the step it was on: at most the step
+        # in flight when SIGTERM came is lost (attempts.py: lastStep - checkpointStep).
+        assert preempted[0]["lostSteps"] <= 1, preempted[0]
+        assert status["attempts"][-1]["reason"] == "Succeeded", status["attempts"]
+        assert status["attempts"][-1]["resumedFrom"], status["attempts"]
+        assert status["earlyStop"]["reason"] == "TargetEvalLoss", status.get("earlyStop")
+        # Every epoch once, and the retry trained to an epoch end of its own.
+        history = [e["epoch"] for e in status["history"]]
+        assert history == list(range(1, len(history) + 1)) and len(history) > epochs_before, history
     finally:
         kube.kubectl("delete", "tpufinetune", "spot", "--wait=false", check=False)
         ground.remove_pool(pool)

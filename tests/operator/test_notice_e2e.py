@@ -1,19 +1,27 @@
-"""Checkpoint on notice and early stopping on the test ground (cpu runs, gs:// storage):
+"""Faults and notices in sequence on one cpu run (gs:// storage), each its own attempt:
+- the trainer's driver killed (an application crash on a healthy slice): attempt 2 runs on the
+  same RayCluster, from the last checkpoint;
 - GKE's maintenance label on a node of the run: the operator asks the trainer for a
-  checkpoint now, and training goes on; then, in the same run,
-- a worker pod deleted mid-epoch with a 30 s grace: its preStop hook has the trainer save the
-  step before the pod goes, and the retry resumes from that very step;
-- training.targetEvalLoss: the run stops after the evaluation that reaches it, exports that
-  checkpoint and fills status.timeToTarget."""
+  checkpoint now, and training goes on;
+- a worker pod deleted mid-epoch with a 30 s grace (the cloud taking a host): its preStop
+  hook has the trainer save the step before the pod goes, and attempt 3, on a rebuilt
+  RayCluster (later than the same-cluster retry), resumes from that very step;
+- the kept cluster's head killed, then the run deleted: the delete never waits on Ray.
+And training.targetEvalLoss: the run stops after the evaluation that reaches it, exports that
+checkpoint and fills status.timeToTarget."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from datetime import datetime, timezone
 
 import pytest
 
+from tpufinetune.core import conditions as cond
 from tpufinetune_trainer.events import parse_text
-from ground_runs import jobs_of, resource, running, start_run
+from ground_runs import jobs_of, released, resource, start_run
 from harness.timing import within
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
@@ -26,45 +34,82 @@ def events_of_attempt(kube, cluster: str, uid: str, attempt: int) -> list:
     return parse_text(client.get_job_logs(f"tft-{uid}-{attempt}"))
 
 
-def training(kube, cluster: str, uid: str) -> None:
-    """The first attempt's workers are stepping (its plan is out)."""
-    kube.wait_for(lambda: any(e.kind == "plan" for e in events_of_attempt(kube, cluster, uid, 1)),
-                  "the trainer's plan", timeout=300, interval=1)
+def training(kube, cluster: str, uid: str, attempt: int) -> None:
+    """The attempt's workers are stepping (its plan is out)."""
+    kube.wait_for(lambda: any(e.kind == "plan" for e in events_of_attempt(kube, cluster, uid, attempt)),
+                  f"attempt {attempt}'s plan", timeout=300, interval=1)
 
 
 def workers(kube, cluster: str) -> list[dict]:
     return [p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "worker"]
 
 
-def test_maintenance_then_a_deleted_worker_each_get_a_checkpoint_and_the_retry_loses_no_step(
+def head_pod(kube, cluster: str) -> dict:
+    return next(p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "head")
+
+
+def note_ready(kube, cluster: str, seen: dict) -> None:
+    """Each worker pod's Ready time, as the pod's condition says."""
+    for p in workers(kube, cluster):
+        ready = next((c for c in (p.get("status") or {}).get("conditions") or []
+                      if c["type"] == "Ready" and c["status"] == "True"), None)
+        if ready:
+            seen.setdefault(p["metadata"]["uid"], cond.parse_time(ready["lastTransitionTime"]))
+
+
+def retry_to_running(kube, name: str, attempt: int) -> float:
+    """Seconds from the previous attempt's end to `attempt` Running (both from the status)."""
+    status = kube.wait_for(lambda: (s := kube.status(name)).get("phase") == "Running"
+                           and s.get("attempt") == attempt and s, f"{name}: attempt {attempt} Running",
+                           timeout=400, interval=1)
+    ended = cond.parse_time(status["attempts"][attempt - 2]["endTime"])
+    return (cond.parse_time(status["phaseTransitionTime"]) - ended).total_seconds()
+
+
+def test_a_crash_maintenance_then_a_deleted_worker_each_get_their_attempt_and_the_last_retry_loses_no_step(
         operator, ground, kube, ground_assets, storage):
-    """One run, two notices: GKE's maintenance label on a node of the run (a checkpoint now,
-    training goes on), then a worker pod deleted mid-epoch with a 30 s grace (its preStop
-    hook has the trainer save the step before the pod goes; the retry resumes from it)."""
-    # ttlSecondsAfterFinished keeps the head after the end, to read attempt 2's log. Every
+    # ttlSecondsAfterFinished keeps the head after the end, to read attempt 3's log. Every
     # checkpoint is kept: with the default of one, Ray Train deletes the notice's checkpoint
     # (reported without an evaluation, so ranked last) once the epoch's next one completes,
     # which can come before the bucket is looked at below.
-    manifest = resource("notice", ground_assets, storage, epochs=10, rows=640, maxRetries=1,
+    every = 4  # steps between checkpoints: the crash has one to resume from early
+    manifest = resource("notice", ground_assets, storage, epochs=10, rows=640, maxRetries=2,
                         terminationGracePeriodSeconds=30, ttlSecondsAfterFinished=300,
-                        checkpoint={"keep": 100})
+                        checkpoint={"keep": 100}, training={"checkpointEverySteps": every})
     uid, cluster = start_run(kube, manifest)
-    running(kube, "notice")
-    training(kube, cluster, uid)
+    cluster_uid = kube.wait_for(lambda: (kube.get("raycluster", cluster) or {}).get("metadata", {}).get("uid"),
+                                "the RayCluster")
+    ready_at: dict = {}  # the first RayCluster's worker pods: when each was Ready
 
-    # Maintenance scheduled on a node of the run.
+    # 1. The driver dies (every pod stays Ready): attempt 2 on the same RayCluster.
+    kube.wait_for(lambda: (note_ready(kube, cluster, ready_at), kube.status("notice").get("checkpointURI"))[1],
+                  "a first checkpoint", timeout=400, interval=1)
+    checkpoint = kube.status("notice")["checkpointURI"]
+    driver = kube.head_job_client(cluster).get_job_info(f"tft-{uid}-1").driver_info
+    os.kill(int(driver.pid), signal.SIGKILL)
+    crashed_at = datetime.now(timezone.utc)
+    reuse = retry_to_running(kube, "notice", 2)
+    crashed = kube.status("notice")["attempts"][0]
+    assert crashed["reason"] == "AppFailed" and "log tail:" in crashed["message"], crashed
+    assert crashed["rayClusterUID"] == cluster_uid
+    assert crashed["lostSteps"] <= 2 * every and crashed["lostSteps"] <= crashed["lastStep"], crashed
+    events = kube.items("events", "--field-selector", "involvedObject.name=notice")
+    assert any(e["reason"] == "AttemptFailed" and "AppFailed" in e["message"] for e in events)
+    training(kube, cluster, uid, 2)
+
+    # 2. Maintenance scheduled on a node of the run.
     node = workers(kube, cluster)[0]["spec"]["nodeName"]
     when = str(int(time.time()) + 3600)
     labelled = time.monotonic()
     ground.kubectl("label", "node", node, f"{MAINTENANCE_LABEL}={when}")
     try:
-        kube.wait_for(lambda: (kube.status("notice").get("notice") or {}).get("requestedBy")
-                      == "Maintenance", "a checkpoint on notice", timeout=120, interval=0.5)
+        kube.wait_for(lambda: (kube.status("notice").get("notice") or {}).get("requestedBy") == "Maintenance",
+                      "a checkpoint on notice", timeout=120, interval=0.5)
         saved_s = time.monotonic() - labelled
     finally:
         ground.kubectl("label", "node", node, f"{MAINTENANCE_LABEL}-")
     status = kube.status("notice")
-    assert status["phase"] == "Running" and status["attempt"] == 1  # the request stopped nothing
+    assert status["phase"] == "Running" and status["attempt"] == 2  # the request stopped nothing
     assert status["maintenance"]["nodes"] == [node] and status["maintenance"]["requests"] == 1
     assert status["notice"]["reason"] == "Requested" and node in status["notice"]["detail"]
     assert ground.gcs.list(status["notice"]["checkpointURI"])
@@ -72,38 +117,71 @@ def test_maintenance_then_a_deleted_worker_each_get_a_checkpoint_and_the_retry_l
     # head, the trainer's next read (1 s) and one step: generous for two slow cores.
     assert saved_s < 90, saved_s
     request_jobs = [j.submission_id for j in jobs_of(kube, cluster, uid) if "checkpoint" in j.submission_id]
-    assert request_jobs == [f"tft-{uid}-1-checkpoint-1"]
+    assert request_jobs == [f"tft-{uid}-2-checkpoint-1"]
 
-    # A worker pod deleted (as the cloud takes a host), mid-epoch.
+    # 3. A worker pod deleted (as the cloud takes a host), mid-epoch.
     victim = workers(kube, cluster)[0]["metadata"]["name"]
     deleted = time.monotonic()
     kube.kubectl("delete", "pod", victim, "--grace-period=30", "--wait=true", timeout=90)
     gone_s = time.monotonic() - deleted
     assert gone_s < within(30), gone_s  # the hook returned once the step was saved, before the grace ran out
 
-    first = kube.head_job_client(cluster).get_job_logs(f"tft-{uid}-1")
-    notices = [e for e in parse_text(first) if e.kind == "notice"]
-    assert notices, first[-6000:]
+    second = kube.head_job_client(cluster).get_job_logs(f"tft-{uid}-2")
+    notices = [e for e in parse_text(second) if e.kind == "notice"]
+    assert notices, second[-6000:]
     notice = notices[-1]  # the driver's, from the failure (rank 0's may have gone with its pod)
     assert notice["reason"] == "SIGTERM" and notice["step"] >= 1
     assert ground.gcs.list(notice["uri"]), notice["uri"]  # the step's shards are in the bucket
+    rebuild = retry_to_running(kube, "notice", 3)
+    print(f"\nretry to Running: same RayCluster {reuse:.0f} s, rebuilt {rebuild:.0f} s")
+    assert reuse < rebuild, (reuse, rebuild)
     status = kube.wait_for(lambda: (s := kube.status("notice")).get("phase") in ("Succeeded", "Failed") and s,
                            "the run to end", timeout=600)
     assert status["phase"] == "Succeeded", status.get("message")
-    assert status["attempt"] == 2 and status["notice"]["step"] == notice["step"]
-    plan = next(e for e in events_of_attempt(kube, cluster, uid, 2) if e.kind == "plan")
+    assert status["attempt"] == 3 and status["notice"]["step"] == notice["step"]
+    plan = next(e for e in events_of_attempt(kube, cluster, uid, 3) if e.kind == "plan")
     assert plan["resumed_from"] == notice["uri"]
     assert notice["step"] - plan["resumed_step"] == 0  # lost steps
-    # The attempts say the same: a preemption, resumed from the notice's checkpoint, at most
-    # one step lost (the one in flight when the notice came, if it was not finished).
-    first_attempt, second_attempt = status["attempts"]
+    # The attempts say the same: an app failure resumed on the same cluster, then a
+    # preemption resumed from the notice's checkpoint on a rebuilt one, at most one step lost
+    # (the one in flight when the notice came, if it was not finished).
+    crashed, preempted, last = status["attempts"]
+    # From the last checkpoint attempt 1 reported: the one seen before the kill, or a later one.
+    resumed, seen = preempted["resumedFrom"].rsplit("/", 1), checkpoint.rsplit("/", 1)
+    assert resumed[0] == seen[0] and resumed[1] >= seen[1], (resumed, seen)
+    assert preempted["rayClusterUID"] == cluster_uid != last["rayClusterUID"], status["attempts"]
     # The pod is gone when the operator looks: it names it, or its replacement.
-    assert first_attempt["reason"] == "Preempted", first_attempt
-    assert victim in first_attempt["message"] or "was replaced" in first_attempt["message"], first_attempt
-    assert second_attempt["reason"] == "Succeeded" and second_attempt["resumedFrom"] == notice["uri"]
-    assert first_attempt["lostSteps"] <= 1, first_attempt
+    assert preempted["reason"] == "Preempted", preempted
+    assert victim in preempted["message"] or "was replaced" in preempted["message"], preempted
+    assert last["reason"] == "Succeeded" and last["resumedFrom"] == notice["uri"]
+    assert preempted["lostSteps"] <= 1, preempted
+    wide = kube.kubectl("get", "tpufinetunes", "notice", "-o", "wide").stdout.splitlines()
+    assert wide[1][wide[0].index("ATTEMPTS"):].split()[0] == "3", wide  # kubectl aligns columns
     reasons = [e["reason"] for e in kube.items("events") if e["involvedObject"]["name"] == "notice"]
     assert "Maintenance" in reasons and reasons.count("CheckpointOnNotice") >= 2, reasons
+    # Host-hours of attempt 1: its two worker pods, from Ready (as the pods say) to the crash
+    # (as the test made it), and the operator's notice of the failed job: a poll and a step.
+    assert len(ready_at) == 2, ready_at
+    pods_lived = sum((crashed_at - ready).total_seconds() for ready in ready_at.values()) / 3600
+    usage = crashed["usage"]
+    assert usage["chipHours"] == 0 and usage["provisioningSeconds"] > 0, usage
+    noticed = 2 * 20 / 3600  # two hosts, up to 20 s after the crash
+    assert pods_lived * 0.9 <= usage["hostHours"] <= pods_lived * 1.1 + noticed, (usage, pods_lived)
+
+    # 4. The kept cluster's head dies; deleting the run then never waits on Ray: the
+    # finalizer goes within 30 s and every pod and Ray process of the slice is released.
+    pods = kube.pods_of(cluster)
+    uid_of_head = head_pod(kube, cluster)["metadata"]["uid"]
+    for pid in ground.ray_processes(uid_of_head):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    started = time.monotonic()
+    kube.kubectl("delete", "tpufinetune", "notice", "--wait=false")
+    kube.wait_for(lambda: kube.get("tpufinetune", "notice") is None, "notice's finalizer removed", timeout=within(30))
+    assert time.monotonic() - started < within(30)
+    released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])
 
 
 def test_a_target_eval_loss_stops_the_run_early_and_exports_that_checkpoint(

@@ -30,6 +30,7 @@ from harness.operator_process import OperatorProcess
 from harness.ports import free_port
 from harness.timing import within
 from harness.waiting import wait_for
+from tpufinetune import driver
 from tpufinetune.adapters.handlers import kopf_connection_limit
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.settings import Settings
@@ -40,6 +41,8 @@ RUNS = 120
 # limit; a few more for connections being closed while their successors open.
 WATCH_STREAMS = 3
 SLACK = 5
+# Poll intervals the runs are watched at rest: each would be RUNS steps for runs that polled.
+REST_POLLS = 10
 SPEC = {"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "registry.example/t:1",
         "checkpoint": {"storagePath": "gs://bench/ckpt"}}
 
@@ -117,12 +120,31 @@ def test_a_burst_keeps_connections_bounded_then_waiting_runs_rest_and_an_edit_wa
         bound = kopf_connection_limit(1) + Settings().kube_threads + WATCH_STREAMS + SLACK
         assert 0 < most[0] <= bound, (most[0], bound)
 
-        # At rest: a poll interval of 1 s would be RUNS steps a second.
-        time.sleep(2)  # the last spaced writes land
-        before = steps(metrics_url)
-        time.sleep(10)
-        taken = steps(metrics_url) - before
-        assert taken <= RUNS * 0.05, f"{taken} steps in 10 s by {RUNS} runs that only wait"
+        # At rest: a poll interval of 1 s would be RUNS steps a second. First the steps in
+        # flight end (the last spaced writes land, a watch event of a run's own RayCluster
+        # is looked at): a poll interval passes without a step, which a run that polled
+        # would never leave.
+        poll = Settings.from_env(env).poll_interval
+        counted: list[float | None] = [None]
+
+        def still() -> bool:  # called a poll interval apart
+            counted.append(steps(metrics_url))
+            return counted[-1] == counted[-2]
+
+        wait_for(still, within(REST_POLLS * poll), "a poll interval without a step", interval=poll,
+                 details=operator.log_tail)
+        # Then, for REST_POLLS poll intervals (within the idle resync, which steps every run
+        # once), next to no step: a run that polled would take one in each.
+        assert REST_POLLS * poll < driver.IDLE_RESYNC_S
+        before = counted[-1]
+        allowed = RUNS * 0.05
+        try:
+            taken = wait_for(lambda: (n := steps(metrics_url) - before) > allowed and n, REST_POLLS * poll,
+                             f"more than {allowed:g} steps by {RUNS} runs that only wait", interval=poll / 4)
+        except AssertionError:  # the wait ran out: they rested
+            taken = steps(metrics_url) - before
+        else:
+            raise AssertionError(f"{taken} steps within {REST_POLLS * poll:g} s by {RUNS} runs that only wait")
 
         # An edit wakes its sleeping run at once (a waiting run sleeps up to a minute).
         objects.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "burst-7", {"spec": {"suspend": True}})
@@ -133,7 +155,7 @@ def test_a_burst_keeps_connections_bounded_then_waiting_runs_rest_and_an_edit_wa
 
         wait_for(suspended, within(10), "the suspended run to be Pending", interval=0.2, details=operator.log_tail)
         print(f"{RUNS} runs at once: at most {most[0]} connections to the API server (bound {bound}); "
-              f"{taken:.0f} steps in 10 s at rest")
+              f"{taken:.0f} steps in {REST_POLLS * poll:g} s at rest")
     finally:
         sampling.set()
         operator.stop()

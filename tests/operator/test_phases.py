@@ -229,6 +229,40 @@ def test_invalid_spec_fails_with_the_reason_and_creates_nothing():
     assert not any(isinstance(a, (phases.CreateCluster, phases.SubmitJob)) for a in d.actions)
 
 
+def _plan_of(model: str) -> Plan:
+    from tpufinetune.core.api import parse_spec
+
+    spec = parse_spec({"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "img", "model": {"id": model},
+                       "checkpoint": {"storagePath": "gs://bucket/ckpt"}})
+    return phases.plan_for(IDENT, spec, timedelta(minutes=30))
+
+
+def test_a_run_that_cannot_fit_its_slice_fails_before_any_raycluster():
+    d = step({}, plan=_plan_of("google/gemma-4-31B-it"))
+    assert d.phase == phases.FAILED
+    failed = cond.find(d.status, cond.FAILED)
+    assert failed["reason"] == "DoesNotFit"
+    assert "GiB of HBM per chip" in d.status["message"] and "28.8 GiB usable" in d.status["message"]
+    assert "smallest that fits" in d.status["message"]
+    assert "CreateCluster" not in kinds(d) and "SubmitJob" not in kinds(d)
+    assert d.status["plan"]["fits"] is False and d.status["plan"]["basis"] == "table"
+    assert checked_status(d.status) is d.status  # status.plan is declared
+
+
+def test_a_run_that_fits_records_its_plan_and_goes_on():
+    d = step({}, plan=_plan_of("google/gemma-4-E2B-it"))
+    assert d.phase == phases.PENDING
+    assert d.status["plan"]["fits"] is True
+    assert "CreateCluster" in kinds(step(d.status, plan=_plan_of("google/gemma-4-E2B-it")))
+
+
+def test_an_edit_that_cannot_fit_before_submission_fails_and_releases():
+    status = step(step({}).status).status
+    d = step(status, plan=_plan_of("google/gemma-4-31B-it"), cluster=ClusterView(exists=True))
+    assert d.phase == phases.FAILED and cond.find(d.status, cond.FAILED)["reason"] == "DoesNotFit"
+    assert phases.DeleteCluster("demo-rc") in d.actions
+
+
 def test_terminal_phase_keeps_releasing_until_the_cluster_is_gone():
     done = step(running_status(), cluster=READY, job=JobView("SUCCEEDED")).status
     assert step(done, cluster=READY).actions == [phases.DeleteCluster("demo-rc")]

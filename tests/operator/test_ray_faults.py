@@ -11,6 +11,7 @@ trainer's jobs, aiohttp for the proxy.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import io
 import shlex
 import socket
@@ -24,8 +25,9 @@ from tpufinetune.adapters.jobapi import AuthenticationError
 
 from harness.ports import free_port
 from harness.waiting import wait_for
-from tpufinetune import driver
-from tpufinetune.adapters.rayjobs import NO_DRIVER_LOG, LogFollower, RayJobs, event_dict
+from tpufinetune import runray
+from tpufinetune.adapters.logfollow import LogFollower
+from tpufinetune.adapters.rayjobs import NO_DRIVER_LOG, RESUME_LINES, RayJobs, event_dict
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
 from tpufinetune.local import LocalBackend
@@ -261,6 +263,20 @@ def test_a_clean_close_of_the_log_stream_mid_run_loses_no_later_event(ray_head, 
     assert status["checkpointURI"] and status["exportedModelURI"]
 
 
+# How long LogFollower.finish waits for a websocket to end by itself (its default, as the
+# driver calls it at a job's end).
+FINISH_STREAM_S = inspect.signature(LogFollower.finish).parameters["timeout"].default
+
+
+def finish_bound(jobs: RayJobs) -> float:
+    """The most LogFollower.finish can take: the stream's own end (its `timeout`), then the
+    rest read from the cursor, each call to the head within the client's timeout: a client,
+    the driver's node, the tail (doubling from RESUME_LINES[0] to RESUME_LINES[1], then the
+    whole log) and, failing that, the whole log once more."""
+    tails = 2 + (RESUME_LINES[1] // RESUME_LINES[0]).bit_length()
+    return FINISH_STREAM_S + (2 + tails + 1) * jobs.timeout
+
+
 def test_a_reconnect_mid_run_reads_a_bounded_tail_not_the_log_from_its_start(ray_head, tmp_path):
     """The websocket is closed once it passed a long log's first part, while the job
     sleeps before its last lines: the follower resumes at its cursor from a bounded tail
@@ -285,7 +301,11 @@ def test_a_reconnect_mid_run_reads_a_bounded_tail_not_the_log_from_its_start(ray
                     break
                 await asyncio.sleep(0.1)
                 events += follower.drain()
-            await asyncio.sleep(1)  # nothing more may come
+            # Nothing more may come: once the job has ended, the follower is finished as the
+            # driver finishes it (the stream's last lines, or the rest read from the cursor),
+            # and every event it would ever hand out has been drained.
+            await asyncio.to_thread(wait_job, ray_head.job_client(), job_id)
+            await asyncio.wait_for(follower.finish(), finish_bound(jobs))
             return events + follower.drain(), follower, proxy
         finally:
             await follower.close()
@@ -375,7 +395,7 @@ def test_a_retry_never_overlaps_its_previous_attempt_and_leaves_no_task_behind(r
             streams_at_start.append((self.submission_id, len(live)))
             super().start()
 
-    monkeypatch.setattr(driver, "LogFollower", CountedFollower)
+    monkeypatch.setattr(runray, "LogFollower", CountedFollower)  # where the driver's Ray side makes it
     jobs = SubmitWatch(ray_head.job_client(), uid, headers=ray_head.headers(), timeout=5)
 
     async def scenario():

@@ -11,7 +11,6 @@ tpufinetunes/status in the test's namespace, as a misbehaving policy or webhook 
 
 from __future__ import annotations
 
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,14 +18,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ground_runs import jobs_of, operator_with, resource, running, start_run
+from ground_runs import jobs_of, operator_with, resource, running, scrape, start_run
 from harness.admission import refusing_policy
+from harness.kubewatch import KubeWatch
+from harness.waiting import wait_for
+from tpufinetune.core.api import GROUP, PLURAL, VERSION
+from tpufinetune.settings import Settings
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 REFUSAL = "status writes are refused by the test's admission policy"
 SETTINGS = Path(__file__).resolve().parents[2] / "deploy" / "base" / "configmap.yaml"
 STALL_S = 10  # TPUFT_STALL_TIMEOUT for this test (shipped: minutes)
-REFUSED_S = 20  # the least time the policy stays
 
 
 def refuse_status_writes(namespace: str) -> list[dict]:
@@ -49,6 +51,25 @@ def healthz(url: str) -> int | None:
         return None
 
 
+class Deployed:
+    """What `scrape` needs of the operator restarted with the shipped settings: it serves
+    /metrics on the session operator's port (operator_with keeps its environment)."""
+
+    def __init__(self, env: dict):
+        self.metrics_url = f"http://127.0.0.1:{env['TPUFT_METRICS_PORT']}/metrics"
+
+
+def failed_steps(operator, phase: str) -> float:
+    """Steps from `phase` that raised (tpufinetune_reconcile_errors_total): a status write
+    refused fails its step."""
+    return scrape(operator).get(("tpufinetune_reconcile_errors_total", (("phase", phase),)), 0.0)
+
+
+def ended(objects: list[dict]) -> int:
+    """1 once any TPUFineTune the watch saw has a terminal phase written."""
+    return int(any((o.get("status") or {}).get("phase") in ("Succeeded", "Failed") for o in objects))
+
+
 def job_ended(kube, cluster: str, uid: str) -> bool:
     try:
         jobs = jobs_of(kube, cluster, uid)
@@ -62,21 +83,35 @@ def test_refused_status_writes_around_the_job_end_lose_nothing_and_fail_healthz_
     manifest = resource("refused", ground_assets, storage, epochs=2, dataset={"split": "train[:64]"})
     policy = yaml.safe_dump_all(refuse_status_writes(kube.ns))
     env = {**shipped_settings(), "TPUFT_STALL_TIMEOUT": str(STALL_S)}
+    deployed_settings = Settings.from_env(env)
+    # A step that fails sleeps a poll interval, then looks again (Ray, with its timeout)
+    # and writes (the Kubernetes timeout): two such steps fit in this, whatever the load.
+    two_steps_s = 2 * (deployed_settings.poll_interval + deployed_settings.ray_timeout
+                       + deployed_settings.kube_timeout)
     with operator_with(operator, **env) as deployed:
         health = f"http://127.0.0.1:{deployed.port}/healthz"
+        metrics = Deployed(deployed.env)
         uid, cluster = start_run(kube, manifest)
         running(kube, "refused")
         assert healthz(health) == 200
-        kube.cp.kubectl("apply", "-f", "-", input=policy)
-        refused_at = time.monotonic()
-        try:
-            # Past the bound with every write refused, kopf's probe fails (500).
-            kube.wait_for(lambda: healthz(health) == 500, "/healthz failing", timeout=STALL_S + 60)
-            kube.wait_for(lambda: job_ended(kube, cluster, uid), "the job's end", timeout=300)
-            time.sleep(max(0.0, REFUSED_S - (time.monotonic() - refused_at)))
-            assert kube.status("refused")["phase"] == "Running"  # its end is not written yet
-        finally:
-            kube.cp.kubectl("delete", "-f", "-", input=policy, check=False)
+        # Every version of the run the API server stores from here on: an end written while
+        # the policy refuses would be one of them, however briefly it stood.
+        with KubeWatch(ground.cp.kubeconfig, kube.ns, resource=(GROUP, VERSION, PLURAL), ended=ended) as watch:
+            kube.cp.kubectl("apply", "-f", "-", input=policy)
+            try:
+                # Past the bound with every write refused, kopf's probe fails (500).
+                kube.wait_for(lambda: healthz(health) == 500, "/healthz failing", timeout=STALL_S + 60)
+                kube.wait_for(lambda: job_ended(kube, cluster, uid), "the job's end", timeout=300)
+                # The operator has tried to write the end: two more failed steps from
+                # Running, the second begun after the first ended, after the job's end was
+                # seen here, so it saw the job ended and its write of the end was refused.
+                failed = failed_steps(metrics, "Running")
+                wait_for(lambda: failed_steps(metrics, "Running") >= failed + 2, two_steps_s,
+                         "two refused steps after the job's end", details=deployed.log_tail)
+                assert watch.most["ended"] == 0, kube.status("refused")  # its end is not written yet
+                assert kube.status("refused")["phase"] == "Running"
+            finally:
+                kube.cp.kubectl("delete", "-f", "-", input=policy, check=False)
         kube.wait_for(lambda: kube.status("refused").get("phase") in ("Succeeded", "Failed"), "the run's end",
                       timeout=180)
         kube.wait_for(lambda: healthz(health) == 200, "/healthz healthy again", timeout=60)

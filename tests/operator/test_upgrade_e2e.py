@@ -1,29 +1,31 @@
-"""Upgrade from the previous release, and roll back, with runs in flight (the ground).
+"""Roll back to the previous release, and upgrade again, with runs in flight (the ground).
 
 In the style of KubeRay's "upgrade from the previous release" e2e: the previous release's
 operator code (the tag below, materialised with `git archive` from this clone's history)
 runs in the same venv with PYTHONPATH pointing at it. One module, two short CPU runs, both
-directions:
+directions, each operator really driving:
 
-1. the previous release drives run A (made by it) into Running;
-2. it is killed and this checkout's operator takes over mid-run (the upgrade); it makes
-   run B and drives it into Running;
-3. it is killed and the previous release takes over again mid-run (a rollback).
+1. this checkout's operator makes run B and drives it into Running;
+2. it is killed and the previous release takes over mid-run (a rollback; the CRD stays this
+   release's, as the upgrade procedure says). It makes run A and drives it into Running:
+   A's status then holds only keys the previous release declares, proof that it, and not
+   this version, wrote it;
+3. it is killed and this checkout's operator takes over mid-run again (the upgrade).
 
 Both runs end Succeeded with nothing duplicated or lost: one RayCluster each, never
 recreated; one Ray job per attempt, attempt 1 only; every epoch once in status.history.
-Then both are deleted under the rolled-back operator and their finalizers go (an older
-operator refusing a newer one's status keys could never release them).
+Then both are deleted and their finalizers go.
 
 The supported skew is one release either way (docs/architecture.md, "Upgrades and
-version skew"). ROLLBACK_OUTCOME says what happens to a run the newer operator made when
-the previous release takes it over; it is asserted, so a change to it is a decision.
-v0.2.0 predates skew tolerance: before the rollback the test asks v0.2.0's own code
-whether it can read run B. A status key it does not declare (this version's
-status.attempts and status.usage are such keys) makes each of its steps fail (logged;
-nothing is stopped or deleted): the job keeps running on Ray, and the test redoes the
-upgrade, which must finish the run (Succeeded, every epoch once, one job). A spec field it
-does not know is not supported.
+version skew"). v0.2.0 predates skew tolerance: before the rollback the test asks v0.2.0's
+own code whether it can read run B. A status key it does not declare (this version's
+status.attempts and status.usage are such keys, written on every run) makes each of its
+steps fail (logged; nothing is stopped, written or deleted; B's head also refuses its
+operator-wide token, so until its Ray unreachable timeout the steps fail on that call first):
+B's job keeps running on Ray, B's status stays as this version left it, and the upgrade
+finishes it (Succeeded, every epoch once, one job). A spec field it does not know is not supported. ROLLBACK_OUTCOME says
+what happens to a run this version made when a previous release that can read its status
+takes it over; it is asserted then, so a change to it is a decision.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pathlib import Path
 import pytest
 
 from ground_runs import jobs_of, resource, start_run
+from tpufinetune.core import conditions as cond
 from tpufinetune.core import sizing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
@@ -57,8 +60,11 @@ PREVIOUS_RELEASE_COMMIT = "8eb4e17b080d7f8cb0ad93cc5b04d12ac103e089"
 # RayCluster its own (derived from a signing key v0.2.0 does not know), so v0.2.0 cannot
 # drive a run this version made: it fails it as RayUnreachable and releases its slice.
 ROLLBACK_OUTCOME = ("Failed", "RayUnreachable")
-UNREACHABLE_TIMEOUT_S = 60
-EPOCHS = 3
+# Short, so that the previous release's first status write for B (below) comes soon.
+UNREACHABLE_TIMEOUT_S = 30
+# Two short epochs (64 rows): "every epoch once" still tells a repeated or lost epoch apart.
+EPOCHS = 2
+ROWS = 64
 
 
 def _git(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -113,6 +119,19 @@ except ValueError as error:
 """
 
 
+DECLARED_KEYS = """
+from tpufinetune.core.status import TPUFineTuneStatus
+print(" ".join(f.alias or name for name, f in TPUFineTuneStatus.model_fields.items()))
+"""
+
+
+def previous_release_status_keys(tree: Path) -> set[str]:
+    """The status keys the previous release's own model declares."""
+    out = subprocess.run([sys.executable, "-c", DECLARED_KEYS], text=True, capture_output=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=_pythonpath(tree))).stdout
+    return set(out.split())
+
+
 def previous_release_refusal(tree: Path, body: dict) -> tuple[str, str]:
     """What the previous release's own checks (the ones each of its steps makes) say about
     `body`: ("", "") when it can drive it, else ("spec" | "status", its message)."""
@@ -130,13 +149,22 @@ class Operators:
         self.previous = previous
         self.process = None
         self.running = ""
+        self.log_from = 0
 
     def start(self, which: str) -> None:
         env = {"TPUFT_PROVISION_TIMEOUT": "600", "TPUFT_RAY_UNREACHABLE_TIMEOUT": str(UNREACHABLE_TIMEOUT_S)}
         if which == PREVIOUS_RELEASE:
             env["PYTHONPATH"] = _pythonpath(self.previous)
+        log = self.ground.workdir / "operator.log"  # appended to by each start
+        self.log_from = log.stat().st_size if log.exists() else 0
         self.process = self.ground.start_operator(extra_env=env)
         self.running = which
+
+    def log(self) -> str:
+        """What the running operator has logged since it started."""
+        with open(self.process.log_path, "rb") as log:
+            log.seek(self.log_from)
+            return log.read().decode(errors="replace")
 
     def replace(self, which: str) -> None:
         """As a crash or a forced rollout: the running operator is killed, not drained."""
@@ -185,63 +213,77 @@ def one_cluster_one_job(kube, name: str, uid: str, cluster: str, cluster_uid: st
     assert [job.submission_id for job in jobs_of(kube, cluster, uid)] == [f"tft-{uid}-1"]
 
 
-def test_runs_in_flight_survive_an_upgrade_and_a_rollback(ground, kube, operators, ground_assets, storage):
+def test_runs_in_flight_survive_a_rollback_and_an_upgrade(ground, kube, operators, ground_assets, storage):
     def run_manifest(name: str) -> dict:
         # ttlSecondsAfterFinished keeps each head up after the end, to count its jobs.
         # The head's memory as this version sizes it: v0.2.0's 2Gi cpu head is OOM-killed
         # (Ray's head and the job's driver need more) wherever limits are enforced, as on
         # GKE and on the ground; a v0.2.0 user sets spec.head.resources, as here.
         head_memory = {"memory": sizing.CPU_HEAD_MEMORY}
-        return resource(name, ground_assets, f"{storage}/{name}", epochs=EPOCHS,
-                        dataset={"split": "train[:64]"}, ttlSecondsAfterFinished=600,
+        return resource(name, ground_assets, f"{storage}/{name}", epochs=EPOCHS, rows=ROWS,
+                        ttlSecondsAfterFinished=600,
                         head={"resources": {"requests": head_memory, "limits": head_memory}})
 
-    operators.start(PREVIOUS_RELEASE)
-    uid_a, cluster_a = start_run(kube, run_manifest("made-by-previous"))
-    running(kube, "made-by-previous")
-    cluster_a_uid = kube.get("raycluster", cluster_a)["metadata"]["uid"]
+    previous_keys = previous_release_status_keys(operators.previous) | {"kopf"}
+    assert {"phase", "rayClusterName", "jobId", "history"} <= previous_keys  # it read its own model
 
-    # The upgrade, mid-run.
-    assert kube.status("made-by-previous")["phase"] == "Running"
-    operators.replace("current")
+    # 1. This version makes B and drives it into Running.
+    operators.start("current")
     uid_b, cluster_b = start_run(kube, run_manifest("made-by-current"))
     running(kube, "made-by-current")
     cluster_b_uid = kube.get("raycluster", cluster_b)["metadata"]["uid"]
 
-    # The rollback, mid-run (of B at least; A may have finished under this version).
+    # 2. The rollback, mid-run of B.
     assert kube.status("made-by-current")["phase"] == "Running"
     refused, refusal = previous_release_refusal(operators.previous, kube.get("tpufinetune", "made-by-current"))
     assert refused != "spec", (f"{PREVIOUS_RELEASE} cannot read this release's spec ({refusal}): a rollback "
                                "to it is not supported; see docs/architecture.md, 'Upgrades and version skew'")
     operators.replace(PREVIOUS_RELEASE)
+    b_left = {k: v for k, v in kube.status("made-by-current").items() if k != "kopf"}
+    if refused != "status":
+        # It can read B but cannot reach B's head: the documented outcome, never a hang.
+        b = finished(kube, "made-by-current")
+        assert (b["phase"], cond.find(b, cond.FAILED)["reason"]) == ROLLBACK_OUTCOME, b.get("message")
+
+    # The rolled-back operator drives a run of its own on this release's CRD: A, into Running.
+    uid_a, cluster_a = start_run(kube, run_manifest("made-by-previous"))
+    a_running = running(kube, "made-by-previous")
+    cluster_a_uid = kube.get("raycluster", cluster_a)["metadata"]["uid"]
+    # Only the previous release ran since A was applied, and A's status says so: nothing of
+    # what this version writes on every run (status.attempts, status.usage, ...).
+    assert set(a_running) <= previous_keys, sorted(set(a_running) - previous_keys)
+    assert operators.running == PREVIOUS_RELEASE and operators.process.proc.poll() is None
     if refused == "status":
-        # It leaves B alone: every step is refused before anything is written or done.
-        kube.wait_for(lambda: "undeclared status keys" in operators.process.log_tail(400),
-                      f"{PREVIOUS_RELEASE} refusing B's status ({refusal})", timeout=60)
-        assert kube.status("made-by-current")["phase"] == "Running"
-        operators.replace("current")  # the upgrade, redone, finishes it
+        # It leaves B alone. B's head refuses its operator-wide token, so each step fails
+        # (nothing written) until the head has not answered for its unreachable timeout;
+        # then the step that would fail B is refused at its status write, before any action.
+        assert set(b_left) - previous_keys, b_left  # the keys it refuses are there
+        kube.wait_for(lambda: "undeclared status keys" in operators.log(),
+                      f"{PREVIOUS_RELEASE} refusing B's status ({refusal})", timeout=UNREACHABLE_TIMEOUT_S + 60)
+        # B untouched all along: the same status as this version left it, still Running.
+        assert {k: v for k, v in kube.status("made-by-current").items() if k != "kopf"} == b_left
+        assert b_left["phase"] == "Running"
+
+    # 3. The upgrade, mid-run of A.
+    assert kube.status("made-by-previous")["phase"] == "Running"
+    operators.replace("current")
 
     a = finished(kube, "made-by-previous")
     assert a["phase"] == "Succeeded", a.get("message")
     assert [entry["epoch"] for entry in a["history"]] == list(range(1, EPOCHS + 1))
     one_cluster_one_job(kube, "made-by-previous", uid_a, cluster_a, cluster_a_uid)
-
-    b = finished(kube, "made-by-current")
-    # A status the previous release refuses keeps it off the run: the redone upgrade finished it.
-    phase, reason = ("Succeeded", "") if refused == "status" else ROLLBACK_OUTCOME
-    assert b["phase"] == phase, b.get("message")
-    if phase == "Succeeded":
+    if refused == "status":
+        # Left alone by the previous release, finished by the upgrade: its job ran on.
+        b = finished(kube, "made-by-current")
+        assert b["phase"] == "Succeeded", b.get("message")
         assert [entry["epoch"] for entry in b["history"]] == list(range(1, EPOCHS + 1))
         one_cluster_one_job(kube, "made-by-current", uid_b, cluster_b, cluster_b_uid)
-    else:
-        assert next(c for c in b["conditions"] if c["type"] == "Failed")["reason"] == reason
 
-    # The operator now running (the rolled-back one, unless it had to be upgraded again)
-    # releases what either version made.
-    for name, cluster in (("made-by-previous", cluster_a), ("made-by-current", cluster_b)):
+    # The upgraded operator releases what either version made.
+    for name in ("made-by-previous", "made-by-current"):
         kube.kubectl("delete", "tpufinetune", name, "--wait=false")
     for name, cluster in (("made-by-previous", cluster_a), ("made-by-current", cluster_b)):
         kube.wait_for(lambda name=name: kube.get("tpufinetune", name) is None, f"{name}'s finalizer removed", timeout=60)
         kube.wait_for(lambda cluster=cluster: kube.get("raycluster", cluster) is None, f"{cluster} deleted", timeout=60)
-    assert operators.running == ("current" if refused else PREVIOUS_RELEASE)
+    assert operators.running == "current"
     assert operators.process.proc.poll() is None

@@ -21,7 +21,14 @@ from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
 
+from harness.timing import within
 from run_helpers import MemoryCluster, body, in_loop, settings
+
+# Poll intervals a run that polled would take a look in each of: the span of the checks.
+POLLS = 20
+# Steps a run takes on its way to rest, each but the last with a poll's sleep at most (the
+# one that wrote "waiting for RayCluster" and the one after).
+TRANSITION_STEPS = 3
 
 
 class WatchedCluster(MemoryCluster):
@@ -34,12 +41,14 @@ class WatchedCluster(MemoryCluster):
         super().__init__()
         self.ready = False  # the pods never get ready unless a test says so
         self.looks = 0
+        self.looked = asyncio.Event()  # set at every look
         self.ready_after_look: int | None = None
         self.run: Run | None = None
 
     async def observe(self, ident, name):
         view = await super().observe(ident, name)
         self.looks += 1
+        self.looked.set()
         if self.looks == self.ready_after_look:
             # The change lands while this step is still deciding on the old view.
             self.ready = True
@@ -50,10 +59,20 @@ class WatchedCluster(MemoryCluster):
 @contextlib.asynccontextmanager
 async def provisioning(cluster: WatchedCluster, **values):
     """A run looping (Run.run) until it waits for its RayCluster; stopped, and its loop
-    ended within 5 s, on the way out (the stop ends a long sleep at once)."""
+    ended within 5 s, on the way out (the stop ends a long sleep at once). `run.asleep`
+    holds the length of each sleep of its loop as it begins."""
     # Writes are not spaced: every step's write goes at once, so a step is seen when it looks.
     run = Run(body(), cluster, RayJobs(), settings(status_write_interval=0, **values))
     cluster.run = run
+    run.asleep = asyncio.Queue()
+    sleep = run._sleep
+
+    async def recorded_sleep(stopped, seconds: float) -> None:  # the loop's own sleep, observed
+        cluster.looked.clear()  # from here on, `looked` is a look after this sleep began
+        run.asleep.put_nowait(seconds)
+        await sleep(stopped, seconds)
+
+    run._sleep = recorded_sleep
     stopped = asyncio.Event()
     task = asyncio.create_task(run.run(stopped))
     try:
@@ -64,6 +83,31 @@ async def provisioning(cluster: WatchedCluster, **values):
     finally:
         stopped.set()
         await asyncio.wait_for(task, 5)
+
+
+async def resting(run: Run) -> float:
+    """Waits until the run's loop sleeps, last, for longer than a poll (a run at rest sleeps
+    until the idle resync or its timer); returns that sleep's length. Any look after that
+    sleep began is `cluster.looked`. A loop that only ever sleeps a poll interval fails
+    here, after the polls a waiting run may take on its way to rest."""
+    poll = run.settings.poll_interval
+    polls = 0
+    while True:
+        seconds = await asyncio.wait_for(run.asleep.get(), within(driver.IDLE_RESYNC_S))
+        if seconds > poll and run.asleep.empty():
+            return seconds
+        polls += seconds <= poll
+        if polls > TRANSITION_STEPS:
+            raise AssertionError(f"the waiting run still sleeps only a poll interval ({poll} s) at a time")
+
+
+async def no_look_within(cluster: WatchedCluster, seconds: float) -> None:
+    """Waits `seconds` for a look of the run; fails if one comes."""
+    try:
+        await asyncio.wait_for(cluster.looked.wait(), seconds)
+    except asyncio.TimeoutError:
+        return
+    raise AssertionError(f"the run looked again within {seconds} s (look {cluster.looks})")
 
 
 async def until_phase(cluster: WatchedCluster, phase: str, within: float) -> None:
@@ -93,9 +137,11 @@ def test_the_timers_of_a_waiting_run():
 async def test_a_watched_run_waiting_for_its_cluster_takes_no_steps_until_a_change_wakes_it():
     cluster = WatchedCluster()
     async with provisioning(cluster) as run:  # polls every 0.05 s when not waiting
-        looks = cluster.looks
-        await asyncio.sleep(1.0)  # 20 polls' worth
-        assert cluster.looks - looks <= 1, cluster.looks - looks
+        slept = await resting(run)
+        # Asleep: a run that polled would look every poll interval; this one looks no more
+        # for POLLS of them (its sleep lasts longer still: the idle resync or its timer).
+        assert slept >= POLLS * run.settings.poll_interval, slept
+        await no_look_within(cluster, POLLS * run.settings.poll_interval)
         cluster.ready = True
         run.wake.set()  # what the RayCluster watch does
         await until_phase(cluster, phases.SUBMITTING, within=5)
@@ -123,15 +169,22 @@ async def test_a_waiting_run_still_fails_at_its_provisioning_timeout():
 @in_loop
 async def test_stopping_the_operator_ends_a_waiting_runs_sleep_at_once():
     cluster = WatchedCluster()
-    async with provisioning(cluster):
-        await asyncio.sleep(0.2)  # asleep now, for up to the idle resync; leaving stops it
+    async with provisioning(cluster) as run:
+        # Asleep now, for up to the idle resync; leaving stops it (within 5 s, provisioning).
+        assert await resting(run) > 5
 
 
 @in_loop
 async def test_an_unwatched_backend_keeps_polling():
     cluster = WatchedCluster()
     cluster.watched = False  # run --local, or a backend without watches
-    async with provisioning(cluster):
+    async with provisioning(cluster) as run:
         looks = cluster.looks
-        await asyncio.sleep(1.0)
-        assert cluster.looks - looks >= 5, cluster.looks - looks
+
+        async def polled() -> None:
+            while cluster.looks - looks < 5:
+                cluster.looked.clear()
+                await cluster.looked.wait()
+
+        # Five looks come within POLLS poll intervals (one each, and time to spare).
+        await asyncio.wait_for(polled(), POLLS * run.settings.poll_interval)

@@ -90,7 +90,8 @@ def test_the_plan_states_the_global_batch_and_the_schedule(trained):
     assert len(plans) == 2 and plans[0] == plans[1]
     # The restart after the failure at step 7 resumed from the step-5 checkpoint.
     assert resumed[0] == {"resumed_step": None, "resumed_from": None}
-    assert resumed[1]["resumed_step"] == EVERY and resumed[1]["resumed_from"].endswith(f"/first/step_{EVERY:07d}")
+    assert resumed[1]["resumed_step"] == EVERY
+    assert re.search(rf"/first/step_{EVERY:07d}-[^/]+$", resumed[1]["resumed_from"]), resumed[1]
     plan = plans[0]
     steps = run.of("epoch")[-1]["steps"]  # epoch 1 restarted at step 5 and ran only the rest
     # The tutorial's batch: 2 devices x 4 examples; 288 training examples (320 less 10% held out).
@@ -108,12 +109,18 @@ def test_the_plan_states_the_global_batch_and_the_schedule(trained):
 def test_a_worker_failure_resumes_from_the_latest_step_checkpoint_in_the_same_job(trained):
     run = trained[0]
     assert f"injected failure after step {FAIL_AT}" in run.output
-    assert re.search(rf"Resumed from \S+/first/step_{EVERY:07d} at epoch 1 step {EVERY}/\d+ \(global step {EVERY}\)",
-                     run.output)
-    steps = [e["step"] for e in run.of("checkpoint")]
+    assert re.search(rf"Resumed from \S+/first/step_{EVERY:07d}-\S+ at epoch 1 step {EVERY}/\d+ "
+                     rf"\(global step {EVERY}\): Ray Train's latest", run.output)
+    checkpoints = run.of("checkpoint")
+    steps = [e["step"] for e in checkpoints]
     # Step 5 was written before the failure, step 5's successors after it; no step is lost.
     assert steps[0] == EVERY and steps.count(EVERY) == 1
     assert sorted(set(steps)) == steps[:1] + sorted(set(steps[1:])) and steps[-1] == run.of("plan")[0]["total_steps"]
+    # Each start of the worker group names its checkpoints its own (<kind>_<n>-<start>): the
+    # restart wrote none under a name the first start used.
+    starts = [re.fullmatch(r"(epoch_\d{4}|step_\d{7})-(\S+)", Path(e["uri"]).name).group(2) for e in checkpoints]
+    assert starts[0] != starts[1] and set(starts[1:]) == {starts[1]}, starts
+    assert len({e["uri"] for e in checkpoints}) == len(checkpoints)
 
 
 def test_progress_events_move_within_an_epoch(trained):
@@ -228,7 +235,8 @@ def test_exported_directory_loads_with_from_pretrained(trained):
 
 def test_a_run_resumed_inside_an_epoch_retraces_the_uninterrupted_run(resumed, trained):
     assert resumed.rc == 0, resumed.tail()
-    assert re.search(rf"Resumed from \S+/first/step_{2 * EVERY:07d} at epoch 1 step {2 * EVERY}/", resumed.output)
+    assert re.search(rf"Resumed from \S+/first/step_{2 * EVERY:07d}-\S+ at epoch 1 step {2 * EVERY}/\d+ "
+                     rf"\(global step {2 * EVERY}\): --resume-from", resumed.output)
     first = trained[0].of("epoch")
     again = resumed.of("epoch")
     assert [e["epoch"] for e in again] == [1, 2]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from harness.waiting import wait_for
-from tpufinetune_trainer.checkpoint import WRITE_THREADS
+from tpufinetune_trainer.checkpoint import WRITE_THREADS, read_trainer_state
 from trainer_helpers import Run, events_of, offline_env, run_trainer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -115,12 +115,20 @@ def test_the_next_attempt_resumes_at_the_saved_step_and_loses_none(preempted, re
 def test_a_target_eval_loss_stops_after_the_evaluation_that_reaches_it(preempted, resumed):
     notice = preempted[1].of("notice")[0]
     stop = resumed.one("early_stop")
-    assert stop["reason"] == "TargetEvalLoss" and stop["eval_loss"] <= 1000
+    assert stop["reason"] == "TargetEvalLoss" and stop["target_eval_loss"] == 1000
     first_eval = (notice["step"] // 3 + 1) * 3
     assert stop["step"] == first_eval and max(e["step"] for e in resumed.of("checkpoint")) == first_eval
-    assert stop["training_s"] > 0
     result = resumed.one("result")
     assert result["stopped_early"] == "TargetEvalLoss" and result["best_checkpoint_uri"] == stop["uri"]
+    # The deciding evaluation is the one the trainer reported with that checkpoint: the same
+    # loss in the result's metrics (the last checkpoint's) and in the checkpoint's own state.
+    assert (result["metrics"]["step"], result["metrics"]["eval_loss"]) == (stop["step"], stop["eval_loss"])
+    saved = read_trainer_state(stop["uri"])["history"][-1]
+    assert (saved["uri"], saved["step"], saved["eval_loss"]) == (stop["uri"], stop["step"], stop["eval_loss"])
+    assert 0 < stop["eval_loss"] <= stop["target_eval_loss"]
+    # Training time counts the preempted attempt's too (saved with the notice's checkpoint).
+    before = read_trainer_state(notice["uri"])["training_s"]
+    assert 0 < before < stop["training_s"], (before, stop)
     assert (Path(result["exported_model_uri"]) / "model.safetensors").exists()
 
 

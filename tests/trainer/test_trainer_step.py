@@ -169,12 +169,44 @@ def test_a_long_example_sees_only_the_sliding_window_on_sliding_layers(trainer_a
 
 
 @pytest.mark.slow
-def test_compiled_blocks_match_eager(trainer_assets, prepared, process_group, tmp_path):
+def test_compiled_blocks_match_eager_and_stay_compiled_in_evaluation(trainer_assets, prepared, process_group,
+                                                                     tmp_path, monkeypatch):
+    """Compiled blocks train as eager ones do, and evaluation (grad mode off, one of
+    dynamo's guards: new graphs for the same blocks) compiles too instead of running past
+    dynamo's recompile limit eager. Dynamo's limit is set to 1 here, below what this tiny
+    model's block kinds need in two modes, as E2B's six kinds in three modes are above the
+    default 8 (docs/trainer.md, "On a GPU"): compile_blocks raises it for the blocks."""
+    import logging
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     eager = run_steps(make_trainer(trainer_assets, prepared, tmp_path, compile="off"), 3)
-    compiled_trainer = make_trainer(trainer_assets, prepared, tmp_path, compile="on")
-    assert compiled_trainer.compiled
-    compiled = run_steps(compiled_trainer, 3)
+    eager_eval = make_trainer(trainer_assets, prepared, tmp_path, compile="off")
+    run_steps(eager_eval, 3)
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    limit_hits = []
+
+    class Watch(logging.Handler):
+        def emit(self, record):
+            if "recompile_limit" in record.getMessage():
+                limit_hits.append(record.getMessage())
+
+    watch = Watch()
+    logging.getLogger("torch._dynamo").addHandler(watch)
+    try:
+        compiled_trainer = make_trainer(trainer_assets, prepared, tmp_path, compile="on")
+        assert compiled_trainer.compiled
+        compiled = run_steps(compiled_trainer, 3)
+        trained_graphs = counters["stats"]["unique_graphs"]
+        evaluated = compiled_trainer.evaluate()
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(watch)
     np.testing.assert_allclose(compiled, eager, rtol=2e-3, atol=2e-3)
+    assert not limit_hits, limit_hits[:2]
+    assert counters["stats"]["unique_graphs"] > trained_graphs  # evaluation's own graphs
+    np.testing.assert_allclose(evaluated, eager_eval.evaluate(), rtol=2e-3, atol=2e-3)
 
 
 def test_a_checkpoint_loads_in_place_from_a_uri(trainer_assets, prepared, process_group, tmp_path):
@@ -213,10 +245,18 @@ def test_early_stopping_counts_evaluations_without_a_lower_eval_loss(trainer_ass
 def test_a_target_eval_loss_stops_at_the_first_evaluation_that_reaches_it(trainer_assets, prepared, process_group,
                                                                           tmp_path):
     trainer = make_trainer(trainer_assets, prepared, tmp_path, target_eval_loss=2.0)
+    trainer.training_s_before = 100.0  # earlier attempts' training, as a resumed run reads it
+    trainer.global_step, trainer.epoch = 7, 1
     trainer.early_stop_check(2.01)
     assert trainer.stopped is None
+    earliest = trainer.training_s()
     trainer.early_stop_check(2.0)
-    assert trainer.stopped["reason"] == "TargetEvalLoss" and trainer.stopped["training_s"] >= 0
+    latest = trainer.training_s()
+    stopped = trainer.stopped
+    assert stopped["reason"] == "TargetEvalLoss" and stopped["target_eval_loss"] == 2.0
+    assert (stopped["eval_loss"], stopped["step"], stopped["epoch"]) == (2.0, 7, 1)
+    # Every attempt's seconds of training at the deciding evaluation (rounded to 1 ms).
+    assert round(earliest, 3) <= stopped["training_s"] <= round(latest, 3), (earliest, stopped, latest)
 
 
 def test_the_export_is_in_the_bases_dtype_with_its_other_files_from_a_checkpoint_that_exists(

@@ -77,6 +77,7 @@ def make_trainer(storage_uri: str, rank: int, world: int):
     trainer.cpu_group, trainer.save_group = ckpt.cpu_group(), ckpt.cpu_group()
     trainer.history, trainer.stopped, trainer.pending = [], None, None
     trainer.saved_step, trainer.weights_uri = -1, None
+    trainer.start_id, trainer.fingerprint = "start", {"world_size": world}
     trainer.stager = ckpt.HostStager()
     return trainer
 

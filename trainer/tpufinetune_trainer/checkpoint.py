@@ -5,8 +5,12 @@ in parallel) straight into the checkpoint's directory: a path on a shared file s
 URI (gs://) through the trainer's pyarrow file system (`ArrowWriter`); nothing is staged on
 a local disk or uploaded afterwards. Rank 0 adds the DCP ``.metadata`` and, once every
 rank's shards and the metadata are written, ``trainer_state.json``: a checkpoint is complete
-only with it (`is_complete`). No rank ever holds the whole model while checkpointing. The frozen per-layer embeddings
+only with it and every byte its metadata places in its shard files (`is_complete`). Each
+trainer start names its checkpoints its own (resume.checkpoint_name), so no directory is
+ever written twice. No rank ever holds the whole model while checkpointing. The frozen per-layer embeddings
 are left out: they never change, and a reload starts from the base model that has them.
+With LoRA (--method lora) every base weight is frozen, so a checkpoint holds the adapters
+and their optimizer state only (`without_frozen_aliases` also drops a tied head's second name).
 
 A load reads straight from storage (a path, or a URI such as gs:// through
 storage.filesystem): each rank reads only the byte ranges of the shards it owns, and nothing
@@ -89,7 +93,15 @@ def checkpoint_writer(location: str) -> dcp.FileSystemWriter:
 
 def _state_dicts(model, optimizer) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED)
-    return {"model": model_sd, "optim": optim_sd}
+    return {"model": without_frozen_aliases(model, model_sd), "optim": optim_sd}
+
+
+def without_frozen_aliases(model, model_sd: dict) -> dict:
+    """`ignore_frozen_params` misses a frozen parameter's second name (a tied head,
+    lm_head.weight = embed_tokens.weight): with LoRA's frozen base that would put the whole
+    embedding in every checkpoint. Dropped here, on save and on load alike."""
+    frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    return {key: value for key, value in model_sd.items() if key not in frozen}
 
 
 def _planner():
@@ -251,12 +263,11 @@ def load_sharded(model, optimizer, location: str, group=None) -> dict:
     in the checkpoint."""
     reader = storage_reader(location)
     if optimizer is None:
-        state = {"model": get_model_state_dict(model, options=_SHARDED)}
+        state = {"model": without_frozen_aliases(model, get_model_state_dict(model, options=_SHARDED))}
         dcp.load(state, storage_reader=reader, process_group=group)
         set_model_state_dict(model, state["model"], options=_LOAD)
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_SHARDED)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = _state_dicts(model, optimizer)
         dcp.load(state, storage_reader=reader, process_group=group)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_LOAD)
@@ -383,57 +394,74 @@ class ArrowWriter(dcp.FileSystemWriter):
         self.path = self.fs.init_path(uri)
 
 
-def _files_under(fs, root: str) -> set[str]:
-    """Every file under `root`, relative to it (recursive: a bucket has objects, not
-    directories, to list); empty when nothing is there."""
+def _files_under(fs, root: str) -> dict[str, int]:
+    """Every file under `root`, relative to it, with its size (recursive: a bucket has
+    objects, not directories, to list); empty when nothing is there."""
     import pyarrow.fs as pafs
 
     entries = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True, recursive=True))
-    return {entry.path[len(root) + 1:] for entry in entries if entry.type == pafs.FileType.File}
+    return {entry.path[len(root) + 1:]: entry.size for entry in entries if entry.type == pafs.FileType.File}
 
 
-def _shard_files(location: str) -> set[str]:
-    """The files a checkpoint's DCP metadata names (empty when it cannot be read)."""
+def _shard_files(location: str) -> dict[str, int]:
+    """The files a checkpoint's DCP metadata names, each with the bytes its items reach
+    (empty when the metadata cannot be read)."""
     try:
         metadata = storage_reader(location).read_metadata()
     except (OSError, EOFError, ValueError):
-        return set()
-    return {info.relative_path for info in (metadata.storage_data or {}).values()}
+        return {}
+    extents: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        extents[info.relative_path] = max(extents.get(info.relative_path, 0), info.offset + info.length)
+    return extents
+
+
+def _shards_present(shards: dict[str, int], present: dict[str, int], prefix: str = "") -> bool:
+    """Every shard file the metadata names is there and as long as its items reach (a rank
+    that died mid-write leaves one out, or short)."""
+    return bool(shards) and all((present.get(prefix + name) or 0) >= size for name, size in shards.items())
 
 
 def is_complete(location: str) -> bool:
-    """Whether the checkpoint at `location` can be loaded: its trainer state and DCP
-    metadata are there, and every shard file the metadata names exists (a rank that died
-    mid-upload leaves one out)."""
+    """Whether the checkpoint at `location` can be loaded: its trainer state (written last,
+    once every rank's shards and the DCP metadata are) and metadata are there, and every
+    shard file the metadata names exists with every byte the metadata places in it."""
     fs, path = storage.filesystem(location)
-    present, shards = _files_under(fs, path.rstrip("/")), _shard_files(location)
-    return STATE_FILE in present and bool(shards) and shards <= present
+    present = _files_under(fs, path.rstrip("/"))
+    return STATE_FILE in present and _shards_present(_shard_files(location), present)
+
+
+def resume_order(state: dict) -> tuple[int, str]:
+    """How checkpoints of one run rank for a resume: the most optimizer steps, then the
+    latest trainer start (its id sorts by start time; an earlier trainer's has none)."""
+    return int(state.get("step") or 0), str(state.get("start") or "")
 
 
 def latest_complete(run_dir: str) -> str | None:
-    """The checkpoint under `run_dir` (Ray Train's `<storage>/<run name>`) that holds the most
-    optimizer steps and is complete, or None. Ray Train hands a restarted worker group only
-    what its controller registered; a checkpoint every rank wrote and reported just before a
-    host died may not be registered yet, and its work would be lost. One listing of the run
-    serves every candidate."""
+    """The complete checkpoint under `run_dir` (Ray Train's `<storage>/<run name>`) a resume
+    continues from: across every start of the run, the one with the most optimizer steps,
+    the latest start's of those (`resume_order`); None when there is none. One listing of
+    the run serves every candidate."""
     fs, path = storage.filesystem(run_dir)
     root = path.rstrip("/")
     try:
         present = _files_under(fs, root)
     except OSError:
         return None
-    best: tuple[int, str] | None = None
+    best: tuple[tuple[int, str], str] | None = None
     for name in present:
         checkpoint, _, file = name.partition("/")
         if file != STATE_FILE:
             continue  # only <run dir>/<checkpoint>/trainer_state.json
         location = storage.uri_of(fs, f"{root}/{checkpoint}")
-        shards = _shard_files(location)
-        if not shards or not {f"{checkpoint}/{shard}" for shard in shards} <= present:
+        if not _shards_present(_shard_files(location), present, f"{checkpoint}/"):
             continue
-        step = read_trainer_state(location).get("step")
-        if step is not None and (best is None or int(step) > best[0]):
-            best = (int(step), location)
+        state = read_trainer_state(location)
+        if state.get("step") is None:
+            continue
+        order = resume_order(state)
+        if best is None or order > best[0]:
+            best = (order, location)
     return best[1] if best else None
 
 
@@ -447,7 +475,23 @@ def checkpoint_location(checkpoint) -> str:
     return storage.uri_of(checkpoint.filesystem, checkpoint.path)
 
 
-def export_hf(model, tokenizer, destination: str, group=None, base_dir: Path | None = None) -> dict:
+def export_adapter(model, destination: str, cfg, group=None) -> None:
+    """Collective (--method lora): gather the trained adapters (only they are trainable) on
+    rank 0 and write them in peft's format to `destination` (path or URI)."""
+    from . import lora
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                ignore_frozen_params=True))
+    if dist.get_rank() == 0:
+        with tempfile.TemporaryDirectory(prefix="tpuft-adapter-") as tmp:
+            lora.write_adapter(tmp, full, cfg)
+            storage.upload_dir(tmp, destination)
+    del full
+    dist.barrier(group=group)
+
+
+def export_hf(model, tokenizer, destination: str, group=None, base_dir: Path | None = None,
+              lora_scaling: float | None = None) -> dict:
     """Collective: gather the full model on rank 0 (once, at the end) and write a
     `from_pretrained`-loadable directory (safetensors) to `destination` (path or URI).
 
@@ -455,11 +499,15 @@ def export_hf(model, tokenizer, destination: str, group=None, base_dir: Path | N
     config names another floating dtype), a multimodal base's towers are added from its
     safetensors with its config (add_base_towers), and every file of the base directory the
     export lacks that is not weights (processor and tokenizer files, chat template,
-    generation config) is copied in. Returns, on rank 0, {"dtype", "copied", "towers"};
-    elsewhere {}."""
+    generation config) is copied in. With `lora_scaling` (--method lora), the adapters are
+    merged into their layers (lora.merged_state) and the export is the base's shape. Returns,
+    on rank 0, {"dtype", "copied", "towers"}; elsewhere {}."""
+    from . import lora
     from .model import export_dtype, is_weight_file
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if lora_scaling is not None and dist.get_rank() == 0:
+        full = lora.merged_state(full, lora_scaling)
     for target in tied_weight_copies(model):
         full.pop(target, None)  # the gathered copy is a separate tensor; from_pretrained re-ties it
     done: dict = {}

@@ -17,6 +17,7 @@ from .config import (DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET, DEFAULT_DEC
                      MODEL_LOADS,
                      SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig)
 from .data import DATASET_FORMATS, LOSS_ON, PROMPT_FORMATS
+from .lora import DEFAULT_TARGET_MODULES, METHODS
 from .schedule import SCHEDULES
 from .errors import Preempted, TrainerError, UsageError
 from .events import emit
@@ -107,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "process's own, lost with the pod)")
     ft.add_argument("--compute-dtype", default="auto", choices=list(COMPUTE_DTYPES),
                     help="forward/backward dtype (auto: bfloat16 on TPU and CUDA, float32 on CPU); "
-                         "weights and optimizer state are always float32")
+                         "trained weights and their optimizer state are always float32 (--method lora: the frozen base "
+                         "is bfloat16)")
     ft.add_argument("--progress-interval", type=float, default=30.0,
                     help="seconds between progress events within an epoch")
     ft.add_argument("--max-failures", type=int, default=0,
@@ -119,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--early-stopping-patience", type=int, default=0,
                     help="stop after this many evaluations in a row without a lower eval loss "
                          "(0: off; needs --eval-fraction > 0)")
+    ft.add_argument("--method", default=METHODS[0], choices=list(METHODS),
+                    help="full: train every weight (fp32 masters, AdamW state for all); lora: freeze the base "
+                         "in bfloat16 and train low-rank adapters only (peft), fp32 masters for them")
+    ft.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (--method lora)")
+    ft.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha: the update is alpha / r x B A")
+    ft.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on the adapters' input")
+    ft.add_argument("--lora-target-modules", default=",".join(DEFAULT_TARGET_MODULES),
+                    help="comma-separated module names of the language model to adapt (default: the attention "
+                         "and MLP projections)")
+    ft.add_argument("--lora-export-merged", default="true", choices=["true", "false"],
+                    help="also export the base with the adapter merged in (the adapter alone is always exported)")
     ft.add_argument("--fail-at-step", type=int, default=0,
                     help="fault injection for tests: fail once after this optimizer step (not after a restore)")
 
@@ -176,7 +189,9 @@ def _config(args: argparse.Namespace):
             loss_head=args.loss_head, model_load=args.model_load,
             progress_interval_s=args.progress_interval, max_failures=args.max_failures,
             target_eval_loss=args.target_eval_loss, early_stopping_patience=args.early_stopping_patience,
-            fail_at_step=args.fail_at_step)
+            fail_at_step=args.fail_at_step, method=args.method, lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+            lora_target_modules=args.lora_target_modules, lora_export_merged=args.lora_export_merged == "true")
     return CollectivesConfig(topology=args.topology, accelerator_type=args.accelerator_type,
                              num_workers=args.num_workers, device=args.device, hidden_dim=args.hidden_dim,
                              batch_size=args.batch_size, placement_timeout_s=args.placement_timeout,

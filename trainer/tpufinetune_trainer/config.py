@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from .backends import COMPILE_MODES, COMPUTE_DTYPES
 from .data import DATASET_FORMATS, LOSS_ON, PROMPT_FORMATS, BatchPlan
 from .errors import ConfigError
+from .lora import DEFAULT_TARGET_MODULES, METHODS, MODULE_NAMES, parse_modules
 from .schedule import SCHEDULES
 
 DEFAULT_MODEL = "google/gemma-4-E2B-it"
@@ -95,6 +96,12 @@ class FinetuneConfig(SliceConfig):
     target_eval_loss: float = 0.0  # 0: off; else stop after the evaluation that reaches it
     early_stopping_patience: int = 0  # 0: off; else evaluations without improvement before stopping
     fail_at_step: int = 0  # fault injection for tests: every rank fails once after this step
+    method: str = METHODS[0]
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.05
+    lora_target_modules: str = ",".join(DEFAULT_TARGET_MODULES)
+    lora_export_merged: bool = True
 
     def validate(self) -> "FinetuneConfig":
         if not self.storage_path:
@@ -141,6 +148,7 @@ class FinetuneConfig(SliceConfig):
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self.check_lora()
         if self.checkpoint_score_attribute == "eval_loss" and self.eval_fraction == 0:
             raise ConfigError("--checkpoint-score-attribute eval_loss needs --eval-fraction > 0")
         for flag, value in (("--target-eval-loss", self.target_eval_loss),
@@ -155,6 +163,32 @@ class FinetuneConfig(SliceConfig):
         if not re.fullmatch(r"[A-Za-z0-9._-]+", self.run_name):
             raise ConfigError(f"--run-name {self.run_name!r}: use letters, digits, '.', '_' and '-' only")
         return self
+
+    def check_lora(self) -> None:
+        """LoRA's flags: in range, known module names, and only with --method lora."""
+        if self.method not in METHODS:
+            raise ConfigError(f"--method must be one of {', '.join(METHODS)}")
+        given = [flag for flag, value, default in (
+            ("--lora-rank", self.lora_rank, 16), ("--lora-alpha", self.lora_alpha, 32.0),
+            ("--lora-dropout", self.lora_dropout, 0.05),
+            ("--lora-target-modules", self.lora_target_modules, ",".join(DEFAULT_TARGET_MODULES)),
+            ("--lora-export-merged", self.lora_export_merged, True)) if value != default]
+        if self.method != "lora" and given:
+            raise ConfigError(f"{given[0]} applies to --method lora only (spec.training.lora needs "
+                              "spec.training.method: lora); pass --method lora or drop it")
+        checks = [
+            (self.lora_rank >= 1, "--lora-rank (spec.training.lora.rank) must be at least 1"),
+            (self.lora_alpha > 0, "--lora-alpha (spec.training.lora.alpha) must be positive"),
+            (0 <= self.lora_dropout < 1, "--lora-dropout (spec.training.lora.dropout) must be in [0, 1)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        unknown = [name for name in parse_modules(self.lora_target_modules) if name not in MODULE_NAMES]
+        if unknown or not parse_modules(self.lora_target_modules):
+            raise ConfigError(f"--lora-target-modules (spec.training.lora.targetModules): "
+                              f"{', '.join(unknown) or 'none given'} is not a module name any known model "
+                              f"family has; use some of {', '.join(MODULE_NAMES)}")
 
     def batch_plan(self) -> BatchPlan:
         """Examples per optimizer step = devices x examples per device x accumulation steps

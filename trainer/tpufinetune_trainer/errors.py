@@ -25,6 +25,13 @@ class StorageError(TrainerError):
     """The checkpoint storage path cannot be written."""
 
 
+class ResumeMismatch(TrainerError):
+    """The checkpoint a resume would continue from belongs to another run: its fingerprint
+    (model, data, world size, batch, block length, schedule) differs from this run's, or its
+    step is not where its position puts it in this run's plan. The message names each field
+    that differs, old -> new."""
+
+
 class CollectivesError(TrainerError):
     """At least one rank disagreed in the collectives check."""
 

@@ -41,6 +41,33 @@ def check_resume_from(uri: str) -> None:
         raise ConfigError(f"--resume-from {uri} is not a checkpoint of this trainer (no DCP .metadata)")
 
 
+def run_checkpoint(cfg: FinetuneConfig) -> str | None:
+    """The newest complete checkpoint in the run's directory (what a resume takes first)."""
+    from . import checkpoint as ckpt
+
+    return ckpt.latest_complete(ckpt.join_uri(cfg.storage_path, cfg.run_name))
+
+
+def check_resume(cfg: FinetuneConfig, data: PreparedData) -> None:
+    """Before any worker starts: the checkpoint the workers would continue from (the run
+    directory's newest complete one, else --resume-from) must be this run's and complete.
+    The workers check again what they are handed (train.Trainer.restore); this one fails in
+    seconds, before Ray Train reserves the slice or retries under --max-failures."""
+    from . import checkpoint as ckpt
+    from . import resume
+
+    location = run_checkpoint(cfg) or cfg.resume_from
+    if not location:
+        return
+    if not ckpt.is_complete(location):
+        raise ConfigError(f"--resume-from {location} is not a complete checkpoint (its trainer state, DCP metadata "
+                          "or a shard the metadata names is missing or short): resume from a complete one")
+    state = ckpt.read_trainer_state(location)
+    current = resume.fingerprint(cfg, cfg.num_workers, data.train)
+    resume.check(state, current, location)
+    resume.position(state, current["steps_per_epoch"], location)
+
+
 def check_cluster_fits(backend: backends.Backend, num_workers: int, resources: dict) -> None:
     """Fail now rather than wait forever for workers the cluster can never place."""
     need = {"CPU": float(num_workers)}
@@ -58,7 +85,10 @@ def check(cfg: FinetuneConfig) -> None:
     """Input checks, cheapest first (the training stack takes a while to import)."""
     cfg.validate()
     check_storage(cfg.storage_path, cfg.run_name)
-    if cfg.resume_from:
+    if cfg.resume_from and not run_checkpoint(cfg):
+        # Only when it is the one resumed from: the run's own newest complete checkpoint
+        # wins over it (an attempt may be handed the URI of a checkpoint that a later
+        # attempt's retention deleted since, once that attempt had written newer ones).
         check_resume_from(cfg.resume_from)
     check_model(cfg.model_id)
 
@@ -120,6 +150,7 @@ def run(cfg: FinetuneConfig) -> int:
 
     quiet_progress_bars()
     data, pad_id = prepare_data(cfg)
+    check_resume(cfg, data)
     ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
     result = build_trainer(cfg, data, pad_id).fit()
     print(f"Training completed! Final metrics: {result.metrics}", flush=True)

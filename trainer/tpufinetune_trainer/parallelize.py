@@ -2,7 +2,10 @@
 
 Mixed precision: the model arrives in fp32 and its parameters stay fp32 (the master
 weights, and so AdamW's state); FSDP casts the all-gathered copy to the compute dtype
-(bf16 on TPU/GPU) for forward and backward and reduces gradients in fp32.
+(bf16 on TPU/GPU) for forward and backward and reduces gradients in fp32. With LoRA
+(lora.py) the frozen base arrives in bf16 and only the adapters are fp32; FSDP2 requires one
+original dtype across a unit's trainable parameters only, and casts the frozen ones to the
+compute dtype for the all-gather like the rest.
 
 Order matters: every decoder block becomes its own FSDP unit first, then the root. The
 root call picks up what no block claimed (embeddings, final norm, lm_head, which shares
@@ -41,7 +44,19 @@ def build_mesh(device_type: str, world_size: int):
     return init_device_mesh(device_type, (world_size,))
 
 
+# Graphs dynamo may keep for the decoder blocks' forward. They all share one code object
+# (one class), whose cache holds a graph per block kind (six on Gemma 4 E2B) and per mode:
+# training, evaluation (grad mode off is one of dynamo's guards) and --loss-head full (the
+# root's forward calls the blocks with other arguments): 18 on E2B, where dynamo's default of
+# 8 ran every kind past the eighth eager (docs/trainer.md, "On a GPU").
+BLOCK_RECOMPILE_LIMIT = 64
+
+
 def compile_blocks(model: torch.nn.Module) -> None:
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, BLOCK_RECOMPILE_LIMIT)
     for block in decoder_blocks(model):
         block.forward = torch.compile(block.forward)
 

@@ -171,10 +171,14 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 def expected_tensors(model) -> dict[str, list[str]]:
     """Every tensor the checkpoint must hold, by its first name, with every name it has
-    (tied weights are one parameter under two names; the file holds one of them)."""
+    (tied weights are one parameter under two names; the file holds one of them). LoRA's
+    adapters are not the base's: they are made (lora.init_adapters), not read."""
+    from .lora import is_adapter
+
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
+        if not is_adapter(name):
+            names.setdefault(id(param), []).append(name)
     persistent = set(model.state_dict(keep_vars=True))
     for name, buffer in model.named_buffers(remove_duplicate=False):
         if name in persistent:
@@ -192,10 +196,10 @@ def mismatch(model, stored: dict[str, StoredTensor]) -> str | None:
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     for names in expected_tensors(model).values():
-        name = next((n for n in names if n in stored), None)
+        name = next((n for n in names if base_name(n) in stored), None)
         if name is None:
-            return f"the checkpoint has no {names[0]}"
-        found, wanted = stored[name], tensors[name]
+            return f"the checkpoint has no {base_name(names[0])}"
+        found, wanted = stored[base_name(name)], tensors[name]
         if found.shape != tuple(wanted.shape):
             return f"{name} is {list(found.shape)} in the checkpoint, {list(wanted.shape)} in the model"
         if found.dtype is None:
@@ -226,8 +230,8 @@ def fill_from_checkpoint(model, stored: dict[str, StoredTensor]) -> int:
     try:
         with torch.no_grad():
             for names in expected_tensors(model).values():
-                name = next(n for n in names if n in stored)
-                tensor, source = by_name[names[0]], stored[name]
+                name = next(n for n in names if base_name(n) in stored)
+                tensor, source = by_name[names[0]], stored[base_name(name)]
                 local, start, stop = local_rows(tensor)
                 if source.file not in files:
                     files[source.file] = open(source.file, "rb", buffering=0)
@@ -238,6 +242,12 @@ def fill_from_checkpoint(model, stored: dict[str, StoredTensor]) -> int:
         for f in files.values():
             f.close()
     return read
+
+
+def base_name(name: str) -> str:
+    from .lora import base_name as lora_base_name
+
+    return lora_base_name(name)
 
 
 def local_directory(source: str) -> Path | None:
@@ -287,12 +297,15 @@ def initialise_unloaded_buffers(model) -> None:
 
 
 def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: torch.dtype,
-                 compile: bool = False, device: torch.device | None = None, full: bool = False):
+                 compile: bool = False, device: torch.device | None = None, full: bool = False, lora=None):
     """The base model, FSDP2-sharded over `mesh`, each rank having read only its own slices.
     Returns (model, how): how it was loaded, for the log. `full` (--model-load full), or a
-    checkpoint that cannot be read by name and shape, takes the full load (the same model)."""
+    checkpoint that cannot be read by name and shape, takes the full load (the same model).
+    `lora` (the run's config, --method lora): LoRA's adapters are added before sharding
+    (lora.py) and made the same on every rank after it."""
     import time
 
+    from . import lora as adapters
     from .model import load_causal_lm, model_source
     from .parallelize import apply_fsdp
 
@@ -301,18 +314,26 @@ def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: t
     reason = "--model-load full"
     if not full:
         model = build_on_meta(model_id, attn_implementation)
+        if lora is not None:
+            adapters.inject(model, lora)
         directory = local_directory(model_source(model_id))
         stored = stored_tensors(directory) if directory is not None else {}
         reason = mismatch(model, stored)
     if reason is not None:
         model = load_causal_lm(model_id, torch.float32, attn_implementation)
+        if lora is not None:
+            adapters.inject(model, lora)
         apply_fsdp(model, mesh, compute_dtype, compile=compile, device=device)
+        if lora is not None:
+            adapters.init_adapters(model, lora.seed)
         return model, (f"every rank loaded the whole model ({reason}) in {time.perf_counter() - start:.1f} s"
                        f"{peak_rss_words()}")
     apply_fsdp(model, mesh, compute_dtype, compile=compile)
     model.to_empty(device=device if device is not None else torch.device("cpu"))
     read = fill_from_checkpoint(model, stored)
     initialise_unloaded_buffers(model)
+    if lora is not None:
+        adapters.init_adapters(model, lora.seed)
     return model, (f"each rank read its own slices ({read / 2**20:.0f} MiB) in {time.perf_counter() - start:.1f} s"
                    f"{peak_rss_words()}")
 

@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from . import checkpoint as ckpt
 from . import loss as head
 from . import notice
+from . import resume
 from . import storage
 from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .config import FinetuneConfig
-from .errors import Preempted
+from .errors import ConfigError, Preempted, StorageError
 from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, blocks_per_device, eval_order, \
     plan_epoch, rank_blocks, steps_per_epoch
 from .events import emit
@@ -40,6 +41,9 @@ from .model import base_directory, load_tokenizer
 from .parallelize import build_mesh
 from .schedule import decay_steps, lr_table, warmup_steps
 from .sharded_load import load_sharded
+
+# Under <storage>/<run name>/, beside the model's `export`: the LoRA adapter (--method lora).
+ADAPTER_EXPORT_DIR = "export-adapter"
 
 
 def quiet_progress_bars() -> None:
@@ -133,7 +137,8 @@ class Trainer:
         self.compiled = compile_enabled(backend, cfg.compile)
         self.model, loaded = load_sharded(cfg.model_id, backend.attn_implementation,
                                           mesh, self.dtype, compile=self.compiled,
-                                          device=self.device, full=cfg.model_load == "full")
+                                          device=self.device, full=cfg.model_load == "full",
+                                          lora=cfg if cfg.method == "lora" else None)
         if rank == 0:
             say(f"Model {cfg.model_id}: {loaded}")
         # Else transformers' full-logits forward: asked for, or a head loss.py does not reproduce.
@@ -157,6 +162,12 @@ class Trainer:
         self.epoch_plans: list[EpochPlan] = [plan_epoch(lengths, example_labels, self.plan, epoch, cfg.seed,
                                                         cfg.max_seq_len) for epoch in range(1, epochs + 1)]
         self._build_optimizer()
+        # What a resume must match (resume.py), and this start's id: its checkpoints' names
+        # are its own, never another start's (rank 0's id, so every rank names alike).
+        self.fingerprint = resume.fingerprint(cfg, world, self.examples)
+        start = [resume.new_start_id() if rank == 0 else None]
+        dist.broadcast_object_list(start, src=0, group=self.cpu_group)
+        self.start_id: str = start[0]
         self.eval_blocks = DeviceBlocks(self.eval_data, self.device, self.pad_id) if self.eval_data else None
         # Rows of the loss head's label buffer: the most label tokens of any micro-batch the
         # run takes (static for the whole run; loss.py).
@@ -221,44 +232,112 @@ class Trainer:
             group["lr"] = self.lr
 
     # ------------------------------------------------------------------ restore
-    def restore(self) -> None:
-        """Ray Train's restore (same run name + storage, or a retry within this job
-        under --max-failures) wins over --resume-from. Every rank reads only its own
-        shards, in place."""
-        import ray.train
-
-        checkpoint = ray.train.get_checkpoint()
-        location = ckpt.checkpoint_location(checkpoint) if checkpoint is not None else self.cfg.resume_from
-        source = "Ray Train's latest" if checkpoint is not None else "--resume-from"
-        if not location:
-            # The first job of a run, restarted in the job (maxFailures) before Ray Train
-            # registered any checkpoint: what the ranks wrote is still in the run's
-            # directory (empty on a first start). Rank 0 looks, so all ranks agree.
-            run_dir = f"{self.cfg.storage_path.rstrip('/')}/{self.cfg.run_name}"  # Ray Train's layout
-            found = [ckpt.latest_complete(run_dir) if self.rank == 0 else None]
-            dist.broadcast_object_list(found, src=0, group=self.cpu_group)
-            location, source = found[0], "the newest complete one in the run's directory"
+    def restore(self, ray_checkpoint: str | None = None) -> None:
+        """Continue the run from its newest complete checkpoint, if it is this run's. Rank 0
+        chooses (`resume_choice`) and every rank checks the same state: the checkpoint's
+        fingerprint must be this run's and its saved step where its position puts it in this
+        plan (resume.py), else every rank raises ResumeMismatch, naming what differs. Every
+        rank reads only its own shards, in place."""
+        decision: list = [None]
+        if self.rank == 0:
+            try:
+                decision[0] = ("chosen", *self.resume_choice(ray_checkpoint))
+            except Exception as exc:  # noqa: BLE001 - every rank raises it, none waits in a collective
+                decision[0] = ("failed", exc)
+        dist.broadcast_object_list(decision, src=0, group=self.cpu_group)
+        if decision[0][0] == "failed":
+            raise decision[0][1]
+        _, location, source, state = decision[0]
         if not location:
             return
+        checked = resume.check(state, self.fingerprint, location)
+        epoch, done, step = resume.position(state, self.epoch_steps, location)
         self.restored = True
         self.resumed_from = location
-        state = ckpt.load_sharded(self.model, self.optimizer, location, self.cpu_group)
+        self.init_optimizer_state()
+        ckpt.load_sharded(self.model, self.optimizer, location, self.cpu_group)
         self._attach_lr()  # the loaded param groups carry a copy of the learning rate
         self.history = list(state.get("history", []))
         self.weights_uri = location
-        epoch, done = int(state.get("epoch", 0)), int(state.get("epoch_step", 0))
-        finished = done == 0 or done >= int(state.get("epoch_steps", done)) or done >= self.epoch_steps
-        self.epoch, self.epoch_step = (epoch + 1, 0) if finished else (epoch, done)
-        self.global_step = (self.epoch - 1) * self.epoch_steps + self.epoch_step
-        if not finished:
+        # The saved step and position, never one derived from this run's plan.
+        self.epoch, self.epoch_step, self.global_step = epoch, done, step
+        if done:
             self.carried = (float(state.get("epoch_loss_sum", 0.0)), int(state.get("epoch_label_tokens", 0)))
         self.training_s_before = float(state.get("training_s", 0.0))
         self.stale_evals = int(state.get("stale_evals", 0))
         self.saved_step = self.global_step
         self.step_counter.fill_(min(self.global_step, max(self.total_steps - 1, 0)))  # once, at start
         if self.rank == 0:
-            where = f"epoch {epoch}" if finished else f"epoch {epoch} step {done}/{self.epoch_steps}"
-            say(f"Resumed from {location} at {where} (global step {self.global_step}): {source}")
+            self.replay_record(self.history)
+            where = f"epoch {epoch - 1}" if not done else f"epoch {epoch} step {done}/{self.epoch_steps}"
+            say(f"Resumed from {location} at {where} (global step {self.global_step}): {source}"
+                + ("" if checked else "; it carries no fingerprint (an earlier trainer wrote it), so only its "
+                   "step was checked"))
+
+    def replay_record(self, history: list[dict]) -> None:
+        """Rank 0, after a restore: the `epoch` and `checkpoint` events of every epoch the
+        restored checkpoint holds, again (`replayed: true`). The checkpoint resumed from may
+        be one whose events were lost with the previous attempt's cluster (written, then the
+        cluster deleted before its lines were read); the operator keys its history by epoch,
+        so a replay of what it already has changes nothing, and one it never saw fills the
+        gap: every epoch once in status.history, none lost."""
+        for entry in history:
+            if not resume.is_epoch_end(entry.get("uri", "")):
+                continue
+            fields = {k: entry.get(k) for k in ("epoch", "step", "loss", "eval_loss", "epoch_time_s",
+                                                 "tokens_per_s", "padded_tokens_per_s")}
+            emit("epoch", epochs=self.cfg.num_epochs, replayed=True, **fields)
+            emit("checkpoint", epoch=entry.get("epoch"), step=entry.get("step"), epoch_end=True,
+                 uri=entry["uri"], save_s=entry.get("save_s"), write_s=entry.get("write_s"), replayed=True)
+
+    def resume_choice(self, ray_checkpoint: str | None) -> tuple[str | None, str | None, dict | None]:
+        """Rank 0: (location, why it, its trainer state) of the checkpoint to continue from,
+        or Nones. The newest complete checkpoint of the run's directory across every start
+        (checkpoint.latest_complete): it holds whatever Ray Train registered (its restore,
+        across jobs of one run name, or a restart under --max-failures), and also a
+        checkpoint every rank wrote that Ray Train had not registered yet. Without one,
+        --resume-from, which must be complete."""
+        run_dir = ckpt.join_uri(self.cfg.storage_path, self.cfg.run_name)  # Ray Train's layout
+        location = ckpt.latest_complete(run_dir)
+        if location:
+            if location == ray_checkpoint:
+                source = "Ray Train's latest"
+            elif ray_checkpoint:
+                source = (f"the newest complete one in the run's directory (Ray Train's latest, {ray_checkpoint}, "
+                          f"is {'older' if ckpt.is_complete(ray_checkpoint) else 'incomplete or gone'})")
+            else:
+                source = "the newest complete one in the run's directory"
+        elif ray_checkpoint and ckpt.is_complete(ray_checkpoint):
+            location, source = ray_checkpoint, "Ray Train's latest"
+        elif self.cfg.resume_from:
+            location, source = self.cfg.resume_from, "--resume-from"
+            if not ckpt.is_complete(location):
+                raise ConfigError(f"--resume-from {location} is not a complete checkpoint (its trainer state, DCP "
+                                  "metadata or a shard the metadata names is missing or short): resume from a "
+                                  "complete one")
+        elif ray_checkpoint:  # never start the run over while Ray Train holds it has a checkpoint
+            raise StorageError(f"Ray Train's latest checkpoint {ray_checkpoint} is incomplete or gone, and the "
+                               f"run's directory {run_dir} holds no complete checkpoint: the run cannot continue "
+                               "from where it was; start a new run (another --run-name)")
+        else:
+            return None, None, None
+        return location, source, ckpt.read_trainer_state(location)
+
+    def init_optimizer_state(self) -> None:
+        """AdamW's state, made on the parameters' device before a restore loads into it: one
+        step of zero gradients at a learning rate of 0 (the device tensor every group holds),
+        which moves no weight. Without it DCP's get_state_dict makes the state itself, its
+        rate for that step a new CPU tensor, which a capturable optimizer on an accelerator
+        must not take."""
+        if self.optimizer.state:
+            return
+        for param in self.params:
+            param.grad = torch.zeros_like(param)
+        rate = self.lr.clone()
+        self.lr.zero_()
+        self.optimizer.step()
+        self.lr.copy_(rate)
+        self.optimizer.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------ one step
     def token_loss_sum(self, batch: dict, cap: int | None = None) -> torch.Tensor:
@@ -367,7 +446,7 @@ class Trainer:
             f"{self.epoch_steps} steps per epoch, {self.total_steps} in all; lr {cfg.learning_rate:g} "
             f"(warmup {self.warmup} steps, {self.schedule_words()}); "
             f"clip {cfg.max_grad_norm:g}; compute {str(self.dtype).removeprefix('torch.')}, master weights "
-            f"float32; compile {'on' if self.compiled else 'off'}"
+            f"float32{self.method_words()}; compile {'on' if self.compiled else 'off'}"
             + (f" (cache {cfg.compile_cache_dir})" if self.compile_cache else "") + "; loss head "
             + (f"at label positions ({self.train_cap} rows of {plan.blocks * cfg.max_seq_len} per micro-batch)"
                if self.label_head else "over every position (full logits)"))
@@ -377,6 +456,15 @@ class Trainer:
              warmup_steps=self.warmup, lr_schedule=cfg.lr_schedule, compute_dtype=str(self.dtype).split(".")[-1],
              compile=self.compiled, resumed_step=self.global_step if self.resumed_from else None,
              resumed_from=self.resumed_from)
+
+    def method_words(self) -> str:
+        cfg = self.cfg
+        if cfg.method != "lora":
+            return ""
+        trained = sum(p.numel() for p in self.params)
+        frozen = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
+        return (f" for LoRA's adapters only (rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g} on "
+                f"{cfg.lora_target_modules}: {trained:,} parameters trained, {frozen:,} frozen in bfloat16)")
 
     def schedule_words(self) -> str:
         cfg = self.cfg
@@ -525,7 +613,7 @@ class Trainer:
         state_extra = {"epoch_step": m["epoch_step"], "epoch_steps": self.epoch_steps,
                        "epoch_loss_sum": m["epoch_loss_sum"], "epoch_label_tokens": m["epoch_label_tokens"],
                        "training_s": round(self.training_s(), 3), "stale_evals": self.stale_evals}
-        name = f"epoch_{m['epoch']:04d}" if epoch_end else f"step_{m['step']:07d}"
+        name = resume.checkpoint_name(epoch_end, m["epoch"], m["step"], self.start_id)
         args = (name, {k: v for k, v in metrics.items() if v is not None}, state_extra)
         # The flag only when set: benchmarks/bench_trainer.py wraps checkpoint(name, metrics, state_extra).
         if synchronous:
@@ -551,9 +639,11 @@ class Trainer:
 
     def checkpoint(self, name: str, metrics: dict, state_extra: dict, synchronous: bool = False) -> str:
         """Start the sharded save of the current state straight to storage (a path or a URI);
-        returns its location. An epoch's checkpoint is named `epoch_NNNN` (report). Asynchronous unless asked: training blocks only for the host
-        copy of the shards, and Ray Train, the `checkpoint` event and self.history learn of
-        the checkpoint only once it is complete on every rank (settle_checkpoint)."""
+        returns its location. An epoch's checkpoint is named `epoch_NNNN-<start>`, a step's
+        `step_NNNNNNN-<start>` (report; resume.checkpoint_name). Asynchronous unless asked:
+        training blocks only for the host copy of the shards, and Ray Train, the `checkpoint`
+        event and self.history learn of the checkpoint only once it is complete on every rank
+        (settle_checkpoint)."""
         self.settle_checkpoint(wait=True)  # at most one save in flight
         uri = ckpt.join_uri(self.cfg.storage_path, self.cfg.run_name, name)
         if self.stopped is not None:
@@ -566,8 +656,9 @@ class Trainer:
         worst = -sys.float_info.max if self.cfg.checkpoint_score_order == "max" else sys.float_info.max
         reported = {self.cfg.checkpoint_score_attribute: worst, **metrics}
         state = {"epoch": metrics["epoch"], "step": metrics["step"], "history": self.history + [entry],
-                 "run_name": self.cfg.run_name, **state_extra}
-        pending = {"name": name, "entry": entry, "reported": reported, "epoch_end": name.startswith("epoch_")}
+                 "run_name": self.cfg.run_name, "start": self.start_id, "fingerprint": self.fingerprint,
+                 **state_extra}
+        pending = {"name": name, "entry": entry, "reported": reported, "epoch_end": resume.is_epoch_end(name)}
         if synchronous:
             start = time.perf_counter()
             ckpt.save_sharded(self.model, self.optimizer, uri, state, self.save_group)
@@ -650,16 +741,29 @@ class Trainer:
         destination = ckpt.join_uri(cfg.storage_path, cfg.run_name, "export")
         start = time.perf_counter()
         base = base_directory(cfg.model_id) if self.rank == 0 else None
-        done = ckpt.export_hf(self.model, self.tokenizer, destination, self.cpu_group, base)
+        adapter_uri = None
+        if cfg.method == "lora":
+            adapter_uri = ckpt.join_uri(cfg.storage_path, cfg.run_name, ADAPTER_EXPORT_DIR)
+            ckpt.export_adapter(self.model, adapter_uri, cfg, self.cpu_group)
+        merged = cfg.method != "lora" or cfg.lora_export_merged
+        if merged:
+            done = ckpt.export_hf(self.model, self.tokenizer, destination, self.cpu_group, base,
+                                  lora_scaling=cfg.lora_alpha / cfg.lora_rank if cfg.method == "lora" else None)
+        else:
+            destination = None  # --lora-export-merged false: the adapter only
         if self.rank == 0:
-            say(f"Exported epoch {best.get('epoch')} step {best.get('step')} ({cfg.checkpoint_score_attribute}="
-                f"{best.get(cfg.checkpoint_score_attribute)}) to {destination} in {done['dtype']} in "
-                f"{time.perf_counter() - start:.1f}s; from the base: {done['towers']} tower weights, "
-                f"{', '.join(done['copied']) or 'no other file'}"
-                + ("" if base is not None else f" (no directory of {cfg.model_id} to copy its other files from)"))
+            which = (f"epoch {best.get('epoch')} step {best.get('step')} ({cfg.checkpoint_score_attribute}="
+                     f"{best.get(cfg.checkpoint_score_attribute)})")
+            if adapter_uri:
+                say(f"Exported the LoRA adapter of {which} in peft's format to {adapter_uri}")
+            if merged:
+                say(f"Exported {which} to {destination}{' (the adapter merged in)' if adapter_uri else ''} in "
+                    f"{done['dtype']} in {time.perf_counter() - start:.1f}s; from the base: {done['towers']} tower "
+                    f"weights, {', '.join(done['copied']) or 'no other file'}"
+                    + ("" if base is not None else f" (no directory of {cfg.model_id} to copy its other files from)"))
             final = {k: v for k, v in self.history[-1].items() if k not in ("uri", "save_s", "write_s")}
             emit("result", best_checkpoint_uri=best["uri"], best_epoch=best["epoch"], best_step=best.get("step"),
-                 exported_model_uri=destination, metrics=final,
+                 exported_model_uri=destination, exported_adapter_uri=adapter_uri, metrics=final,
                  stopped_early=self.stopped["reason"] if self.stopped else None)
 
     def exportable(self, best: dict) -> dict:
@@ -727,5 +831,6 @@ def train_func(config: dict) -> None:
     local = ray.train.torch.get_device().index if backend.name == "cuda" else ctx.get_local_rank()
     trainer = Trainer(cfg, backend, data, rank, world, local)
     trainer.notice = notice.ray_kv_watch(rank, cfg.run_name)
-    trainer.restore()
+    registered = ray.train.get_checkpoint()
+    trainer.restore(ckpt.checkpoint_location(registered) if registered is not None else None)
     trainer.run()

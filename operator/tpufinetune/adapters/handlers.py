@@ -195,7 +195,7 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
     meta = body.get("metadata", {})
     key = (meta.get("namespace"), meta.get("name"))
     if type == "DELETED":
-        metrics.forget(*key)
+        metrics.forget(*key, meta.get("uid", ""))
         return
     metrics.seen(*key, dict(body.get("status") or {}))
     run = RUNS.get(key)

@@ -26,7 +26,7 @@ from tpufinetune.core.phases import ClusterView, Identity, QueueView
 from tpufinetune.core.sizing import NAME_LABEL, POD_SELECTOR, QUEUE_NAME_LABEL
 from tpufinetune.adapters import informer
 from tpufinetune.adapters.pools import Pool
-from tpufinetune.adapters.raytokens import RayTokens
+from tpufinetune.adapters.raytokens import RayTokens, SigningKeyError
 from tpufinetune.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -386,7 +386,10 @@ class KubeBackend:
 
     async def create(self, ident: Identity, manifest: dict) -> None:
         # The run's token Secret (which the RayCluster's pods need) and NetworkPolicy first.
-        await self._call(self.tokens.create_for_run, ident)
+        try:
+            await self._call(self.tokens.create_for_run, ident)
+        except SigningKeyError as error:  # shown, and timed, as a refused create
+            raise CreateRefused(f"the run's Ray token could not be derived: {error}") from None
         await self._call(self._create_cluster, ident.namespace, manifest)
         self._created[(ident.namespace, manifest["metadata"]["name"])] = time.monotonic()
 

@@ -97,6 +97,9 @@ for _phase in (NEW, *PHASES):
     ERRORS.labels(_phase)
 
 
+TIMED = ("cluster", "job")  # the latencies from apply, each observed once per resource
+
+
 class _Phases:
     """Current phase per resource, exported as the tpufinetune_resources gauge when scraped,
     and each run's own series (tpufinetune_run_*) unless they are turned off."""
@@ -114,10 +117,12 @@ class _Phases:
             if self.per_run:
                 self._values[key] = values
 
-    def forget(self, key: tuple[str, str]) -> None:
+    def forget(self, key: tuple[str, str], uid: str = "") -> None:
         with self._lock:
             self._phase.pop(key, None)
             self._values.pop(key, None)
+            for which in TIMED:
+                self._timed.discard((uid, which))
 
     def keep_per_run(self, enabled: bool) -> None:
         with self._lock:
@@ -212,9 +217,10 @@ def left_queue(before: dict, after: dict) -> None:
         QUEUE_WAIT.observe(waited)
 
 
-def forget(namespace: str, name: str) -> None:
-    """The resource is gone from the API server."""
-    RESOURCES.forget((namespace or "", name or ""))
+def forget(namespace: str, name: str, uid: str = "") -> None:
+    """The resource is gone from the API server: its series, and the note that its
+    latencies were observed (a set that would otherwise grow with every run ever seen)."""
+    RESOURCES.forget((namespace or "", name or ""), uid)
 
 
 def cluster_created(uid: str, created: str | None) -> None:

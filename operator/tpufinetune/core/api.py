@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      ValidationInfo, WithJsonSchema, model_validator)
-from pydantic.alias_generators import to_camel
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 from . import validation
 from .errors import SpecError
 from .generations import ALL_GENERATION_NAMES, MAX_CHIPS_PER_HOST, MAX_CPU_WORKERS
-from .quantity import QUANTITY_PATTERN, normalize_quantity
 from .sizing import DEFAULT_TERMINATION_GRACE_SECONDS
 
 from .names import API_VERSION, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION  # noqa: F401  (re-exported)
@@ -36,24 +33,17 @@ INT32_MAX = 2**31 - 1  # Kubernetes' int32 seconds fields (a Job's ttlSecondsAft
 DEFAULT_NO_PROGRESS_TIMEOUT = 3600
 MIN_NO_PROGRESS_TIMEOUT = validation.MIN_NO_PROGRESS_TIMEOUT
 
-# DNS-1123 subdomain (object, Secret and ServiceAccount names).
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+from .apimodels import (  # noqa: F401  (re-exported: the API's models, one module)
+    DNS_SUBDOMAIN, ConfigMapSource, CSISource, EmptyDirSource, EnvSecretSource, EnvVar, NFSSource,
+    PersistentVolumeClaimSource, PodGroup, Quantity, ResourceMap, ResourceRequirements, SecretKeyRef,
+    SecretSource, Toleration, Volume, VolumeMount, _Model,
+)
 
-Quantity = Annotated[
-    str,
-    BeforeValidator(normalize_quantity),
-    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}],
-                    "pattern": QUANTITY_PATTERN, "x-kubernetes-int-or-string": True}),
-]
-ResourceMap = Annotated[dict[str, Quantity], Field(max_length=16)]
 GenerationName = Literal[ALL_GENERATION_NAMES]  # type: ignore[valid-type]
 # The metrics every epoch reports, so the closed set the trainer accepts is the enum here.
 ScoreAttribute = Literal[SCORE_ATTRIBUTES]  # type: ignore[valid-type]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True,
-                              extra="forbid", protected_namespaces=())
 
 
 class TPUSlice(_Model):
@@ -87,11 +77,6 @@ class TPUSlice(_Model):
                     "affinity) for the workers.")
 
 
-class SecretKeyRef(_Model):
-    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
-                      description="Secret name, in the TPUFineTune's namespace.")
-    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
-                     description="Key within the Secret.")
 
 
 class ModelSource(_Model):
@@ -114,7 +99,57 @@ class DatasetSource(_Model):
                        description="Dataset split expression, e.g. train[:1024].")
 
 
+# The Linear layers of each model family's language model a LoRA may adapt (the trainer's
+# own table, tpufinetune_trainer/lora.py, agrees: tests/api/test_trainer_agreement.py). The
+# vision and audio towers are never adapted. Admission takes any name of any family; the
+# trainer checks the names against the family of the model it loads.
+LORA_TARGET_MODULES = {
+    "gemma4": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "per_layer_input_gate", "per_layer_projection"),
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+# The attention and MLP projections of the language model (every family has them).
+DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_MODULE_NAMES = tuple(dict.fromkeys(name for names in LORA_TARGET_MODULES.values() for name in names))
+LoraModuleName = Literal[LORA_MODULE_NAMES]  # type: ignore[valid-type]
+TRAINING_METHODS = ("full", "lora")
+
+
+class LoRA(_Model):
+    rank: int = Field(16, ge=1, le=4096, description="Rank r of each adapter (A: r x in, B: out x r).")
+    alpha: float = Field(32.0, gt=0, le=1e6,
+                         description="Scale of the adapter's update: alpha / rank x B A.")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter's input while training.")
+    target_modules: list[LoraModuleName] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES), min_length=1,
+        max_length=len(LORA_MODULE_NAMES), json_schema_extra={"x-kubernetes-list-type": "set"},
+        description="Layers of the language model to adapt, by name: "
+                    + "; ".join(f"{family}: {', '.join(names)}" for family, names in LORA_TARGET_MODULES.items())
+                    + ". Default: the attention and MLP projections. The vision and audio towers are "
+                      "never adapted.")
+    export_merged: bool = Field(
+        True, description="Also export the base with the adapter merged into it, as a full-"
+                          "fine-tune's export (status.exportedModelURI); the adapter alone is "
+                          "always exported (status.exportedAdapterURI).")
+
+
+def _training_rules() -> list[dict]:
+    return [{"rule": "self.method == 'lora' || !has(self.lora)",
+             "message": "applies to method lora only; set method: lora, or remove lora",
+             "fieldPath": ".lora", "reason": "FieldValueForbidden"}]
+
+
 class Training(_Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _training_rules()})
+
+    method: Literal[TRAINING_METHODS] = Field(  # type: ignore[valid-type]
+        "full", description="full: every weight of the language model is trained (fp32 master "
+                            "weights and AdamW state). lora: the base is frozen in bfloat16 and only "
+                            "low-rank adapters train (settings in lora); checkpoints hold the "
+                            "adapters and their optimizer state only.")
+    lora: LoRA | None = Field(
+        None, description="LoRA settings (method lora only). Unset with method lora: rank 16, "
+                          "alpha 32 on the attention and MLP projections.")
     epochs: int = Field(3, ge=1, le=1000,
                         description="Number of epochs.")
     batch_size_per_device: int = Field(
@@ -190,6 +225,16 @@ class Training(_Model):
         description="Stop after this many evaluations in a row without a lower eval loss, and "
                     "export the best checkpoint. Unset: off. Needs evalFraction > 0.")
 
+    @model_validator(mode="after")
+    def _lora_needs_method_lora(self) -> Training:
+        if self.lora is not None and self.method != "lora":  # the CEL rule's twin (_training_rules)
+            raise SpecError("spec.training.lora", "applies to method lora only; set method: lora, or remove lora")
+        return self
+
+    def lora_settings(self) -> LoRA | None:
+        """The LoRA settings the run uses (the defaults when method lora leaves them unset)."""
+        return (self.lora or LoRA()) if self.method == "lora" else None
+
 
 class Preflight(_Model):
     enabled: bool = Field(
@@ -222,158 +267,6 @@ class Checkpoint(_Model):
         description="Whether a lower (min) or higher (max) score is better.")
 
 
-class ResourceRequirements(_Model):
-    model_config = ConfigDict(json_schema_extra={
-        "x-kubernetes-validations": validation.resources_rules()})
-
-    requests: ResourceMap | None = Field(
-        None, description="Overrides the default requests key by key (e.g. cpu, memory).")
-    limits: ResourceMap | None = Field(
-        None, description="Overrides the default limits key by key (e.g. cpu, memory).")
-
-
-# Label and annotation keys: an optional DNS-subdomain prefix and a name, as Kubernetes has.
-METADATA_KEY = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
-LabelKey = Annotated[str, Field(min_length=1, max_length=317, pattern=METADATA_KEY)]
-LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]
-
-
-def _list_map(key: str = "name") -> dict:
-    # The apiserver refuses two items with the same key (and merges by it on apply).
-    return {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": [key]}
-
-
-class EnvSecretSource(_Model):
-    secret_key_ref: SecretKeyRef = Field(description="Key of a Secret in the namespace.")
-
-
-class EnvVar(_Model):
-    model_config = ConfigDict(json_schema_extra={
-        "x-kubernetes-validations": validation.env_rules()})
-
-    name: str = Field(min_length=1, max_length=256, pattern=ENV_NAME,
-                      description="Variable name.")
-    value: str | None = Field(None, max_length=4096, description="A plain value.")
-    value_from: EnvSecretSource | None = Field(
-        None, description="Read the value from a Secret (secretKeyRef only).")
-
-
-class Toleration(_Model):
-    key: str | None = Field(None, max_length=317, pattern=METADATA_KEY,
-                            description="Taint key; empty with operator Exists matches all.")
-    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
-    value: str | None = Field(None, max_length=63, description="Taint value (Equal).")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        None, description="Taint effect to tolerate; empty matches all.")
-    toleration_seconds: int | None = Field(
-        None, ge=0, description="NoExecute only: how long the pod stays after the taint.")
-
-
-class PersistentVolumeClaimSource(_Model):
-    claim_name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
-                            description="PersistentVolumeClaim in the namespace, e.g. a "
-                                        "ReadWriteMany Filestore claim for checkpoints.")
-    read_only: bool = Field(False, description="Mount read-only.")
-
-
-class CSISource(_Model):
-    driver: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
-                        description="CSI driver, e.g. gcsfuse.csi.storage.gke.io.")
-    read_only: bool = Field(False, description="Mount read-only.")
-    volume_attributes: Annotated[dict[str, Annotated[str, Field(max_length=4096)]],
-                                 Field(max_length=32)] | None = Field(
-        None, description="Driver options, e.g. bucketName and mountOptions for GCS FUSE.")
-
-
-class EmptyDirSource(_Model):
-    medium: Literal["", "Memory"] = Field("", description='"" (node disk) or Memory.')
-    size_limit: Quantity | None = Field(None, description="Size limit, e.g. 10Gi.")
-
-
-class ConfigMapSource(_Model):
-    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
-                      description="ConfigMap in the namespace.")
-
-
-class SecretSource(_Model):
-    secret_name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
-                             description="Secret in the namespace.")
-
-
-class NFSSource(_Model):
-    server: str = Field(min_length=1, max_length=253, description="NFS server address.")
-    path: str = Field(min_length=1, max_length=1024, pattern=r"^/",
-                      description="Exported path.")
-    read_only: bool = Field(False, description="Mount read-only.")
-
-
-class Volume(_Model):
-    model_config = ConfigDict(json_schema_extra={
-        "x-kubernetes-validations": validation.volume_rules()})
-
-    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL,
-                      description="Volume name, referenced by volumeMounts.")
-    persistent_volume_claim: PersistentVolumeClaimSource | None = Field(
-        None, description="A PersistentVolumeClaim (e.g. ReadWriteMany Filestore).")
-    csi: CSISource | None = Field(
-        None, description="An inline CSI volume (e.g. the GCS FUSE CSI driver).")
-    empty_dir: EmptyDirSource | None = Field(None, description="Scratch space of the pod.")
-    config_map: ConfigMapSource | None = Field(None, description="A ConfigMap's keys as files.")
-    secret: SecretSource | None = Field(None, description="A Secret's keys as files.")
-    nfs: NFSSource | None = Field(None, description="An NFS export.")
-
-
-class VolumeMount(_Model):
-    model_config = ConfigDict(json_schema_extra={
-        "x-kubernetes-validations": validation.volume_mount_rules()})
-
-    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL,
-                      description="One of this group's volumes.")
-    mount_path: str = Field(min_length=2, max_length=1024, pattern=r"^/",
-                            description="Absolute path in the Ray container.")
-    read_only: bool = Field(False, description="Mount read-only.")
-    sub_path: str | None = Field(None, max_length=1024, pattern=r"^[^/]",
-                                 description="Path within the volume (relative).")
-
-
-class PodGroup(_Model):
-    """One Ray pod group. Everything here is merged into the rendered RayCluster's pod
-    template; what the slice decides (TPU resources, node selectors, /dev/shm) cannot be
-    set here."""
-
-    model_config = ConfigDict(json_schema_extra={
-        "x-kubernetes-validations": validation.pod_group_rules()})
-
-    resources: ResourceRequirements | None = Field(
-        None, description="Resource overrides merged over the sized defaults. "
-                          "google.com/tpu is always derived from the topology.")
-    service_account_name: str | None = Field(
-        None, max_length=253, pattern=DNS_SUBDOMAIN,
-        description="ServiceAccount of these pods; overrides spec.serviceAccountName.")
-    annotations: Annotated[dict[LabelKey, Annotated[str, Field(max_length=4096)]],
-                           Field(max_length=32)] | None = Field(
-        None, description="Pod annotations, e.g. gke-gcsfuse/volumes: \"true\" for the GCS "
-                          "FUSE CSI driver.")
-    labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=32)] | None = Field(
-        None, description="Pod labels (ray.io/ keys are KubeRay's).")
-    tolerations: Annotated[list[Toleration], Field(max_length=16)] | None = Field(
-        None, description="Tolerations added to the sized ones.")
-    priority_class_name: str | None = Field(
-        None, max_length=253, pattern=DNS_SUBDOMAIN, description="PriorityClass of the pods.")
-    volumes: Annotated[list[Volume], Field(max_length=16)] | None = Field(
-        None, json_schema_extra=_list_map(),
-        description="Volumes added to the pods (/dev/shm stays the sized one).")
-    volume_mounts: Annotated[list[VolumeMount], Field(max_length=16)] | None = Field(
-        None, json_schema_extra=_list_map("mountPath"),
-        description="Mounts of these volumes in the Ray container.")
-    env: Annotated[list[EnvVar], Field(max_length=64)] | None = Field(
-        None, json_schema_extra=_list_map(),
-        description="Extra environment of the Ray container: plain values or "
-                    "secretKeyRef.")
 
 
 def _object_default(model: type[BaseModel], description: str) -> Any:

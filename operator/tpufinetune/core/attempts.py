@@ -24,7 +24,9 @@ USAGE_KEYS = ("chipHours", "hostHours", "provisioningSeconds")
 # The Failed condition's reason -> the attempt's, for the ends that need no look at the pods.
 FAILED_REASONS = {
     "InvalidSpec": "NotStarted",
+    "DoesNotFit": "NotStarted",
     "ProvisioningTimeout": "NotStarted",
+    "SubmitTimeout": "NotStarted",
     "DeadlineExceeded": "DeadlineExceeded",
     "NoProgress": "NoProgress",
     "RayUnreachable": "ClusterLost",

@@ -64,6 +64,11 @@ class Generation:
     dimensions: int
     machines: tuple[Machine, ...]
     """Ordered by preference: the first machine that serves a topology is its default."""
+    hbm_gib_per_chip: float = 0.0
+    """High-bandwidth memory of one chip, GiB (0: no HBM, the cpu stand-in). On v7x the two
+    devices of a chip share it: each holds half. The memory planner (memplan.py) reads it."""
+    hbm_source: str = ""
+    """Where the HBM figure comes from."""
 
     @property
     def is_tpu(self) -> bool:
@@ -89,12 +94,15 @@ _V5E = "https://cloud.google.com/tpu/docs/v5e"
 _V5P = "https://cloud.google.com/tpu/docs/v5p"
 _V6E = "https://cloud.google.com/tpu/docs/v6e"
 _V7X = "https://cloud.google.com/tpu/docs/tpu7x"
+# HBM per chip: each generation's "System architecture" table on the same pages (v4 32 GiB,
+# v5e 16 GiB, v5p 95 GiB, v6e 32 GiB, Ironwood 192 GiB per chip).
 
 GENERATIONS: tuple[Generation, ...] = (
     Generation(
         name="v4", aliases=("v4",), accelerator_label="tpu-v4-podslice",
         ray_accelerator_type="TPU-V4", group_prefix="v4", tensorcores_per_chip=2,
         devices_per_chip=1, dimensions=3,
+        hbm_gib_per_chip=32, hbm_source=_V4,
         machines=(Machine("ct4p-hightpu-4t", 4, _3D_SHAPES + ("8x8x12",), "64", "200Gi",
                           "100Gi", vcpus=240, memory_gib=407, source=_V4),),
     ),
@@ -102,6 +110,7 @@ GENERATIONS: tuple[Generation, ...] = (
         name="v5e", aliases=("v5e", "v5litepod"), accelerator_label="tpu-v5-lite-podslice",
         ray_accelerator_type="TPU-V5LITEPOD", group_prefix="v5litepod",
         tensorcores_per_chip=1, devices_per_chip=1, dimensions=2,
+        hbm_gib_per_chip=16, hbm_source=_V5E,
         machines=(
             Machine("ct5lp-hightpu-4t", 4, _2D_SHAPES, "64", "128Gi", "64Gi",
                     vcpus=112, memory_gib=192, source=_V5E),
@@ -115,6 +124,7 @@ GENERATIONS: tuple[Generation, ...] = (
         name="v5p", aliases=("v5p",), accelerator_label="tpu-v5p-slice",
         ray_accelerator_type="TPU-V5P", group_prefix="v5p", tensorcores_per_chip=2,
         devices_per_chip=1, dimensions=3,
+        hbm_gib_per_chip=95, hbm_source=_V5P,
         machines=(Machine("ct5p-hightpu-4t", 4, _3D_SHAPES + ("16x16x16", "16x16x24"),
                           "64", "200Gi", "100Gi", vcpus=208, memory_gib=448, source=_V5P),),
     ),
@@ -122,6 +132,7 @@ GENERATIONS: tuple[Generation, ...] = (
         name="v6e", aliases=("v6e", "trillium"), accelerator_label="tpu-v6e-slice",
         ray_accelerator_type="TPU-V6E", group_prefix="v6e", tensorcores_per_chip=1,
         devices_per_chip=1, dimensions=2,
+        hbm_gib_per_chip=32, hbm_source=_V6E,
         machines=(
             Machine("ct6e-standard-4t", 4, _2D_SHAPES, "64", "200Gi", "100Gi",
                     vcpus=180, memory_gib=720, source=_V6E),
@@ -135,6 +146,7 @@ GENERATIONS: tuple[Generation, ...] = (
         name="v7x", aliases=("v7x", "tpu7x", "ironwood"), accelerator_label="tpu7x",
         ray_accelerator_type="TPU-V7X", group_prefix="tpu7x", tensorcores_per_chip=2,
         devices_per_chip=2, dimensions=3,
+        hbm_gib_per_chip=192, hbm_source=_V7X,
         machines=(Machine("tpu7x-standard-4t", 4, _3D_SHAPES + ("16x16x16", "16x16x24"),
                           "64", "250Gi", "128Gi", vcpus=224, memory_gib=960, source=_V7X),),
     ),

@@ -102,6 +102,11 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         f"--checkpoint-score-attribute={checkpoint.score_attribute}",
         f"--checkpoint-score-order={checkpoint.score_order}",
     ]
+    lora = training.lora_settings()
+    if lora is not None:  # nothing for full: an older trainer image knows no --method
+        argv += [f"--method={training.method}", f"--lora-rank={lora.rank}", f"--lora-alpha={lora.alpha!r}",
+                 f"--lora-dropout={lora.dropout!r}", f"--lora-target-modules={','.join(lora.target_modules)}",
+                 f"--lora-export-merged={'true' if lora.export_merged else 'false'}"]
     if training.loss_on is not None:
         argv.append(f"--loss-on={training.loss_on}")
     if training.target_eval_loss is not None:

@@ -20,75 +20,47 @@ so repeating a step is harmless.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 from tpufinetune.core import attempts
 from tpufinetune.core import conditions as cond
-from tpufinetune.core.jobspec import checkpoint_request_id, preflight_id, submission_id
+from tpufinetune.core import memplan
 from tpufinetune.core.api import TPUFineTuneSpec
-from tpufinetune.core.podstatus import PodProblem, SliceHealth
+from tpufinetune.core.jobspec import submission_id
+from tpufinetune.core.phaseattempts import (  # noqa: F401  (attempt_reason: part of the API)
+    _count_attempts, _fail, _job_failure, _lost_cluster, _rebuild_or_fail, _release, _retry, _stop_and_fail,
+    _success_message, _suspended, attempt_reason,
+)
+from tpufinetune.core.phasechecks import _maintenance, _preflight_passed, maintenance_time  # noqa: F401
+from tpufinetune.core.phasemodel import (  # noqa: F401  (re-exported: the driver and tests use phases.X)
+    DELETING, FAILED, JOB_ACTIVE, PENDING, PROVISIONING, QUEUED, RUNNING, SUBMITTING, SUCCEEDED, TERMINAL,
+    WAITING, ClusterView, CreateCluster, Decision, DeleteCluster, Identity, JobView, Observations, Plan,
+    QueueView, ReadLogTail, ReadSliceHealth, RecordEvent, RequestCheckpoint, StopJob, SubmitJob,
+    SubmitPreflight, _applied, _copy, _enter, _expired, _note, _set, cluster_lost,
+)
+from tpufinetune.core.phasequeue import _held_by_kueue, _queued, _to_queue
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
 from tpufinetune.core.runevents import apply_event
 from tpufinetune.core.sizing import raycluster_name, slice_shape
 
-PENDING = "Pending"
-PROVISIONING = "Provisioning"
-QUEUED = "Queued"
-SUBMITTING = "Submitting"
-RUNNING = "Running"
-SUCCEEDED = "Succeeded"
-FAILED = "Failed"
-DELETING = "Deleting"
-TERMINAL = frozenset({SUCCEEDED, FAILED})
 
-JOB_ACTIVE = frozenset({"PENDING", "RUNNING"})
-
-
-# ---- observations (gathered by the driver) -------------------------------------------
-
-
-@dataclass(frozen=True)
-class Identity:
-    name: str
-    namespace: str
-    uid: str
-    generation: int = 1
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What the spec asks for, as the transition needs it (plan_for derives it)."""
-
-    cluster_name: str
-    epochs: int
-    max_retries: int = 0
-    provision_timeout: timedelta = timedelta(minutes=30)
-    suspended: bool = False
-    cluster_hash: str = ""  # cluster_fingerprint() of the RayCluster the spec renders
-    hosts: int = 0  # worker pods of the slice(s), for "hosts ready 3/4"
-    chips: int = 0  # TPU chips of the slice(s), for usage.chipHours (0: cpu)
-    active_deadline: timedelta | None = None  # spec.activeDeadlineSeconds
-    ttl_after_finished: timedelta = timedelta(0)  # spec.ttlSecondsAfterFinished
-    no_progress_timeout: timedelta | None = None  # spec.noProgressTimeoutSeconds (None: off)
-    queue: str = ""  # spec.queueName: Kueue admits the RayCluster
-    preflight: bool = False  # spec.preflight.enabled (mode finetune): collectives first
-
-
-def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: timedelta) -> Plan:
-    """The Plan of a spec (None: the spec is invalid, and only the names are known)."""
+def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: timedelta,
+             submit_timeout: timedelta | None = None) -> Plan:
+    """The Plan of a spec (None: the spec is invalid, and only the names are known). The
+    timeouts are the operator's settings (TPUFT_PROVISION_TIMEOUT, TPUFT_SUBMIT_TIMEOUT)."""
     name = raycluster_name(ident.name)
     if spec is None:
-        return Plan(cluster_name=name, epochs=0, provision_timeout=provision_timeout)
+        return Plan(cluster_name=name, epochs=0, provision_timeout=provision_timeout, submit_timeout=submit_timeout)
     raycluster = raycluster_with_pod_settings(ident.name, ident.namespace, ident.uid, spec)
+    memory = memplan.plan_spec(spec)
     return Plan(
         cluster_name=name,
         epochs=spec.training.epochs,
         max_retries=spec.max_retries,
         provision_timeout=provision_timeout,
+        submit_timeout=submit_timeout,
         suspended=spec.suspend,
         cluster_hash=cluster_fingerprint(raycluster),
         hosts=slice_shape(spec).hosts * spec.tpu.slices,
@@ -98,6 +70,8 @@ def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: t
         no_progress_timeout=_seconds(spec.no_progress_timeout_seconds),
         queue=spec.queue_name or "",
         preflight=spec.mode == "finetune" and spec.preflight is not None and spec.preflight.enabled,
+        memory=memplan.status_of(memory) if memory is not None else None,
+        does_not_fit=memory.refusal() if memory is not None and memplan.refuses(memory) else "",
     )
 
 
@@ -112,133 +86,6 @@ def cluster_fingerprint(raycluster: dict) -> str:
     created from."""
     text = json.dumps(raycluster["spec"], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class QueueView:
-    """Kueue's Workload for a suspended RayCluster: why it waits, or why it was evicted."""
-
-    reason: str = ""  # e.g. Pending, Inadmissible
-    message: str = ""  # Kueue's own words, e.g. "couldn't assign flavors to pod set ..."
-    evicted: str = ""  # the eviction's reason and message while it is evicted
-
-
-@dataclass(frozen=True)
-class ClusterView:
-    exists: bool
-    owned: bool = True
-    ready: bool = False
-    problem: str = ""  # e.g. KubeRay's ReplicaFailure message: shown, not fatal
-    dashboard_url: str = ""
-    pod_problem: PodProblem | None = None  # the worst pod state while not ready
-    hosts_ready: int | None = None  # worker pods Ready; None: pods not looked at
-    suspended: bool = False  # spec.suspend: Kueue has not admitted it (or evicted it)
-    deleting: bool = False  # metadata.deletionTimestamp is set: it is going away
-    queue: QueueView | None = None  # read only for a suspended cluster with a queue
-    uid: str = ""  # metadata.uid: which RayCluster an attempt ran on
-    hosts_ready_since: str = ""  # when its last worker pod became Ready (read once it is ready)
-
-
-@dataclass(frozen=True)
-class JobView:
-    status: str  # Ray's JobStatus: PENDING RUNNING STOPPED SUCCEEDED FAILED
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class Observations:
-    now: datetime
-    spec_error: str = ""  # non-empty when the spec failed validation
-    cluster: ClusterView | None = None  # None: not looked at this tick
-    job: JobView | None = None  # None: Ray has no job with status.jobId
-    events: tuple[dict, ...] = ()  # new trainer events, in order
-    log_tail: str = ""  # last lines of the job log, read only once a job failed
-    deleting: bool = False
-    ray_unreachable: str = ""  # why, once the job's head has not answered for too long
-    create_refused: str = ""  # the API server's words when it refused to create the RayCluster
-    slice_health: SliceHealth | None = None  # read only once a job ended without success
-    # (node, GKE's cloud.google.com/scheduled-maintenance-time value) for the nodes of the
-    # run's pods that carry it; read only while Running.
-    maintenance: tuple[tuple[str, str], ...] = ()
-    # The attempt's preflight job (None: Ray has none) and, once it ended, its events.
-    preflight_job: JobView | None = None
-    preflight_events: tuple[dict, ...] = ()
-
-
-# ---- actions (performed by the driver) -------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CreateCluster:
-    name: str
-
-
-@dataclass(frozen=True)
-class SubmitJob:
-    submission_id: str
-    attempt: int
-
-
-@dataclass(frozen=True)
-class SubmitPreflight:
-    submission_id: str
-    attempt: int
-
-
-@dataclass(frozen=True)
-class StopJob:
-    submission_id: str
-
-
-@dataclass(frozen=True)
-class RequestCheckpoint:
-    """Ask the running trainer for a step checkpoint now (a short Ray job on the head)."""
-
-    submission_id: str
-    attempt: int
-    request: int
-    reason: str
-    detail: str
-
-
-@dataclass(frozen=True)
-class DeleteCluster:
-    name: str
-
-
-@dataclass(frozen=True)
-class ReadLogTail:
-    """Ask the driver for the log tail (only when a job failed without a failure event)."""
-
-    submission_id: str
-
-
-@dataclass(frozen=True)
-class ReadSliceHealth:
-    """Ask the driver for the slice's pods and nodes (once a job ended without success):
-    they decide the attempt's reason and whether the retry may keep the RayCluster."""
-
-    since: str  # when the slice was ready for the attempt: a pod newer than this replaced one
-
-
-@dataclass(frozen=True)
-class RecordEvent:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
-
-
-@dataclass
-class Decision:
-    status: dict
-    actions: list = field(default_factory=list)
-    # Step again by then at the latest, even with nothing to do now (a RayCluster kept by
-    # spec.ttlSecondsAfterFinished is released then).
-    wake_at: datetime | None = None
-
-    @property
-    def phase(self) -> str:
-        return self.status.get("phase", "")
 
 
 # ---- the transition --------------------------------------------------------------------
@@ -273,6 +120,11 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
         # An edit made the spec invalid before the job started: nothing to run.
         _applied(new, ident)
         _fail(plan, new, obs, decision, "InvalidSpec", obs.spec_error)
+    elif plan.does_not_fit and phase in (PENDING, QUEUED, PROVISIONING, SUBMITTING):
+        # An edit made the run too big for its slice before the job started.
+        _applied(new, ident)
+        new["plan"] = plan.memory
+        _fail(plan, new, obs, decision, "DoesNotFit", plan.does_not_fit)
     elif plan.suspended and phase:
         _suspended(ident, new, obs, decision)
     elif phase and _past_deadline(plan, new, obs):
@@ -283,8 +135,12 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
         _to_queue(ident, plan, new, obs, decision)
     elif phase in (SUBMITTING, RUNNING) and cluster_lost(obs.cluster):
         _lost_cluster(ident, plan, new, obs, decision)
+    elif phase == SUBMITTING and obs.job is None and _expired(_submitting_deadline(plan, new), obs):
+        _submit_timeout(ident, plan, new, obs, decision)
     elif obs.ray_unreachable and phase in (SUBMITTING, RUNNING):
-        _fail(plan, new, obs, decision, "RayUnreachable", obs.ray_unreachable)
+        _rebuild_or_fail(ident, plan, new, obs, decision, "RayUnreachable", obs.ray_unreachable)
+    elif obs.ray_down and phase in (SUBMITTING, RUNNING):
+        _ray_down(new, obs, decision)
     else:
         STEPS.get(phase, _start)(ident, plan, new, obs, decision)
     if new.get("phase") != phase:
@@ -294,31 +150,16 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
     return decision
 
 
-ATTEMPT_PHASES = frozenset({PENDING, QUEUED, PROVISIONING, SUBMITTING, RUNNING})
-
-
-def _count_attempts(plan: Plan, old: dict, s: dict, obs: Observations, d: Decision, before: str) -> None:
-    """An attempt is open whenever the run works towards a result; a slice deleted, lost or
-    taken back by Kueue costs no more from now; usage is brought up to now whenever the
-    status changes anyway (a phase, the trainer's events, an attempt's end), so a run
-    that only waits writes nothing new."""
-    cluster = obs.cluster
-    if s.get("phase") in ATTEMPT_PHASES and not plan.suspended and s.get("attempt"):
-        attempts.begin(s, obs.now)
-        if s["phase"] in (SUBMITTING, RUNNING):  # a run an older operator started: ready already
-            attempts.slice_ready(s, obs.now, cluster.uid if cluster is not None else "")
-    gone = cluster_lost(cluster) and before in (SUBMITTING, RUNNING)
-    taken_back = bool(plan.queue) and cluster is not None and cluster.suspended
-    if gone or taken_back or any(isinstance(a, DeleteCluster) for a in d.actions):
-        attempts.release(s, obs.now)
-    if obs.events or s.get("phase") != before or attempts.shape(s) != attempts.shape(old):
-        attempts.account(old, s, obs.now, plan.chips, plan.hosts)
-
-
 def _start(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
     _applied(s, ident)
     if obs.spec_error:
         _fail(plan, s, obs, d, "InvalidSpec", obs.spec_error)
+        return
+    if plan.memory is not None:
+        s["plan"] = plan.memory
+    if plan.does_not_fit:
+        # Refused before anything exists: the slice is never asked for.
+        _fail(plan, s, obs, d, "DoesNotFit", plan.does_not_fit)
         return
     attempt = int(s.get("attempt") or 1)
     s.update(
@@ -434,59 +275,30 @@ def _submitting(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Deci
     _enter(s, d, RUNNING, "JobSubmitted", f"Ray job {job_id} submitted (attempt {s['attempt']})")
 
 
-def _preflight_passed(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> bool:
-    """spec.preflight: the collectives check runs on this attempt's cluster first. True once
-    it passed; a failure ends the run (reason PreflightFailed) and releases the slice before
-    any fine-tune job exists."""
-    attempt = int(s["attempt"])
-    job_id = preflight_id(ident.uid, attempt)
-    result = s.get("preflight") or {}
-    if result.get("attempt") == attempt and result.get("phase") == "Passed":
-        return True
-    if result.get("attempt") != attempt:
-        s["preflight"] = {"phase": "Running", "attempt": attempt, "jobId": job_id}
-        d.actions.append(SubmitPreflight(job_id, attempt))
-        _enter(s, d, SUBMITTING, "Preflight", f"preflight {job_id}: checking the slice before the fine-tune")
-        return False
-    job = obs.preflight_job
-    if job is None or job.status in JOB_ACTIVE:
-        if job is None:
-            d.actions.append(SubmitPreflight(job_id, attempt))  # level-based: Ray refuses a duplicate
-        return False
-    result = s["preflight"]
-    result.update(_preflight_figures(obs.preflight_events))
-    if job.status == "SUCCEEDED" and result.get("message", "").startswith("passed"):
-        result["phase"] = "Passed"
-        d.actions.append(RecordEvent("Normal", "PreflightPassed", result["message"][: cond.MESSAGE_LIMIT]))
-        return True
-    result["phase"] = "Failed"
-    if not result.get("message"):
-        result["message"] = _first_and_last_line(job.message) or f"preflight job {job.status.lower()}"
-    _fail(plan, s, obs, d, "PreflightFailed", f"preflight {job_id}: {result['message']}"[:1024])
-    return False
+def _submit_timeout(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    """Submitting (the preflight, the submit) passed TPUFT_SUBMIT_TIMEOUT: a preflight that
+    never ends (a hung all_reduce, a stuck host) must not hold the slice. Its job is stopped
+    and the attempt ends; the next one runs on a new RayCluster."""
+    seconds = int(plan.submit_timeout.total_seconds())
+    preflight = s.get("preflight") or {}
+    waiting_for = "the fine-tune job to be submitted"
+    if preflight.get("attempt") == s.get("attempt") and preflight.get("phase") == "Running":
+        waiting_for = f"preflight {preflight.get('jobId')} to end"
+        preflight.update(phase="Failed", message=f"did not end within {seconds} s (TPUFT_SUBMIT_TIMEOUT)")
+        if obs.preflight_job is not None and obs.preflight_job.status in JOB_ACTIVE:
+            d.actions.append(StopJob(preflight["jobId"]))
+    _rebuild_or_fail(ident, plan, s, obs, d, "SubmitTimeout",
+                     f"still waiting for {waiting_for} after {seconds} s in Submitting (TPUFT_SUBMIT_TIMEOUT)")
 
 
-def _preflight_figures(events: tuple[dict, ...]) -> dict:
-    """status.preflight from the preflight job's collectives and failure events."""
-    figures: dict = {}
-    failure = ""
-    for event in events:
-        if event.get("event") == "collectives":
-            for key, field in (("bus_bandwidth_gbps", "busBandwidthGBps"),
-                               ("min_bus_bandwidth_gbps", "minBusBandwidthGBps"), ("hosts", "hosts"),
-                               ("devices_per_host", "devicesPerHost"), ("short_hosts", "shortHosts"),
-                               ("world_size", "ranks")):
-                if event.get(key) is not None:
-                    figures[field] = event[key]
-            figures["passed"] = bool(event.get("passed"))
-        elif event.get("event") == "failure":
-            failure = f"{event.get('type') or 'Error'}: {event.get('message') or ''}"
-    passed = figures.pop("passed", False) and not failure
-    bandwidth = figures.get("busBandwidthGBps")
-    shown = f"all_reduce bus bandwidth {bandwidth} GB/s" if bandwidth is not None else "no bandwidth measured"
-    where = f" on {figures['ranks']} ranks, {figures.get('hosts')} hosts" if figures.get("ranks") else ""
-    figures["message"] = (f"passed: {shown}{where}" if passed else (failure or f"failed: {shown}{where}"))[:1024]
-    return figures
+def _ray_down(s: dict, obs: Observations, d: Decision) -> None:
+    """The head does not answer, or its token cannot be derived: nothing is decided without
+    Ray until it does or TPUFT_RAY_UNREACHABLE_TIMEOUT ends the attempt. Said in the status
+    and in one Warning Event per new reason."""
+    message = obs.ray_down[: cond.MESSAGE_LIMIT]
+    if s.get("message") != message:
+        s["message"] = message
+        d.actions.append(RecordEvent("Warning", "RayUnreachable", message))
 
 
 def _rebuild(s: dict, obs: Observations, d: Decision) -> None:
@@ -556,43 +368,6 @@ def _running(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decisio
     _fail(plan, s, obs, d, reason, message, attempt_as=ended_as, attempt_detail=detail)
 
 
-def attempt_reason(job_reason: str, health: SliceHealth | None) -> str:
-    """Why an attempt whose job ended without success ended: what its slice shows (a pod
-    taken away with the cloud's reason, a node gone or under maintenance) comes first; a
-    job the head lost or someone stopped says so; anything else is the application's."""
-    if health is not None and health.reason:
-        return health.reason
-    return attempts.JOB_END_REASONS.get(job_reason, "AppFailed")
-
-
-def _maintenance(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
-    """A node of the run's pods has maintenance scheduled (GKE's label): ask the trainer for
-    a checkpoint now, once per node and attempt, so the maintenance costs at most the steps
-    after it; recorded in status.maintenance and as an Event."""
-    attempt = int(s["attempt"])
-    seen = s.get("maintenance") or {}
-    known = set(seen.get("nodes") or []) if seen.get("attempt") == attempt else set()
-    new = [(node, when) for node, when in obs.maintenance if node not in known]
-    if not new:
-        return
-    request = int(seen.get("requests") or 0) + 1 if seen.get("attempt") == attempt else 1
-    detail = ", ".join(f"node {node} at {maintenance_time(when)}" for node, when in new)
-    message = f"maintenance scheduled ({detail}): asked the trainer for a checkpoint now"
-    s["maintenance"] = {"nodes": sorted(known | {node for node, _ in new}), "attempt": attempt,
-                        "requests": request, "requestTime": cond.timestamp(obs.now),
-                        "message": message[: cond.MESSAGE_LIMIT]}
-    d.actions.append(RequestCheckpoint(checkpoint_request_id(ident.uid, attempt, request), attempt, request,
-                                       "Maintenance", detail[:512]))
-    d.actions.append(RecordEvent("Warning", "Maintenance", message[: cond.MESSAGE_LIMIT]))
-
-
-def maintenance_time(value: str) -> str:
-    """GKE's label value is seconds since the epoch; shown as RFC 3339 (else as it is)."""
-    if value.isdigit():
-        return cond.timestamp(datetime.fromtimestamp(int(value), tz=timezone.utc))
-    return value
-
-
 def _silent_for(s: dict, obs: Observations) -> timedelta:
     """How long the trainer has said nothing in this attempt."""
     since = [cond.parse_time(s.get("phaseTransitionTime")), cond.parse_time(s.get("lastEventTime"))]
@@ -612,6 +387,12 @@ def _provisioning_deadline(plan: Plan, s: dict) -> datetime | None:
     return since + plan.provision_timeout if since is not None else None
 
 
+def _submitting_deadline(plan: Plan, s: dict) -> datetime | None:
+    """When Submitting's bound ends, counted from the phase's start (None: no bound)."""
+    since = cond.parse_time(s.get("phaseTransitionTime"))
+    return since + plan.submit_timeout if since is not None and plan.submit_timeout is not None else None
+
+
 def _active_deadline(plan: Plan, s: dict) -> datetime | None:
     """When spec.activeDeadlineSeconds ends, counted from startTime (None: no deadline, or
     its clock is stopped)."""
@@ -619,196 +400,21 @@ def _active_deadline(plan: Plan, s: dict) -> datetime | None:
     return started + plan.active_deadline if plan.active_deadline is not None and started is not None else None
 
 
-def _expired(deadline: datetime | None, obs: Observations) -> bool:
-    return deadline is not None and obs.now > deadline
-
-
-# Phases in which a run only waits for something the operator watches (its RayCluster, the
-# cluster's pods, its Kueue Workload, a spec edit) or for one of its own timers.
-WAITING = frozenset({PENDING, QUEUED, PROVISIONING})
-
-
 def next_timer(plan: Plan, s: dict) -> datetime | None:
-    """The earliest moment a waiting run's decision can change with no change to anything
-    watched: its provisioning timeout (counted from the phase's start) and
+    """The earliest moment a run's decision can change with no change to anything watched:
+    its provisioning or submitting timeout (counted from the phase's start) and
     spec.activeDeadlineSeconds. None when it has no timer."""
     phase = s.get("phase")
     timers = [_provisioning_deadline(plan, s) if phase == PROVISIONING else None,
+              _submitting_deadline(plan, s) if phase == SUBMITTING else None,
               _active_deadline(plan, s) if phase and phase not in TERMINAL else None]
     return min((t for t in timers if t is not None), default=None)
-
-
-def _stop_and_fail(plan: Plan, s: dict, obs: Observations, d: Decision, reason: str, message: str) -> None:
-    if s.get("phase") in (SUBMITTING, RUNNING) and obs.job is not None and obs.job.status in JOB_ACTIVE:
-        d.actions.append(StopJob(s["jobId"]))
-    _fail(plan, s, obs, d, reason, message)
-
-
-def _retry(ident: Identity, s: dict, obs: Observations, d: Decision, message: str,
-           took_over: dict | None = None) -> None:
-    """The next attempt: on the same RayCluster after an application failure on a healthy
-    slice (`took_over`: the ended attempt that hands it over), else on a new one (a pod or
-    node lost, a slice not well, a spec that changes the cluster)."""
-    attempt = int(s["attempt"]) + 1
-    s["attempt"] = attempt
-    s["jobId"] = submission_id(ident.uid, attempt)
-    _set(s, obs, cond.RUNNING, False, "Retrying", message)
-    if took_over is not None:
-        attempts.begin(s, obs.now, took_over=took_over)
-        _enter(s, d, SUBMITTING, "Retrying", f"attempt {attempt - 1} failed ({message}); resubmitting as "
-               f"{s['jobId']} on the same RayCluster", warn=True)
-        return
-    name = s["rayClusterName"]
-    _set(s, obs, cond.CLUSTER_READY, False, "Rebuilding", f"attempt {attempt} runs on a new RayCluster {name}")
-    s.pop("dashboardURL", None)
-    d.actions.append(DeleteCluster(name))
-    _enter(s, d, PENDING, "Retrying", f"attempt {attempt - 1} failed ({message}); attempt {attempt} runs "
-           f"on a new RayCluster", warn=True)
-
-
-def cluster_lost(cluster: ClusterView | None) -> bool:
-    """The job's RayCluster is gone or going (None: not looked at). In Submitting and
-    Running that is never the operator's doing: it deletes one only in other phases."""
-    return cluster is not None and (not cluster.exists or not cluster.owned or cluster.deleting)
-
-
-def _lost_cluster(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
-    """Someone else deleted the RayCluster under the job: the job is lost with it. A new
-    attempt runs on a new cluster (resuming from the last checkpoint), counted against
-    spec.maxRetries; with none left the run fails, reason ClusterLost."""
-    name = s["rayClusterName"]
-    why = f"RayCluster {name} was deleted outside the operator while job {s['jobId']} was {s['phase'].lower()}"
-    retries = int(s.get("retries") or 0)
-    if retries >= plan.max_retries:
-        _fail(plan, s, obs, d, "ClusterLost", f"{why}; no retries left (spec.maxRetries: {plan.max_retries})")
-        return
-    attempts.end(s, obs.now, "ClusterLost", why)
-    attempt = int(s["attempt"]) + 1
-    s.update(retries=retries + 1, attempt=attempt, jobId=submission_id(ident.uid, attempt))
-    s.pop("trainerFailure", None)  # the workers died with the cluster, not of their own
-    s.pop("dashboardURL", None)  # the new cluster's head is read when it is ready
-    for type_ in (cond.CLUSTER_READY, cond.JOB_SUBMITTED, cond.RUNNING):
-        if cond.find(s, type_):
-            _set(s, obs, type_, False, "ClusterLost", why)
-    _enter(s, d, PENDING, "ClusterLost", f"{why}; attempt {attempt} runs on a new RayCluster "
-           f"(retry {retries + 1}/{plan.max_retries})", warn=True)
-
-
-def _suspended(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
-    """spec.suspend: no RayCluster exists while it is true. A running job is stopped and
-    the next attempt (resuming from the last checkpoint) starts once it is false again.
-    A suspend is not a failure: it uses up no retry, and the stopped attempt's failure
-    report (if any) goes with it."""
-    _applied(s, ident)
-    s.pop("trainerFailure", None)
-    s.pop("startTime", None)  # the deadline's clock stops, and restarts on resume
-    ended = attempts.end(s, obs.now, "Stopped", "spec.suspend is true")
-    if s["phase"] in (SUBMITTING, RUNNING) or ended is not None:
-        if obs.job is not None and obs.job.status in JOB_ACTIVE:
-            d.actions.append(StopJob(s["jobId"]))
-        # An ended attempt's number is not used again (its entry keeps it).
-        attempt = int(s["attempt"]) + (1 if obs.job is not None or ended is not None else 0)
-        s.update(attempt=attempt, jobId=submission_id(ident.uid, attempt))
-        for type_ in (cond.JOB_SUBMITTED, cond.RUNNING):
-            if cond.find(s, type_):
-                _set(s, obs, type_, False, "Suspended", "spec.suspend is true")
-    if s["phase"] != PENDING:
-        _set(s, obs, cond.CLUSTER_READY, False, "Suspended", "spec.suspend is true")
-        _enter(s, d, PENDING, "Suspended", "suspended: the slice is released until spec.suspend is false")
-    else:
-        s["message"] = "suspended: no RayCluster is created until spec.suspend is false"
-    if obs.cluster is not None and obs.cluster.exists and obs.cluster.owned:
-        d.actions.append(DeleteCluster(s["rayClusterName"]))
-
-
-# ---- Kueue (spec.queueName) ------------------------------------------------------------
-
-
-def _held_by_kueue(obs: Observations) -> bool:
-    cluster = obs.cluster
-    return cluster is not None and cluster.exists and cluster.owned and cluster.suspended
-
-
-def _to_queue(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
-    """The RayCluster is suspended: not admitted yet, or evicted. A job that was submitted
-    has lost its cluster: the next admission runs a new attempt (resuming from the last
-    checkpoint) that is not counted as a failure."""
-    queue = obs.cluster.queue or QueueView()
-    if s["phase"] in (SUBMITTING, RUNNING):
-        if obs.job is not None and obs.job.status in JOB_ACTIVE:
-            d.actions.append(StopJob(s["jobId"]))
-        why = f"evicted by Kueue ({queue.evicted or 'the RayCluster was suspended'})"
-        attempts.end(s, obs.now, "Evicted", why)
-        attempt = int(s["attempt"]) + 1
-        s.update(attempt=attempt, jobId=submission_id(ident.uid, attempt),
-                 evictions=int(s.get("evictions") or 0) + 1)
-        s.pop("trainerFailure", None)  # the workers died with the eviction, not of their own
-        s.pop("startTime", None)  # as for a suspend: the deadline's clock restarts on admission
-        for type_ in (cond.CLUSTER_READY, cond.JOB_SUBMITTED, cond.RUNNING):
-            if cond.find(s, type_):
-                _set(s, obs, type_, False, "Evicted", why)
-        message = f"{why}; attempt {attempt} resumes from the last checkpoint once admitted again"
-        _set(s, obs, cond.ADMITTED, False, "Evicted", why)
-        _enter(s, d, QUEUED, "Evicted", message, warn=True)
-        return
-    message = _queued_message(plan, s["rayClusterName"], queue)
-    _set(s, obs, cond.ADMITTED, False, queue.reason or "Pending", message)
-    _set(s, obs, cond.CLUSTER_READY, False, "Queued", message)
-    _enter(s, d, QUEUED, "Queued", message)
-
-
-def _queued(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
-    """Wait for Kueue; once it unsuspends the RayCluster (or the cluster is gone), go on
-    provisioning, with the provisioning timeout counted from the admission."""
-    cluster = obs.cluster
-    if cluster is None:
-        return
-    if _held_by_kueue(obs):
-        message = _queued_message(plan, s["rayClusterName"], cluster.queue or QueueView())
-        reason = (cluster.queue.reason if cluster.queue else "") or "Pending"
-        previous = (cond.find(s, cond.ADMITTED) or {}).get("message")
-        _set(s, obs, cond.ADMITTED, False, reason, message)
-        if previous != message:
-            s["message"] = message[: cond.MESSAGE_LIMIT]
-            d.actions.append(RecordEvent("Normal", "Queued", message[: cond.MESSAGE_LIMIT]))
-        return
-    # An admission starts the clock of spec.activeDeadlineSeconds again (an eviction
-    # stopped it), as a resume after a suspend does.
-    s.setdefault("startTime", cond.timestamp(obs.now))
-    if cluster.exists and cluster.owned:
-        s.pop("trainerFailure", None)  # a late line of an evicted attempt is not this one's
-        message = f"Kueue admitted RayCluster {s['rayClusterName']}"
-        _set(s, obs, cond.ADMITTED, True, "Admitted", message)
-        _set(s, obs, cond.CLUSTER_READY, False, "Creating", "admitted: the pods are starting")
-        _enter(s, d, PROVISIONING, "Admitted", message)
-        return
-    _enter(s, d, PROVISIONING, "CreatingCluster", f"creating RayCluster {s['rayClusterName']}")
-
-
-def _queued_message(plan: Plan, cluster: str, queue: QueueView) -> str:
-    if queue.message:
-        return f"queued in {plan.queue}: {queue.message}"
-    return f"queued in {plan.queue}: waiting for Kueue to admit RayCluster {cluster}"
 
 
 def _terminal(plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
     # Nothing expensive is left running: keep asking until the slice is released.
     if obs.cluster is not None and obs.cluster.exists and obs.cluster.owned:
         _release(plan, s, obs, d)
-
-
-def _release(plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
-    """Delete the RayCluster of a finished run, or keep it until spec.ttlSecondsAfterFinished
-    has passed (status.rayClusterReleaseTime says when) and ask to be woken then."""
-    if not s.get("rayClusterName"):
-        return
-    if plan.ttl_after_finished:
-        release_at = (cond.parse_time(s.get("completionTime")) or obs.now) + plan.ttl_after_finished
-        s["rayClusterReleaseTime"] = cond.timestamp(release_at)
-        if obs.now < release_at:
-            d.wake_at = release_at
-            return
-    d.actions.append(DeleteCluster(s["rayClusterName"]))
 
 
 def _deleting(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
@@ -831,94 +437,12 @@ def deletion_complete(obs: Observations) -> bool:
     return obs.cluster is None or not obs.cluster.exists or not obs.cluster.owned
 
 
-# ---- helpers ---------------------------------------------------------------------------
-
-
-def _job_failure(s: dict, job: JobView | None, obs: Observations) -> tuple[str, str]:
-    """Reason and message for a job that is no longer active; message '' if we still
-    need the log tail to explain it."""
-    failure = s.get("trainerFailure") or {}
-    if failure.get("message"):
-        kind = failure.get("type") or "Error"
-        return "TrainerFailed", f"{kind}: {failure['message']}"
-    if job is None:
-        return "JobLost", f"Ray has no job {s['jobId']} (was the head restarted?)"
-    if job.status == "STOPPED":
-        return "JobStopped", f"Ray job {s['jobId']} was stopped outside the operator"
-    if obs.log_tail:
-        return "JobFailed", f"{_first_and_last_line(job.message) or 'job failed'}; log tail: {obs.log_tail}"
-    return "JobFailed", ""
-
-
-def _first_and_last_line(text: str) -> str:
-    """Ray's message of a failed job can hold a whole traceback (a runtime_env that could
-    not be set up): its first line says what failed, its last one why."""
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return " ... ".join(lines[:1] + lines[1:][-1:])
-
-
-def _success_message(s: dict) -> str:
-    parts = [f"{s.get('epoch', 0)}/{s.get('epochs', 0)} epochs"]
-    if s.get("loss") is not None:
-        parts.append(f"loss {s['loss']:.4f}")
-    if s.get("checkpointURI"):
-        parts.append(f"checkpoint {s['checkpointURI']}")
-    if s.get("collectives"):
-        parts.append("collectives passed" if s["collectives"].get("passed") else "collectives FAILED")
-    return ", ".join(parts)
-
-
-def _fail(plan: Plan, s: dict, obs: Observations, d: Decision, reason: str, message: str,
-          attempt_as: str = "", attempt_detail: str = "") -> None:
-    if attempts.end(s, obs.now, attempt_as or attempts.FAILED_REASONS.get(reason, "AppFailed"),
-                    attempt_detail or message) is not None and attempt_detail:
-        d.actions.append(RecordEvent("Warning", "AttemptFailed", attempts.bounded(
-            f"attempt {s['attempt']} ended ({attempt_as}): {attempt_detail}", cond.MESSAGE_LIMIT)))
-    _set(s, obs, cond.FAILED, True, reason, message)
-    if cond.find(s, cond.RUNNING):
-        _set(s, obs, cond.RUNNING, False, reason, message)
-    s["completionTime"] = cond.timestamp(obs.now)
-    _enter(s, d, FAILED, reason, message, warn=True)
-    _release(plan, s, obs, d)
-
-
 def _create_cluster(ident: Identity, plan: Plan, s: dict, d: Decision) -> None:
     """The RayCluster is built from the current spec: that generation is now applied."""
     _applied(s, ident)
     if plan.cluster_hash:
         s["clusterHash"] = plan.cluster_hash
     d.actions.append(CreateCluster(s["rayClusterName"]))
-
-
-def _applied(s: dict, ident: Identity) -> None:
-    """status.observedGeneration names only a generation acted on: the one a RayCluster
-    was created from, a job submitted with, or a suspend applied for. An edit to a running
-    job applies to the next attempt, and the status says so by not claiming it yet."""
-    s["observedGeneration"] = ident.generation
-
-
-def _set(s: dict, obs: Observations, type_: str, value: bool, reason: str, message: str) -> None:
-    cond.set_condition(s, type_, value, reason, message, obs.now, s.get("observedGeneration"))
-
-
-def _enter(s: dict, d: Decision, phase: str, reason: str, message: str, warn: bool = False) -> None:
-    s["phase"] = phase
-    s["message"] = message[: cond.MESSAGE_LIMIT]
-    d.actions.append(RecordEvent("Warning" if warn else "Normal", reason, message[: cond.MESSAGE_LIMIT]))
-
-
-def _note(s, d, obs, type_, reason, message, warn=False) -> None:
-    """Update a condition; emit an Event only when the message changes (no event storms)."""
-    previous = cond.find(s, type_) or {}
-    _set(s, obs, type_, False, reason, message)
-    s["message"] = message[: cond.MESSAGE_LIMIT]
-    if previous.get("message") != message[: cond.MESSAGE_LIMIT]:
-        d.actions.append(RecordEvent("Warning" if warn else "Normal", reason, message[: cond.MESSAGE_LIMIT]))
-
-
-def _copy(status: dict) -> dict:
-    # kopf keeps its own bookkeeping under status.kopf; it is not ours to rewrite.
-    return copy.deepcopy({k: v for k, v in (status or {}).items() if k != "kopf"})
 
 
 STEPS = {

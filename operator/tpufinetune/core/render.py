@@ -5,7 +5,9 @@ the Ray job submission is a comment under each RayCluster, or the whole output w
 `--jobs`.
 
 Validation is `parse_spec`, the operator's own, so a spec that renders is one the operator
-accepts; documents are rendered only after every input document validated.
+accepts; documents are rendered only after every input document validated. The memory
+plan (core/memplan.py) is a comment under each header, and a run that cannot fit its slice
+is refused as the operator would fail it (DoesNotFit), offline: known models are a table.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import yaml
 from .api import API_VERSION, DNS_SUBDOMAIN, KIND, TPUFineTuneSpec, parse_spec
 from .errors import SpecError
 from .jobspec import job_submission
+from .memplan import plan_spec, refuses
 from .podtemplate import raycluster_with_pod_settings
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -76,15 +79,21 @@ def render(documents: list[dict], source: str, jobs: bool = False) -> str:
             spec = parse_spec(raw_spec if raw_spec is not None else {})
         except SpecError as exc:
             raise RenderError(f'{source}: TPUFineTune "{name}": {exc}') from None
+        memory = plan_spec(spec)
+        if memory is not None and refuses(memory):
+            # What the operator would do: fail the run (DoesNotFit) before any RayCluster.
+            raise RenderError(f'{source}: TPUFineTune "{name}": does not fit: {memory.refusal()}')
         validated.append((name, namespace, uid, spec))
 
     out = []
     for name, namespace, uid, spec in validated:
         header = f"# TPUFineTune {namespace}/{name}"
+        memory = plan_spec(spec)
+        planned = f"{header}: memory plan: {memory.summary()}\n" if memory is not None else ""
         job = _job_document(name, namespace, uid or PLACEHOLDER_UID, spec)
         if jobs:
             out.append(f"---\n{header}: the Ray job the operator submits (attempt "
-                       f"{FIRST_ATTEMPT}).\n" + _dump(job))
+                       f"{FIRST_ATTEMPT}).\n" + planned + _dump(job))
             continue
         cluster = raycluster_with_pod_settings(name, namespace, uid or PLACEHOLDER_UID, spec)
         note = ""
@@ -94,7 +103,7 @@ def render(documents: list[dict], source: str, jobs: bool = False) -> str:
             del cluster["metadata"]["ownerReferences"]
             note = ("# metadata.uid is absent: no ownerReferences (the operator sets the "
                     f"resource's own); job ids use the placeholder {PLACEHOLDER_UID}.\n")
-        out.append(f"---\n{header}: the RayCluster the operator creates.\n{note}"
+        out.append(f"---\n{header}: the RayCluster the operator creates.\n{planned}{note}"
                    + _dump(cluster)
                    + f"{header}: the Ray job the operator submits once it is ready "
                      f"(attempt {FIRST_ATTEMPT}; --jobs prints it as YAML):\n"

@@ -146,6 +146,8 @@ def _on_result(status: dict, event: dict) -> None:
         _checkpoint_step(status, event.get("best_step"))
     if event.get("exported_model_uri"):
         status["exportedModelURI"] = event["exported_model_uri"]
+    if event.get("exported_adapter_uri"):
+        status["exportedAdapterURI"] = event["exported_adapter_uri"]
 
 
 def _on_failure(status: dict, event: dict) -> None:

@@ -154,6 +154,30 @@ class Maintenance(_Status):
     message: str | None = Field(None, max_length=1024, description="Which node, and when.")
 
 
+class MemoryPlanStatus(_Status):
+    """The memory planner's estimate for the run (core/memplan.py), written before any
+    RayCluster exists."""
+
+    basis: Literal["table", "unknown"] | None = Field(
+        None, description="table: the model is in the planner's table and was checked; unknown: "
+                          "it is not, and its memory was not checked.")
+    method: str | None = Field(None, max_length=32, description="The fine-tune method planned (full, lora).")
+    fits: bool | None = Field(None, description="Whether the estimate fits the slice (absent when "
+                                                "unknown).")
+    per_chip_hbm_bytes: int | None = Field(None, ge=0, alias="perChipHBMBytes",
+                                           description="Estimated peak HBM per chip.")
+    limit_bytes: int | None = Field(None, ge=0, description="Usable HBM per chip (HBM less the "
+                                                            "planner's headroom).")
+    host_ram_bytes: int | None = Field(None, ge=0, alias="hostRAMBytes",
+                                       description="Estimated memory per host (worker pod).")
+    host_ram_limit_bytes: int | None = Field(None, ge=0, alias="hostRAMLimitBytes",
+                                             description="Usable memory of a worker pod.")
+    smallest_fit: str | None = Field(None, max_length=256, description="When it does not fit: the "
+                                                                      "smallest topology (or method) "
+                                                                      "that would.")
+    message: str | None = Field(None, max_length=1024, description="The estimate in words.")
+
+
 class TrainerFailure(_Status):
     """What the trainer reported before it failed."""
 
@@ -264,6 +288,9 @@ class TPUFineTuneStatus(_Status):
                                        description="Latest (best-kept) checkpoint.")
     exported_model_uri: str | None = Field(None, alias="exportedModelURI",
                                            description="Exported model weights, if any.")
+    exported_adapter_uri: str | None = Field(None, alias="exportedAdapterURI",
+                                             description="Exported LoRA adapter (PEFT's format), "
+                                                         "for training.method lora.")
     start_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
                                    description="When the run started (reset on resume after "
                                                "a suspend; spec.activeDeadlineSeconds counts "
@@ -323,6 +350,10 @@ class TPUFineTuneStatus(_Status):
                                 "training.targetEvalLoss.")
     trainer_failure: TrainerFailure | None = Field(
         None, description="The trainer's failure event of the current attempt, if any.")
+    plan: MemoryPlanStatus | None = Field(
+        None, description="The memory planner's estimate (HBM per chip, memory per host) and "
+                          "whether it fits; a run that does not fit fails with reason DoesNotFit "
+                          "before any RayCluster exists.")
 
 
 class UndeclaredStatusKey(ValueError):

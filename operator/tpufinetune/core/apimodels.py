@@ -1,0 +1,190 @@
+"""The API's shared model base and the Ray pods' own settings (spec.head, spec.workers:
+PodGroup and what it holds), part of the TPUFineTune API in api.py, which re-exports them.
+Like api.py, these models are the source of the CRD schema (crdgen).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+from . import validation
+from .quantity import QUANTITY_PATTERN, normalize_quantity
+
+# DNS-1123 subdomain (object, Secret and ServiceAccount names).
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(normalize_quantity),
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}],
+                    "pattern": QUANTITY_PATTERN, "x-kubernetes-int-or-string": True}),
+]
+ResourceMap = Annotated[dict[str, Quantity], Field(max_length=16)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True,
+                              extra="forbid", protected_namespaces=())
+
+
+class SecretKeyRef(_Model):
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                      description="Secret name, in the TPUFineTune's namespace.")
+    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="Key within the Secret.")
+
+
+class ResourceRequirements(_Model):
+    model_config = ConfigDict(json_schema_extra={
+        "x-kubernetes-validations": validation.resources_rules()})
+
+    requests: ResourceMap | None = Field(
+        None, description="Overrides the default requests key by key (e.g. cpu, memory).")
+    limits: ResourceMap | None = Field(
+        None, description="Overrides the default limits key by key (e.g. cpu, memory).")
+
+
+# Label and annotation keys: an optional DNS-subdomain prefix and a name, as Kubernetes has.
+METADATA_KEY = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+LabelKey = Annotated[str, Field(min_length=1, max_length=317, pattern=METADATA_KEY)]
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]
+
+
+def _list_map(key: str = "name") -> dict:
+    # The apiserver refuses two items with the same key (and merges by it on apply).
+    return {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": [key]}
+
+
+class EnvSecretSource(_Model):
+    secret_key_ref: SecretKeyRef = Field(description="Key of a Secret in the namespace.")
+
+
+class EnvVar(_Model):
+    model_config = ConfigDict(json_schema_extra={
+        "x-kubernetes-validations": validation.env_rules()})
+
+    name: str = Field(min_length=1, max_length=256, pattern=ENV_NAME,
+                      description="Variable name.")
+    value: str | None = Field(None, max_length=4096, description="A plain value.")
+    value_from: EnvSecretSource | None = Field(
+        None, description="Read the value from a Secret (secretKeyRef only).")
+
+
+class Toleration(_Model):
+    key: str | None = Field(None, max_length=317, pattern=METADATA_KEY,
+                            description="Taint key; empty with operator Exists matches all.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
+    value: str | None = Field(None, max_length=63, description="Taint value (Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to tolerate; empty matches all.")
+    toleration_seconds: int | None = Field(
+        None, ge=0, description="NoExecute only: how long the pod stays after the taint.")
+
+
+class PersistentVolumeClaimSource(_Model):
+    claim_name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                            description="PersistentVolumeClaim in the namespace, e.g. a "
+                                        "ReadWriteMany Filestore claim for checkpoints.")
+    read_only: bool = Field(False, description="Mount read-only.")
+
+
+class CSISource(_Model):
+    driver: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                        description="CSI driver, e.g. gcsfuse.csi.storage.gke.io.")
+    read_only: bool = Field(False, description="Mount read-only.")
+    volume_attributes: Annotated[dict[str, Annotated[str, Field(max_length=4096)]],
+                                 Field(max_length=32)] | None = Field(
+        None, description="Driver options, e.g. bucketName and mountOptions for GCS FUSE.")
+
+
+class EmptyDirSource(_Model):
+    medium: Literal["", "Memory"] = Field("", description='"" (node disk) or Memory.')
+    size_limit: Quantity | None = Field(None, description="Size limit, e.g. 10Gi.")
+
+
+class ConfigMapSource(_Model):
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                      description="ConfigMap in the namespace.")
+
+
+class SecretSource(_Model):
+    secret_name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                             description="Secret in the namespace.")
+
+
+class NFSSource(_Model):
+    server: str = Field(min_length=1, max_length=253, description="NFS server address.")
+    path: str = Field(min_length=1, max_length=1024, pattern=r"^/",
+                      description="Exported path.")
+    read_only: bool = Field(False, description="Mount read-only.")
+
+
+class Volume(_Model):
+    model_config = ConfigDict(json_schema_extra={
+        "x-kubernetes-validations": validation.volume_rules()})
+
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL,
+                      description="Volume name, referenced by volumeMounts.")
+    persistent_volume_claim: PersistentVolumeClaimSource | None = Field(
+        None, description="A PersistentVolumeClaim (e.g. ReadWriteMany Filestore).")
+    csi: CSISource | None = Field(
+        None, description="An inline CSI volume (e.g. the GCS FUSE CSI driver).")
+    empty_dir: EmptyDirSource | None = Field(None, description="Scratch space of the pod.")
+    config_map: ConfigMapSource | None = Field(None, description="A ConfigMap's keys as files.")
+    secret: SecretSource | None = Field(None, description="A Secret's keys as files.")
+    nfs: NFSSource | None = Field(None, description="An NFS export.")
+
+
+class VolumeMount(_Model):
+    model_config = ConfigDict(json_schema_extra={
+        "x-kubernetes-validations": validation.volume_mount_rules()})
+
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL,
+                      description="One of this group's volumes.")
+    mount_path: str = Field(min_length=2, max_length=1024, pattern=r"^/",
+                            description="Absolute path in the Ray container.")
+    read_only: bool = Field(False, description="Mount read-only.")
+    sub_path: str | None = Field(None, max_length=1024, pattern=r"^[^/]",
+                                 description="Path within the volume (relative).")
+
+
+class PodGroup(_Model):
+    """One Ray pod group. Everything here is merged into the rendered RayCluster's pod
+    template; what the slice decides (TPU resources, node selectors, /dev/shm) cannot be
+    set here."""
+
+    model_config = ConfigDict(json_schema_extra={
+        "x-kubernetes-validations": validation.pod_group_rules()})
+
+    resources: ResourceRequirements | None = Field(
+        None, description="Resource overrides merged over the sized defaults. "
+                          "google.com/tpu is always derived from the topology.")
+    service_account_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="ServiceAccount of these pods; overrides spec.serviceAccountName.")
+    annotations: Annotated[dict[LabelKey, Annotated[str, Field(max_length=4096)]],
+                           Field(max_length=32)] | None = Field(
+        None, description="Pod annotations, e.g. gke-gcsfuse/volumes: \"true\" for the GCS "
+                          "FUSE CSI driver.")
+    labels: Annotated[dict[LabelKey, LabelValue], Field(max_length=32)] | None = Field(
+        None, description="Pod labels (ray.io/ keys are KubeRay's).")
+    tolerations: Annotated[list[Toleration], Field(max_length=16)] | None = Field(
+        None, description="Tolerations added to the sized ones.")
+    priority_class_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN, description="PriorityClass of the pods.")
+    volumes: Annotated[list[Volume], Field(max_length=16)] | None = Field(
+        None, json_schema_extra=_list_map(),
+        description="Volumes added to the pods (/dev/shm stays the sized one).")
+    volume_mounts: Annotated[list[VolumeMount], Field(max_length=16)] | None = Field(
+        None, json_schema_extra=_list_map("mountPath"),
+        description="Mounts of these volumes in the Ray container.")
+    env: Annotated[list[EnvVar], Field(max_length=64)] | None = Field(
+        None, json_schema_extra=_list_map(),
+        description="Extra environment of the Ray container: plain values or "
+                    "secretKeyRef.")

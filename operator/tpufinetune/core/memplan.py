@@ -1,0 +1,372 @@
+"""The memory planner: will a fine-tune fit its slice, known before the slice is held.
+
+Pure (no I/O): the operator checks a spec with it before any RayCluster exists, and
+`tpufinetune render` prints it offline. What it counts is what the trainer holds
+(trainer/tpufinetune_trainer: parallelize.py, train.py, loss.py), per device:
+
+- full fine-tune (FSDP2): fp32 master weights, fp32 gradients and AdamW's two fp32 moments,
+  16 B per trainable parameter sharded over every device of the slice;
+- LoRA: the frozen base in the compute dtype, sharded; the 16 B only for adapter parameters;
+- Gemma's per-layer embedding table (PLE): frozen, in the compute dtype, replicated on
+  every device (kept out of FSDP);
+- the all-gathered compute-dtype copies: the root unit (the embedding, tied to the head)
+  stays gathered through the step, and about two blocks at a time (one computing, one
+  prefetched), plus one block's unsharded gradients on their way to the reduce-scatter;
+- activations saved for the backward (no activation checkpointing): per layer and token a
+  few hidden- and MLP-wide tensors, and with eager attention (the TPU's) the scores and
+  probabilities, heads x L^2 per block;
+- the loss head (loss.py): the head weight's gradient, its product and its fp32 reduce
+  copy, and two fp32 chunk buffers of CHUNK_ROWS x vocab.
+
+The usable share of a chip is HBM x (1 - HEADROOM): the runtime, the compiler's
+temporaries and fragmentation take the rest. Figures are estimates, checked against
+measured peaks on CPU (benchmarks/bench_memplan.py; docs/trainer.md, "Memory plan").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from . import generations as g
+
+GIB = 2**30
+# Share of a chip's HBM (and of a worker pod's memory) the plan leaves unused.
+HEADROOM = 0.10
+# Per device process on a host: Python, torch, Ray's worker and its data (an allowance).
+RUNTIME_BYTES_PER_DEVICE = 2 * GIB
+# loss.CHUNK_ROWS: rows of one fp32 logits chunk in the loss head.
+CHUNK_ROWS = 256
+# Elements saved for the backward per token and layer, in the compute dtype, as multiples
+# of the widths (a Gemma block: norms, q/k/v/o, gate/up/act/product, residuals); fitted to
+# the measured peaks of benchmarks/bench_memplan.py.
+SAVED_PER_HIDDEN = 16
+SAVED_PER_INTERMEDIATE = 4
+SAVED_PER_ATTENTION_WIDTH = 4
+# Eager attention keeps the scores and the probabilities of every block.
+SAVED_ATTENTION_MATRICES = 2
+# LoRA's usual targets per decoder layer: q, k, v, o, gate, up, down.
+LORA_TARGETS = 7
+METHODS = ("full", "lora")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model's text decoder."""
+
+    name: str
+    parameters: int  # the text model's, tied embedding included; PLE and towers excluded
+    layers: int
+    hidden: int
+    intermediate: int  # the MLP width a token passes through (MoE: shared + active experts)
+    heads: int
+    head_dim: int
+    vocab: int
+    per_layer_embedding: int = 0  # Gemma's PLE table: frozen, replicated
+    experts: int = 0  # 0: dense
+    active_parameters: int | None = None  # MoE: per token
+    source: str = ""
+
+    @property
+    def embedding(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def block_parameters(self) -> int:
+        return max(self.parameters - self.embedding, 0) // max(self.layers, 1)
+
+    def lora_parameters(self, rank: int, targets: int = LORA_TARGETS) -> int:
+        """Adapter parameters: rank x (in + out) for each adapted linear layer."""
+        attention = self.heads * self.head_dim
+        widths = [(self.hidden, attention), (self.hidden, attention // 2), (self.hidden, attention // 2),
+                  (attention, self.hidden), (self.hidden, self.intermediate), (self.hidden, self.intermediate),
+                  (self.intermediate, self.hidden)]
+        per_layer = sum(a + b for a, b in widths) * targets / len(widths)
+        return int(self.layers * rank * per_layer)
+
+
+# Sources of the table's figures. Google's model card gives the parameter counts (E2B 5.1B
+# total / 2.3B effective, E4B 8B / 4.5B, 31B 30.7B dense, 26B A4B 25.2B total / 3.8B
+# active, 128 experts, vocabulary 262144); the layer and width figures come from the
+# implementations that load the checkpoints.
+_CARD = "https://ai.google.dev/gemma/docs/core/model_card_4"
+_E2B = "gemma.cpp configs (github.com/google/gemma.cpp pull 919): 35 layers, width 1536, FFN 6144/12288"
+_E4B = ("NeMo Megatron-Bridge gemma4 recipe (docs.nvidia.com/nemo/megatron-bridge): 42 layers, "
+        "hidden 2560, FFN 10240, 8 heads")
+# Not found for 31B: its width, MLP width and heads; Gemma 3 27B's (5376, 21504, 32), which it
+# widens, are used. 60 layers: the model's published summaries.
+_31B = "60 layers (model summaries); width, MLP and heads not published: Gemma 3 27B's used"
+_26B = ("Ollama's gemma4 26B-A4B GGUF metadata (ollama.com/library/gemma4): 30 blocks, width 2816, "
+        "16 heads, FFN 2112 shared + 8 of 128 experts x 704")
+_VOCAB = 262144
+_PLE_WIDTH = 256  # per layer (hidden_size_per_layer_input)
+
+_SHAPES = (
+    ModelShape("gemma-4-E2B", 2_300_000_000, 35, 1536, 12288, 8, 256, _VOCAB,
+               per_layer_embedding=35 * _PLE_WIDTH * _VOCAB, source=f"{_CARD}; {_E2B}"),
+    ModelShape("gemma-4-E4B", 4_500_000_000, 42, 2560, 10240, 8, 256, _VOCAB,
+               per_layer_embedding=42 * _PLE_WIDTH * _VOCAB, source=f"{_CARD}; {_E4B}"),
+    ModelShape("gemma-4-31B", 30_700_000_000, 60, 5376, 21504, 32, 256, _VOCAB,
+               source=f"{_CARD}; {_31B}"),
+    ModelShape("gemma-4-26B-A4B", 25_200_000_000, 30, 2816, 2112 + 8 * 704, 16, 256, _VOCAB,
+               experts=128, active_parameters=3_800_000_000, source=f"{_CARD}; {_26B}"),
+)
+# Hub ids (base and instruction-tuned), compared case-insensitively.
+KNOWN_MODELS: dict[str, ModelShape] = {
+    f"google/{shape.name}{suffix}".lower(): shape for shape in _SHAPES for suffix in ("", "-it")}
+
+
+def known_shape(model_id: str) -> ModelShape | None:
+    return KNOWN_MODELS.get(model_id.strip().lower())
+
+
+def shape_from_config(config: dict, name: str = "config") -> ModelShape:
+    """A ModelShape from a transformers config.json (a Gemma 4 one nests `text_config`),
+    counting the parameters of its text decoder as transformers builds it."""
+    text = config.get("text_config") or config
+    hidden, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
+    intermediate = int(text.get("intermediate_size") or 4 * hidden)
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    vocab = int(text["vocab_size"])
+    ple_width = int(text.get("hidden_size_per_layer_input") or 0)
+    ple_vocab = int(text.get("vocab_size_per_layer_input") or vocab)
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * hidden * intermediate
+    per_layer_inputs = 2 * hidden * ple_width if ple_width else 0
+    block = attention + mlp + per_layer_inputs + 6 * hidden
+    ple_projection = hidden * layers * ple_width if ple_width else 0
+    parameters = vocab * hidden + layers * block + ple_projection + hidden
+    return ModelShape(name, parameters, layers, hidden, intermediate, heads, head_dim, vocab,
+                      per_layer_embedding=layers * ple_width * ple_vocab, source="config")
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes one device holds at the step's peak, by what holds them."""
+
+    weights: int  # fp32 master weights (full) or the frozen compute-dtype base (LoRA), sharded
+    grads: int
+    optimizer: int
+    frozen_tables: int  # PLE, replicated
+    gathered: int  # all-gathered compute-dtype copies and one block's unsharded gradients
+    activations: int
+    loss_head: int
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.grads + self.optimizer + self.frozen_tables + self.gathered
+                + self.activations + self.loss_head)
+
+
+def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int, batch_per_device: int,
+                 compute_bytes: int = 2, eager_attention: bool = True, lora_rank: int = 16,
+                 lora_targets: int = LORA_TARGETS) -> Breakdown:
+    """What one of `devices` devices holds at the peak of a training step."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    full = method == "full"
+    trainable = shape.parameters if full else shape.lora_parameters(lora_rank, lora_targets)
+    base = 4 * shape.parameters if full else compute_bytes * shape.parameters + 4 * trainable
+    tokens = max_seq_len * batch_per_device
+    per_token_layer = compute_bytes * (SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate
+                                       + SAVED_PER_ATTENTION_WIDTH * shape.heads * shape.head_dim)
+    scores = (SAVED_ATTENTION_MATRICES * compute_bytes * shape.heads * batch_per_device * max_seq_len ** 2
+              if eager_attention else 0)
+    block_grads = (compute_bytes + 4) * shape.block_parameters if full else 0
+    head_grad = (2 * compute_bytes + 4) * shape.embedding if full else 0
+    return Breakdown(
+        weights=_ceil_div(base, devices),
+        grads=_ceil_div(4 * trainable, devices),
+        optimizer=_ceil_div(8 * trainable, devices),
+        frozen_tables=compute_bytes * shape.per_layer_embedding,
+        gathered=compute_bytes * (shape.embedding + 2 * shape.block_parameters) + block_grads,
+        activations=shape.layers * (tokens * per_token_layer + scores),
+        loss_head=head_grad + 2 * CHUNK_ROWS * shape.vocab * 4 + 2 * tokens * shape.hidden * compute_bytes,
+    )
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // max(b, 1))
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a run asks for, as the planner needs it."""
+
+    model_id: str
+    method: str
+    generation: str
+    topology: str
+    max_seq_len: int
+    batch_per_device: int
+    lora_rank: int = 16
+    host_memory_bytes: int | None = None  # a worker pod's memory limit (None: not checked)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    basis: str  # "table" (a known model) or "unknown" (not checked)
+    method: str
+    generation: str
+    topology: str
+    model: str
+    per_chip_bytes: int = 0  # 0 on the cpu stand-in (no HBM)
+    limit_bytes: int = 0  # usable HBM per chip: HBM x (1 - HEADROOM)
+    host_bytes: int = 0  # per host (worker pod)
+    host_limit_bytes: int = 0
+    breakdown: Breakdown | None = None
+    smallest_fit: str = ""  # the smallest topology (or method) that fits, when this does not
+
+    @property
+    def fits(self) -> bool | None:
+        """None when not checked (an unknown model)."""
+        if self.basis != "table":
+            return None
+        hbm_ok = not self.limit_bytes or self.per_chip_bytes <= self.limit_bytes
+        host_ok = not self.host_limit_bytes or self.host_bytes <= self.host_limit_bytes
+        return hbm_ok and host_ok
+
+    def summary(self) -> str:
+        if self.method not in METHODS:
+            return f"method {self.method} is not one the planner knows: its memory was not checked"
+        if self.basis != "table":
+            return (f"model {self.model} is not in the planner's table: its memory was not checked "
+                    f"(known: {', '.join(sorted({s.name for s in KNOWN_MODELS.values()}))})")
+        parts = []
+        if self.limit_bytes:
+            parts.append(f"{_gib(self.per_chip_bytes)} HBM per chip of {_gib(self.limit_bytes)} usable "
+                         f"({self.generation} {self.topology}, {int(HEADROOM * 100)}% headroom)")
+        if self.host_limit_bytes:
+            parts.append(f"{_gib(self.host_bytes)} RAM per host of {_gib(self.host_limit_bytes)} usable")
+        elif self.host_bytes:
+            parts.append(f"{_gib(self.host_bytes)} RAM per host")
+        return f"{self.method} fine-tune of {self.model}: " + "; ".join(parts)
+
+    def refusal(self) -> str:
+        """Why the run cannot fit, naming the figure, the limit and what would ('' if it fits)."""
+        if self.fits is not False:
+            return ""
+        if self.limit_bytes and self.per_chip_bytes > self.limit_bytes:
+            what = (f"needs {_gib(self.per_chip_bytes)} of HBM per chip, more than the "
+                    f"{_gib(self.limit_bytes)} usable on {self.generation} ({self.generation} chips hold "
+                    f"{_gib(int(self.limit_bytes / (1 - HEADROOM)))}, {int(HEADROOM * 100)}% kept as headroom)")
+        else:
+            what = (f"needs {_gib(self.host_bytes)} of RAM per host, more than the "
+                    f"{_gib(self.host_limit_bytes)} usable of the worker pod's memory")
+        hint = (f"; smallest that fits: {self.smallest_fit}" if self.smallest_fit else
+                f"; nothing on {self.generation} fits, even method lora at batchSizePerDevice 1")
+        return f"{self.method} fine-tune of {self.model} on {self.generation} {self.topology} {what}{hint}"
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:.1f} GiB"
+
+
+def estimate(request: Request) -> MemoryPlan:
+    """The plan of `request`; when it does not fit, with the smallest fit named."""
+    plan = _plan(request)
+    if plan.fits is False:
+        plan = replace(plan, smallest_fit=smallest_fit(request))
+    return plan
+
+
+def refuses(plan: MemoryPlan) -> bool:
+    """Whether a run is refused: a known model that does not fit a TPU slice. The cpu stand-in
+    (a rehearsal) and unknown models are never refused."""
+    return plan.fits is False and g.generation(plan.generation).is_tpu
+
+
+def _plan(request: Request) -> MemoryPlan:
+    gen = g.generation(request.generation)
+    shape = known_shape(request.model_id)
+    common = dict(method=request.method, generation=gen.name, topology=request.topology, model=request.model_id)
+    if shape is None or request.method not in METHODS:  # a method this planner does not know: not checked
+        return MemoryPlan(basis="unknown", **common)
+    if gen.is_tpu:
+        chips = g.chips_in(request.topology)
+        devices = chips * gen.devices_per_chip
+        per_host_devices = min(chips, max(m.chips_per_host for m in gen.machines_for(request.topology)
+                                          or gen.machines)) * gen.devices_per_chip
+    else:
+        devices = per_host_devices = int(request.topology)
+    # On a TPU the step computes in bf16 with eager attention; the cpu stand-in in fp32 (sdpa).
+    part = device_bytes(shape, request.method, devices, request.max_seq_len, request.batch_per_device,
+                        compute_bytes=2 if gen.is_tpu else 4, eager_attention=gen.is_tpu,
+                        lora_rank=request.lora_rank)
+    # Host: each device's process, and the host copy of its sharded state an asynchronous
+    # checkpoint stages (weights and AdamW; train.py's HostStager). The cpu stand-in's
+    # device is the host.
+    staged = part.weights + part.optimizer
+    host = per_host_devices * (RUNTIME_BYTES_PER_DEVICE + staged + (0 if gen.is_tpu else part.total))
+    host_limit = int(request.host_memory_bytes * (1 - HEADROOM)) if request.host_memory_bytes else 0
+    return MemoryPlan(
+        basis="table", **common,
+        per_chip_bytes=part.total * gen.devices_per_chip if gen.is_tpu else 0,
+        limit_bytes=int(gen.hbm_gib_per_chip * GIB * (1 - HEADROOM)) if gen.is_tpu else 0,
+        host_bytes=host, host_limit_bytes=host_limit, breakdown=part)
+
+
+def smallest_fit(request: Request) -> str:
+    """What would fit, smallest change first: a larger topology of the same generation; then
+    method lora (on the requested topology, then larger ones); then a smaller
+    batchSizePerDevice with either method. '' when nothing does. Every candidate keeps the
+    request's worker pod memory."""
+    gen = g.generation(request.generation)
+    if not gen.is_tpu:
+        return ""
+    larger = [t for t in gen.valid_topologies() if g.chips_in(t) > g.chips_in(request.topology)]
+    methods = [request.method] + [m for m in ("lora",) if m != request.method]
+    batches = [request.batch_per_device]
+    while batches[-1] > 1:
+        batches.append(batches[-1] // 2)
+    for batch in batches:
+        for method in methods:
+            for topology in [request.topology] + larger:
+                candidate = replace(request, topology=topology, method=method, batch_per_device=batch)
+                if _plan(candidate).fits:
+                    return _describe(request, candidate)
+    return ""
+
+
+def _describe(request: Request, candidate: Request) -> str:
+    changes = []
+    if candidate.method != request.method:
+        changes.append(f"method {candidate.method}" + (f" (rank {candidate.lora_rank})" if candidate.method == "lora"
+                                                        else ""))
+    if candidate.batch_per_device != request.batch_per_device:
+        changes.append(f"batchSizePerDevice {candidate.batch_per_device}")
+    changes.append(f"topology {candidate.topology} ({g.chips_in(candidate.topology)} chips)")
+    return ", ".join(changes)
+
+
+def status_of(plan: MemoryPlan) -> dict:
+    """status.plan (core/status.py's MemoryPlanStatus)."""
+    out: dict = {"basis": plan.basis, "method": plan.method, "message": plan.summary()}
+    if plan.basis == "table":
+        out.update(fits=plan.fits, hostRAMBytes=plan.host_bytes)
+        if plan.limit_bytes:
+            out.update(perChipHBMBytes=plan.per_chip_bytes, limitBytes=plan.limit_bytes)
+        if plan.host_limit_bytes:
+            out["hostRAMLimitBytes"] = plan.host_limit_bytes
+        if plan.smallest_fit:
+            out["smallestFit"] = plan.smallest_fit
+    return out
+
+
+def plan_spec(spec) -> MemoryPlan | None:
+    """The plan of a TPUFineTune spec (None for mode collectives: nothing is trained). The
+    method and LoRA rank are read defensively: older specs have neither (full)."""
+    if spec.mode != "finetune":
+        return None
+    from .quantity import parse_quantity
+    from .sizing import plan_resources
+
+    training = spec.training
+    lora = getattr(training, "lora", None)
+    memory = plan_resources(spec)["workers"][1].get("memory")
+    return estimate(Request(
+        model_id=spec.model.id, method=getattr(training, "method", "full") or "full",
+        generation=spec.tpu.generation, topology=spec.tpu.topology, max_seq_len=training.max_seq_len,
+        batch_per_device=training.batch_size_per_device,
+        lora_rank=int(getattr(lora, "rank", 0) or 16),
+        host_memory_bytes=int(parse_quantity(str(memory))) if memory else None))

@@ -1,0 +1,106 @@
+"""The memory planner (core/memplan.py): which runs fit their slice, and what the refusal
+says. Pure: no cluster, no model download (known models are a table)."""
+from __future__ import annotations
+
+import re
+
+from api_spec_cases import base_spec
+
+from tpufinetune.core import generations as g
+from tpufinetune.core import memplan
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.status import TPUFineTuneStatus
+
+GIB = 2**30
+
+
+def request(model: str, generation: str = "v6e", topology: str = "4x4", method: str = "full", **overrides):
+    values = dict(model_id=model, method=method, generation=generation, topology=topology, max_seq_len=512,
+                  batch_per_device=4)
+    return memplan.Request(**{**values, **overrides})
+
+
+def spec(model: str, generation: str = "v6e", topology: str = "4x4", **overrides):
+    raw = base_spec()
+    raw["tpu"] = {"generation": generation, "topology": topology}
+    raw["model"] = {"id": model}
+    raw.update(overrides)
+    return parse_spec({k: v for k, v in raw.items() if v is not None})
+
+
+def test_31b_full_on_v6e_16_does_not_fit_and_says_what_would():
+    plan = memplan.estimate(request("google/gemma-4-31B-it"))
+    assert plan.basis == "table" and plan.fits is False and memplan.refuses(plan)
+    assert plan.per_chip_bytes > plan.limit_bytes == int(32 * GIB * (1 - memplan.HEADROOM))
+    message = plan.refusal()
+    figure, limit = re.findall(r"(\d+\.\d) GiB", message)[:2]
+    assert float(figure) == round(plan.per_chip_bytes / GIB, 1) and float(limit) == 28.8
+    assert "HBM per chip" in message and "v6e 4x4" in message
+    assert plan.smallest_fit and plan.smallest_fit in message
+    # What it names does fit.
+    assert "method lora" in plan.smallest_fit
+    assert memplan.estimate(request("google/gemma-4-31B-it", method="lora", batch_per_device=1)).fits
+
+
+def test_e2b_full_on_v6e_16_fits():
+    plan = memplan.estimate(request("google/gemma-4-E2B-it"))
+    assert plan.fits is True and not memplan.refuses(plan) and plan.refusal() == ""
+    assert 0 < plan.per_chip_bytes <= plan.limit_bytes
+    assert plan.breakdown.frozen_tables > 0  # the replicated per-layer embedding table
+
+
+def test_lora_31b_on_v6e_16_fits():
+    plan = memplan.estimate(request("google/gemma-4-31B-it", method="lora", batch_per_device=1))
+    assert plan.fits is True
+    full = memplan.estimate(request("google/gemma-4-31B-it", batch_per_device=1))
+    # The frozen base costs 2 B a parameter; AdamW's 16 B only the adapters'.
+    assert plan.breakdown.optimizer < full.breakdown.optimizer / 100
+    assert plan.breakdown.weights < full.breakdown.weights
+
+
+def test_a_larger_topology_is_named_when_it_fits():
+    plan = memplan.estimate(request("google/gemma-4-31B-it", generation="v7x", topology="2x2x2"))
+    assert plan.fits is False
+    assert plan.smallest_fit.startswith("topology ")
+    topology = plan.smallest_fit.split()[1]
+    assert g.chips_in(topology) > 8 and memplan.estimate(request("google/gemma-4-31B-it", generation="v7x",
+                                                                 topology=topology)).fits
+
+
+def test_v7x_counts_both_devices_of_a_chip():
+    one = memplan.device_bytes(memplan.known_shape("google/gemma-4-E2B-it"), "full", 16, 512, 4)
+    plan = memplan.estimate(request("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2"))
+    assert plan.per_chip_bytes == 2 * one.total  # 8 chips, 16 devices
+    assert plan.limit_bytes == int(192 * GIB * (1 - memplan.HEADROOM))
+
+
+def test_unknown_models_and_the_cpu_stand_in_are_never_refused():
+    unknown = memplan.estimate(request("/models/tiny-gemma"))
+    assert unknown.basis == "unknown" and unknown.fits is None and not memplan.refuses(unknown)
+    assert "not in the planner's table" in unknown.summary()
+    rehearsal = memplan.estimate(request("google/gemma-4-31B-it", generation="cpu", topology="2",
+                                         host_memory_bytes=2 * GIB))
+    assert rehearsal.fits is False and not memplan.refuses(rehearsal)
+    assert rehearsal.per_chip_bytes == 0 and rehearsal.host_bytes > 2 * GIB
+
+
+def test_every_tpu_generation_has_its_hbm_and_the_cpu_none():
+    for generation in g.GENERATIONS:
+        assert (generation.hbm_gib_per_chip > 0) == generation.is_tpu, generation.name
+        assert bool(generation.hbm_source) == generation.is_tpu
+
+
+def test_the_plan_of_a_spec_reads_its_training_and_worker_memory():
+    plan = memplan.plan_spec(spec("google/gemma-4-E2B-it", training={"maxSeqLen": 2048, "batchSizePerDevice": 1}))
+    shorter = memplan.plan_spec(spec("google/gemma-4-E2B-it", training={"maxSeqLen": 512, "batchSizePerDevice": 1}))
+    assert plan.breakdown.activations > 4 * shorter.breakdown.activations  # scores grow with L^2
+    assert plan.host_limit_bytes == int(200 * GIB * (1 - memplan.HEADROOM))  # ct6e-standard-4t's pod
+    assert memplan.plan_spec(spec("google/gemma-4-31B-it", mode="collectives", checkpoint=None)) is None
+
+
+def test_status_plan_is_declared_by_the_status_model():
+    written = {"plan": memplan.status_of(memplan.estimate(request("google/gemma-4-31B-it")))}
+    parsed = TPUFineTuneStatus.model_validate(written).model_dump(by_alias=True, exclude_none=True)
+    assert parsed == written
+    assert written["plan"]["fits"] is False and written["plan"]["perChipHBMBytes"] > written["plan"]["limitBytes"]
+    assert written["plan"]["smallestFit"]

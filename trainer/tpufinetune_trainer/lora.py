@@ -1,0 +1,171 @@
+"""LoRA (--method lora): low-rank adapters from `peft` on a frozen bf16 base.
+
+The adapters are injected into the model before FSDP2 shards it (on the meta device for
+the sharded load), so each decoder block's FSDP unit holds its frozen base weights (bf16:
+no fp32 master, no gradient, no optimizer state) beside its adapters (fp32 masters, the
+only parameters the optimizer gets). FSDP2 checks one original dtype across a unit's
+trainable parameters only, so the mix is allowed; the frozen ones are all-gathered in the
+compute dtype like the rest.
+
+Every rank makes the same adapters, whatever the load: A from a generator seeded by the run's
+seed and the adapter's index (peft's Kaiming-uniform), B zero, so the adapted model starts
+as the base. A checkpoint holds the trainable parameters and their optimizer state only
+(checkpoint.py leaves frozen parameters out); a resume rebuilds the base from the model
+source and loads the adapters into it.
+
+The export writes the adapter as peft writes it (adapter_config.json and
+adapter_model.safetensors, keys `base_model.model.<module>.lora_A.weight`), and, unless
+--lora-export-merged false, the base with W + alpha / r x B A merged into each adapted layer.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import ModelError
+
+METHODS = ("full", "lora")
+# The Linear layers of each family's language model a LoRA may adapt; the operator's table
+# (tpufinetune/core/api.py, LORA_TARGET_MODULES) is the same (tests/api/test_trainer_agreement.py).
+TARGET_MODULES = {
+    "gemma4": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "per_layer_input_gate", "per_layer_projection"),
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULE_NAMES = tuple(dict.fromkeys(name for names in TARGET_MODULES.values() for name in names))
+# Multimodal towers are never adapted (a text fine-tune drops them; the export adds them back
+# from the base, and peft must not match their projections when it loads the adapter).
+EXCLUDE_MODULES = r".*(vision_tower|audio_tower|embed_vision|embed_audio).*"
+ADAPTER_NAME = "default"
+FIELD = "spec.training.lora.targetModules (--lora-target-modules)"
+
+
+def parse_modules(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def family_of(config) -> str | None:
+    """The model family of a transformers config (its model_type), or None if not in the table."""
+    model_type = str(getattr(config, "model_type", "") or "")
+    return next((family for family in TARGET_MODULES if model_type.startswith(family)), None)
+
+
+def check_targets(model, names: list[str]) -> None:
+    """Every name must be one of the family's and name at least one Linear layer of the
+    language model; a ModelError names the field and the valid names otherwise."""
+    import torch
+
+    family = family_of(model.config)
+    present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and not re.fullmatch(EXCLUDE_MODULES, name)}
+    valid = [n for n in TARGET_MODULES[family] if n in present] if family else sorted(present - {"lm_head"})
+    wrong = [n for n in names if n not in valid]
+    if wrong:
+        kind = f"model family {family}" if family else f"model type {model.config.model_type}"
+        raise ModelError(f"{FIELD}: {', '.join(wrong)} is not a layer LoRA can adapt in this model ({kind}); "
+                         f"valid names: {', '.join(valid)}")
+
+
+def lora_config(cfg):
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=parse_modules(cfg.lora_target_modules), exclude_modules=EXCLUDE_MODULES,
+                      bias="none", task_type="CAUSAL_LM", base_model_name_or_path=cfg.model_id)
+
+
+def inject(model, cfg) -> None:
+    """Add the adapters to `model` in place (meta or real), freeze everything else and hold
+    the frozen weights in bf16."""
+    import torch
+    from peft import inject_adapter_in_model
+
+    check_targets(model, parse_modules(cfg.lora_target_modules))
+    inject_adapter_in_model(lora_config(cfg), model, adapter_name=ADAPTER_NAME)
+    for name, param in model.named_parameters():
+        adapter = is_adapter(name)
+        param.requires_grad_(adapter)
+        param.data = param.data.to(torch.float32 if adapter else torch.bfloat16)
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or name.startswith(("lora_A.", "lora_B."))
+
+
+def base_name(name: str) -> str:
+    """A parameter's name in the base checkpoint: peft keeps the adapted Linear as `base_layer`."""
+    return name.replace(".base_layer.", ".")
+
+
+def init_adapters(model, seed: int) -> int:
+    """A: Kaiming-uniform (a=sqrt(5), as peft and nn.Linear) from a generator seeded by the
+    run's seed and the adapter's index, the same on every rank; B: zero. Each rank writes
+    its own rows (sharded_load.local_rows). Returns how many adapters."""
+    import torch
+
+    from .sharded_load import local_rows
+
+    count = 0
+    with torch.no_grad():
+        for index, (name, param) in enumerate(sorted(model.named_parameters())):
+            if not is_adapter(name):
+                continue
+            local, start, stop = local_rows(param)
+            if ".lora_B." in name:
+                local.zero_()
+            else:
+                full = torch.empty(tuple(param.shape), dtype=torch.float32)
+                fan_in = full.shape[1]
+                bound = math.sqrt(6 / ((1 + 5) * fan_in))  # kaiming_uniform_ with a=sqrt(5)
+                full.uniform_(-bound, bound, generator=torch.Generator().manual_seed(seed * 1_000_003 + index))
+                local.copy_(full[start:stop])
+                count += 1
+    return count
+
+
+# ---------------------------------------------------------------------- export
+def peft_key(name: str) -> str:
+    """A trained adapter's name as peft saves it: under base_model.model., no adapter name."""
+    return "base_model.model." + name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+def adapter_state(full: dict) -> dict:
+    return {peft_key(name): tensor.float().contiguous() for name, tensor in full.items() if is_adapter(name)}
+
+
+def merged_state(full: dict, scaling: float) -> dict:
+    """The base's state dict with W + scaling x B A in each adapted layer (fp32 sums), under
+    the base's names."""
+    import torch
+
+    merged = {}
+    for name, tensor in full.items():
+        if is_adapter(name):
+            continue
+        if name.endswith(".base_layer.weight"):
+            prefix = name[: -len(".base_layer.weight")]
+            a = full[f"{prefix}.lora_A.{ADAPTER_NAME}.weight"].float()
+            b = full[f"{prefix}.lora_B.{ADAPTER_NAME}.weight"].float()
+            tensor = tensor.float() + scaling * (b @ a)
+        merged[base_name(name)] = tensor
+    return merged
+
+
+def write_adapter(directory, full: dict, cfg) -> None:
+    """adapter_config.json and adapter_model.safetensors into a local directory."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    lora_config(cfg).save_pretrained(str(directory))
+    save_file(adapter_state(full), str(Path(directory, "adapter_model.safetensors")), metadata={"format": "pt"})
+
+
+def settings(cfg) -> dict:
+    """The method and its settings, for the resume fingerprint (resume.py)."""
+    if cfg.method != "lora":
+        return {"method": cfg.method}
+    return {"method": cfg.method, "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
+                                           "target_modules": parse_modules(cfg.lora_target_modules)}}
