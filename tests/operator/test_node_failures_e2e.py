@@ -9,6 +9,8 @@ On the ground (two runs, each proving several things):
   evicted by the real taint-eviction controller, and once GKE would have deleted the Node the
   pod garbage collector removes them; KubeRay makes the lost pods again on other nodes and Ray
   Train (maxFailures) restarts its workers from the last checkpoint: the run ends Succeeded.
+  The run is LoRA (`training.method: lora`): its checkpoints hold the adapter only, and its
+  two exports (the PEFT adapter, the merged model) load back and agree.
 - A run whose worker is on a Spot node: the node's scheduled-maintenance label is visible, a
   drain is refused by the worker's PodDisruptionBudget, and a preemption gives the worker
   SIGTERM (Ray's own handler logs it and drains; SIGKILL only after the pod's 15 s share of
@@ -100,14 +102,53 @@ def pods_by_uid(kube, cluster: str) -> dict[str, dict]:
     return {p["metadata"]["uid"]: p for p in kube.pods_of(cluster)}
 
 
+def _check_lora_exports(gcs, base_uri: str, storage: str, status: dict, tmp_path) -> None:
+    """A LoRA run's checkpoint holds only the adapter and its optimizer state; its adapter
+    export loads with peft onto the base the run started from, and gives the merged export's
+    logits."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    checkpoint, merged_uri = status["checkpointURI"], status["exportedModelURI"]
+    adapter_uri = status["exportedAdapterURI"]
+    assert checkpoint.startswith(storage + "/") and adapter_uri.startswith(storage + "/"), status
+    shard_bytes = sum(len(gcs.read(f"{checkpoint}/{name}")) for name in gcs.list(checkpoint) if name.endswith(".distcp"))
+    adapter = gcs.download(adapter_uri, tmp_path / "adapter")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["peft_type"] == "LORA", config
+
+    def load(uri: str, name: str):
+        return AutoModelForCausalLM.from_pretrained(gcs.download(uri, tmp_path / name), dtype=torch.float32).eval()
+    merged, base = load(merged_uri, "merged"), load(base_uri, "base")
+    # The checkpoint is the adapter's fp32 master and its two AdamW moments, each item with
+    # its framing in both ranks' files (about 2 KiB, most of the bytes at this tiny size),
+    # never a copy of the base, whose fp32 weights alone would be larger than the bound.
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    adapter_fp32 = 4 * sum(t.numel() for t in tensors.values())
+    bound = 3 * adapter_fp32 + 2048 * 4 * len(tensors) * 2
+    base_fp32 = 4 * sum(p.numel() for p in base.parameters())
+    assert 3 * adapter_fp32 <= shard_bytes <= bound < base_fp32, (shard_bytes, adapter_fp32, bound, base_fp32)
+    with_adapter = PeftModel.from_pretrained(base, adapter).eval()
+    ids = torch.arange(1, 17).unsqueeze(0)
+    with torch.no_grad():
+        want, got = with_adapter(input_ids=ids).logits, merged(input_ids=ids).logits
+    # The merged export is written in the base's dtype (bf16): equal within its rounding.
+    assert torch.allclose(got, want, atol=0.05 * want.abs().max().item()), (got - want).abs().max()
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_killed_node_fails_over_and_the_run_resumes_from_its_checkpoint(
-        operator, ground, kube, ground_assets, storage):
+        operator, ground, kube, ground_assets, storage, tmp_path):
     # maxFailures: Ray Train restarts its worker group from the latest checkpoint inside the
     # job once KubeRay has replaced the lost worker.
+    # The run is a LoRA run: its adapter-only checkpoint is what the restarted workers resume
+    # from, and both exports (the PEFT adapter and the merged model) must load back.
     manifest = resource("node-killed", ground_assets, storage, epochs=3, rows=480,
-                        training={"maxFailures": 1})
+                        training={"maxFailures": 1, "method": "lora", "lora": {"rank": 8}})
     uid, cluster = start_run(kube, manifest)
     kube.wait_for(lambda: kube.status("node-killed").get("checkpointURI"), "a first checkpoint", timeout=400)
     pods = pods_by_uid(kube, cluster)
@@ -148,6 +189,7 @@ def test_a_killed_node_fails_over_and_the_run_resumes_from_its_checkpoint(
                                "the run to end", timeout=600, interval=2)
         assert status["phase"] == "Succeeded", status.get("message")
         assert status["attempt"] == 1 and [e["epoch"] for e in status["history"]] == [1, 2, 3]
+        _check_lora_exports(ground.gcs, ground_assets.model, storage, status, tmp_path)
     finally:
         ground.restore_node(victim)
 
