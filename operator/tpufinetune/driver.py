@@ -277,6 +277,7 @@ class Run(RunRay):
         except Exception as error:
             self._status_failed(error)
             raise
+        self.progress.reached(time.monotonic())
         if found is not None:
             status, self.resource_version = found
             self.status = {k: v for k, v in status.items() if k != "kopf"}
@@ -292,6 +293,7 @@ class Run(RunRay):
             try:
                 self.resource_version = await self.backend.write_status(
                     self.ident, patch, new, self.resource_version)
+                self.progress.reached(time.monotonic())
             except BaseException as error:
                 self.status_stale = True
                 # A conflict is another writer's newer version, not a stall: re-read, go on.
@@ -306,7 +308,16 @@ class Run(RunRay):
         return (self.ident.namespace, self.ident.name, self.ident.uid)
 
     def _status_failed(self, error: Exception) -> None:
-        self.progress.failed(self.progress_key, time.monotonic(), _one_line(error))
+        code = getattr(error, "status", None)
+        # The API server answered and refused this object (admission, a rejected value,
+        # RBAC on its namespace): the run's own trouble. No answer, a 5xx, the operator's
+        # own credentials (401) or throttling are the operator's (core/progress.py).
+        own = isinstance(code, int) and 400 <= code < 500 and code not in (401, 408, 429)
+        message = _one_line(error)
+        if self.progress.failed(self.progress_key, time.monotonic(), message, own=own):
+            self.backend.record(self.ident, "Warning", "StatusWriteFailing",
+                                f"the operator cannot write this run's status ({message}); it keeps "
+                                "trying, and the run goes on")
 
     async def _space_writes(self, transition: bool) -> None:
         """At most one status write per TPUFT_STATUS_WRITE_INTERVAL for one run within a

@@ -1,6 +1,7 @@
 """The operator on the test ground under Ray faults: a refused token, a head killed mid-run
-and then the RayCluster deleted in the same run. Deletion never waits on Ray; an unreachable
-Ray ends the run with its reason and releases the slice; a retry after a lost head or a lost
+and then the RayCluster deleted in the same run. Deletion never waits on Ray; a head that
+refuses every key of the keyring is rebuilt at once with a token of the current key; a retry
+after a lost head or a lost
 cluster resumes from the last checkpoint. The application crash, the lost pod and the delete
 behind a dead head share the notice run (test_notice_e2e.py).
 
@@ -22,7 +23,7 @@ import pytest
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.raytoken import SIGNING_KEY_SECRET
-from ground_runs import jobs_of, operator_with, released, resource, running, start_run
+from ground_runs import jobs_of, operator_with, resource, running, start_run
 from harness.timing import within
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
@@ -47,8 +48,8 @@ def kill_head(ground, kube, cluster: str) -> None:
 
 @contextmanager
 def other_signing_key(ground):
-    """The operator's Ray token signing key replaced by another (a rotation), restored
-    afterwards; the operator reads it once, so only an operator started inside sees it."""
+    """The operator's Ray token signing key replaced by another, the old one not kept (a
+    rotation done too early), restored afterwards; the operator started inside reads it."""
     secret = ["-n", "tpufinetune-system", "secret", SIGNING_KEY_SECRET]
     saved = json.loads(ground.kubectl("get", *secret, "-o", "json").stdout)["data"]
     other = base64.b64encode(b"another key, not the one the heads' tokens come from").decode()
@@ -66,24 +67,30 @@ def delete_within_30s(kube, name: str) -> None:
     assert time.monotonic() - started < within(30)
 
 
-def test_a_refused_token_fails_the_run_after_the_bound_and_never_blocks_a_delete(
+def test_a_refused_token_rebuilds_the_run_with_a_new_token_and_never_blocks_a_delete(
         operator, ground, kube, ground_assets, storage):
     _, refused_cluster = start_run(kube, resource("token-refused", ground_assets, f"{storage}/a", epochs=50))
     _, deleted_cluster = start_run(kube, resource("token-delete", ground_assets, f"{storage}/b", epochs=50))
     running(kube, "token-refused")
     running(kube, "token-delete")
-    pods = kube.pods_of(refused_cluster) + kube.pods_of(deleted_cluster)
-    # The signing key replaced (a rotation): the operator now derives tokens the running
-    # heads refuse.
-    with operator_with(operator, other_signing_key(ground), TPUFT_RAY_UNREACHABLE_TIMEOUT="20"):
+    old_pods = {p["metadata"]["uid"] for p in kube.pods_of(refused_cluster)}
+    # The signing key replaced without keeping the old one (a rotation done too early): the
+    # running heads refuse every key the operator has.
+    with operator_with(operator, other_signing_key(ground), TPUFT_RAY_UNREACHABLE_TIMEOUT="600"):
         delete_within_30s(kube, "token-delete")
-        kube.wait_for(lambda: kube.status("token-refused").get("phase") == "Failed", "token-refused Failed",
-                      timeout=120)
-        status = kube.status("token-refused")
-        failed = cond.find(status, cond.FAILED)
-        assert failed["reason"] == "RayUnreachable"
-        assert "has not answered for" in failed["message"] and "uthentication" in failed["message"]
-        released(kube, ground, refused_cluster, [p["metadata"]["uid"] for p in pods])
+        # At once (not after the unreachable bound): a new RayCluster with a token of the
+        # current key, no retry used (maxRetries is 0 here).
+        status = kube.wait_for(lambda: (s := kube.status("token-refused")).get("attempt") == 2 and s,
+                               "token-refused rebuilt on a new RayCluster", timeout=120)
+        assert not cond.find(status, cond.FAILED) and int(status.get("retries") or 0) == 0
+        first = status["attempts"][0]
+        assert first["reason"] == "ClusterLost", first
+        assert first["message"].startswith("the Ray head refused the run's token"), first
+        kube.wait_for(lambda: not old_pods & {p["metadata"]["uid"] for p in kube.pods_of(refused_cluster)},
+                      "the refused cluster's pods gone", timeout=120)
+        running(kube, "token-refused")  # the new head takes the new key's token
+        # Gone before the old key comes back (its head would refuse again).
+        kube.kubectl("delete", "tpufinetune", "token-refused", "--wait=false")
         kube.wait_for(lambda: kube.get("raycluster", deleted_cluster) is None, "the deleted run's RayCluster gone")
 
 

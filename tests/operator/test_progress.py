@@ -44,6 +44,23 @@ def test_one_stalled_run_is_named_whatever_the_others_do_and_forgetting_it_clear
     assert progress.stalled(now=100.0, bound=60) == []
 
 
+def test_a_run_the_api_server_refuses_is_its_own_trouble_and_never_stalls_the_operator():
+    progress = ProgressTracker()
+    assert progress.failed(RUN, now=0.0, error="422 refused by policy", own=True) is True
+    assert progress.failed(RUN, now=50.0, error="422 refused by policy", own=True) is False  # one episode
+    assert progress.stalled(now=1000.0, bound=60) == []  # however long: a restart changes nothing
+    assert progress.failing[RUN].since == 0.0
+
+
+def test_the_operator_stalls_only_while_no_run_reaches_the_api_server():
+    progress = ProgressTracker()
+    progress.failed(RUN, now=0.0, error="connection refused")
+    progress.reached(now=90.0)  # another run's status written: the API server serves the operator
+    assert progress.stalled(now=100.0, bound=60) == []
+    [line] = progress.stalled(now=151.0, bound=60)  # nothing reached it for longer than the bound
+    assert line.startswith("ns/demo:") and "connection refused" in line
+
+
 class RefusingCluster(MemoryCluster):
     """Status writes (and, when `refuse_reads`, reads) refused, as an admission policy or
     a missing RBAC verb would refuse them."""
@@ -81,3 +98,32 @@ async def test_the_driver_reports_refused_writes_and_refused_read_backs_until_a_
     cluster.refuse_reads = False
     decision = await run.step()
     assert decision.phase == phases.PROVISIONING and progress.failing == {}
+
+
+class Refused(Exception):
+    """What the kubernetes client raises for an answer the API server gave: its HTTP code."""
+
+    def __init__(self, status: int):
+        super().__init__(f"({status}) refused by the test's admission policy")
+        self.status = status
+
+
+@in_loop
+async def test_a_write_refused_for_the_object_is_the_runs_trouble_said_once_by_an_event():
+    cluster, progress = RefusingCluster(), ProgressTracker()
+    run = Run(body(), cluster, RayJobs(), settings(), progress)
+    await run.step()
+    refusal = Refused(422)
+
+    async def refuse(*_):
+        raise refusal
+    cluster.write_status = refuse
+    for _ in range(2):
+        with pytest.raises(Refused):
+            await run.step()
+    assert progress.failing[RUN].own and cluster.events.count("StatusWriteFailing") == 1
+    assert progress.stalled(now=progress.failing[RUN].since + 10_000, bound=1) == []
+    refusal.status = 503  # the API server itself failing: the operator's trouble
+    with pytest.raises(Refused):
+        await run.step()
+    assert not progress.failing[RUN].own

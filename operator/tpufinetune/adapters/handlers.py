@@ -5,8 +5,11 @@
   adapters/informer.py, started here), an edit of its spec or its deletion wakes the run
   at once instead of at its next poll;
 - deletion stops the job and deletes the RayCluster before the finalizer is released;
-- a liveness probe fails /healthz once a run's status could not be written for longer
-  than TPUFT_STALL_TIMEOUT (core/progress.py), so Kubernetes restarts the operator.
+- a liveness probe fails /healthz once the operator as a whole makes no progress: runs'
+  status writes failing for its own reasons (no answer, 5xx, its credentials) for longer
+  than TPUFT_STALL_TIMEOUT with no status read or written since (core/progress.py), so
+  Kubernetes restarts it. One object the API server refuses is that run's trouble: an
+  Event and a gauge, never a restart of every run.
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     memo.jobs = RayJobs(headers=memo.settings.ray_headers(), timeout=memo.settings.ray_timeout,
                         threads=memo.settings.ray_threads)
     memo.progress = ProgressTracker()
+    metrics.STATUS_WRITES.tracker = memo.progress
     metrics.per_run(memo.settings.run_metrics)
     settings.persistence.finalizer = FINALIZER
     # kopf's bookkeeping goes into status, never into metadata.annotations: the object
@@ -231,10 +235,12 @@ async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
 
 @kopf.on.probe(id="statusWrites", errors=kopf.ErrorsMode.PERMANENT)
 async def status_writes(memo: kopf.Memo, **_) -> int:
-    """/healthz fails (kopf answers 500) once a run's status could not be written, or read
-    back after a failed write, for longer than TPUFT_STALL_TIMEOUT: the run is frozen with
-    its slice held, and a restart (the Deployment's livenessProbe) starts every run afresh.
-    Healthy, it reports how many runs have a failing status write within the bound."""
+    """/healthz fails (kopf answers 500) once the operator as a whole makes no progress:
+    status writes failing for the operator's reasons for longer than TPUFT_STALL_TIMEOUT,
+    and no run's status read or written within it; a restart (the Deployment's
+    livenessProbe) gives it a fresh process and connection. A run the API server refuses
+    for its own reasons never fails it. Healthy, it reports how many runs have a failing
+    status write."""
     stalled = memo.progress.stalled(time.monotonic(), memo.settings.stall_timeout)
     if stalled:
         raise kopf.PermanentError("runs make no progress: " + "; ".join(stalled))

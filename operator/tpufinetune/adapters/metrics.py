@@ -46,6 +46,7 @@ one second.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime, timezone
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
@@ -163,6 +164,30 @@ class _Phases:
 
 RESOURCES = _Phases()
 REGISTRY.register(RESOURCES)
+
+
+class _StatusWrites:
+    """tpufinetune_status_write_failing_seconds: how long each run's status writes have
+    failed (core/progress.py), read from the operator's tracker when scraped; a run whose
+    writes land has no series."""
+
+    def __init__(self) -> None:
+        self.tracker = None
+
+    def collect(self):
+        gauge = GaugeMetricFamily("tpufinetune_status_write_failing_seconds",
+                                  "Seconds a run's status writes have failed, since the first failure.",
+                                  labels=["namespace", "name", "cause"])
+        tracker = self.tracker
+        if tracker is not None:
+            now = time.monotonic()
+            for run, failing in sorted(dict(tracker.failing).items()):
+                gauge.add_metric([run[0], run[1], "run" if failing.own else "operator"], now - failing.since)
+        yield gauge
+
+
+STATUS_WRITES = _StatusWrites()
+REGISTRY.register(STATUS_WRITES)
 
 
 # ---- what the driver calls ---------------------------------------------------------------
