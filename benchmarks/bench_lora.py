@@ -1,6 +1,8 @@
 """Benchmark: LoRA (--method lora) against full fine-tuning, on CPU. Not a test.
 
     .venv/bin/python benchmarks/bench_lora.py [--size 100m] [--steps 6] [--work DIR]
+    .venv/bin/python benchmarks/bench_lora.py --base pretrained [--methods full,lora] [--epochs 3]
+                                              [--rows 512] [--lr 1e-3] [--work DIR]
 
 Each method runs the trainer's own Trainer (model load, steps, evaluation, checkpoint) in
 2 rank processes over gloo (no Ray: the numbers are the trainer's, not Ray's), fp32 compute,
@@ -16,6 +18,17 @@ real tokens per second over the epoch, and the checkpoint's write time (start to
 rank's shards and rank 0's trainer state written). LoRA: rank 16, alpha 32 on the attention
 and MLP projections (the API's defaults); learning rates are each method's usual order
 (full 3e-4, LoRA 3e-3).
+
+`--base pretrained`: quality and cost on the time-to-quality benchmark's pretrained tiny
+Gemma 4 and its data (benchmarks/bench_time_to_quality.py builds both, and with the same
+--work DIR the two scripts share them). Each method trains its --epochs over every training
+example with the product's defaults, as that benchmark's `ours` (data prepared as `finetune`
+prepares it, a checkpoint each epoch), at --lr for full and LORA_LR_FACTOR x --lr for LoRA
+(adapters start at zero and want a larger step); the held-out response loss is that
+benchmark's scorer, before the first step and after the last. Peak RSS here is the whole
+worker process's high-water mark (load included), tokens/s the real tokens over every
+epoch's time, the checkpoint's bytes and seconds the last epoch's, wall s the training
+from the first step to the last checkpoint written (scoring excluded).
 """
 
 from __future__ import annotations
@@ -31,15 +44,32 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LENGTH = 256
+# LoRA's learning rate over full fine-tuning's, in both modes.
+LORA_LR_FACTOR = 10
 
 
 def _status_kib(field: str) -> int:
     return int(re.search(rf"^{field}:\s+(\d+)", Path("/proc/self/status").read_text(), re.M).group(1))
 
 
-def worker(out: str, port: int, rank: int, world: int, settings: dict) -> None:
+def join(port: int, rank: int, world: int) -> None:
+    """This rank's gloo group; Ray Train's report and the events made no-ops (a plain process)."""
     import torch.distributed as dist
     import ray.train
+
+    from tpufinetune_trainer import train
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    ray.train.report = lambda *args, **kwargs: None
+    train.emit = lambda kind, **fields: None
+
+
+def checkpoint_bytes(uri: str) -> int:
+    return sum(p.stat().st_size for p in Path(uri).iterdir() if p.is_file())
+
+
+def worker(out: str, port: int, rank: int, world: int, settings: dict) -> None:
+    import torch.distributed as dist
 
     from tpufinetune_trainer import train
     from tpufinetune_trainer.backends import BACKENDS
@@ -47,9 +77,7 @@ def worker(out: str, port: int, rank: int, world: int, settings: dict) -> None:
     from tpufinetune_trainer.data import pad_id_of, prepare
     from tpufinetune_trainer.model import load_tokenizer
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    ray.train.report = lambda *args, **kwargs: None  # no Ray Train session in a plain process
-    train.emit = lambda kind, **fields: None
+    join(port, rank, world)
     cfg = FinetuneConfig(model_id=settings["model"], dataset=settings["data"], dataset_split="train[:400]",
                          storage_path=settings["storage"], run_name=settings["method"], num_workers=world,
                          device="cpu", max_seq_len=LENGTH, batch_size_per_device=2, num_epochs=1,
@@ -72,29 +100,112 @@ def worker(out: str, port: int, rank: int, world: int, settings: dict) -> None:
     row = {"rank": rank, "loaded_rss_mib": loaded_mib, "peak_rss_mib": peak_mib, "eval_loss": last.get("eval_loss"),
            "tokens_per_s": metrics["tokens_per_s"], "write_s": last["write_s"], "save_s": last["save_s"],
            "trained": sum(p.numel() for p in trainer.params),
-           "checkpoint_bytes": sum(p.stat().st_size for p in location.iterdir() if p.is_file())}
+           "checkpoint_bytes": checkpoint_bytes(str(location))}
     Path(f"{out}.{rank}.json").write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_method(method: str, lr: float, assets: Path, work: Path, steps: int, world: int = 2) -> list[dict]:
+def quality_worker(out: str, port: int, rank: int, world: int, settings: dict) -> None:
+    """One rank of `--base pretrained`: every epoch as `finetune` runs it (no export), scored
+    on the held-out responses before the first step and after the last."""
+    import torch.distributed as dist
+
+    import bench_time_to_quality as ttq
+    from tpufinetune_trainer import train
+    from tpufinetune_trainer.backends import BACKENDS
+    from tpufinetune_trainer.config import FinetuneConfig
+    from tpufinetune_trainer.finetune import prepare_data
+
+    join(port, rank, world)
+    # The time-to-quality benchmark's `ours`: defaults, but its lr, every example, CPU, 2 workers.
+    cfg = FinetuneConfig(model_id=settings["model"], dataset=settings["data"], dataset_split="train",
+                         num_workers=world, num_epochs=settings["epochs"], learning_rate=settings["lr"],
+                         eval_fraction=0.0, device="cpu", storage_path=settings["storage"],
+                         run_name=f"quality-{settings['method']}", method=settings["method"]).validate()
+    data, pad_id = prepare_data(cfg)
+    trainer = train.Trainer(cfg, BACKENDS["cpu"], {"train": data.train, "eval": data.eval, "pad_id": pad_id},
+                            rank=rank, world=world, local_rank=0)
+    batches = ttq.scoring_batches(cfg.model_id, settings["heldout"], data.prompt_format, rank, world)
+    start_loss = ttq.heldout_loss(trainer.model, batches)
+    load_peak_mib = _status_kib("VmHWM") / 1024
+    Path("/proc/self/clear_refs").write_text("5")  # training's own high-water mark from here
+    trainer.started = time.perf_counter()
+    epochs = []
+    while trainer.global_step < trainer.total_steps:
+        epochs.append(trainer.train_epoch())
+        trainer.report(epochs[-1], epoch_end=True)
+    trainer.settle_checkpoint(wait=True)
+    wall_s = time.perf_counter() - trainer.started
+    peak_mib = max(load_peak_mib, _status_kib("VmHWM") / 1024)
+    final_loss = ttq.heldout_loss(trainer.model, batches)
+    last = trainer.history[-1]
+    seconds = sum(m["epoch_time_s"] for m in epochs)
+    row = {"rank": rank, "start_loss": start_loss, "final_loss": final_loss, "peak_rss_mib": peak_mib,
+           "load_peak_rss_mib": load_peak_mib, "steps": trainer.global_step,
+           "tokens_per_s": sum(m["tokens_per_s"] * m["epoch_time_s"] for m in epochs) / seconds,
+           "write_s": last["write_s"], "wall_s": wall_s,
+           "trained": sum(p.numel() for p in trainer.params), "checkpoint_bytes": checkpoint_bytes(last["uri"])}
+    Path(f"{out}.{rank}.json").write_text(json.dumps(row))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+WORKERS = {"worker": worker, "quality-worker": quality_worker}
+
+
+def run_ranks(kind: str, settings: dict, out: Path, world: int = 2) -> list[dict]:
+    """`world` rank processes of WORKERS[kind]; each one's result row."""
     sys.path.insert(0, str(REPO / "tests"))
     from harness.ports import free_port
 
-    port, out = free_port(), work / f"result-{method}"
-    settings = {"model": str(assets / "model"), "data": str(assets / "data" / "train.jsonl"), "method": method,
-                "lr": lr, "steps": steps, "storage": str(work / "storage")}
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_OFFLINE="1")
-    procs = [subprocess.Popen([sys.executable, __file__, "worker", str(out), str(port), str(rank), str(world),
+    procs = [subprocess.Popen([sys.executable, __file__, kind, str(out), str(port), str(rank), str(world),
                                json.dumps(settings)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for rank in range(world)]
     for proc in procs:
         output = proc.communicate(timeout=900)[0]
         if proc.returncode:
-            raise SystemExit(f"{method} rank failed:\n{output[-4000:]}")
+            raise SystemExit(f"{settings['method']} rank failed:\n{output[-4000:]}")
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(world)]
+
+
+def run_method(method: str, lr: float, assets: Path, work: Path, steps: int) -> list[dict]:
+    settings = {"model": str(assets / "model"), "data": str(assets / "data" / "train.jsonl"), "method": method,
+                "lr": lr, "steps": steps, "storage": str(work / "storage")}
+    return run_ranks("worker", settings, work / f"result-{method}")
+
+
+def quality(args, work: Path) -> None:
+    """`--base pretrained`: each method's held-out response loss and costs, one table."""
+    import bench_time_to_quality as ttq
+
+    where = work / "pretrained"
+    assets = ttq.cached_assets(where, "pretrained", args.rows, args.heldout, args.pretrain_steps)
+    table = []
+    for method in args.methods:
+        lr = args.lr * (LORA_LR_FACTOR if method == "lora" else 1)
+        started = time.perf_counter()
+        ranks = run_ranks("quality-worker", {"model": assets["model"], "data": assets["train"],
+                                             "heldout": assets["heldout"], "method": method, "lr": lr,
+                                             "epochs": args.epochs, "storage": str(where / "lora-bench-storage")},
+                          where / f"lora-bench-{method}")
+        first = ranks[0]
+        print(f"  {method}: {time.perf_counter() - started:.0f} s with load and scoring; "
+              f"{first['trained']:,} parameters trained, {first['steps']} steps; peak RSS per rank MiB "
+              + ", ".join(f"{r['peak_rss_mib']:.0f}" for r in ranks), flush=True)
+        table.append((f"{method} (lr {lr:g})", f"{first['start_loss']:.3f} -> {first['final_loss']:.3f}",
+                      f"{first['tokens_per_s']:.0f}", f"{max(r['peak_rss_mib'] for r in ranks):.0f}",
+                      f"{first['checkpoint_bytes']:,}", f"{first['write_s']:.2f}",
+                      f"{first['wall_s']:.1f}"))
+    print(f"| pretrained tiny Gemma 4, 2 workers, {args.rows} examples x {args.epochs} epochs | held-out response "
+          "loss, start -> final | tokens/s | peak RSS per worker MiB | checkpoint bytes | "
+          "checkpoint write s | wall s |")
+    print("|---|---|---|---|---|---|---|")
+    for row in table:
+        print("| " + " | ".join(row) + " |")
 
 
 def main() -> None:
@@ -102,10 +213,31 @@ def main() -> None:
     parser.add_argument("--size", default="100m", choices=["tiny", "100m"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--work", default="")
+    parser.add_argument("--base", default="random", choices=["random", "pretrained"],
+                        help="random: --size's random model, --steps; pretrained: bench_time_to_quality's base")
+    parser.add_argument("--methods", default="full,lora", help="with --base pretrained: full, lora or both")
+    parser.add_argument("--epochs", type=int, default=3, help="with --base pretrained")
+    parser.add_argument("--rows", type=int, default=512, help="with --base pretrained: training examples")
+    parser.add_argument("--heldout", type=int, default=128, help="with --base pretrained: held-out examples")
+    parser.add_argument("--pretrain-steps", type=int, default=200, help="with --base pretrained")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"with --base pretrained: full's lr (LoRA's is {LORA_LR_FACTOR}x); "
+                             "default bench_time_to_quality's")
     args = parser.parse_args()
     import tempfile
 
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-lora-"))
+    if args.base == "pretrained":
+        import bench_time_to_quality as ttq
+
+        args.methods = [m for m in args.methods.split(",") if m]
+        unknown = [m for m in args.methods if m not in ("full", "lora")]
+        if unknown or not args.methods:
+            raise SystemExit(f"--methods: {','.join(unknown) or 'empty'}; give full, lora or full,lora")
+        args.lr = ttq.PEAK_LR if args.lr is None else args.lr
+        print(f"work dir: {work}", flush=True)
+        quality(args, work)
+        return
     assets = work / f"assets-{args.size}"
     if not (assets / "model" / "config.json").is_file():
         from tpufinetune_trainer.assets import write_assets
@@ -113,7 +245,7 @@ def main() -> None:
         write_assets(assets, args.size)
     start = time.perf_counter()
     results = {method: run_method(method, lr, assets, work, args.steps)
-               for method, lr in (("full", 3e-4), ("lora", 3e-3))}
+               for method, lr in (("full", 3e-4), ("lora", 3e-4 * LORA_LR_FACTOR))}
     full, lora = results["full"], results["lora"]
 
     def worst(rows, key):
@@ -140,7 +272,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), json.loads(sys.argv[6]))
+    if len(sys.argv) > 1 and sys.argv[1] in WORKERS:
+        WORKERS[sys.argv[1]](sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+                             json.loads(sys.argv[6]))
     else:
         main()

@@ -53,6 +53,9 @@ sys.path[:0] = SOURCES
 os.environ["PYTHONPATH"] = os.pathsep.join(SOURCES + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                        if p and p not in SOURCES])
 
+# The peak learning rate both loops get (the defaults' 2e-5 suits a pretrained 2B model).
+PEAK_LR = 1e-3
+
 # ----------------------------------------------------------------------------- data
 
 FRUITS = ["apple", "banana", "cherry", "mango", "pear", "plum", "grape", "peach", "orange", "lemon"]
@@ -172,6 +175,16 @@ def build_assets(work: Path, rows: int, heldout: int, pretrain_steps: int) -> di
     model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
     return {"model": str(work / "model"), "train": str(data / "train.jsonl"), "heldout": str(data / "heldout.jsonl")}
+
+
+def cached_assets(where: Path, base: str, rows: int, heldout: int, pretrain_steps: int) -> dict:
+    """build_assets for `base` under `where`, once: a later run with the same work dir (this
+    script's or benchmarks/bench_lora.py's) reuses them."""
+    assets_file = where / "assets.json"
+    if not assets_file.exists():
+        steps = pretrain_steps if base == "pretrained" else 0
+        assets_file.write_text(json.dumps(build_assets(where, rows, heldout, steps)))
+    return json.loads(assets_file.read_text())
 
 
 # ----------------------------------------------------------------------------- scoring (in workers)
@@ -550,7 +563,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=512, help="training examples")
     parser.add_argument("--heldout", type=int, default=128, help="held-out examples")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of both loops")
+    parser.add_argument("--lr", type=float, default=PEAK_LR, help="peak learning rate of both loops")
     parser.add_argument("--pretrain-steps", type=int, default=200, help="plain-text pretraining of the pretrained base")
     parser.add_argument("--bases", default=",".join(BASES),
                         help="pretrained (pretrained here first), scratch (random weights), or both")
@@ -582,11 +595,7 @@ def main() -> None:
     try:
         for base in bases:
             where = work / base
-            assets_file = where / "assets.json"
-            if not assets_file.exists():
-                steps = args.pretrain_steps if base == "pretrained" else 0
-                assets_file.write_text(json.dumps(build_assets(where, args.rows, args.heldout, steps)))
-            assets = json.loads(assets_file.read_text())
+            assets = cached_assets(where, base, args.rows, args.heldout, args.pretrain_steps)
             cache = where / "results.json"
             results = json.loads(cache.read_text()) if cache.exists() else {}
             todo = [k for k in (*OURS, "baseline") if k not in results or k in args.redo or "all" in args.redo]

@@ -272,3 +272,16 @@ INVALID: list[Invalid] = [
     Invalid("unknown-method", spec_with(training={"method": "qlora"}), "spec.training.method",
             '"qlora" is not valid', admission='Unsupported value: "qlora"', python_exact=False),
 ]
+
+# spec.training's memory fields (apimodels.MemorySettings, which Training takes them from).
+MEMORY_INVALID: list[Invalid] = [
+    Invalid("unknown-activation-checkpointing", spec_with(training={"activationCheckpointing": "full"}),
+            "spec.training.activationCheckpointing", '"full" is not valid',
+            admission='Unsupported value: "full"', python_exact=False),
+    Invalid("unknown-attention", spec_with(training={"attention": "flash"}), "spec.training.attention",
+            '"flash" is not valid', admission='Unsupported value: "flash"', python_exact=False),
+    Invalid("freeze-embeddings-not-a-bool", spec_with(training={"freezeEmbeddings": "sometimes"}),
+            "spec.training.freezeEmbeddings", "valid boolean",
+            admission="must be of type boolean", python_exact=False),
+]
+INVALID += MEMORY_INVALID

@@ -157,3 +157,20 @@ def test_the_trainers_result_puts_the_exported_adapter_in_status():
     assert (parsed.exported_model_uri, parsed.exported_adapter_uri) == ("gs://b/run/export",
                                                                       "gs://b/run/export-adapter")
     assert parsed.model_dump(by_alias=True, exclude_none=True)["exportedAdapterURI"] == "gs://b/run/export-adapter"
+
+
+@pytest.mark.parametrize("model_id", ["google/gemma-4-26B-A4B-it", "Google/Gemma-4-26B-A4B"])
+def test_a_mixture_of_experts_model_is_refused_by_name_with_the_dense_ones_to_use(model_id):
+    with pytest.raises(SpecError) as refused:
+        parse_spec(spec_with(model__id=model_id))
+    assert refused.value.field == "spec.model.id"
+    message = str(refused.value)
+    assert model_id in message and "mixture-of-experts" in message and "128 experts" in message
+    assert "google/gemma-4-31B-it" in message and "26B" not in message.split("instead")[1]
+
+
+@pytest.mark.parametrize("model_id", ["google/gemma-4-31B-it", "google/gemma-4-E2B", "someone/own-moe-model",
+                                      "gs://bucket/models/gemma-4-26B-A4B-it"])
+def test_dense_and_unknown_models_are_not_refused_here(model_id):
+    # Only the planner's table is known here; the trainer refuses a MoE config it reads.
+    assert parse_spec(spec_with(model__id=model_id)).model.id == model_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from api_spec_cases import base_spec
 
 from tpufinetune.core import generations as g
@@ -104,3 +105,52 @@ def test_status_plan_is_declared_by_the_status_model():
     assert parsed == written
     assert written["plan"]["fits"] is False and written["plan"]["perChipHBMBytes"] > written["plan"]["limitBytes"]
     assert written["plan"]["smallestFit"]
+
+
+def test_activation_checkpointing_and_sdpa_shrink_the_activations_at_length():
+    """At 8k tokens a block on E2B: eager scores dominate; selective drops them and the
+    attention's width, block keeps only each block's input; sdpa keeps no scores at all."""
+    shape = memplan.known_shape("google/gemma-4-E2B-it")
+    at = dict(shape=shape, method="full", devices=16, max_seq_len=8192, batch_per_device=1)
+    kept = memplan.device_bytes(**at).activations
+    selective = memplan.device_bytes(**at, checkpointing="selective").activations
+    block = memplan.device_bytes(**at, checkpointing="block").activations
+    sdpa = memplan.device_bytes(**at, eager_attention=False).activations
+    assert block < selective < kept and sdpa < kept
+    # One block's scores (2 matrices x heads x L^2 in bf16) are what selective still holds at once.
+    scores = 2 * 2 * shape.heads * 8192 ** 2
+    masks_difference = 2 * (2 - 1) * 8192 ** 2  # eager's additive bf16 masks against sdpa's boolean ones
+    assert kept - sdpa == shape.layers * scores + masks_difference and selective >= scores
+    assert block < kept / 10
+
+
+def test_frozen_embeddings_drop_the_head_gradient_and_the_embeddings_optimizer_state():
+    shape = memplan.known_shape("google/gemma-4-E2B-it")
+    trained = memplan.device_bytes(shape, "full", 16, 512, 4)
+    frozen = memplan.device_bytes(shape, "full", 16, 512, 4, freeze_embeddings=True)
+    assert trained.loss_head - frozen.loss_head == (2 + 4) * shape.embedding  # bf16 gradient, fp32 reduce copy
+    assert trained.optimizer - frozen.optimizer == pytest.approx(8 * shape.embedding / 16, abs=1)
+    assert frozen.weights == trained.weights  # the fp32 master copy stays
+    with pytest.raises(ValueError, match="activation checkpointing 'all'"):
+        memplan.device_bytes(shape, "full", 16, 512, 4, checkpointing="all")
+
+
+def test_the_loss_head_counts_one_weight_gradient_not_its_product_too():
+    shape = memplan.known_shape("google/gemma-4-31B-it")
+    head = memplan.device_bytes(shape, "full", 16, 512, 4).loss_head
+    chunks_and_rows = 2 * memplan.CHUNK_ROWS * shape.vocab * 4 + 2 * 512 * 4 * shape.hidden * 2
+    assert head - chunks_and_rows == (2 + 4) * shape.embedding
+
+
+def test_the_plan_of_a_spec_reads_its_memory_settings():
+    settings = {"maxSeqLen": 8192, "batchSizePerDevice": 1}
+    plain = memplan.plan_spec(spec("google/gemma-4-E2B-it", training=settings))
+    lighter = memplan.plan_spec(spec("google/gemma-4-E2B-it", training={
+        **settings, "activationCheckpointing": "block", "attention": "sdpa", "freezeEmbeddings": True}))
+    assert lighter.breakdown.activations < plain.breakdown.activations / 10
+    assert lighter.breakdown.loss_head < plain.breakdown.loss_head
+    assert lighter.per_chip_bytes < plain.per_chip_bytes
+    eager_cpu = memplan.plan_spec(spec("google/gemma-4-E2B-it", generation="cpu", topology="2",
+                                       training={**settings, "attention": "eager"}))
+    sdpa_cpu = memplan.plan_spec(spec("google/gemma-4-E2B-it", generation="cpu", topology="2", training=settings))
+    assert eager_cpu.breakdown.activations > sdpa_cpu.breakdown.activations  # the cpu stand-in's default is sdpa

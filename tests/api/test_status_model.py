@@ -51,3 +51,36 @@ def test_attempts_and_usage_pass_and_a_reason_outside_the_closed_set_is_refused(
         checked_status(dict(FULL, usage={"chipHours": -1.0}))
     with pytest.raises(UndeclaredStatusKey, match=r"status.attempts\[0\].cost"):
         checked_status(dict(FULL, attempts=[dict(ATTEMPTS["attempts"][0], cost=3)]))
+
+
+def test_the_export_proof_event_folds_into_status_export_which_the_model_takes():
+    from tpufinetune.core.runevents import apply_event, split_malformed
+    from tpufinetune.core.status import EXPORT_SAMPLE_LIMIT, EXPORT_TEXT_LIMIT
+
+    proof = {"event": "export_proof", "v": 1, "model_uri": "gs://b/run/export",
+             "adapter_uri": "gs://b/run/export-adapter", "dtype": "bfloat16", "tokens": 8, "load_s": 12.34567,
+             "sample": [{"prompt": "Name a colour.", "completion": " Blue", "completion_ids": [1, 2],
+                         "adapter_completion": " Red", "adapter_completion_ids": [3, 4]},
+                        {"prompt": "p" * 999, "completion": "c" * 999}] * EXPORT_SAMPLE_LIMIT}
+    status = dict(FULL, exportedModelURI="gs://b/run/export")
+    apply_event(status, proof)
+    export = status["export"]
+    assert (export["tokens"], export["loadSeconds"], export["dtype"]) == (8, 12.346, "bfloat16")
+    assert export["sample"][0] == {"prompt": "Name a colour.", "completion": " Blue", "adapterCompletion": " Red"}
+    assert len(export["sample"]) == EXPORT_SAMPLE_LIMIT  # bounded, and each text cut to fit the CRD
+    assert len(export["sample"][1]["prompt"]) == len(export["sample"][1]["completion"]) == EXPORT_TEXT_LIMIT
+    assert status["exportedModelURI"] == "gs://b/run/export"  # where it was, beside the proof
+    assert checked_status(status) is status
+    kept, dropped = split_malformed(dict(FULL), [proof, dict(proof, tokens=-1)])
+    assert kept == [proof] and len(dropped) == 1  # a proof the model refuses is dropped, not written
+
+
+def test_a_failed_export_proof_is_the_trainers_failure_with_its_reason():
+    from tpufinetune.core.runevents import apply_event
+
+    status = dict(FULL)
+    apply_event(status, {"event": "failure", "v": 1, "type": "ExportUnloadable",
+                         "message": "the exported model at gs://b/run/export does not load: SafetensorError: x"})
+    failure = status["trainerFailure"]
+    assert failure["type"] == "ExportUnloadable" and "does not load" in failure["message"]
+    assert "export" not in status

@@ -7,13 +7,15 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from api_spec_cases import INVALID, base_spec, spec_with
+from api_spec_cases import INVALID, MEMORY_INVALID, base_spec, spec_with
 
 from tpufinetune.core import api
 from tpufinetune.core.api import SCORE_ATTRIBUTES, Checkpoint, parse_spec
+from tpufinetune.core.apimodels import MemorySettings
 from tpufinetune.core.errors import SpecError
 from tpufinetune.core.jobspec import trainer_argv
 from tpufinetune_trainer import cli as trainer_cli
+from tpufinetune_trainer import config as trainer_config
 from tpufinetune_trainer import lora as trainer_lora
 from tpufinetune_trainer.errors import TrainerError
 
@@ -39,6 +41,10 @@ NOT_PASSED = {
     **{flag: "passed only when training.method is lora, with training.lora's values or its defaults"
        for flag in ("--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-target-modules",
                     "--lora-export-merged")},
+    "--activation-checkpointing": "passed only when training.activationCheckpointing is block or selective "
+                                  "(none is the trainer's default; an older trainer image knows no such flag)",
+    "--attention": "passed only when training.attention is set (unset: the device's kernel, the trainer's auto)",
+    "--freeze-embeddings": "passed only when training.freezeEmbeddings is true",
     "--compile-cache-dir": "its default is the head's TPUFT_COMPILE_CACHE_DIR, set in spec.head.env beside the "
                            "volume the user mounts (docs/gke.md, the compile cache across restarts)",
 }
@@ -133,6 +139,10 @@ TRAINER_REFUSALS = [
     ({"training": {"lora": {"rank": 8}}}, ["--lora-rank=8"]),  # LoRA's settings with method full
     ({"training": {"method": "qlora"}}, ["--method=qlora"]),
 ]
+TRAINER_REFUSALS += [
+    ({"training": {"activationCheckpointing": "full"}}, ["--activation-checkpointing=full"]),
+    ({"training": {"attention": "flash"}}, ["--attention=flash"]),
+]
 
 
 def _with_flags(argv: list[str], flags: list[str]) -> list[str]:
@@ -211,3 +221,28 @@ def test_the_lora_settings_of_a_spec_reach_the_trainer():
     config = _trainer_config(trainer_argv(parse_spec(spec), run_name="r"))
     assert (config.lora_rank, config.lora_alpha, config.lora_dropout) == (8, 8.0, 0.0)
     assert (config.lora_target_modules, config.lora_export_merged) == ("q_proj,v_proj", False)
+
+
+def test_the_memory_fields_closed_sets_are_the_trainers():
+    choices = {action.dest: tuple(action.choices) for action in _finetune_parser()._actions
+               if action.choices}
+    fields = MemorySettings.model_fields
+    assert fields["activation_checkpointing"].annotation.__args__[0].__args__ == choices[
+        "activation_checkpointing"] == trainer_config.ACTIVATION_CHECKPOINTING
+    # The API leaves auto out: unset is the device's kernel.
+    assert ("auto", *fields["attention"].annotation.__args__[0].__args__) == choices["attention"]
+    assert {case.field.rsplit(".", 1)[1] for case in MEMORY_INVALID} == {
+        "activationCheckpointing", "attention", "freezeEmbeddings"}
+
+
+def test_the_memory_settings_of_a_spec_reach_the_trainer():
+    spec = spec_with(training={"activationCheckpointing": "selective", "attention": "sdpa",
+                               "freezeEmbeddings": True})
+    argv = trainer_argv(parse_spec(spec), run_name="r")
+    config = _trainer_config(argv)
+    assert (config.activation_checkpointing, config.attention, config.freeze_embeddings) == ("selective", "sdpa",
+                                                                                           True)
+    # Unset or at the trainer's default: no flag at all, so an older trainer image runs the spec.
+    for training in ({}, {"activationCheckpointing": "none", "freezeEmbeddings": False}):
+        passed = _passed_flags(trainer_argv(parse_spec(spec_with(training=training)), run_name="r"))
+        assert not {"--activation-checkpointing", "--attention", "--freeze-embeddings"} & set(passed), training

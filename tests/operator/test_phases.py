@@ -548,3 +548,14 @@ def test_a_failed_preflight_fails_the_run_and_releases_the_slice_without_a_fine_
 def test_without_preflight_the_fine_tune_is_submitted_at_once():
     d = step(submitting_status(PLAN).status, cluster=READY)
     assert phases.SubmitJob("tft-uid-1-1", 1) in d.actions and "preflight" not in d.status
+
+
+def test_an_export_that_does_not_load_back_is_the_failed_reason_itself():
+    status = running_status()
+    events = ({"event": "failure", "type": "ExportUnloadable",
+               "message": "gs://b/run/export does not load: model.safetensors truncated"},)
+    d = step(status, cluster=READY, job=JobView("FAILED", "exit 1"), events=events, **ENDED)
+    assert d.phase == phases.FAILED
+    failed = cond.find(d.status, cond.FAILED)
+    assert (failed["reason"], failed["message"]) == (
+        "ExportUnloadable", "gs://b/run/export does not load: model.safetensors truncated")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tpufinetune_trainer.checkpoint import WRITE_THREADS
-from tpufinetune_trainer.data import encode_rows, load_rows
+from tpufinetune_trainer.data import encode_rows, load_rows, prepare
 from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
 
 from harness.waiting import wait_for
@@ -81,6 +81,26 @@ def test_events_tell_the_whole_run(trained):
     assert result["best_checkpoint_uri"].startswith(str(storage / "first") + "/")
     assert result["exported_model_uri"] == str(storage / "first" / "export")
     assert result["metrics"]["epoch"] == EPOCHS
+
+
+def test_the_export_was_loaded_back_and_generated_the_same_tokens_as_a_second_load(trained, trainer_assets):
+    from tpufinetune_trainer import export
+
+    run, storage = trained
+    proof = run.one("export_proof")
+    kinds = [e.kind for e in run.events]
+    assert kinds.index("export_proof") < kinds.index("result")
+    assert proof["model_uri"] == run.one("result")["exported_model_uri"] and proof["load_s"] > 0
+    assert len(proof["sample"]) == export.PROOF_PROMPTS and proof["tokens"] == export.PROOF_TOKENS
+    assert all(len(e["completion_ids"]) == export.PROOF_TOKENS and e["completion"] for e in proof["sample"])
+    # The same held-out prompts (the run's data, prepared again as the driver did), a second load.
+    tokenizer = load_tokenizer(str(trainer_assets.model))
+    data = prepare(str(trainer_assets.data), "train[:320]", tokenizer, 512, 0.1, 42)
+    prompts = export.proof_prompts(data.eval, data.train)
+    again = export.prove(proof["model_uri"], None, str(trainer_assets.model), tokenizer, prompts,
+                         getattr(torch, proof["dtype"]))
+    assert [e["prompt"] for e in again["sample"]] == [e["prompt"] for e in proof["sample"]]
+    assert [e["completion_ids"] for e in again["sample"]] == [e["completion_ids"] for e in proof["sample"]]
 
 
 def test_the_plan_states_the_global_batch_and_the_schedule(trained):

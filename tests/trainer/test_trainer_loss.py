@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpufinetune_trainer import loss
 from tpufinetune_trainer.backends import BACKENDS
@@ -132,13 +133,31 @@ def test_label_rows_keep_every_label_in_order_then_pad_with_unlabelled_positions
 
 
 def test_the_chunked_head_gradient_is_the_exact_one():
-    """float64 finite differences against the gradient the forward computes, softcap on, 3 chunks."""
+    """float64 central differences against the gradient the forward computes, softcap on, 3
+    chunks (not gradcheck: it runs the backward twice on one forward, which the head refuses)."""
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(7, 5, dtype=torch.float64, generator=generator, requires_grad=True)
     weight = torch.randn(11, 5, dtype=torch.float64, generator=generator, requires_grad=True)
     targets = torch.tensor([3, IGNORE_INDEX, 0, 10, 4, IGNORE_INDEX, 7])
-    assert torch.autograd.gradcheck(lambda r, w: loss.ChunkedHeadLoss.apply(r, w, targets, 0.7, 3, True),
-                                    (rows, weight))
+    summed = loss.ChunkedHeadLoss.apply(rows, weight, targets, 0.7, 3, True)
+    summed.backward()
+    step = 1e-6
+    for tensor in (rows, weight):
+        numeric = torch.zeros_like(tensor)
+        for index in np.ndindex(*tensor.shape):
+            values = []
+            for sign in (1, -1):
+                with torch.no_grad():
+                    tensor[index] += sign * step
+                    values.append(float(loss.ChunkedHeadLoss.apply(rows, weight, targets, 0.7, 3, False)))
+                    tensor[index] -= sign * step
+            numeric[index] = (values[0] - values[1]) / (2 * step)
+        assert torch.allclose(tensor.grad, numeric, atol=1e-6, rtol=1e-5)
+    # The gradients were handed on, not kept: a second backward is refused with a reason.
+    summed = loss.ChunkedHeadLoss.apply(rows, weight, targets, 0.7, 3, True)
+    summed.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        summed.backward()
 
 
 def test_the_cap_holds_every_micro_batch_of_the_run_and_a_smaller_one_is_refused(prepared):
@@ -170,3 +189,67 @@ def test_an_epoch_whose_micro_batch_exceeds_the_cap_fails_before_its_first_step(
     with pytest.raises(RuntimeError, match="more than the loss head's"):
         trainer.train_epoch()
     assert trainer.global_step == 0
+
+
+class FreshAllocations(TorchDispatchMode):
+    """The largest tensor any op allocates (an output sharing no storage with its inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def previous_backward(ctx, grad):
+    """The head's backward before it scaled in place: a product beside the kept gradient."""
+    grad_rows, grad_weight = ctx.grads
+    return grad_rows * grad.to(grad_rows.dtype), grad_weight * grad.to(grad_weight.dtype), None, None, None, None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_head_backward_allocates_no_second_weight_sized_gradient(dtype, monkeypatch):
+    """The same gradients as the previous backward (a product per input), and no tensor the
+    size of the head's weight allocated in the backward: the one the forward computed is
+    scaled in place and becomes the weight's gradient itself. The previous backward fails
+    the allocation check (it is run here too)."""
+    generator = torch.Generator().manual_seed(2)
+    vocab, hidden, n = 4096, 64, 48
+    rows = torch.randn(n, hidden, generator=generator).to(dtype)
+    weight = torch.randn(vocab, hidden, generator=generator).div(8).to(dtype)
+    targets = torch.randint(0, vocab, (n,), generator=generator)
+    targets[::5] = IGNORE_INDEX
+
+    def backward_with(backward):
+        monkeypatch.setattr(loss.ChunkedHeadLoss, "backward", staticmethod(backward))
+        r, w = rows.clone().requires_grad_(), weight.clone().requires_grad_()
+        summed = loss.ChunkedHeadLoss.apply(r, w, targets, 0.5, 16, True)
+        with FreshAllocations() as seen:
+            (summed / 7).backward()
+        return r.grad, w.grad, seen.largest
+
+    now_rows, now_weight, now_largest = backward_with(loss.ChunkedHeadLoss.backward)
+    old_rows, old_weight, old_largest = backward_with(previous_backward)
+    assert torch.equal(now_rows, old_rows) and torch.equal(now_weight, old_weight)
+    weight_bytes = weight.numel() * weight.element_size()
+    assert old_largest >= weight_bytes  # the check sees the previous backward's copy
+    assert now_largest < weight_bytes, (now_largest, weight_bytes)
+
+
+def test_a_frozen_head_weight_gets_no_gradient_buffer():
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randn(10, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 8, generator=generator)  # frozen: no requires_grad
+    targets = torch.randint(0, 50, (10,), generator=generator)
+    reference_weight = weight.clone().requires_grad_()
+    reference_rows = rows.detach().clone().requires_grad_()
+    loss.ChunkedHeadLoss.apply(rows, weight, targets, None, 4, True).backward()
+    loss.ChunkedHeadLoss.apply(reference_rows, reference_weight, targets, None, 4, True).backward()
+    assert weight.grad is None and torch.allclose(rows.grad, reference_rows.grad)

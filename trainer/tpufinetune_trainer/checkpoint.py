@@ -492,37 +492,40 @@ def export_adapter(model, destination: str, cfg, group=None) -> None:
 
 def export_hf(model, tokenizer, destination: str, group=None, base_dir: Path | None = None,
               lora_scaling: float | None = None) -> dict:
-    """Collective: gather the full model on rank 0 (once, at the end) and write a
-    `from_pretrained`-loadable directory (safetensors) to `destination` (path or URI).
+    """Collective: write a `from_pretrained`-loadable directory (safetensors) to
+    `destination` (path or URI), the weights streamed one tensor at a time (export.py,
+    write_weights): rank 0 never holds the whole model, and nothing is copied locally first.
 
     The weights are saved in the base's dtype (model.export_dtype: bf16 unless the base's
     config names another floating dtype), a multimodal base's towers are added from its
-    safetensors with its config (add_base_towers), and every file of the base directory the
-    export lacks that is not weights (processor and tokenizer files, chat template,
-    generation config) is copied in. With `lora_scaling` (--method lora), the adapters are
-    merged into their layers (lora.merged_state) and the export is the base's shape. Returns,
-    on rank 0, {"dtype", "copied", "towers"}; elsewhere {}."""
-    from . import lora
+    safetensors with its config, and every file of the base directory the export lacks that
+    is not weights (processor and tokenizer files, chat template, generation config) is
+    copied in. With `lora_scaling` (--method lora), the adapters are merged into their layers
+    (W + alpha / r x B A) and the export is the base's shape. Returns, on rank 0, {"dtype",
+    "copied", "towers", "files"}; elsewhere {}."""
+    from .export import write_weights
     from .model import export_dtype, is_weight_file
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if lora_scaling is not None and dist.get_rank() == 0:
-        full = lora.merged_state(full, lora_scaling)
-    for target in tied_weight_copies(model):
-        full.pop(target, None)  # the gathered copy is a separate tensor; from_pretrained re-ties it
+    rank = dist.get_rank()
+    base_config_file = base_dir / "config.json" if base_dir is not None else None
+    base_config = json.loads(base_config_file.read_text()) if base_config_file and base_config_file.is_file() else {}
+    dtype = export_dtype(base_config)
+    # Every rank gathers in the same order; only rank 0 knows the base (its dtype is
+    # broadcast so every rank plans the same tensors).
+    chosen = [dtype]
+    dist.broadcast_object_list(chosen, src=0, group=group)
+    dtype = chosen[0]
+    weights = write_weights(model, destination, dtype, rank, base_dir, base_config, set(tied_weight_copies(model)),
+                            lora_scaling)
     done: dict = {}
-    if dist.get_rank() == 0:
-        base_config_file = base_dir / "config.json" if base_dir is not None else None
-        base_config = json.loads(base_config_file.read_text()) if base_config_file and base_config_file.is_file() \
-            else {}
-        dtype = export_dtype(base_config)
-        towers = add_base_towers(full, base_dir, base_config, set(tied_weight_copies(model)))
-        for key, value in full.items():
-            if value.is_floating_point():
-                full[key] = value.to(dtype)
-        with tempfile.TemporaryDirectory(prefix="tpuft-export-") as tmp:
-            model.save_pretrained(tmp, state_dict=full)
-            if towers:  # the base's own config: its towers, and its generation settings (use_cache)
+    if rank == 0:
+        with tempfile.TemporaryDirectory(prefix="tpuft-export-") as tmp:  # the small files only
+            # As save_pretrained names the class (FSDP2's wrapper class is not the model's).
+            model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
+            model.config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None and model.can_generate():
+                model.generation_config.save_pretrained(tmp)
+            if weights["towers"]:  # the base's own config: its towers, and its generation settings (use_cache)
                 shutil.copy2(Path(base_dir, "config.json"), Path(tmp, "config.json"))
             set_config_dtype(Path(tmp, "config.json"), dtype)
             if tokenizer is not None:
@@ -535,38 +538,24 @@ def export_hf(model, tokenizer, destination: str, group=None, base_dir: Path | N
                         shutil.copy2(source, Path(tmp, source.name))
                         copied.append(source.name)
             storage.upload_dir(tmp, destination)
-        done = {"dtype": str(dtype).removeprefix("torch."), "copied": copied, "towers": towers}
-    del full
+        done = {"dtype": str(dtype).removeprefix("torch."), "copied": copied, "towers": weights["towers"],
+                "files": weights["files"]}
     dist.barrier(group=group)
     return done
 
 
 def add_base_towers(full: dict, base_dir: Path | None, base_config: dict, tied: set[str]) -> int:
-    """For a multimodal base (its config has a vision or audio tower, as gemma-4-*-it), add
-    to the text model's state dict every weight of the base's safetensors it lacks (the
-    towers and their projections, which the fine-tune never loaded and so never changed), so
-    the export loads as the base's multimodal model. Returns how many were added (0 when the
-    base is text-only or its safetensors are not on this host)."""
+    """For a multimodal base, add to a text model's whole state dict the base's tensors it
+    lacks (export.tower_entries says which). Returns how many were added."""
     from safetensors import safe_open
 
-    if base_dir is None or not any(base_config.get(name) for name in ("vision_config", "audio_config")):
-        return 0
-    files = sorted(Path(base_dir).glob("*.safetensors"))
-    base_keys: dict[str, Path] = {}
-    for file in files:
-        with safe_open(file, "pt") as f:
-            base_keys.update(dict.fromkeys(f.keys(), file))
-    if not set(full) - tied <= set(base_keys):
-        # The trained model names its weights differently from the base: adding the base's
-        # "missing" keys would bring the base's untrained text weights back in.
-        return 0
-    missing = [key for key in base_keys if key not in full and key not in tied]
-    for file in files:
-        with safe_open(file, "pt") as f:
-            for key in missing:
-                if base_keys[key] == file:
-                    full[key] = f.get_tensor(key)
-    return len(missing)
+    from .export import tower_entries
+
+    entries = tower_entries(base_dir, base_config, set(full), tied)
+    for entry in entries:
+        with safe_open(entry.source, "pt") as f:
+            full[entry.name] = f.get_tensor(entry.name)
+    return len(entries)
 
 
 def set_config_dtype(config_file: Path, dtype) -> None:

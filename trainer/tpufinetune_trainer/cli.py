@@ -13,8 +13,8 @@ import sys
 import traceback
 
 from .backends import COMPILE_CACHE_ENV, COMPILE_MODES, COMPUTE_DTYPES
-from .config import (DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET, DEFAULT_DECAY_RATIO, DEFAULT_MODEL, LOSS_HEADS,
-                     MODEL_LOADS,
+from .config import (ACTIVATION_CHECKPOINTING, ATTENTION, DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET,
+                     DEFAULT_DECAY_RATIO, DEFAULT_MODEL, LOSS_HEADS, MODEL_LOADS,
                      SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig)
 from .data import DATASET_FORMATS, LOSS_ON, PROMPT_FORMATS
 from .lora import DEFAULT_TARGET_MODULES, METHODS
@@ -132,6 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "and MLP projections)")
     ft.add_argument("--lora-export-merged", default="true", choices=["true", "false"],
                     help="also export the base with the adapter merged in (the adapter alone is always exported)")
+    ft.add_argument("--activation-checkpointing", default=ACTIVATION_CHECKPOINTING[0],
+                    choices=list(ACTIVATION_CHECKPOINTING),
+                    help="recompute activations in the backward instead of keeping them: block, every decoder "
+                         "block (keeps only each block's input); selective, each block's self-attention only "
+                         "(its scores, queries, keys and values); none keeps everything")
+    ft.add_argument("--attention", default=ATTENTION[0], choices=list(ATTENTION),
+                    help="transformers' attention kernel: eager (the tutorial's, scores of every head in memory) "
+                         "or sdpa (torch's scaled_dot_product_attention); auto: eager on TPU, sdpa on GPU and CPU")
+    ft.add_argument("--freeze-embeddings", default="false", choices=["true", "false"],
+                    help="do not train the input embedding (nor a head tied to it): no gradient, no AdamW state")
     ft.add_argument("--fail-at-step", type=int, default=0,
                     help="fault injection for tests: fail once after this optimizer step (not after a restore)")
 
@@ -191,7 +201,9 @@ def _config(args: argparse.Namespace):
             target_eval_loss=args.target_eval_loss, early_stopping_patience=args.early_stopping_patience,
             fail_at_step=args.fail_at_step, method=args.method, lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-            lora_target_modules=args.lora_target_modules, lora_export_merged=args.lora_export_merged == "true")
+            lora_target_modules=args.lora_target_modules, lora_export_merged=args.lora_export_merged == "true",
+            activation_checkpointing=args.activation_checkpointing, attention=args.attention,
+            freeze_embeddings=args.freeze_embeddings == "true")
     return CollectivesConfig(topology=args.topology, accelerator_type=args.accelerator_type,
                              num_workers=args.num_workers, device=args.device, hidden_dim=args.hidden_dim,
                              batch_size=args.batch_size, placement_timeout_s=args.placement_timeout,

@@ -34,6 +34,11 @@ LOSS_HEADS = ("labels", "full")
 # reads only its own slices of the safetensors (sharded_load.py); `full` loads the whole
 # model in every worker and shards it then (the fallback should the first misbehave).
 MODEL_LOADS = ("sharded", "full")
+# Activation checkpointing (parallelize.apply_activation_checkpointing): none; block, every
+# decoder block recomputed in the backward; selective, each block's self-attention only.
+ACTIVATION_CHECKPOINTING = ("none", "block", "selective")
+# The attention kernel: auto is the backend's (eager on TPU as the tutorial, sdpa on GPU and CPU).
+ATTENTION = ("auto", "eager", "sdpa")
 
 
 def default_run_name(model_id: str) -> str:
@@ -102,6 +107,13 @@ class FinetuneConfig(SliceConfig):
     lora_dropout: float = 0.05
     lora_target_modules: str = ",".join(DEFAULT_TARGET_MODULES)
     lora_export_merged: bool = True
+    activation_checkpointing: str = ACTIVATION_CHECKPOINTING[0]
+    attention: str = ATTENTION[0]
+    freeze_embeddings: bool = False
+
+    def attn_implementation(self, backend_default: str) -> str:
+        """The transformers attention kernel: --attention, or the backend's own under auto."""
+        return backend_default if self.attention == "auto" else self.attention
 
     def validate(self) -> "FinetuneConfig":
         if not self.storage_path:
@@ -127,6 +139,11 @@ class FinetuneConfig(SliceConfig):
             (self.compute_dtype in COMPUTE_DTYPES, f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)}"),
             (self.loss_head in LOSS_HEADS, f"--loss-head must be one of {', '.join(LOSS_HEADS)}"),
             (self.model_load in MODEL_LOADS, f"--model-load must be one of {', '.join(MODEL_LOADS)}"),
+            (self.activation_checkpointing in ACTIVATION_CHECKPOINTING,
+             f"--activation-checkpointing (spec.training.activationCheckpointing) must be one of "
+             f"{', '.join(ACTIVATION_CHECKPOINTING)}"),
+            (self.attention in ATTENTION,
+             f"--attention (spec.training.attention) must be one of {', '.join(ATTENTION)}"),
             (self.prompt_format in PROMPT_FORMATS, f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}"),
             (self.loss_on in LOSS_ON, f"--loss-on must be one of {', '.join(LOSS_ON)}"),
             (self.dataset_format in DATASET_FORMATS,

@@ -45,3 +45,8 @@ class Preempted(TrainerError):
     def __init__(self, message: str, notice: dict | None = None):
         super().__init__(message)
         self.notice = notice or {}
+
+
+class ExportUnloadable(TrainerError):
+    """The export was written but does not load back (with transformers, or the adapter with
+    peft) or does not generate: the run fails with this; its checkpoints are kept."""

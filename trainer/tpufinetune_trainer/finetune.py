@@ -97,7 +97,9 @@ def prepare_data(cfg: FinetuneConfig) -> tuple[PreparedData, int]:
     """Tokenize the dataset once, on the driver (training examples are packed per step in
     the workers, from each epoch's order; the evaluation's here). Returns the data and the
     tokenizer's pad id."""
-    load_config(cfg.model_id)
+    from .sharded_load import check_dense
+
+    check_dense(load_config(cfg.model_id), cfg.model_id)  # before the slice is reserved
     tokenizer = load_tokenizer(cfg.model_id)
     data = prepare(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction, cfg.seed,
                    cfg.long_prompts, cfg.prompt_format, cfg.dataset_format, cfg.loss_on)

@@ -146,26 +146,43 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weight, targets, softcap, chunk, with_grad):
+        # Only the gradients autograd will ask for: a frozen head (--freeze-embeddings with
+        # tied weights) needs no [vocab, hidden] buffer at all.
+        rows_grad = with_grad and ctx.needs_input_grad[0]
+        weight_grad = with_grad and ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=rows.device)
-        grad_rows = torch.empty_like(rows) if with_grad else None
-        grad_weight = torch.zeros_like(weight) if with_grad else None
+        grad_rows = torch.empty_like(rows) if rows_grad else None
+        grad_weight = torch.zeros_like(weight) if weight_grad else None
         for start in range(0, rows.shape[0], chunk):
             end = start + chunk
             part = rows[start:end]
-            summed, dlogits = chunk_loss_and_grad(part, weight, targets[start:end], softcap, with_grad)
+            summed, dlogits = chunk_loss_and_grad(part, weight, targets[start:end], softcap,
+                                                  rows_grad or weight_grad)
             total = total + summed
-            if with_grad:
-                grad_rows[start:end] = dlogits @ weight
+            if rows_grad:
+                torch.mm(dlogits, weight, out=grad_rows[start:end])
+            if weight_grad:
                 grad_weight.addmm_(dlogits.t(), part)
             del dlogits  # before the next chunk allocates its own
-        ctx.save_for_backward(grad_rows, grad_weight)
+        # Kept on ctx, not save_for_backward: the backward takes them away (below).
+        ctx.grads = (grad_rows, grad_weight)
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        grad_rows, grad_weight = ctx.saved_tensors
-        return (grad_rows * grad.to(grad_rows.dtype) if ctx.needs_input_grad[0] else None,
-                grad_weight * grad.to(grad_weight.dtype) if ctx.needs_input_grad[1] else None, None, None, None, None)
+        # Taken off ctx, scaled in place and handed on: a product would be a second [vocab,
+        # hidden] buffer beside the kept one, and a tensor ctx still referenced could not
+        # become the weight's gradient as it is (autograd would copy it). So the backward
+        # runs once per forward; a second one (retain_graph) is refused.
+        if ctx.grads is None:
+            raise RuntimeError("the label-position loss head hands its gradients on in its first backward; "
+                               "a second backward through the same forward (retain_graph) is not supported")
+        (grad_rows, grad_weight), ctx.grads = ctx.grads, None
+        if grad_rows is not None:
+            grad_rows.mul_(grad.to(grad_rows.dtype))
+        if grad_weight is not None:
+            grad_weight.mul_(grad.to(grad_weight.dtype))
+        return grad_rows, grad_weight, None, None, None, None
 
 
 def head_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, softcap: float | None,

@@ -118,11 +118,21 @@ def freeze_per_layer_embeddings(model) -> list:
     return list(ple.parameters())
 
 
+def freeze_input_embeddings(model) -> list:
+    """--freeze-embeddings: the input embedding stops training (no gradient, so no AdamW
+    state). A head tied to it (Gemma, `tie_word_embeddings`) is the same weight and is
+    frozen with it; an untied head keeps training. Returns the frozen parameters."""
+    embedding = model.get_input_embeddings()
+    embedding.requires_grad_(False)
+    return list(embedding.parameters())
+
+
 def decoder_blocks(model) -> list:
     """The repeated transformer blocks, found by the class names transformers marks as
-    not-to-be-split (Gemma4TextDecoderLayer, LlamaDecoderLayer, …)."""
+    not-to-be-split (Gemma4TextDecoderLayer, LlamaDecoderLayer, …), sharded or not (FSDP2
+    makes a block an instance of a subclass, FSDPGemma4TextDecoderLayer)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    blocks = [m for m in model.modules() if any(kind.__name__ in names for kind in type(m).__mro__)]
     if not blocks:
         raise ModelError(f"{type(model).__name__}: cannot find its decoder blocks to shard")
     return blocks

@@ -25,14 +25,31 @@ embedding and the tied head gathered until its backward).
 Compile: each block's forward is compiled on its own (torch.compile), before sharding,
 so FSDP's all-gather and reduce-scatter hooks stay outside the compiled graph; every
 block of a kind shares one graph.
+
+Activation checkpointing (--activation-checkpointing) replaces a module's `forward` with
+torch.utils.checkpoint (non-reentrant) of it, inside the module's call: FSDP2's hooks stay
+around it as around torchtitan's checkpoint_wrapper applied before fully_shard (the block's
+pre-backward all-gather runs before the recompute needs the weights), and, unlike a
+wrapper module, no parameter is renamed, so checkpoints, the sharded load and the export
+see the same names. It can therefore come after sharding. `block` recomputes each whole
+decoder block in the backward (one more forward of the body per step; only each block's
+input is kept); `selective` recomputes each block's self-attention only (its queries,
+keys, values and, with eager attention, the heads x length^2 scores and their softmax),
+keeping the MLP's activations: the part that grows with the square of the length, at the
+cost of one more attention forward. A compiled block is compiled again around the
+checkpoint (torchtitan's order: checkpoint inside the compiled graph).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from .errors import ModelError
 from .model import decoder_blocks, freeze_per_layer_embeddings
 
 # One value for every generation until a slice measures otherwise (docs/trainer.md,
@@ -81,6 +98,29 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, compile
         for param in ignored:
             param.data = param.data.to(device)
     return model
+
+
+def checkpointed(forward):
+    """`forward` recomputed in the backward instead of keeping its activations."""
+    original = getattr(forward, "_torchdynamo_orig_callable", None)  # a compiled forward (compile_blocks)
+    wrapped = functools.partial(torch.utils.checkpoint.checkpoint, original or forward, use_reentrant=False)
+    return torch.compile(wrapped) if original is not None else wrapped
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> list[torch.nn.Module]:
+    """Checkpoint every decoder block (`block`) or every block's self-attention
+    (`selective`); `none` leaves the model as it is. Returns the modules checkpointed."""
+    if mode == "none":
+        return []
+    modules = []
+    for block in decoder_blocks(model):
+        target = block if mode == "block" else getattr(block, "self_attn", None)
+        if target is None:
+            raise ModelError(f"--activation-checkpointing selective: {type(block).__name__} has no self_attn "
+                             "module to checkpoint; use block (spec.training.activationCheckpointing: block)")
+        target.forward = checkpointed(target.forward)
+        modules.append(target)
+    return modules
 
 
 def master_dtypes(model: torch.nn.Module) -> set[torch.dtype]:

@@ -66,6 +66,8 @@ def fingerprint(cfg, world: int, examples: Examples) -> dict:
     settings = {name: getattr(cfg, name) for name in SETTINGS}
     settings["global_batch_examples"] = plan.global_examples  # 0 means devices x batch: the resolved value
     settings.update(lora.settings(cfg))  # the method, and LoRA's shape of the trained state
+    if cfg.freeze_embeddings:  # no optimizer state for the embedding; absent when off, so older checkpoints match
+        settings["freeze_embeddings"] = True
     return json.loads(json.dumps({**settings, "world_size": world, "train_examples": examples_digest(examples),
                                   "steps_per_epoch": epoch_steps,
                                   "total_steps": min(total, cfg.max_steps) if cfg.max_steps else total}))

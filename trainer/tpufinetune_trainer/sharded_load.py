@@ -263,6 +263,27 @@ def local_directory(source: str) -> Path | None:
         return None
 
 
+# Config fields that make a model mixture-of-experts: Gemma 4's (enable_moe_block, with
+# num_experts), Qwen's num_experts, Mixtral's num_local_experts, DeepSeek's n_routed_experts.
+EXPERT_FIELDS = ("enable_moe_block", "num_experts", "num_local_experts", "n_routed_experts")
+
+
+def check_dense(config, model_id: str) -> None:
+    """ModelError for a mixture-of-experts model: the transformers implementation runs its
+    experts one after another, which wastes most of a TPU; until a grouped-experts path
+    exists such a run is refused by name rather than run badly."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in EXPERT_FIELDS:
+        value = getattr(text, name, None)
+        if value is True or (type(value) is int and value > 1):
+            experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or \
+                getattr(text, "n_routed_experts", None)
+            raise ModelError(f"--model-id {model_id} is a mixture-of-experts model (its config's {name} is {value!r}"
+                             + (f", {experts} experts" if experts and name != "num_experts" else "")
+                             + "), which the trainer cannot run well yet (no grouped-experts path): fine-tune a "
+                               "dense model instead, e.g. google/gemma-4-31B-it or google/gemma-4-E4B-it")
+
+
 def build_on_meta(model_id: str, attn_implementation: str):
     """The model the full load builds (fp32, text-only, use_cache off, in eval mode as
     from_pretrained returns it), with every parameter and buffer on the meta device."""
@@ -306,9 +327,10 @@ def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: t
     import time
 
     from . import lora as adapters
-    from .model import load_causal_lm, model_source
+    from .model import load_causal_lm, load_config, model_source
     from .parallelize import apply_fsdp
 
+    check_dense(load_config(model_id), model_id)  # the driver refused it already; this guards any other caller
     start = time.perf_counter()
     stored: dict[str, StoredTensor] = {}
     reason = "--model-load full"

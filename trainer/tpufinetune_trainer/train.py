@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
+from . import export
 from . import loss as head
 from . import notice
 from . import resume
@@ -37,8 +38,8 @@ from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, blocks_p
     plan_epoch, rank_blocks, steps_per_epoch
 from .events import emit
 from .masks import MaskBuilder
-from .model import base_directory, load_tokenizer
-from .parallelize import build_mesh
+from .model import base_directory, freeze_input_embeddings, load_tokenizer
+from .parallelize import apply_activation_checkpointing, build_mesh
 from .schedule import decay_steps, lr_table, warmup_steps
 from .sharded_load import load_sharded
 
@@ -135,19 +136,24 @@ class Trainer:
         # Master weights in fp32; FSDP computes in self.dtype (see parallelize.py). Built on
         # the meta device and sharded there; each rank reads only its own slices (sharded_load.py).
         self.compiled = compile_enabled(backend, cfg.compile)
-        self.model, loaded = load_sharded(cfg.model_id, backend.attn_implementation,
+        self.attn_implementation = cfg.attn_implementation(backend.attn_implementation)
+        self.model, loaded = load_sharded(cfg.model_id, self.attn_implementation,
                                           mesh, self.dtype, compile=self.compiled,
                                           device=self.device, full=cfg.model_load == "full",
                                           lora=cfg if cfg.method == "lora" else None)
         if rank == 0:
             say(f"Model {cfg.model_id}: {loaded}")
+        # Both before the parameter list and the optimizer (a frozen weight gets no state).
+        apply_activation_checkpointing(self.model, cfg.activation_checkpointing)
+        if cfg.freeze_embeddings:
+            freeze_input_embeddings(self.model)
         # Else transformers' full-logits forward: asked for, or a head loss.py does not reproduce.
         self.label_head = cfg.loss_head == "labels" and head.uses_label_head(self.model)
         if self.label_head:
             head.install(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.masks = MaskBuilder(self.model.config, cfg.max_seq_len, self.device, self.dtype,
-                                 backend.attn_implementation)
+                                 self.attn_implementation)
         # A step is the tutorial's batch of examples; its blocks per device are fixed for the
         # run: what the fullest step of any epoch needs (static shapes).
         lengths, example_labels = self.examples.lengths, self.examples.label_tokens
@@ -751,6 +757,10 @@ class Trainer:
                                   lora_scaling=cfg.lora_alpha / cfg.lora_rank if cfg.method == "lora" else None)
         else:
             destination = None  # --lora-export-merged false: the adapter only
+        export_s = time.perf_counter() - start
+        prompts = export.proof_prompts(self.eval_data, self.examples) if self.rank == 0 else []
+        proof = export.prove_collective(self.rank, self.cpu_group, destination, adapter_uri, cfg.model_id,
+                                        self.tokenizer, prompts, base)
         if self.rank == 0:
             which = (f"epoch {best.get('epoch')} step {best.get('step')} ({cfg.checkpoint_score_attribute}="
                      f"{best.get(cfg.checkpoint_score_attribute)})")
@@ -758,9 +768,11 @@ class Trainer:
                 say(f"Exported the LoRA adapter of {which} in peft's format to {adapter_uri}")
             if merged:
                 say(f"Exported {which} to {destination}{' (the adapter merged in)' if adapter_uri else ''} in "
-                    f"{done['dtype']} in {time.perf_counter() - start:.1f}s; from the base: {done['towers']} tower "
+                    f"{done['dtype']} in {export_s:.1f}s; from the base: {done['towers']} tower "
                     f"weights, {', '.join(done['copied']) or 'no other file'}"
                     + ("" if base is not None else f" (no directory of {cfg.model_id} to copy its other files from)"))
+            say(f"Proved the export: loaded in {proof['load_s']:.1f}s, {proof['tokens']} tokens generated for each of "
+                f"{len(proof['sample'])} held-out prompts")
             final = {k: v for k, v in self.history[-1].items() if k not in ("uri", "save_s", "write_s")}
             emit("result", best_checkpoint_uri=best["uri"], best_epoch=best["epoch"], best_step=best.get("step"),
                  exported_model_uri=destination, exported_adapter_uri=adapter_uri, metrics=final,

@@ -10,10 +10,12 @@ import copy
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, \
+    model_validator
 
 from . import validation
 from .errors import SpecError
+from .memplan import KNOWN_MODELS, known_shape
 from .generations import ALL_GENERATION_NAMES, MAX_CHIPS_PER_HOST, MAX_CPU_WORKERS
 from .sizing import DEFAULT_TERMINATION_GRACE_SECONDS
 
@@ -36,7 +38,7 @@ MIN_NO_PROGRESS_TIMEOUT = validation.MIN_NO_PROGRESS_TIMEOUT
 from .apimodels import (  # noqa: F401  (re-exported: the API's models, one module)
     DNS_SUBDOMAIN, ConfigMapSource, CSISource, EmptyDirSource, EnvSecretSource, EnvVar, NFSSource,
     PersistentVolumeClaimSource, PodGroup, Quantity, ResourceMap, ResourceRequirements, SecretKeyRef,
-    SecretSource, Toleration, Volume, VolumeMount, _Model,
+    MemorySettings, SecretSource, Toleration, Volume, VolumeMount, _Model,
 )
 
 GenerationName = Literal[ALL_GENERATION_NAMES]  # type: ignore[valid-type]
@@ -89,6 +91,28 @@ class ModelSource(_Model):
                           "HF_TOKEN environment variable (secretKeyRef); the operator and "
                           "the Ray job's runtime environment never see it.")
 
+    @field_validator("id")
+    @classmethod
+    def _not_mixture_of_experts(cls, model_id: str) -> str:
+        refusal = mixture_of_experts_refusal(model_id)
+        if refusal:
+            raise SpecError("spec.model.id", refusal)
+        return model_id
+
+
+def mixture_of_experts_refusal(model_id: str) -> str:
+    """Why a model the planner's table knows as mixture-of-experts is refused; '' otherwise.
+    The trainer runs experts as the transformers implementation does, one expert after
+    another, which wastes most of a TPU; until a grouped-experts path exists a MoE run is
+    refused by name rather than run badly. (The trainer refuses one it reads the config of.)"""
+    shape = known_shape(model_id)
+    if shape is None or not shape.experts:
+        return ""
+    dense = sorted({s.name for s in KNOWN_MODELS.values() if not s.experts})
+    return (f'"{model_id}" is a mixture-of-experts model ({shape.experts} experts), which the trainer '
+            f"cannot run well yet (no grouped-experts path): use a dense Gemma 4 model instead, e.g. "
+            + ", ".join(f"google/{name}-it" for name in dense))
+
 
 class DatasetSource(_Model):
     id: str = Field(DEFAULT_DATASET_ID, min_length=1, max_length=512,
@@ -139,7 +163,7 @@ def _training_rules() -> list[dict]:
              "fieldPath": ".lora", "reason": "FieldValueForbidden"}]
 
 
-class Training(_Model):
+class Training(MemorySettings):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _training_rules()})
 
     method: Literal[TRAINING_METHODS] = Field(  # type: ignore[valid-type]

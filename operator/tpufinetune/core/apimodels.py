@@ -188,3 +188,26 @@ class PodGroup(_Model):
         None, json_schema_extra=_list_map(),
         description="Extra environment of the Ray container: plain values or "
                     "secretKeyRef.")
+
+
+class MemorySettings(_Model):
+    """Memory at length: the fields of spec.training that trade compute for device memory
+    (Training takes them from here). Unset: the trainer's own default, and the operator
+    passes no flag, so an older trainer image still runs the spec (docs/trainer.md,
+    "Memory at length")."""
+
+    # No schema defaults (an older operator would report a filled-in default as unknown).
+    activation_checkpointing: Literal["none", "block", "selective"] | None = Field(
+        None, description="Recompute activations in the backward instead of keeping them. none "
+                          "(unset): keep every activation. block: recompute every decoder block (one "
+                          "more forward per step; only each block's input is kept). selective: "
+                          "recompute each block's self-attention only (queries, keys, values and, with "
+                          "eager attention, the heads x length^2 scores), keeping the MLP's activations.")
+    attention: Literal["eager", "sdpa"] | None = Field(
+        None, description="The attention kernel: eager (the tutorial's; every head's length x length "
+                          "scores in memory) or sdpa (torch's scaled_dot_product_attention, which need "
+                          "not keep them). Unset: eager on TPU, sdpa on GPU and the cpu stand-in.")
+    freeze_embeddings: bool | None = Field(
+        None, description="Do not train the input embedding: no gradient and no optimizer state for "
+                          "it. A head tied to it (Gemma's) is the same weight and is frozen too. "
+                          "Unset: false.")

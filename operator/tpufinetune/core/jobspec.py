@@ -10,6 +10,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from .api import TPUFineTuneSpec
+from .apimodels import MemorySettings
 from .sizing import slice_shape, total_devices
 
 TRAINER = "tpufinetune-train"
@@ -65,6 +66,19 @@ def _slice_flags(spec: TPUFineTuneSpec) -> list[str]:
     return flags
 
 
+def memory_flags(memory: MemorySettings) -> list[str]:
+    """The trainer flags of spec.training's memory fields, only those set away from the
+    trainer's default (an older trainer image knows none of them)."""
+    flags = []
+    if memory.activation_checkpointing not in (None, "none"):
+        flags.append(f"--activation-checkpointing={memory.activation_checkpointing}")
+    if memory.attention is not None:
+        flags.append(f"--attention={memory.attention}")
+    if memory.freeze_embeddings:
+        flags.append("--freeze-embeddings=true")
+    return flags
+
+
 def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
                  resume_from: str | None = None) -> list[str]:
     """The trainer command for `spec`. `--flag=value` keeps a value that starts with '-'
@@ -107,6 +121,7 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         argv += [f"--method={training.method}", f"--lora-rank={lora.rank}", f"--lora-alpha={lora.alpha!r}",
                  f"--lora-dropout={lora.dropout!r}", f"--lora-target-modules={','.join(lora.target_modules)}",
                  f"--lora-export-merged={'true' if lora.export_merged else 'false'}"]
+    argv += memory_flags(training)
     if training.loss_on is not None:
         argv.append(f"--loss-on={training.loss_on}")
     if training.target_eval_loss is not None:

@@ -12,11 +12,16 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
 - the all-gathered compute-dtype copies: the root unit (the embedding, tied to the head)
   stays gathered through the step, and about two blocks at a time (one computing, one
   prefetched), plus one block's unsharded gradients on their way to the reduce-scatter;
-- activations saved for the backward (no activation checkpointing): per layer and token a
-  few hidden- and MLP-wide tensors, and with eager attention (the TPU's) the scores and
-  probabilities, heads x L^2 per block;
-- the loss head (loss.py): the head weight's gradient, its product and its fp32 reduce
-  copy, and two fp32 chunk buffers of CHUNK_ROWS x vocab.
+- activations saved for the backward: per layer and token a few hidden- and MLP-wide
+  tensors, and with eager attention (the TPU's default) the scores and probabilities,
+  heads x L^2 per block; sdpa keeps none of the L^2. Activation checkpointing
+  (spec.training.activationCheckpointing) keeps less: `block`, each block's input plus
+  one block's activations while it is recomputed; `selective`, everything but the
+  attention's (its width and its scores), plus one block's attention while recomputed;
+  and the attention masks of a micro-batch, a few L x L tensors shared by every layer;
+- the loss head (loss.py): the head weight's gradient (scaled in place, no second copy)
+  and its fp32 reduce copy, none of it with frozen embeddings (the head is tied), and two
+  fp32 chunk buffers of CHUNK_ROWS x vocab.
 
 The usable share of a chip is HBM x (1 - HEADROOM): the runtime, the compiler's
 temporaries and fragmentation take the rest. Figures are estimates, checked against
@@ -43,9 +48,14 @@ SAVED_PER_INTERMEDIATE = 4
 SAVED_PER_ATTENTION_WIDTH = 4
 # Eager attention keeps the scores and the probabilities of every block.
 SAVED_ATTENTION_MATRICES = 2
+# The attention masks of a micro-batch (masks.py), bytes per block and L^2: the full and
+# sliding masks (additive in the compute dtype for eager, boolean for sdpa) and about four
+# boolean L x L intermediates and constants (causal and window bands, same segment).
+MASK_BOOLEANS = 4
 # LoRA's usual targets per decoder layer: q, k, v, o, gate, up, down.
 LORA_TARGETS = 7
 METHODS = ("full", "lora")
+CHECKPOINTING = ("none", "block", "selective")
 
 
 @dataclass(frozen=True)
@@ -158,29 +168,48 @@ class Breakdown:
                 + self.activations + self.loss_head)
 
 
+def activation_bytes(shape: ModelShape, tokens: int, scores: int, compute_bytes: int, checkpointing: str) -> int:
+    """Activations saved for the backward at its start, and the one block recomputed in it.
+    `scores`: one block's eager attention matrices (0 with sdpa)."""
+    attention = tokens * compute_bytes * SAVED_PER_ATTENTION_WIDTH * shape.heads * shape.head_dim + scores
+    rest = tokens * compute_bytes * (SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate)
+    block_input = tokens * compute_bytes * shape.hidden
+    if checkpointing == "block":
+        return shape.layers * block_input + rest + attention
+    if checkpointing == "selective":
+        return shape.layers * (rest + block_input) + attention
+    return shape.layers * (rest + attention)
+
+
 def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int, batch_per_device: int,
                  compute_bytes: int = 2, eager_attention: bool = True, lora_rank: int = 16,
-                 lora_targets: int = LORA_TARGETS) -> Breakdown:
+                 lora_targets: int = LORA_TARGETS, checkpointing: str = "none",
+                 freeze_embeddings: bool = False) -> Breakdown:
     """What one of `devices` devices holds at the peak of a training step."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"unknown activation checkpointing {checkpointing!r}; expected one of "
+                         f"{', '.join(CHECKPOINTING)}")
     full = method == "full"
-    trainable = shape.parameters if full else shape.lora_parameters(lora_rank, lora_targets)
+    # Frozen embeddings (tied to the head) keep their fp32 master copy but no gradient or AdamW state.
+    trainable = ((shape.parameters - (shape.embedding if freeze_embeddings else 0)) if full
+                 else shape.lora_parameters(lora_rank, lora_targets))
     base = 4 * shape.parameters if full else compute_bytes * shape.parameters + 4 * trainable
     tokens = max_seq_len * batch_per_device
-    per_token_layer = compute_bytes * (SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate
-                                       + SAVED_PER_ATTENTION_WIDTH * shape.heads * shape.head_dim)
     scores = (SAVED_ATTENTION_MATRICES * compute_bytes * shape.heads * batch_per_device * max_seq_len ** 2
               if eager_attention else 0)
+    masks = batch_per_device * max_seq_len ** 2 * (2 * (compute_bytes if eager_attention else 1) + MASK_BOOLEANS)
     block_grads = (compute_bytes + 4) * shape.block_parameters if full else 0
-    head_grad = (2 * compute_bytes + 4) * shape.embedding if full else 0
+    # The head weight's gradient in the compute dtype (scaled in place) and its fp32 reduce copy.
+    head_grad = (compute_bytes + 4) * shape.embedding if full and not freeze_embeddings else 0
     return Breakdown(
         weights=_ceil_div(base, devices),
         grads=_ceil_div(4 * trainable, devices),
         optimizer=_ceil_div(8 * trainable, devices),
         frozen_tables=compute_bytes * shape.per_layer_embedding,
         gathered=compute_bytes * (shape.embedding + 2 * shape.block_parameters) + block_grads,
-        activations=shape.layers * (tokens * per_token_layer + scores),
+        activations=activation_bytes(shape, tokens, scores, compute_bytes, checkpointing) + masks,
         loss_head=head_grad + 2 * CHUNK_ROWS * shape.vocab * 4 + 2 * tokens * shape.hidden * compute_bytes,
     )
 
@@ -201,6 +230,9 @@ class Request:
     batch_per_device: int
     lora_rank: int = 16
     host_memory_bytes: int | None = None  # a worker pod's memory limit (None: not checked)
+    activation_checkpointing: str = "none"
+    attention: str | None = None  # eager or sdpa; None: the device's (eager on TPU, sdpa on the cpu stand-in)
+    freeze_embeddings: bool = False
 
 
 @dataclass(frozen=True)
@@ -289,10 +321,13 @@ def _plan(request: Request) -> MemoryPlan:
                                           or gen.machines)) * gen.devices_per_chip
     else:
         devices = per_host_devices = int(request.topology)
-    # On a TPU the step computes in bf16 with eager attention; the cpu stand-in in fp32 (sdpa).
+    # On a TPU the step computes in bf16 with eager attention unless sdpa is asked for; the
+    # cpu stand-in in fp32 (sdpa unless eager is asked for).
+    eager = gen.is_tpu if request.attention is None else request.attention == "eager"
     part = device_bytes(shape, request.method, devices, request.max_seq_len, request.batch_per_device,
-                        compute_bytes=2 if gen.is_tpu else 4, eager_attention=gen.is_tpu,
-                        lora_rank=request.lora_rank)
+                        compute_bytes=2 if gen.is_tpu else 4, eager_attention=eager,
+                        lora_rank=request.lora_rank, checkpointing=request.activation_checkpointing,
+                        freeze_embeddings=request.freeze_embeddings)
     # Host: each device's process, and the host copy of its sharded state an asynchronous
     # checkpoint stages (weights and AdamW; train.py's HostStager). The cpu stand-in's
     # device is the host.
@@ -355,7 +390,8 @@ def status_of(plan: MemoryPlan) -> dict:
 
 def plan_spec(spec) -> MemoryPlan | None:
     """The plan of a TPUFineTune spec (None for mode collectives: nothing is trained). The
-    method and LoRA rank are read defensively: older specs have neither (full)."""
+    method, LoRA rank and memory settings are read defensively: older specs have none
+    (full, no checkpointing, the device's attention, trained embeddings)."""
     if spec.mode != "finetune":
         return None
     from .quantity import parse_quantity
@@ -369,4 +405,7 @@ def plan_spec(spec) -> MemoryPlan | None:
         generation=spec.tpu.generation, topology=spec.tpu.topology, max_seq_len=training.max_seq_len,
         batch_per_device=training.batch_size_per_device,
         lora_rank=int(getattr(lora, "rank", 0) or 16),
-        host_memory_bytes=int(parse_quantity(str(memory))) if memory else None))
+        host_memory_bytes=int(parse_quantity(str(memory))) if memory else None,
+        activation_checkpointing=getattr(training, "activation_checkpointing", None) or "none",
+        attention=getattr(training, "attention", None),
+        freeze_embeddings=bool(getattr(training, "freeze_embeddings", None))))

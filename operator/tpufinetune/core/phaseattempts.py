@@ -65,12 +65,18 @@ def attempt_reason(job_reason: str, health: SliceHealth | None) -> str:
     return attempts.JOB_END_REASONS.get(job_reason, "AppFailed")
 
 
+# Trainer failures whose type is the Failed condition's reason as it is (docs/api.md).
+OWN_REASONS = ("ExportUnloadable",)
+
+
 def _job_failure(s: dict, job: JobView | None, obs: Observations) -> tuple[str, str]:
     """Reason and message for a job that is no longer active; message '' if we still
     need the log tail to explain it."""
     failure = s.get("trainerFailure") or {}
     if failure.get("message"):
         kind = failure.get("type") or "Error"
+        if kind in OWN_REASONS:  # a failure with its own reason in the API's table
+            return kind, failure["message"]
         return "TrainerFailed", f"{kind}: {failure['message']}"
     if job is None:
         return "JobLost", f"Ray has no job {s['jobId']} (was the head restarted?)"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import json
 
-from tpufinetune.core.status import CURVE_LIMIT, checked_status
+from tpufinetune.core.status import CURVE_LIMIT, EXPORT_SAMPLE_LIMIT, EXPORT_TEXT_LIMIT, checked_status
 
 HISTORY_LIMIT = 20  # enough for `kubectl get -o yaml`; the full record is in the job log
 
@@ -150,6 +150,17 @@ def _on_result(status: dict, event: dict) -> None:
         status["exportedAdapterURI"] = event["exported_adapter_uri"]
 
 
+def _on_export_proof(status: dict, event: dict) -> None:
+    sample = []
+    for entry in event.get("sample") or []:
+        texts = {"prompt": entry.get("prompt"), "completion": entry.get("completion"),
+                 "adapterCompletion": entry.get("adapter_completion")}
+        sample.append({k: str(v)[:EXPORT_TEXT_LIMIT] for k, v in texts.items() if v is not None})
+    proof = {"sample": sample[:EXPORT_SAMPLE_LIMIT], "tokens": event.get("tokens"),
+             "loadSeconds": _round(event.get("load_s"), 3), "dtype": event.get("dtype")}
+    status["export"] = {k: v for k, v in proof.items() if v is not None}
+
+
 def _on_failure(status: dict, event: dict) -> None:
     status["trainerFailure"] = {
         "type": str(event.get("type") or "Error")[:128],
@@ -197,6 +208,7 @@ HANDLERS = {
     "checkpoint": _on_checkpoint,
     "result": _on_result,
     "failure": _on_failure,
+    "export_proof": _on_export_proof,
     "collectives": _on_collectives,
 }
 

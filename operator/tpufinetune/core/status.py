@@ -178,6 +178,33 @@ class MemoryPlanStatus(_Status):
     message: str | None = Field(None, max_length=1024, description="The estimate in words.")
 
 
+# Bounds of status.export: a few prompts, each text cut (the full proof is in the job log).
+EXPORT_SAMPLE_LIMIT = 8
+EXPORT_TEXT_LIMIT = 256
+
+
+class ExportSample(_Status):
+    """One held-out prompt and what the exported model generated for it."""
+
+    prompt: str = Field(max_length=EXPORT_TEXT_LIMIT, description="The prompt's end.")
+    completion: str | None = Field(None, max_length=EXPORT_TEXT_LIMIT,
+                                   description="The exported model's greedy completion.")
+    adapter_completion: str | None = Field(None, max_length=EXPORT_TEXT_LIMIT,
+                                           description="The base with the exported LoRA adapter's.")
+
+
+class ExportProof(_Status):
+    """The export loaded back from where it was written (transformers; the adapter with peft
+    onto the base) and generated for a few held-out prompts, before the run succeeded."""
+
+    sample: list[ExportSample] | None = Field(None, max_length=EXPORT_SAMPLE_LIMIT, description="The prompts and "
+                                                                             "their completions.")
+    tokens: int | None = Field(None, ge=0, description="Tokens generated for each prompt (greedy).")
+    load_seconds: float | None = Field(None, ge=0, description="Seconds to load the export (and "
+                                                               "the adapter).")
+    dtype: str | None = Field(None, max_length=32, description="The dtype it was loaded in.")
+
+
 class TrainerFailure(_Status):
     """What the trainer reported before it failed."""
 
@@ -291,6 +318,8 @@ class TPUFineTuneStatus(_Status):
     exported_adapter_uri: str | None = Field(None, alias="exportedAdapterURI",
                                              description="Exported LoRA adapter (PEFT's format), "
                                                          "for training.method lora.")
+    export: ExportProof | None = Field(None, description="The proof that the export loads and "
+                                                         "generates (written before Succeeded).")
     start_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
                                    description="When the run started (reset on resume after "
                                                "a suspend; spec.activeDeadlineSeconds counts "
