@@ -158,7 +158,7 @@ class LoRA(_Model):
 
 
 def _training_rules() -> list[dict]:
-    return [{"rule": "self.method == 'lora' || !has(self.lora)",
+    return [{"rule": "(has(self.method) && self.method == 'lora') || !has(self.lora)",
              "message": "applies to method lora only; set method: lora, or remove lora",
              "fieldPath": ".lora", "reason": "FieldValueForbidden"}]
 
@@ -166,11 +166,14 @@ def _training_rules() -> list[dict]:
 class Training(MemorySettings):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _training_rules()})
 
-    method: Literal[TRAINING_METHODS] = Field(  # type: ignore[valid-type]
-        "full", description="full: every weight of the language model is trained (fp32 master "
-                            "weights and AdamW state). lora: the base is frozen in bfloat16 and only "
-                            "low-rank adapters train (settings in lora); checkpoints hold the "
-                            "adapters and their optimizer state only.")
+    # No schema default: a default is filled into every stored object, and an operator older
+    # than this field (a rollback) refuses a spec carrying it (docs/architecture.md, "Upgrades
+    # and version skew"). Unset means full.
+    method: Literal[TRAINING_METHODS] | None = Field(  # type: ignore[valid-type]
+        None, description="full (when unset): every weight of the language model is trained (fp32 "
+                          "master weights and AdamW state). lora: the base is frozen in bfloat16 and "
+                          "only low-rank adapters train (settings in lora); checkpoints hold the "
+                          "adapters and their optimizer state only.")
     lora: LoRA | None = Field(
         None, description="LoRA settings (method lora only). Unset with method lora: rank 16, "
                           "alpha 32 on the attention and MLP projections.")
