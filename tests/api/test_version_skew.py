@@ -127,3 +127,45 @@ def test_the_status_patch_never_removes_a_key_this_version_does_not_own():
     new = {k: v for k, v in READ_BACK.items() if k not in ("rayTokenNewer", "jobId", "kopf")}
     assert status_patch(READ_BACK, new) == {"jobId": None}
     assert "rayTokenNewer" not in STATUS_KEYS and "jobId" in STATUS_KEYS and "kopf" not in STATUS_KEYS
+
+
+# ---- schema defaults against the previous release ------------------------------------------
+
+PREVIOUS_RELEASE_COMMIT = "8eb4e17b080d7f8cb0ad93cc5b04d12ac103e089"  # v0.2.0 (test_upgrade_e2e.py)
+CRD_PATH = "crds/tpufinetunes.tpufinetune.dev.yaml"
+
+
+def _stored_defaults(node: dict, path: str = "spec") -> set[str]:
+    """Paths the API server fills into an object that does not give them: a default where
+    its parent object is itself always there (the root, or a parent with a default)."""
+    found: set[str] = set()
+    for name, prop in (node.get("properties") or {}).items():
+        if "default" in prop:
+            found.add(f"{path}.{name}")
+            found |= _stored_defaults(prop, f"{path}.{name}")
+    return found
+
+
+def _spec_schema(text: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(text)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def test_no_new_spec_field_is_stored_in_every_object_by_a_schema_default():
+    """A schema default is written into every object; the previous release refuses a spec
+    field it does not know, so a new field with one would make every run unreadable to it
+    after a rollback. Unset has to mean the default in code instead (as `training.method`)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    shown = subprocess.run(["git", "-C", str(root), "show", f"{PREVIOUS_RELEASE_COMMIT}:{CRD_PATH}"],
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        pytest.fail(f"the previous release's CRD is not in this clone ({shown.stderr.strip()}); "
+                    "fetch its history (`git fetch --unshallow`)", pytrace=False)
+    previous = _stored_defaults(_spec_schema(shown.stdout))
+    current = _stored_defaults(_spec_schema((root / CRD_PATH).read_text()))
+    assert previous and {"spec.training.epochs"} <= current
+    assert not current - previous, f"new stored defaults: {sorted(current - previous)}"
