@@ -135,24 +135,6 @@ def adapter_state(full: dict) -> dict:
     return {peft_key(name): tensor.float().contiguous() for name, tensor in full.items() if is_adapter(name)}
 
 
-def merged_state(full: dict, scaling: float) -> dict:
-    """The base's state dict with W + scaling x B A in each adapted layer (fp32 sums), under
-    the base's names."""
-    import torch
-
-    merged = {}
-    for name, tensor in full.items():
-        if is_adapter(name):
-            continue
-        if name.endswith(".base_layer.weight"):
-            prefix = name[: -len(".base_layer.weight")]
-            a = full[f"{prefix}.lora_A.{ADAPTER_NAME}.weight"].float()
-            b = full[f"{prefix}.lora_B.{ADAPTER_NAME}.weight"].float()
-            tensor = tensor.float() + scaling * (b @ a)
-        merged[base_name(name)] = tensor
-    return merged
-
-
 def write_adapter(directory, full: dict, cfg) -> None:
     """adapter_config.json and adapter_model.safetensors into a local directory."""
     from pathlib import Path
