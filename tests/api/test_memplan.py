@@ -154,3 +154,29 @@ def test_the_plan_of_a_spec_reads_its_memory_settings():
                                        training={**settings, "attention": "eager"}))
     sdpa_cpu = memplan.plan_spec(spec("google/gemma-4-E2B-it", generation="cpu", topology="2", training=settings))
     assert eager_cpu.breakdown.activations > sdpa_cpu.breakdown.activations  # the cpu stand-in's default is sdpa
+
+
+def stated(path: str, parameters: int, **overrides):
+    raw = base_spec()
+    raw["tpu"] = {"generation": "v6e", "topology": "4x4"}
+    raw["model"] = {"id": path, "parameters": parameters}
+    raw.update(overrides)
+    return parse_spec(raw)
+
+
+def test_a_model_the_table_does_not_know_is_checked_on_the_size_its_spec_states():
+    path = "gs://models/my-30b"
+    unstated = memplan.plan_spec(spec(path))
+    assert unstated.basis == "unknown" and unstated.fits is None and not memplan.refuses(unstated)
+    big = memplan.plan_spec(stated(path, 30_000_000_000))
+    # 16 B a parameter (fp32 weights, gradients, two AdamW moments) over 16 chips: 28 GiB,
+    # under a v6e chip's 28.8 usable; doubled it cannot fit, whatever the activations.
+    assert (big.basis, big.fits) == ("stated", True), big.summary()
+    bigger = memplan.plan_spec(stated(path, 60_000_000_000))
+    assert memplan.refuses(bigger)
+    message = bigger.refusal()
+    assert "55.9 GiB of HBM per chip" in message and "28.8 GiB usable" in message
+    assert message.endswith("smallest that fits: topology 4x8 (32 chips)"), message
+    assert memplan.status_of(bigger)["basis"] == "stated"
+    lora = memplan.plan_spec(stated(path, 60_000_000_000, training={"method": "lora"}))
+    assert lora.fits and lora.per_chip_bytes < bigger.per_chip_bytes / 7

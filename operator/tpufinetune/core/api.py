@@ -86,6 +86,13 @@ class ModelSource(_Model):
                     description="Hugging Face model id, a model directory in a bucket "
                                 "(gs://bucket/path, downloaded once per host), or a path inside "
                                 "the image or on a shared filesystem.")
+    parameters: int | None = Field(
+        None, ge=1, le=10**13,
+        description="Parameter count of a model the memory planner does not know (a bucket path "
+                    "or another hub id): its sharded weights, gradients and AdamW state are "
+                    "checked against the slice's HBM before any pod (activations are not). "
+                    "Unset: such a model's memory is not checked. Ignored for the Gemma 4 ids "
+                    "the planner knows.")
     token_secret: SecretKeyRef | None = Field(
         None, description="Secret holding a Hugging Face token. The pods read it as the "
                           "HF_TOKEN environment variable (secretKeyRef); the operator and "

@@ -55,6 +55,7 @@ MASK_BOOLEANS = 4
 # LoRA's usual targets per decoder layer: q, k, v, o, gate, up, down.
 LORA_TARGETS = 7
 METHODS = ("full", "lora")
+CHECKED = ("table", "stated")  # the bases a plan is checked on
 CHECKPOINTING = ("none", "block", "selective")
 
 
@@ -233,11 +234,12 @@ class Request:
     activation_checkpointing: str = "none"
     attention: str | None = None  # eager or sdpa; None: the device's (eager on TPU, sdpa on the cpu stand-in)
     freeze_embeddings: bool = False
+    stated_parameters: int | None = None  # spec.model.parameters, for a model not in the table
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    basis: str  # "table" (a known model) or "unknown" (not checked)
+    basis: str  # "table" (a known model), "stated" (a size the spec states: a lower bound) or "unknown"
     method: str
     generation: str
     topology: str
@@ -252,7 +254,7 @@ class MemoryPlan:
     @property
     def fits(self) -> bool | None:
         """None when not checked (an unknown model)."""
-        if self.basis != "table":
+        if self.basis not in CHECKED:
             return None
         hbm_ok = not self.limit_bytes or self.per_chip_bytes <= self.limit_bytes
         host_ok = not self.host_limit_bytes or self.host_bytes <= self.host_limit_bytes
@@ -261,7 +263,7 @@ class MemoryPlan:
     def summary(self) -> str:
         if self.method not in METHODS:
             return f"method {self.method} is not one the planner knows: its memory was not checked"
-        if self.basis != "table":
+        if self.basis not in CHECKED:
             return (f"model {self.model} is not in the planner's table: its memory was not checked "
                     f"(known: {', '.join(sorted({s.name for s in KNOWN_MODELS.values()}))})")
         parts = []
@@ -272,7 +274,8 @@ class MemoryPlan:
             parts.append(f"{_gib(self.host_bytes)} RAM per host of {_gib(self.host_limit_bytes)} usable")
         elif self.host_bytes:
             parts.append(f"{_gib(self.host_bytes)} RAM per host")
-        return f"{self.method} fine-tune of {self.model}: " + "; ".join(parts)
+        stated = " (its stated size: weights, gradients and optimizer state only)" if self.basis == "stated" else ""
+        return f"{self.method} fine-tune of {self.model}{stated}: " + "; ".join(parts)
 
     def refusal(self) -> str:
         """Why the run cannot fit, naming the figure, the limit and what would ('' if it fits)."""
@@ -312,8 +315,10 @@ def _plan(request: Request) -> MemoryPlan:
     gen = g.generation(request.generation)
     shape = known_shape(request.model_id)
     common = dict(method=request.method, generation=gen.name, topology=request.topology, model=request.model_id)
-    if shape is None or request.method not in METHODS:  # a method this planner does not know: not checked
+    if request.method not in METHODS:  # a method this planner does not know: not checked
         return MemoryPlan(basis="unknown", **common)
+    if shape is None:
+        return _stated_plan(request, gen, common)
     if gen.is_tpu:
         chips = g.chips_in(request.topology)
         devices = chips * gen.devices_per_chip
@@ -339,6 +344,21 @@ def _plan(request: Request) -> MemoryPlan:
         per_chip_bytes=part.total * gen.devices_per_chip if gen.is_tpu else 0,
         limit_bytes=int(gen.hbm_gib_per_chip * GIB * (1 - HEADROOM)) if gen.is_tpu else 0,
         host_bytes=host, host_limit_bytes=host_limit, breakdown=part)
+
+
+def _stated_plan(request: Request, gen, common: dict) -> MemoryPlan:
+    """A model the table does not know, from the size the spec states: its sharded state
+    alone (fp32 weights, gradients and two AdamW moments; with LoRA the frozen bf16 base),
+    a lower bound, so a run refused on it cannot fit whatever its activations."""
+    if not request.stated_parameters or not gen.is_tpu:
+        return MemoryPlan(basis="unknown", **common)
+    devices = g.chips_in(request.topology) * gen.devices_per_chip
+    sized = ModelShape(f"{request.stated_parameters} parameters", request.stated_parameters, layers=1, hidden=0,
+                       intermediate=0, heads=0, head_dim=0, vocab=0)
+    part = device_bytes(sized, request.method, devices, request.max_seq_len, request.batch_per_device)
+    per_device = part.weights + part.grads + part.optimizer
+    return MemoryPlan(basis="stated", **common, per_chip_bytes=per_device * gen.devices_per_chip,
+                      limit_bytes=int(gen.hbm_gib_per_chip * GIB * (1 - HEADROOM)))
 
 
 def smallest_fit(request: Request) -> str:
@@ -377,7 +397,7 @@ def _describe(request: Request, candidate: Request) -> str:
 def status_of(plan: MemoryPlan) -> dict:
     """status.plan (core/status.py's MemoryPlanStatus)."""
     out: dict = {"basis": plan.basis, "method": plan.method, "message": plan.summary()}
-    if plan.basis == "table":
+    if plan.basis in CHECKED:
         out.update(fits=plan.fits, hostRAMBytes=plan.host_bytes)
         if plan.limit_bytes:
             out.update(perChipHBMBytes=plan.per_chip_bytes, limitBytes=plan.limit_bytes)
@@ -408,4 +428,5 @@ def plan_spec(spec) -> MemoryPlan | None:
         host_memory_bytes=int(parse_quantity(str(memory))) if memory else None,
         activation_checkpointing=getattr(training, "activation_checkpointing", None) or "none",
         attention=getattr(training, "attention", None),
-        freeze_embeddings=bool(getattr(training, "freeze_embeddings", None))))
+        freeze_embeddings=bool(getattr(training, "freeze_embeddings", None)),
+        stated_parameters=getattr(spec.model, "parameters", None)))

@@ -158,9 +158,10 @@ class MemoryPlanStatus(_Status):
     """The memory planner's estimate for the run (core/memplan.py), written before any
     RayCluster exists."""
 
-    basis: Literal["table", "unknown"] | None = Field(
-        None, description="table: the model is in the planner's table and was checked; unknown: "
-                          "it is not, and its memory was not checked.")
+    basis: Literal["table", "stated", "unknown"] | None = Field(
+        None, description="table: the model is in the planner's table and was checked; stated: "
+                          "checked on spec.model.parameters (weights, gradients and optimizer state "
+                          "only, a lower bound); unknown: neither, and its memory was not checked.")
     method: str | None = Field(None, max_length=32, description="The fine-tune method planned (full, lora).")
     fits: bool | None = Field(None, description="Whether the estimate fits the slice (absent when "
                                                 "unknown).")
