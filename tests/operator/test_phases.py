@@ -559,3 +559,17 @@ def test_an_export_that_does_not_load_back_is_the_failed_reason_itself():
     failed = cond.find(d.status, cond.FAILED)
     assert (failed["reason"], failed["message"]) == (
         "ExportUnloadable", "gs://b/run/export does not load: model.safetensors truncated")
+
+
+def test_a_resume_the_trainer_refuses_is_not_retried_with_retries_left():
+    plan = Plan(cluster_name="demo-rc", epochs=2, max_retries=3)
+    refusal = ({"event": "failure", "type": "ResumeMismatch",
+                "message": "Refusing to resume from gs://b/r/epoch_0001-0: batch_size_per_device 4 -> 8"},)
+    d = step(running_status(), plan=plan, cluster=READY, job=JobView("FAILED"), events=refusal, **ENDED)
+    assert d.phase == phases.FAILED and int(d.status.get("retries") or 0) == 0
+    failed = cond.find(d.status, cond.FAILED)
+    assert failed["reason"] == "ResumeMismatch" and "batch_size_per_device" in failed["message"]
+    # Any other trainer failure still gets its retry.
+    other = ({"event": "failure", "type": "RuntimeError", "message": "preempted"},)
+    assert step(running_status(), plan=plan, cluster=READY, job=JobView("FAILED"), events=other,
+                **ENDED).phase == phases.SUBMITTING

@@ -66,7 +66,10 @@ def attempt_reason(job_reason: str, health: SliceHealth | None) -> str:
 
 
 # Trainer failures whose type is the Failed condition's reason as it is (docs/api.md).
-OWN_REASONS = ("ExportUnloadable",)
+OWN_REASONS = ("ExportUnloadable", "ResumeMismatch")
+# Those a retry cannot change: the next attempt would resume from the same checkpoint with
+# the same spec and be refused again, holding the slice for nothing.
+NOT_RETRIED = ("ResumeMismatch",)
 
 
 def _job_failure(s: dict, job: JobView | None, obs: Observations) -> tuple[str, str]:

@@ -30,7 +30,7 @@ from tpufinetune.core import memplan
 from tpufinetune.core.api import TPUFineTuneSpec
 from tpufinetune.core.jobspec import submission_id
 from tpufinetune.core.phaseattempts import (  # noqa: F401  (attempt_reason: part of the API)
-    _count_attempts, _fail, _job_failure, _lost_cluster, _rebuild_or_fail, _release, _retry, _stop_and_fail,
+    NOT_RETRIED, _count_attempts, _fail, _job_failure, _lost_cluster, _rebuild_or_fail, _release, _retry, _stop_and_fail,
     _success_message, _suspended, attempt_reason,
 )
 from tpufinetune.core.phasechecks import _maintenance, _preflight_passed, maintenance_time  # noqa: F401
@@ -354,7 +354,7 @@ def _running(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decisio
     if obs.slice_health.reason or (not obs.slice_health.healthy and obs.slice_health.detail):
         detail = f"{detail}; slice: {obs.slice_health.detail}"
     retries = int(s.get("retries") or 0)
-    if retries < plan.max_retries:
+    if retries < plan.max_retries and reason not in NOT_RETRIED:
         s["retries"] = retries + 1
         s.pop("trainerFailure", None)
         keep = ended_as == "AppFailed" and obs.slice_health.healthy and (
