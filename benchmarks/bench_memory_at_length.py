@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from bench_memplan import _reset_peak, _status_kib  # one reader of the kernel's peak RSS
+
 # A scaled-down Gemma 4 text model: few layers and heads, so 8k tokens of eager scores fit
 # a small machine (2 heads x 8192^2 x 4 B = 512 MiB per matrix per layer).
 TEXT = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=2,
@@ -36,19 +38,6 @@ STEPS = 1
 # The loss head's backward: a vocabulary and width whose fp32 weight (256 MiB) stands out.
 HEAD = dict(vocab=65536, hidden=1024, rows=512)
 MIB = 2**20
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak resident size (VmHWM)
-        f.write("5")
 
 
 def measure_step(length: int, attention: str, checkpointing: str) -> dict:
