@@ -6,6 +6,7 @@ test in test_status_write_faults.py checks the real /healthz answer."""
 from __future__ import annotations
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
 from tpufinetune.core import phases
 from tpufinetune.core.progress import ProgressTracker
@@ -100,30 +101,23 @@ async def test_the_driver_reports_refused_writes_and_refused_read_backs_until_a_
     assert decision.phase == phases.PROVISIONING and progress.failing == {}
 
 
-class Refused(Exception):
-    """What the kubernetes client raises for an answer the API server gave: its HTTP code."""
-
-    def __init__(self, status: int):
-        super().__init__(f"({status}) refused by the test's admission policy")
-        self.status = status
-
-
 @in_loop
 async def test_a_write_refused_for_the_object_is_the_runs_trouble_said_once_by_an_event():
     cluster, progress = RefusingCluster(), ProgressTracker()
     run = Run(body(), cluster, RayJobs(), settings(), progress)
     await run.step()
-    refusal = Refused(422)
+    # What the kubernetes client raises for the API server's answer (its own class).
+    refusal = ApiException(status=422, reason="refused by the test's admission policy")
 
     async def refuse(*_):
         raise refusal
     cluster.write_status = refuse
     for _ in range(2):
-        with pytest.raises(Refused):
+        with pytest.raises(ApiException):
             await run.step()
     assert progress.failing[RUN].own and cluster.events.count("StatusWriteFailing") == 1
     assert progress.stalled(now=progress.failing[RUN].since + 10_000, bound=1) == []
     refusal.status = 503  # the API server itself failing: the operator's trouble
-    with pytest.raises(Refused):
+    with pytest.raises(ApiException):
         await run.step()
     assert not progress.failing[RUN].own
