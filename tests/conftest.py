@@ -23,3 +23,19 @@ def pytest_collection_modifyitems(config, items):
             continue
         limit = next((s for marker, s in TIME_LIMITS_S if item.get_closest_marker(marker)), PURE_TIME_LIMIT_S)
         item.add_marker(pytest.mark.timeout(limit))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Seconds per test file (setup, call and teardown together), the 15 heaviest: where a
+    cut to the suite's time pays. The per-test figures are in --durations above."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                path = report.nodeid.split("::", 1)[0]
+                per_file[path] = per_file.get(path, 0.0) + report.duration
+    if not per_file:
+        return
+    terminalreporter.write_sep("=", "heaviest 15 test files (s)")
+    for path, seconds in sorted(per_file.items(), key=lambda item: -item[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")

@@ -112,6 +112,67 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _logs_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", help="the TPUFineTune's name")
+    parser.add_argument("-n", "--namespace", help="its namespace (default: the kubeconfig "
+                                                  "context's, else default)")
+    parser.add_argument("--attempt", type=int, help="attempt number, from 1 (default: the current one)")
+    parser.add_argument("--worker", type=int, metavar="K",
+                        help="Ray Train worker K's output (world rank) instead of the driver's")
+    parser.add_argument("-f", "--follow", action="store_true",
+                        help="keep printing what the attempt writes until it has ended")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default $KUBECONFIG or "
+                                             "~/.kube/config)")
+
+
+def _logs(args: argparse.Namespace) -> int:
+    if args.attempt is not None and args.attempt < 1:
+        print("tpufinetune logs: --attempt must be 1 or more", file=sys.stderr)
+        return EXIT_INVALID
+    if args.worker is not None and args.worker < 0:
+        print("tpufinetune logs: --worker must be a world rank, 0 or more", file=sys.stderr)
+        return EXIT_INVALID
+    from .adapters import runlogs
+
+    try:
+        import pyarrow.fs  # noqa: F401 - the bucket's client, the trainer's own
+
+        from .adapters.readrun import read_tpufinetune
+    except ImportError as exc:
+        print(f"tpufinetune logs: {exc.name or exc} is not installed: {runlogs.EXTRA_HINT}", file=sys.stderr)
+        return EXIT_INVALID
+    what = f"tpufinetune {args.namespace + '/' if args.namespace else ''}{args.name}"
+    try:
+        namespace, obj = read_tpufinetune(args.name, args.namespace, args.kubeconfig)
+        what = f"tpufinetune {namespace}/{args.name}"
+        number, entry = runlogs.attempt_of(obj, args.attempt)
+        uri = runlogs.logs_uri_of(obj, number, entry)
+    except LookupError as exc:
+        print(f"tpufinetune logs: {what}: {exc}", file=sys.stderr)
+        return 1
+
+    def now() -> dict | None:
+        """The resource now; None once deleted; {} (not ended) when it cannot be read now."""
+        try:
+            return read_tpufinetune(args.name, namespace, args.kubeconfig)[1]
+        except LookupError as exc:
+            return None if "not found" in str(exc) else {}
+
+    stream = runlogs.stream_name(args.worker)
+    try:
+        wrote = runlogs.show(uri, stream, runlogs.stdout_bytes, follow=args.follow, read_obj=now, number=number)
+    except KeyboardInterrupt:
+        return 130
+    except (LookupError, OSError) as exc:
+        print(f"tpufinetune logs: {what}: attempt {number}: {uri}: {exc}", file=sys.stderr)
+        return 1
+    if not wrote:
+        print(f"tpufinetune logs: {what}: attempt {number} has no {stream} log at {uri}/{stream} "
+              f"(streams kept: {runlogs.available(uri)})", file=sys.stderr)
+        return 1
+    return 0
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("render", "print the RayCluster and Ray job a TPUFineTune would produce "
                          "(validated exactly as the operator does); no cluster needed",
@@ -125,6 +186,9 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("plot", "write a PNG of a TPUFineTune's training loss, eval loss and "
                        "learning rate against the step (needs the plot extra)",
                _plot_arguments, _plot),
+    Subcommand("logs", "print an attempt's driver (or a worker's) log from the run's "
+                       "storage, live or after its RayCluster is gone (needs the logs extra)",
+               _logs_arguments, _logs),
 ]
 
 

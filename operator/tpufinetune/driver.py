@@ -13,15 +13,17 @@ from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
 from tpufinetune.adapters import metrics
-from tpufinetune.core import attempts, conditions, phases, runevents
+from tpufinetune.core import attempts, conditions, notify, phases
 from tpufinetune.core.api import SpecError, parse_stored_spec
 from tpufinetune.core.errors import CreateRefused, StatusConflict
 from tpufinetune.core.jobspec import job_submission, preflight_submission
 from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
+from tpufinetune.core.phasemodel import recorded_cluster_uid
 from tpufinetune.core.podstatus import SliceHealth
-from tpufinetune.core.progress import ProgressTracker
+from tpufinetune.core.progress import ProgressTracker, recovered
 from tpufinetune.adapters.logfollow import LogFollower
+from tpufinetune.adapters.notify import RunNotices, notifier_for
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.runray import RayNotAnswering, RunRay, _one_line
 from tpufinetune.settings import Settings
@@ -42,7 +44,7 @@ IDLE_RESYNC_S = 60.0
 class ClusterBackend(Protocol):
     async def observe(self, ident: Identity, name: str) -> ClusterView: ...
     async def create(self, ident: Identity, manifest: dict) -> None: ...
-    async def delete(self, ident: Identity, name: str) -> None: ...
+    async def delete(self, ident: Identity, name: str, uid: str = "") -> None: ...
     async def ray_token(self, ident: Identity) -> str | None: ...
     async def write_status(self, ident: Identity, patch: dict, new: dict, resource_version: str) -> str: ...
     async def read_status(self, ident: Identity) -> tuple[dict, str] | None: ...
@@ -79,6 +81,11 @@ class Run(RunRay):
         # The status above was read at this version; each write must find it unchanged.
         self.resource_version = str(body["metadata"].get("resourceVersion") or "")
         self.generation = None
+        # (generation, spec source, plan) of the last valid generation a step applied: its
+        # plan stays in force while a later edit is refused, and scales the attempt's usage
+        # until the edit is applied (the next attempt). None: not known (an operator that
+        # restarted after an edit it has not applied yet goes by the latest generation).
+        self.applied: tuple[int, str, phases.Plan] | None = None
         self._refresh_spec()
         self.follower: LogFollower | None = None
         self.wake = asyncio.Event()
@@ -90,12 +97,14 @@ class Run(RunRay):
         # (phase, attempt): a new phase or attempt (a suspend, an eviction, a rebuild, a
         # retry) starts the clock again.
         self.ray_down_since: tuple[tuple, datetime] | None = None
+        self.ray_answered = False  # a Ray call of this step got an answer
         self.retry_waiting_since: tuple[int, datetime] | None = None  # (attempt, since)
         self.create_refused = ""  # the API server's words when it last refused the RayCluster
         self._last_write = float("-inf")  # time.monotonic() of the last status write
         # The kopf daemon and on.delete share this Run; one step at a time.
         self.lock = asyncio.Lock()
         self.authorized_address = ""  # the head address that has been given this run's token
+        self.notices = RunNotices(notifier_for(settings.notify_sinks_file), self.wake)  # spec.notify
 
     def _refresh_spec(self) -> None:
         meta = self.body["metadata"]
@@ -110,23 +119,41 @@ class Run(RunRay):
         self.spec_error, self.ignored_fields = "", ()
         try:
             # Fields a newer CRD has and this version lacks are ignored, and reported.
-            spec, self.ignored_fields = self._parse_spec()
+            spec, self.ignored_fields = self._parse_spec(self._spec_source)
         except SpecError as error:
             spec, self.spec_error = None, str(error)
-        self.plan = phases.plan_for(self.ident, spec, timedelta(seconds=self.settings.provision_timeout),
-                                    timedelta(seconds=self.settings.submit_timeout))
+        self.latest_plan = phases.plan_for(self.ident, spec, timedelta(seconds=self.settings.provision_timeout),
+                                           timedelta(seconds=self.settings.submit_timeout))
+        if self.applied is None and spec is not None and self.status.get("observedGeneration") in (None, generation):
+            self.applied = (generation, self._spec_source, self.latest_plan)
+        self._plan_in_force()
 
-    def _parse_spec(self):
-        return parse_stored_spec(json.loads(self._spec_source), one_machine=getattr(self.backend, "one_machine", False))
+    def _plan_in_force(self) -> None:
+        """The plan a step goes by (core/phases.py, plan_in_force): the latest generation's,
+        except what the applied generation's must keep until the next attempt."""
+        held = self.applied[2] if self.applied is not None and self.applied[0] != self.generation else None
+        self.plan = phases.plan_in_force(self.latest_plan, held, refused=bool(self.spec_error))
+
+    def _note_applied(self, status: dict) -> None:
+        """A step applied the latest generation (status.observedGeneration): its plan is the
+        one in force from now on, and the one kept if a later edit is refused."""
+        if not self.spec_error and status.get("observedGeneration") == self.generation and (
+                self.applied is None or self.applied[0] != self.generation):
+            self.applied = (self.generation, self._spec_source, self.latest_plan)
+            self._plan_in_force()
+
+    def _parse_spec(self, source: str):
+        return parse_stored_spec(json.loads(source), one_machine=getattr(self.backend, "one_machine", False))
 
     @property
     def spec(self):
-        """The planned generation's spec, parsed again when an action needs it (None when
-        invalid). Not kept: most runs only wait, and their plan is all a step reads; a
-        parsed spec costs about 5 KB, a thousand waiting runs 5 MB for nothing."""
+        """The planned generation's spec, parsed again when an action needs it; while an
+        edit is refused, the applied generation's (None: none is known). Not kept: most
+        runs only wait, and their plan is all a step reads; a parsed spec costs about 5 KB,
+        a thousand waiting runs 5 MB for nothing."""
         if self.spec_error:
-            return None
-        return self._parse_spec()[0]
+            return self._parse_spec(self.applied[1])[0] if self.applied is not None else None
+        return self._parse_spec(self._spec_source)[0]
 
     # ---- observations ----------------------------------------------------------------
 
@@ -145,6 +172,7 @@ class Run(RunRay):
             return await self._observe_evicted(now, address, cluster, phase)
         lost = phases.cluster_lost(cluster)  # its head went with it: Ray is not asked
         preflight_job, preflight_events, maintenance = None, (), ()
+        self.ray_answered = False
         down = unreachable = ""
         try:
             if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId") and not lost:
@@ -163,6 +191,7 @@ class Run(RunRay):
             maintenance = await self.backend.maintenance(self.ident, self.status["rayClusterName"])
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job,
                             events=tuple(self.unwritten), ray_unreachable=unreachable, ray_down=down,
+                            ray_answered=self.ray_answered,
                             create_refused=self.create_refused, maintenance=maintenance,
                             preflight_job=preflight_job, preflight_events=preflight_events)
 
@@ -228,15 +257,33 @@ class Run(RunRay):
         self._log_cursor(decision.status)
         # Status first: identities are persisted before the actions that depend on them.
         before = self.status
-        await self._write(decision.status)
+        outcomes = self.notices.records()  # spec.notify's deliveries, recorded with this write
+        if outcomes:
+            decision.status["notifications"] = notify.with_records(decision.status, outcomes)
+        try:
+            await self._write(decision.status)
+        except BaseException:
+            self.notices.put_back(outcomes)
+            raise
         self.unwritten.clear()
+        self._offer_notices()
+        self._note_applied(decision.status)
         ended = attempts.newly_frozen(before, decision.status)
         spec = self.spec if ended else None
         for entry in ended:
             metrics.attempt_ended(self.ident.namespace, generation(spec.tpu.generation).name if spec else "",
                                   entry.get("reason") or "", float((entry.get("usage") or {}).get("chipHours") or 0) * 3600)
-        await self._perform(decision)
+        await self._perform(decision, obs)
         return decision
+
+    def _offer_notices(self) -> None:
+        """Queue spec.notify's notices the written status calls for (adapters/notify.py);
+        the spec is parsed only when the run asked for notices and something ended."""
+        if not (self.body.get("spec") or {}).get("notify") or not notify.happened(self.status):
+            return
+        spec = self.spec
+        subscriptions = [(s.sink, s.events) for s in (spec.notify or ())] if spec is not None else []
+        self.notices.offer_due(self.ident, subscriptions, self.status, self.backend.record)
 
     async def _slice_health(self, since: str):
         """The slice's pods and nodes, judged (podstatus.slice_health). Pods that cannot be
@@ -248,26 +295,6 @@ class Run(RunRay):
             detail = _one_line(error)
             log.warning("%s/%s: the slice's pods could not be read: %s", self.ident.namespace, self.ident.name, detail)
             return SliceHealth(False, "", f"the slice's pods could not be read: {detail}")
-
-    def _without_malformed_events(self, obs: Observations) -> Observations:
-        """A trainer line the status cannot hold (a wrong type, a refused value) is dropped
-        with a warning, a Warning Event and the tpufinetune_trainer_events_dropped_total
-        metric; kept, it would fail every step and hold back every later event."""
-        if not obs.events:
-            return obs
-        kept, dropped = runevents.split_malformed(self.status, list(obs.events))
-        if not dropped:
-            return obs
-        for event, why in dropped:
-            log.warning("%s/%s: dropped trainer event %.300s: %s", self.ident.namespace, self.ident.name,
-                        json.dumps(event, default=str), why)
-        metrics.events_dropped(len(dropped))
-        event, why = dropped[0]
-        more = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
-        self.backend.record(self.ident, "Warning", "MalformedTrainerEvent",
-                            f"dropped the trainer's {str(event.get('event'))[:40]!r} event{more}: {why}"[:1024])
-        self.unwritten = kept
-        return Observations(**{**obs.__dict__, "events": tuple(kept)})
 
     async def _reread_status(self) -> None:
         """After a failed write our copy may not be what the object holds (the write may
@@ -286,6 +313,9 @@ class Run(RunRay):
     async def _write(self, new: dict) -> None:
         # A misspelt key fails here, not in silence at the API server; keys read back
         # (a newer operator's) are carried, not checked.
+        failing = self.progress.failing.get(self.progress_key)
+        if failing is not None:  # written with the first write that lands (core/progress.py)
+            recovered(new, failing, datetime.now(timezone.utc), time.monotonic())
         checked_status(new, self.status)
         patch = status_patch(self.status, new)
         if patch:
@@ -331,7 +361,7 @@ class Run(RunRay):
             await asyncio.sleep(wait)
         self._last_write = max(now, time.monotonic())
 
-    async def _perform(self, decision: Decision) -> None:
+    async def _perform(self, decision: Decision, obs: Observations | None = None) -> None:
         for action in decision.actions:
             if isinstance(action, phases.RecordEvent):
                 self.backend.record(self.ident, action.type, action.reason, action.message)
@@ -345,7 +375,11 @@ class Run(RunRay):
                 self.create_refused = ""
                 metrics.cluster_created(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
             elif isinstance(action, phases.DeleteCluster):
-                await self.backend.delete(self.ident, action.name)
+                cluster = obs.cluster if obs is not None else None
+                if cluster is not None and cluster.exists and cluster.deleting:
+                    continue  # already going: asking again changes nothing and costs a write
+                uid = recorded_cluster_uid(self.status, cluster)
+                await self.backend.delete(self.ident, action.name, **({"uid": uid} if uid else {}))
             elif isinstance(action, phases.SubmitJob):
                 await self._previous_attempt_ended(action.attempt)
                 # A retry resumes from the last checkpoint the previous attempt reported.
@@ -414,7 +448,8 @@ class Run(RunRay):
                 await self._sleep(stopped, self.settings.poll_interval)
                 continue
             conflicts = 0
-            if decision.phase in phases.TERMINAL and not decision.actions and decision.wake_at is None:
+            if (decision.phase in phases.TERMINAL and not decision.actions and decision.wake_at is None
+                    and not self.notices.waiting()):
                 return
             if decision.phase != before:
                 continue  # a transition: take the next step at once

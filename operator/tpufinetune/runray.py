@@ -5,30 +5,35 @@ eviction ask Ray only best effort and bounded, and need neither an answer nor th
 key. A head that refuses the token (401, 403) is tried with each key of the keyring; one
 that refuses them all ends the attempt at once (RayAuthRefused): its key was removed, and
 the next attempt runs on a new RayCluster with a token of the current key
-(core/phaseattempts.py says what that costs). Also the run's log follower, its log tail and
-the checks before a retry is submitted.
+(core/phaseattempts.py says what that costs). Also the run's log follower, the trainer
+events it drains (malformed ones dropped), its log tail and the checks before a retry is
+submitted.
 
 A mixin: Run provides `status`, `ident`, `settings`, `backend`, `jobs`, `follower`, `wake`,
-`unwritten`, `ray_down_since`, `retry_waiting_since` and `authorized_address`.
+`unwritten`, `ray_down_since`, `ray_answered`, `retry_waiting_since` and
+`authorized_address`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from datetime import datetime, timezone
 
 from tpufinetune.adapters.jobapi import AuthenticationError
 from tpufinetune.adapters.kube import server_message
+from tpufinetune.adapters.lease import check_held
 from tpufinetune.adapters.logfollow import LogFollower
 from tpufinetune.adapters.raytokens import SigningKeyError
-from tpufinetune.core import phases, raytoken
+from tpufinetune.adapters import metrics
+from tpufinetune.core import conditions, phases, raytoken, runevents
 from tpufinetune.core.errors import CreateRefused
 from tpufinetune.core.phaseattempts import token_refused
 from tpufinetune.core.generations import generation
 from tpufinetune.core.jobspec import checkpoint_request, submission_id
-from tpufinetune.core.phases import ClusterView
+from tpufinetune.core.phases import ClusterView, Observations
 from tpufinetune.core.sizing import total_devices
 
 log = logging.getLogger(__name__)
@@ -59,6 +64,8 @@ class RunRay:
         answer stops it (a 404 is an answer: a job lost). A refused token is tried again
         with the keyring's other keys, then raises RayAuthRefused."""
         while True:
+            if call in (self.jobs.submit, self.jobs.stop):  # a side effect: fenced by the Lease
+                check_held(f"{call.__name__} on the Ray head at {address} for {self.ident.namespace}/{self.ident.name}")
             try:
                 await self._authorize(address)
             except Exception as error:
@@ -73,6 +80,7 @@ class RunRay:
             except Exception as error:
                 raise RayNotAnswering(f"the Ray head at {address} does not answer: {_one_line(error)}") from error
             self.ray_down_since = None
+            self.ray_answered = True
             return result
 
     def _keyring(self):
@@ -116,8 +124,13 @@ class RunRay:
         if isinstance(error, RayAuthRefused):
             return "", str(error)  # waiting would not help: the head never takes this token
         key = (self.status.get("phase"), self.status.get("attempt"))
-        if self.ray_down_since is None or self.ray_down_since[0] != key:
-            self.ray_down_since = (key, now)
+        # The clock is in the status (condition RayReachable, False since the head stopped
+        # answering): a restarted or standby operator goes on from there instead of
+        # starting it again. Kept here too, for a run whose status cannot be written. An
+        # answer earlier in this step stops it.
+        known = [self.ray_down_since[1]] if self.ray_down_since is not None and self.ray_down_since[0] == key else []
+        recorded = None if self.ray_answered else phases.ray_down_since(self.status)
+        self.ray_down_since = (key, min(known + ([recorded] if recorded is not None else []) + [now]))
         down = (now - self.ray_down_since[1]).total_seconds()
         bound = self.settings.ray_unreachable_timeout
         log.warning("%s/%s: %s (for %d s of %g)", self.ident.namespace, self.ident.name, error, down, bound)
@@ -184,6 +197,26 @@ class RunRay:
             status["logAnchor"] = anchor
             status["logJobId"] = self.follower.submission_id
 
+    def _without_malformed_events(self, obs: Observations) -> Observations:
+        """A trainer line the status cannot hold (a wrong type, a refused value) is dropped
+        with a warning, a Warning Event and the tpufinetune_trainer_events_dropped_total
+        metric; kept, it would fail every step and hold back every later event."""
+        if not obs.events:
+            return obs
+        kept, dropped = runevents.split_malformed(self.status, list(obs.events))
+        if not dropped:
+            return obs
+        for event, why in dropped:
+            log.warning("%s/%s: dropped trainer event %.300s: %s", self.ident.namespace, self.ident.name,
+                        json.dumps(event, default=str), why)
+        metrics.events_dropped(len(dropped))
+        event, why = dropped[0]
+        more = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
+        self.backend.record(self.ident, "Warning", "MalformedTrainerEvent",
+                            f"dropped the trainer's {str(event.get('event'))[:40]!r} event{more}: {why}"[:1024])
+        self.unwritten = kept
+        return Observations(**{**obs.__dict__, "events": tuple(kept)})
+
     async def _log_tail(self, job_id: str) -> str:
         """The failed job's last lines; never a reason to leave the failure undecided: a
         tail that cannot be read is said so, and the job's own message is what remains."""
@@ -248,7 +281,11 @@ class RunRay:
         says what is missing."""
         now = datetime.now(timezone.utc)
         if self.retry_waiting_since is None or self.retry_waiting_since[0] != attempt:
-            self.retry_waiting_since = (attempt, now)
+            # Counted from entering Submitting for this attempt, as the status records it:
+            # a restart does not start the wait again.
+            entered = conditions.parse_time(self.status.get("phaseTransitionTime")) \
+                if self.status.get("phase") == phases.SUBMITTING else None
+            self.retry_waiting_since = (attempt, min(entered or now, now))
         return (now - self.retry_waiting_since[1]).total_seconds() <= self.settings.ray_unreachable_timeout
 
     async def _close_follower(self, keep_events: bool = False) -> None:

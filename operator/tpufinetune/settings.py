@@ -17,6 +17,7 @@
 | TPUFT_RAY_THREADS | 32 | threads for calls to Ray heads (the Job API client blocks): as many heads that never answer can each hold one for TPUFT_RAY_TIMEOUT before other runs' Ray calls wait; Kubernetes calls never wait on them (a pool of their own) |
 | TPUFT_KUBE_THREADS | 32 | threads for Kubernetes API calls (status writes, RayCluster and pod reads, creates), and the client's connections kept to the API server |
 | TPUFT_NAMESPACE | (all) | watch only this namespace |
+| TPUFT_NOTIFY_SINKS_FILE | /etc/tpufinetune/notify/sinks.yaml | YAML or JSON file (a ConfigMap's key, mounted; no file: no sinks) naming the sinks spec.notify may send notices to: `sinks: [{name, type: webhook or cloudevents, url, mode: binary or structured, tokenFile}]` (core/notify.py; docs/api.md, "Notices"). Only these URLs are ever called; read once at start |
 | TPUFT_RUN_METRICS | true | export each run's own series on /metrics (tpufinetune_run_*: phase, loss, progress, throughput, cost; up to 12 series per run, see adapters/metrics.py); false keeps only the operator's own, whose series do not grow with the number of runs |
 | TPUFT_LEADER_ELECTION | true | run kopf's handlers only while holding a Lease, so several replicas can run with one active; false for a single operator outside a cluster |
 | TPUFT_LEASE_NAME | tpufinetune-operator | the coordination.k8s.io Lease the replicas compete for |
@@ -64,6 +65,7 @@ class Settings(BaseModel):
     ray_threads: int = Field(DEFAULT_RAY_THREADS, ge=1, le=1024)
     kube_threads: int = Field(32, ge=1, le=1024)
     namespace: str = ""
+    notify_sinks_file: str = "/etc/tpufinetune/notify/sinks.yaml"
     run_metrics: bool = True
     operator_namespace: str = Field("tpufinetune-system", min_length=1, max_length=63)
     leader_election: bool = True

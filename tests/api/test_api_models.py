@@ -101,7 +101,15 @@ def test_spec_must_be_a_mapping():
 
 def test_direct_construction_runs_the_same_cross_field_rules():
     with pytest.raises(ValueError, match="spec.tpu.slices"):
-        TPUFineTuneSpec.model_validate(spec_with(tpu__slices=2))
+        TPUFineTuneSpec.model_validate(spec_with(tpu={"generation": "cpu", "topology": "40", "slices": 2}))
+
+
+def test_finetune_spans_slices_up_to_the_generation_ceiling():
+    assert parse_spec(spec_with(tpu__slices=2)).tpu.slices == 2
+    assert parse_spec(spec_with(tpu={"generation": "v5p", "topology": "16x16x24", "slices": 3})).tpu.slices == 3
+    assert parse_spec(spec_with(tpu={"generation": "cpu", "topology": "2", "slices": 32})).tpu.slices == 32
+    # The global batch counts every slice's devices: 2 slices x 16 devices x 4.
+    assert parse_spec(spec_with(tpu__slices=2, training={"globalBatchBlocks": 256})).training.global_batch_blocks == 256
 
 
 def test_status_dumps_with_the_crd_field_names():

@@ -35,7 +35,7 @@ ATTEMPTS = {
     "attempts": [{"attempt": 1, "startTime": "2026-11-30T10:00:00Z", "endTime": "2026-11-30T11:00:00Z",
                   "reason": "Preempted", "message": "pod w-1 was deleted", "resumedFrom": "", "lastStep": 12,
                   "lostSteps": 2, "rayClusterUID": "6f1c", "sliceReadyTime": "2026-11-30T10:10:00Z",
-                  "sliceReleaseTime": "2026-11-30T11:00:00Z",
+                  "sliceReleaseTime": "2026-11-30T11:00:00Z", "logsURI": "gs://b/tft-demo-6f1c/logs/attempt-1",
                   "usage": {"chipHours": 13.333, "hostHours": 3.333, "provisioningSeconds": 600.0}}],
     "usage": {"chipHours": 13.333, "hostHours": 3.333, "provisioningSeconds": 600.0},
     "checkpointStep": 10,
@@ -51,6 +51,8 @@ def test_attempts_and_usage_pass_and_a_reason_outside_the_closed_set_is_refused(
         checked_status(dict(FULL, usage={"chipHours": -1.0}))
     with pytest.raises(UndeclaredStatusKey, match=r"status.attempts\[0\].cost"):
         checked_status(dict(FULL, attempts=[dict(ATTEMPTS["attempts"][0], cost=3)]))
+    with pytest.raises(ValueError, match="logsURI"):
+        checked_status(dict(FULL, attempts=[dict(ATTEMPTS["attempts"][0], logsURI="gs://b/" + "x" * 2048)]))
 
 
 def test_the_export_proof_event_folds_into_status_export_which_the_model_takes():

@@ -45,6 +45,8 @@ NOT_PASSED = {
                                   "(none is the trainer's default; an older trainer image knows no such flag)",
     "--attention": "passed only when training.attention is set (unset: the device's kernel, the trainer's auto)",
     "--freeze-embeddings": "passed only when training.freezeEmbeddings is true",
+    "--num-slices": "passed only when tpu.slices is more than 1 (1 is the trainer's default; an older trainer "
+                    "image knows no such flag)",
     "--compile-cache-dir": "its default is the head's TPUFT_COMPILE_CACHE_DIR, set in spec.head.env beside the "
                            "volume the user mounts (docs/gke.md, the compile cache across restarts)",
 }

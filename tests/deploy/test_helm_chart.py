@@ -9,6 +9,8 @@ import subprocess
 import pytest
 from manifests import CHART, DEPLOY, OPERATOR_NS, documents, find, kustomize
 
+from tpufinetune.core import notify
+
 pytestmark = pytest.mark.cluster
 
 HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance")
@@ -22,6 +24,15 @@ EVERY_OPTION = [
     "--set", "env[0].name=EXTRA", "--set-string", "env[0].value=1",
     "--set", "serviceAccount.annotations.iam\\.gke\\.io/gcp-service-account=op@p.iam.gserviceaccount.com",
 ]
+NOTIFY_SINKS = [
+    "--set", "notify.sinks[0].name=team", "--set", "notify.sinks[0].type=webhook",
+    "--set", "notify.sinks[0].url=https://hooks.example.com/tpufinetune",
+    "--set", "notify.sinks[0].tokenSecret.name=team-hook", "--set", "notify.sinks[0].tokenSecret.key=token",
+    "--set", "notify.sinks[1].name=bus", "--set", "notify.sinks[1].type=cloudevents",
+    "--set", "notify.sinks[1].url=http://broker-ingress.knative-eventing.svc/ml/default",
+    "--set", "notify.sinks[1].mode=structured",
+]
+EVERY_OPTION += NOTIFY_SINKS
 
 
 def run(*argv, input: str | None = None, check: bool = True) -> str:
@@ -178,4 +189,27 @@ def test_several_replicas_without_leader_election_are_refused(helm):
     objects = documents(template(helm, "ops", "--set", "settings.leaderElection=false", "--set", "replicas=1"))
     assert not [o for o in objects if o["kind"] in ("Role", "RoleBinding", "PodDisruptionBudget")
                 and o["metadata"]["name"] != "tpufinetune-operator-ray-token-key"]
-    assert find(objects, "ConfigMap")["data"]["TPUFT_LEADER_ELECTION"] == "false"
+    assert find(objects, "ConfigMap", "tpufinetune-operator-settings")["data"]["TPUFT_LEADER_ELECTION"] == "false"
+
+
+def test_notify_sinks_reach_the_operator_as_its_sinks_file_with_their_tokens_mounted(helm):
+    objects = documents(template(helm, "ops", *NOTIFY_SINKS))
+    settings = find(objects, "ConfigMap", "tpufinetune-operator-settings")["data"]
+    sinks_file = settings["TPUFT_NOTIFY_SINKS_FILE"]
+    text = find(objects, "ConfigMap", "tpufinetune-operator-notify-sinks")["data"]["sinks.yaml"]
+    sinks = notify.parse_sinks(text)  # what the operator reads at its start
+    assert {n: (s.type, s.url, s.mode) for n, s in sinks.items()} == {
+        "team": ("webhook", "https://hooks.example.com/tpufinetune", "binary"),
+        "bus": ("cloudevents", "http://broker-ingress.knative-eventing.svc/ml/default", "structured")}
+    assert sinks["bus"].token_file == ""
+    pod = find(objects, "Deployment")["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts[sinks_file.rsplit("/", 1)[0]]]["configMap"]["name"] == "tpufinetune-operator-notify-sinks"
+    token_dir, token_name = sinks["team"].token_file.rsplit("/", 1)
+    secret = volumes[mounts[token_dir]]["secret"]
+    assert secret == {"secretName": "team-hook", "items": [{"key": "token", "path": token_name}]}
+    refused = run(helm, "template", "tpufinetune", CHART, "--set", "notify.sinks[0].name=x",
+                  "--set", "notify.sinks[0].type=webhook", "--set", "notify.sinks[0].url=file:///etc/passwd",
+                  check=False)
+    assert "/notify/sinks/0/url" in refused, refused

@@ -1,6 +1,6 @@
 """deploy/samples/: the tutorial's two jobs, the interconnect check on both slices, the
-CPU rehearsal (pod-local and on a ReadWriteMany claim), the v6e job on GCS FUSE and queued in
-Kueue; each validates as the operator validates, and the real API server (schema
+CPU rehearsal (pod-local and on a ReadWriteMany claim), the v6e job on GCS FUSE, queued in
+Kueue and across two slices; each validates as the operator validates, and the real API server (schema
 and CEL rules of the generated CRD) accepts it in a server-side dry run."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ SAMPLES = {
     "finetune-v6e-4x4-gcsfuse.yaml": ("v6e", "4x4", "finetune"),
     "finetune-v6e-4x4-queued.yaml": ("v6e", "4x4", "finetune"),
     "finetune-v6e-4x4-lora.yaml": ("v6e", "4x4", "finetune"),
+    "finetune-v6e-16-two-slices.yaml": ("v6e", "4x4", "finetune"),
 }
 
 
@@ -50,6 +51,27 @@ def test_the_v6e_sample_checks_its_slice_before_the_fine_tune_and_retries_from_i
     spec = parse_spec(load((DEPLOY / "samples" / "finetune-v6e-4x4.yaml").read_text())["spec"])
     assert spec.preflight is not None and spec.preflight.enabled
     assert spec.max_retries == 2  # the grace period is the rendered default (test_sizing_table.py)
+
+
+def test_the_two_slice_sample_renders_one_raycluster_of_two_replicas_on_two_pools():
+    from tpufinetune.core.render import load_documents, render
+
+    sample = DEPLOY / "samples" / "finetune-v6e-16-two-slices.yaml"
+    out = render(load_documents(sample.read_text(), sample.name), sample.name)
+    clusters = [d for d in load_documents(out, "render") if d.get("kind") == "RayCluster"]
+    assert len(clusters) == 1
+    (group,) = clusters[0]["spec"]["workerGroupSpecs"]
+    assert (group["groupName"], group["replicas"], group["numOfHosts"]) == ("v6e-16", 2, 4)
+    pod = group["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+                                   "cloud.google.com/gke-tpu-topology": "4x4"}
+    # Each replica's hosts share one node pool, and no other replica's pods are in it.
+    affinity = pod["affinity"]
+    (together,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    (apart,) = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert together["topologyKey"] == apart["topologyKey"] == "cloud.google.com/gke-nodepool"
+    assert together["matchLabelKeys"] == apart["mismatchLabelKeys"] == ["ray.io/worker-group-replica-index"]
+    assert "--num-slices=2" in out and "--num-workers=32" in out
 
 
 @pytest.mark.cluster

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import sys
 import threading
 import time
@@ -335,9 +336,13 @@ class _Core:
 
     def __init__(self):
         self.events = []
+        self.statuses = []
 
     def create_namespaced_event(self, namespace, body):
         self.events.append((body["type"], body["reason"], body["message"]))
+
+    def patch_namespaced_pod_status(self, name, namespace, body):
+        self.statuses.append(body["status"])
 
 
 def test_a_container_waits_pulling_while_its_images_environment_is_prepared(tmp_path):
@@ -368,6 +373,119 @@ def test_a_container_waits_pulling_while_its_images_environment_is_prepared(tmp_
     assert not agent.image_present(missing, missing.mains[0])
     state = missing.mains[0].state["waiting"]
     assert state["reason"] == "ErrImagePull" and str(env) in state["message"] and "make images" in state["message"]
+
+
+def waiting_states(status: dict) -> list[dict]:
+    """Each waiting container's state ({"reason", "message"}), init containers first."""
+    return [c["state"]["waiting"] for c in [*status.get("initContainerStatuses", []), *status["containerStatuses"]]
+            if "waiting" in c["state"]]
+
+
+def an_agent(**fields) -> NodeAgent:
+    """The agent's pure parts, with events and status writes kept (_Core)."""
+    agent = NodeAgent.__new__(NodeAgent)
+    agent.core, agent.heads, agent.runs, agent.images = _Core(), {}, {}, {}
+    for name, value in fields.items():
+        setattr(agent, name, value)
+    return agent
+
+
+def test_a_worker_held_for_its_head_says_what_it_waits_for(tmp_path):
+    """The agent holds a Ray worker's containers until its head's GCS has an address and
+    (for the main container) the head answers: a kubelet's waiting reason, and a message
+    naming the head, as a container that polled for it would have logged. An empty reason
+    here left the operator with 'hosts ready 0/4' and nothing more."""
+    agent = an_agent()
+    run = a_run(tmp_path, stage="init", inits=1, ray=True)
+    run.cluster, run.cluster_uid = "rc", "rc-uid"
+    assert agent.waits_for_head(run)
+    [init, main] = waiting_states(NodeAgent.pod_status(None, run))
+    assert init == {"reason": POD_INITIALIZING,
+                    "message": "the node waits for the head of RayCluster ns/rc to start its GCS"}
+    assert main == {"reason": POD_INITIALIZING}
+
+    head = PodRun(**{**vars(a_run(tmp_path, head=True, ray=True)), "name": "rc-head", "ip": "127.250.0.3",
+                     "gcs_address": "127.250.0.3:6379"})
+    agent.heads["rc-uid"] = head
+    assert not agent.waits_for_head(run) and run.gcs_address == "127.250.0.3:6379"
+    run.stage = "main"
+    run.inits[0].state = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+    assert agent.waits_for_head(run)
+    [main] = waiting_states(NodeAgent.pod_status(None, run))
+    assert main == {"reason": POD_INITIALIZING, "message": "the node waits for head pod rc-head of RayCluster ns/rc "
+                                                           "to answer at http://127.250.0.3:8265"}
+    assert "the node waits for head pod rc-head" in run.log_path.read_text()
+    head.answering = True
+    assert not agent.waits_for_head(run)
+
+
+def test_a_pull_without_progress_fails_naming_who_prepares_the_images_environment(tmp_path, monkeypatch):
+    """While another process keeps the image's environment locked, the waiting container
+    names that process; past the pull deadline the pull fails as a kubelet's does
+    (ErrImagePull, ImagePullBackOff, tried again) and starts once the lock is gone."""
+    from harness import nodeagent
+
+    env = tmp_path / "trainer-env"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").touch()
+    (env / ".project").write_text("key")
+    image = "us-docker.pkg.dev/ground-project/tpufinetune/trainer:0.1.0"
+    agent = an_agent(images={"trainer": env})
+    run = a_run(tmp_path, image=image)
+    holder = f"pid {os.getpid()} ("
+    with open(images.lock_path(env), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        assert not agent.image_present(run, run.mains[0])
+        [state] = waiting_states(NodeAgent.pod_status(None, run))
+        assert state["reason"] == CONTAINER_CREATING
+        assert state["message"].startswith(f'pulling image "{image}": its environment {env} is being prepared by {holder}')
+        monkeypatch.setattr(nodeagent, "IMAGE_PULL_DEADLINE", 0)
+        reasons = []
+        for _ in range(3):
+            assert not agent.image_present(run, run.mains[0])
+            reasons.append(run.mains[0].state["waiting"]["reason"])
+        assert reasons == ["ErrImagePull", "ImagePullBackOff", "ErrImagePull"]
+        [state] = waiting_states(NodeAgent.pod_status(None, run))
+        assert holder in state["message"] and state["message"].endswith("no progress within 0s")
+        failed = [e for e in agent.core.events if e[1] == "Failed"]
+        assert len(failed) == 1 and holder in failed[0][2]  # one event per distinct message
+    assert agent.image_present(run, run.mains[0])
+
+
+class _Api:
+    sanitize_for_serialization = staticmethod(lambda pod: pod)
+
+
+def test_a_volume_that_cannot_be_set_up_is_the_waiting_containers_message(tmp_path):
+    agent = an_agent(api=_Api(), gcs_root=None)
+    volume = {"name": "data", "hostPath": {"path": str(tmp_path / "absent")}}
+    run = a_run(tmp_path, stage="setup")
+    run.pod = {"spec": {"volumes": [volume]}}
+    agent.sync_volumes(run)
+    [state] = waiting_states(NodeAgent.pod_status(None, run))
+    assert state == {"reason": CONTAINER_CREATING, "message": f'MountVolume.SetUp failed for volume "data" : '
+                                                              f"{tmp_path / 'absent'} is not a directory on the node"}
+    (tmp_path / "absent").mkdir()
+    agent.sync_volumes(run)
+    assert run.stage == "main" and waiting_states(NodeAgent.pod_status(None, run)) == [{"reason": CONTAINER_CREATING}]
+
+
+def test_a_step_the_node_cannot_take_is_the_containers_reason(tmp_path):
+    """An unexpected error taking a pod a step (a kubelet's CreateContainerError), or
+    setting it up at all: its containers say so; a pod bound here never stays without a
+    status."""
+    agent = an_agent()
+    agent.write_status = lambda run: None
+    run = a_run(tmp_path)
+    agent.sync_failed(run, RuntimeError("no room left"))
+    assert waiting_states(NodeAgent.pod_status(None, run)) == [
+        {"reason": "CreateContainerError", "message": "RuntimeError: no room left"}]
+    pod = SimpleNamespace(metadata=SimpleNamespace(name="p", namespace="ns", uid="u"),
+                          spec=SimpleNamespace(init_containers=None, containers=[SimpleNamespace(name="main", image="x")]))
+    agent.admission_failed(pod, OSError("read-only file system"))
+    [status] = agent.core.statuses
+    assert status["phase"] == "Pending" and waiting_states(status) == [
+        {"reason": CONTAINER_CREATING, "message": "the node could not set up the pod: OSError: read-only file system"}]
 
 
 # ---- on the ground: plain pods -------------------------------------------------------------

@@ -8,6 +8,10 @@ get what a GKE pod gets and nothing else.
   A container it has not created yet always says why, as a kubelet does: ContainerCreating
   or PodInitializing, an error's reason and message with a Failed event, or, while another
   process prepares its image's environment (images.py), ContainerCreating with Pulling.
+  Where the node itself holds it, the message names what for: the process preparing the
+  image's environment (past IMAGE_PULL_DEADLINE the pull fails, ErrImagePull then
+  ImagePullBackOff, and is tried again), a worker's head, a volume that cannot be set up, an
+  error of the node's own; a pod it cannot set up at all still gets a status saying why.
 - Each container runs through `podsandbox.py` (the ground's runc): in the pod's cgroups
   (`podcgroup.py`: memory with `limits.memory`, CPU with `cpu.shares` from the requests, as a
   kubelet sets them), in a mount namespace of its own with the pod's own /tmp,
@@ -96,6 +100,10 @@ log = logging.getLogger("nodeagent")
 POD_HOME = "/home/ray"  # HOME and working directory of the Ray image (rayproject/ray), the pod's own
 DASHBOARD_PORT = 8265
 UNRESOLVABLE_DOMAIN = ".invalid"  # RFC 2606: no registry there ever resolves
+# A pull that has made no progress this long fails (ErrImagePull, then ImagePullBackOff, and
+# tried again), as a kubelet's does: an image environment another process keeps locked
+# (images.py) shows in the pod's status and the operator's, not only as a Pulling event.
+IMAGE_PULL_DEADLINE = 60
 EXIT_CODE_ANNOTATION = "ground.tpufinetune.dev/exit-code"
 # A pod's grace period is honoured up to this (the operator's Ray pods ask for 60 s, to
 # checkpoint on notice); longer ones are cut, so a stuck pod cannot hold a test.
@@ -414,7 +422,11 @@ class PodRun:
     hook: subprocess.Popen | None = None  # the preStop hook, while it runs
     event_messages: set = field(default_factory=set)
     pulling: dict = field(default_factory=dict)  # image -> when its Pulling event was sent (monotonic)
+    pulling_since: dict = field(default_factory=dict)  # image -> the same, as a timestamp for its message
     waits: set = field(default_factory=set)  # what the pod's log already says it waits for
+    # Why its containers are not created yet while its volumes are set up (the last
+    # FailedMount), shown as their waiting message; "" once nothing holds them.
+    wait_message: str = ""
     conditions: dict = field(default_factory=dict)  # type -> (status, since)
     written: str = ""  # the last status written
 
@@ -462,6 +474,7 @@ class NodeAgent:
         self.pods: dict[str, object] = {}
         self.pods_listed = threading.Event()  # the pod watch has listed once: the agent sees every pod
         self.next_ip = 1
+        self.admit_after: dict[str, float] = {}  # pod uid -> when to try again a pod the node could not set up
         self.stop_event = threading.Event()
         self.wake = threading.Event()
         # Probes run beside the sync loop (a kubelet's probe workers): one may take its timeout.
@@ -502,13 +515,19 @@ class NodeAgent:
 
     def sync_all(self) -> None:
         live = dict(self.pods)
+        for uid in [u for u in self.admit_after if u not in live or u in self.runs]:
+            del self.admit_after[uid]
         for uid, pod in live.items():
             run = self.runs.get(uid)
             if run is None:
+                if time.monotonic() < self.admit_after.get(uid, 0.0):
+                    continue
                 try:
                     self.admit(pod)
-                except Exception:  # one pod never holds up the others
+                except Exception as error:  # one pod never holds up the others
                     log.exception("admitting pod %s/%s", pod.metadata.namespace, pod.metadata.name)
+                    self.admission_failed(pod, error)
+                    self.admit_after[uid] = time.monotonic() + 5
             elif pod.metadata.deletion_timestamp is not None and not run.deleting:
                 # The deletion's own grace period (kubectl delete --grace-period), else the pod's.
                 grace = pod.metadata.deletion_grace_period_seconds
@@ -524,9 +543,25 @@ class NodeAgent:
                 self.begin_stop(run, 0)
             try:
                 self.sync(run)
-            except Exception:  # never take the agent down with one pod
+            except Exception as error:  # never take the agent down with one pod
                 log.exception("pod %s/%s", run.namespace, run.name)
-                run.next_try = time.monotonic() + 5
+                self.sync_failed(run, error)
+
+    def sync_failed(self, run: PodRun, error: Exception) -> None:
+        """The node could not take the pod a step: a container not running says why (the
+        kubelet's CreateContainerError, with the error) instead of keeping an older state,
+        and the step is tried again."""
+        run.next_try = time.monotonic() + 5
+        if run.deleting or run.stage == "done" or run.proc is not None:
+            return
+        try:
+            if run.stage == "setup":
+                run.wait_message = f"{type(error).__name__}: {error}"
+            else:
+                self.container_error(run, "CreateContainerError", f"{type(error).__name__}: {error}", retry=5)
+            self.write_status(run)
+        except Exception:
+            log.exception("status of %s/%s", run.namespace, run.name)
 
     def admit(self, pod) -> None:
         meta, spec = pod.metadata, pod.spec
@@ -569,6 +604,24 @@ class NodeAgent:
         podcgroup.create(run.cgroup, shares=pod_cpu_shares(body["spec"]))
         self.write_status(run)
 
+    def admission_failed(self, pod, error: Exception) -> None:
+        """A pod bound here that the node could not set up: never left without a status
+        (its containers waiting with the kubelet's default reason and the error as their
+        message); admission is tried again on the next round."""
+        run = self.runs.pop(pod.metadata.uid, None)
+        if run is not None and self.heads.get(run.cluster_uid) is run:
+            del self.heads[run.cluster_uid]
+        message = f"the node could not set up the pod: {type(error).__name__}: {error}"
+        reason = POD_INITIALIZING if pod.spec.init_containers else CONTAINER_CREATING
+        statuses = [{"name": c.name, "image": c.image, "imageID": "", "ready": False, "started": False,
+                     "restartCount": 0, "state": waiting(reason, message)} for c in pod.spec.containers]
+        try:
+            self.core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace,
+                                                  {"status": {"phase": "Pending", "containerStatuses": statuses}})
+        except ApiException as failure:
+            if failure.status != 404:
+                log.warning("status of %s/%s: %s", pod.metadata.namespace, pod.metadata.name, failure)
+
     def sync(self, run: PodRun) -> None:
         if run.deleting:
             self.sync_stop(run)
@@ -577,6 +630,8 @@ class NodeAgent:
             return
         if run.proc is not None:
             self.sync_running(run)
+            if run.proc is None and not run.crashed and run.stage in ("init", "main"):
+                self.sync_start(run)  # an init container done: the next step at once, as a kubelet's syncPod
         elif run.crashed:  # the exit was reported (Error / Init:Error); now the back-off
             run.crashed = False
             c = run.container
@@ -589,13 +644,18 @@ class NodeAgent:
             self.sync_pull(run)
         elif run.stage == "setup":
             self.sync_volumes(run)
-        elif self.image_present(run, run.container):
+        else:
+            self.sync_start(run)
+        self.write_status(run)
+
+    def sync_start(self, run: PodRun) -> None:
+        """The current container pulled and started, or the reason it waits."""
+        if self.image_present(run, run.container):
             try:
                 self.start_container(run)
             except Exception as error:  # the runtime failed to create it: the kubelet's CreateContainerError
                 log.exception("pod %s/%s: creating container %s", run.namespace, run.name, run.container.name)
                 self.container_error(run, "CreateContainerError", f"{type(error).__name__}: {error}", retry=5)
-        self.write_status(run)
 
     @staticmethod
     def backoff(restarts: int) -> int:
@@ -634,9 +694,19 @@ class NodeAgent:
         if state == images.PREPARING:
             if c.image not in run.pulling:
                 run.pulling[c.image] = time.monotonic()
+                run.pulling_since[c.image] = now()
                 self.event(run, "Pulling", f'Pulling image "{c.image}"', kind="Normal")
-            c.state = waiting(run.default_reason)
-            run.next_try = time.monotonic() + 1
+            took = time.monotonic() - run.pulling[c.image]
+            why = (f'pulling image "{c.image}": its environment {venv} is being prepared by '
+                   f'{images.preparer(venv) or "another process"} (images.py)')
+            if took < IMAGE_PULL_DEADLINE:
+                c.state = waiting(run.default_reason, f"{why}, since {run.pulling_since[c.image]}")
+                run.next_try = time.monotonic() + 1
+            elif (c.state.get("waiting") or {}).get("reason") == "ErrImagePull":
+                c.state = waiting("ImagePullBackOff", f'Back-off pulling image "{c.image}": {why}')
+                run.next_try = time.monotonic() + 5
+            else:  # no progress within the deadline: the kubelet gives up this try and says so
+                self.container_error(run, "ErrImagePull", f"{why}: no progress within {IMAGE_PULL_DEADLINE}s", retry=1)
         else:
             self.container_error(run, "ErrImagePull", (
                 f'failed to pull image "{c.image}": the ground has not built this image\'s environment '
@@ -692,10 +762,12 @@ class NodeAgent:
         except Exception as error:  # MountError, or the node failing to write it (a kubelet says FailedMount too)
             if not isinstance(error, MountError):
                 log.exception("pod %s/%s: volume %s", run.namespace, run.name, volume["name"])
-            self.event(run, "FailedMount", f'MountVolume.SetUp failed for volume "{volume["name"]}" : {error}')
+            run.wait_message = f'MountVolume.SetUp failed for volume "{volume["name"]}" : {error}'
+            self.event(run, "FailedMount", run.wait_message)
             run.next_try = time.monotonic() + 2
             return
         run.volumes = paths
+        run.wait_message = ""
         run.stage = "init" if run.inits else "main"
 
     def materialize(self, run: PodRun, name: str, plan: VolumePlan) -> str:
@@ -789,26 +861,37 @@ class NodeAgent:
 
     # -- containers
 
+    def waits_for_head(self, run: PodRun) -> bool:
+        """A worker's container reaches its head's GCS. On a cluster it would start and poll
+        (wait-gcs-ready, `ray start --address`); here it starts once the head's address is
+        known (and, for the main container, once the head answers): until then it waits in
+        the kubelet's state with a message naming what it waits for, also written to the
+        pod's log."""
+        if not run.ray or run.head:
+            return False
+        init = run.stage == "init"
+        head = self.heads.get(run.cluster_uid)
+        if head is not None and head.gcs_address and (init or head.answering):
+            run.gcs_address = head.gcs_address
+            return False
+        what = (f"the head of RayCluster {run.namespace}/{run.cluster} to start its GCS"
+                if init or head is None or not head.gcs_address else
+                f"head pod {head.name} of RayCluster {run.namespace}/{run.cluster} to answer "
+                f"at http://{head.ip}:{DASHBOARD_PORT}")
+        self.say_waiting(run, what)
+        run.container.state = waiting(run.default_reason, f"the node waits for {what}")
+        run.next_try = time.monotonic() + 0.5
+        return True
+
     def start_container(self, run: PodRun) -> None:
+        if self.waits_for_head(run):
+            return
         pod = run.pod
         body = self.api.sanitize_for_serialization(pod)
         node_labels = self.node(run.node)[0]
         c = run.container
         init = run.stage == "init"
         spec = body["spec"]["initContainers"][run.init_index] if init else body["spec"]["containers"][0]
-        if run.ray and not run.head:  # a worker reaches its head's GCS: wait for its address
-            head = self.heads.get(run.cluster_uid)
-            if head is None or not head.gcs_address or (not init and not head.answering):
-                # On a cluster the container would start and poll (wait-gcs-ready, `ray start
-                # --address`); here it starts once the head's address is known, in the
-                # kubelet's waiting state, and its log says what it waits for.
-                self.say_waiting(run, f"the head of RayCluster {run.namespace}/{run.cluster} to start its GCS"
-                                 if init or head is None or not head.gcs_address else
-                                 f"head pod {head.name} of RayCluster {run.namespace}/{run.cluster} to answer")
-                c.state = waiting(run.default_reason)
-                run.next_try = time.monotonic() + 0.5
-                return
-            run.gcs_address = head.gcs_address
         try:
             if init:
                 env = self.environment(run, pod, spec, node_labels, tpu=False)
@@ -1058,7 +1141,8 @@ class NodeAgent:
                 run.conditions[kind] = (value, stamp)
         mains = run.mains
         if run.stage in ("setup", "init"):
-            state = waiting(POD_INITIALIZING if run.stage == "init" else run.default_reason)
+            state = waiting(POD_INITIALIZING if run.stage == "init" else run.default_reason,
+                            "" if run.stage == "init" else run.wait_message)
             mains = [dataclasses.replace(c, state=state) for c in run.mains]
         elif len(run.mains) > 1:  # only the first container runs; the others report as it does
             mains = [run.mains[0]] + [dataclasses.replace(run.mains[0], name=c.name, image=c.image) for c in run.mains[1:]]

@@ -225,6 +225,20 @@ def test_pods_gone_replaced_or_on_a_lost_node():
     assert not_ready.reason == "NodeLost"
 
 
+def test_on_several_slices_a_lost_host_names_its_slice():
+    def in_slice(name, index, **kw):
+        worker = pod(name, **kw)
+        worker["metadata"]["labels"]["ray.io/worker-group-replica-index"] = index
+        return worker
+
+    taken = in_slice("w1", "1", node="n2", meta={"deletionTimestamp": "2026-01-01T12:30:00Z"})
+    health = judge(in_slice("w0", "0"), taken)
+    assert health.reason == "Preempted" and health.detail == "pod w1 of slice 1 was deleted", health
+    # One slice: the label is there too (index 0), and the words stay the pod's alone.
+    one = judge(in_slice("w0", "0"), in_slice("w1", "0", node="n2", meta={"deletionTimestamp": "2026-01-01T12:30:00Z"}))
+    assert one.detail == "pod w1 was deleted", one
+
+
 def test_a_restarted_container_or_a_pod_not_ready_is_a_slice_not_well_without_a_cloud_reason():
     restarted = pod("w1", containerStatuses=[{"name": "ray-worker", "restartCount": 1, "lastState": {
         "terminated": {"exitCode": 137, "reason": "OOMKilled", "finishedAt": "2026-01-01T12:30:00Z"}}}])

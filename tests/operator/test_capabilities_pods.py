@@ -9,7 +9,7 @@ from phase_helpers import IDENT, T0, step
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
 from tpufinetune.core.phases import ClusterView, Plan
-from tpufinetune.core.podstatus import PodProblem, hosts_ready, worst_problem
+from tpufinetune.core.podstatus import PodProblem, hosts_ready, routine_wait, worst_problem
 
 PLAN = Plan(cluster_name="demo-rc", epochs=2, hosts=4)
 
@@ -114,6 +114,20 @@ def test_provisioning_without_a_problem_shows_the_progress():
     d = step(provisioning(), plan=PLAN, cluster=ClusterView(exists=True, ready=False, hosts_ready=1))
     assert d.status["message"] == "waiting for RayCluster demo-rc to be ready: hosts ready 1/4"
     assert cond.find(d.status, cond.CLUSTER_READY)["message"] == d.status["message"]
+
+
+def test_a_routine_wait_shows_what_the_pod_waits_for_in_the_kubelets_words():
+    held = pod("rc-w-1", waiting={"reason": "PodInitializing",
+                                  "message": "the node waits for head pod rc-head to answer"})
+    creating = pod("rc-w-2", waiting={"reason": "ContainerCreating"})  # no message: nothing to add
+    assert worst_problem([held, creating]) is None  # routine: neither a problem nor an Event
+    wait = routine_wait([creating, held])
+    assert wait == "pod rc-w-1 is PodInitializing: the node waits for head pod rc-head to answer"
+    d = step(provisioning(), plan=PLAN, cluster=ClusterView(exists=True, ready=False, hosts_ready=0, routine_wait=wait))
+    assert d.status["message"] == f"waiting for RayCluster demo-rc to be ready: hosts ready 0/4; {wait}"
+    assert cond.find(d.status, cond.CLUSTER_READY)["reason"] == "Waiting"
+    assert not [a for a in d.actions if isinstance(a, phases.RecordEvent)]
+    assert routine_wait([creating]) == ""
 
 
 def test_the_provisioning_timeout_names_the_last_pod_state():

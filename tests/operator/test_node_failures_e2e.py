@@ -282,7 +282,12 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
         assert preempted[0]["lostSteps"] <= 1, preempted[0]
         assert status["attempts"][-1]["reason"] == "Succeeded", status["attempts"]
         assert status["attempts"][-1]["resumedFrom"], status["attempts"]
-        assert status["earlyStop"]["reason"] == "TargetEvalLoss", status.get("earlyStop")
+        stop = status["earlyStop"]
+        assert stop["reason"] == "TargetEvalLoss", stop
+        # The export is the checkpoint that reached the target, not the last one written.
+        assert status["checkpointURI"] == stop["checkpointURI"], (status["checkpointURI"], stop)
+        assert status["timeToTarget"] > 0
+        assert status["exportedModelURI"] and ground.gcs.list(status["exportedModelURI"])
         # Every epoch once, and the retry trained to an epoch end of its own.
         history = [e["epoch"] for e in status["history"]]
         assert history == list(range(1, len(history) + 1)) and len(history) > epochs_before, history

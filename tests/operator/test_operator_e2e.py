@@ -9,7 +9,9 @@ leader SIGKILLed mid-run, the standby takes over within the Lease and reattaches
 second submission), GitOps sees no drift after it (the spec as applied, only kubectl ever
 wrote spec fields), the Argo CD health check reads every phase of the object as a live watch
 saw it, and /metrics moves with the run in the operator process that saw each step. The
-election rules and the elector alone are in test_leader_election.py.
+election rules and the elector alone are in test_leader_election.py. It also asks for
+notices (spec.notify): a receiver pod that refuses twice, then accepts, gets the Succeeded
+CloudEvent with the run's summary, and status.notifications records the delivery.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from cloudevents.v1.http import from_http
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import runmetrics
@@ -41,6 +45,29 @@ LEASE = DEFAULTS.lease_name
 # factor (harness/timing.py).
 
 
+# A notice receiver as a pod's command: it listens on its pod IP (the ground's pods share
+# one port space: a port of its own), refuses its first two requests with 503 and accepts
+# the rest, and prints each request as a JSON line (its log is the record).
+RECEIVER = """
+import json, os
+from http.server import BaseHTTPRequestHandler, HTTPServer
+refusals = [2]
+class Receiver(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+        code = 503 if refusals[0] > 0 else 200
+        refusals[0] -= 1
+        print(json.dumps({"code": code, "headers": dict(self.headers.items()), "body": body}), flush=True)
+        self.send_response(code)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = HTTPServer((os.environ["POD_IP"], 0), Receiver)
+print(json.dumps({"listening": server.server_address[1]}), flush=True)
+server.serve_forever()
+"""
+
+
 def lease(kube) -> dict:
     return json.loads(kube.cp.kubectl("-n", OPERATOR_NAMESPACE, "get", "lease", LEASE, "-o", "json").stdout)["spec"]
 
@@ -60,7 +87,12 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status_and_the_standby_t
     # The watch first: kubectl's watch is established while the standby starts, before the
     # run exists, so it sees every phase (Pending lasts a moment).
     watch = Watch(ground.cp, kube.ns)
-    standby = ground.start_replica()
+    # The admin's sinks: the standby, which will lead when the run ends, reads them.
+    operator.env["TPUFT_NOTIFY_SINKS_FILE"] = str(_start_receiver(ground, kube, tmp_path))
+    try:
+        standby = ground.start_replica()
+    finally:
+        operator.env.pop("TPUFT_NOTIFY_SINKS_FILE")  # the first operator restarts as it was
     try:
         # A standby is healthy (Kubernetes must not restart it) and serves its metrics.
         assert json.loads(answers(f"http://127.0.0.1:{standby.port}/healthz")) == {"leader": False}
@@ -85,6 +117,7 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status_and_the_standby_t
 
 def _finetune_with_a_takeover(operator, standby, watch, ground, kube, ground_assets, storage, tmp_path) -> None:
     manifest = resource("tiny-finetune", ground_assets, storage, epochs=3, rows=800)
+    manifest["spec"]["notify"] = [{"sink": "receiver", "events": ["Succeeded", "AttemptEnded"]}]
     assert all(v.startswith("gs://") for v in (manifest["spec"]["model"]["id"], manifest["spec"]["dataset"]["id"],
                                                 manifest["spec"]["checkpoint"]["storagePath"]))
     metrics_before = scrape(operator)
@@ -178,6 +211,58 @@ def _finetune_with_a_takeover(operator, standby, watch, ground, kube, ground_ass
     events = kube.kubectl("get", "events", "--field-selector", "involvedObject.name=tiny-finetune", "-o", "json").stdout
     reasons = {item["reason"] for item in json.loads(events)["items"]}
     assert {"Accepted", "ClusterReady", "JobSubmitted", "Succeeded"} <= reasons
+    _check_notices(ground, kube, uid)
+
+
+def _receiver_lines(ground, kube) -> list[dict]:
+    path = ground.workdir / "pods" / f"{kube.ns}_notice-receiver.log"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def _start_receiver(ground, kube, tmp_path: Path) -> Path:
+    """The receiver pod, and the operator's sinks file naming it (type cloudevents, binary)."""
+    kube.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "notice-receiver"}, "spec": {
+        "restartPolicy": "Never", "terminationGracePeriodSeconds": 1, "containers": [{
+            "name": "main", "image": "python:3.11", "command": ["python", "-c", RECEIVER],
+            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]}]}})
+    port = kube.wait_for(lambda: next((line["listening"] for line in _receiver_lines(ground, kube)
+                                       if "listening" in line), None), "the receiver listens", timeout=90)
+    ip = kube.get("pod", "notice-receiver")["status"]["podIP"]
+    sinks = tmp_path / "sinks.yaml"
+    sinks.write_text(json.dumps({"sinks": [{"name": "receiver", "type": "cloudevents",
+                                            "url": f"http://{ip}:{port}/events"}]}))
+    return sinks
+
+
+def _check_notices(ground, kube, uid: str) -> None:
+    """Both notices delivered through two refusals, each once, and recorded in status."""
+    def settled():
+        records = kube.status("tiny-finetune").get("notifications") or []
+        return records if len(records) == 2 and all(r["state"] == "Delivered" for r in records) else None
+    records = kube.wait_for(settled, "both notices delivered", timeout=120)
+    assert {(r["event"], r["attempt"], r["sink"]) for r in records} == {("Succeeded", 1, "receiver"),
+                                                                     ("AttemptEnded", 1, "receiver")}
+    assert sum(r["tries"] for r in records) == 4  # two refused, then one delivery each
+    got = [line for line in _receiver_lines(ground, kube) if "code" in line]
+    assert [line["code"] for line in got].count(503) == 2 and len(got) == 4, got
+    accepted = [from_http(line["headers"], line["body"]) for line in got if line["code"] == 200]
+    assert sorted(event["type"] for event in accepted) == ["tpufinetune.dev.attempt.ended",
+                                                           "tpufinetune.dev.run.succeeded"]
+    succeeded = next(event for event in accepted if event["type"].endswith("succeeded"))
+    status = kube.status("tiny-finetune")
+    assert succeeded["id"] == f"{uid}.Succeeded.1"
+    assert succeeded["source"] == f"/apis/tpufinetune.dev/v1alpha1/namespaces/{kube.ns}/tpufinetunes/tiny-finetune"
+    assert succeeded["subject"] == "tiny-finetune" and succeeded["time"] == status["completionTime"]
+    summary = succeeded.data
+    assert (summary["phase"], summary["reason"], summary["attempt"], summary["uid"]) == (
+        "Succeeded", cond.find(status, "Succeeded")["reason"], 1, uid)
+    assert summary["loss"] == status["loss"] and summary.get("evalLoss") == status.get("evalLoss")
+    assert summary.get("chipHours") == (status.get("usage") or {}).get("chipHours")
+    assert summary["checkpointURI"] == status["checkpointURI"]
+    assert summary["exportedModelURI"] == status["exportedModelURI"]
+    assert summary.get("logsURI") == status["attempts"][-1].get("logsURI")
+    kube.kubectl("delete", "pod", "notice-receiver", "--wait=false", check=False)
 
 
 def _check_gitops(kube, watch, manifest: dict, created: dict, ground_assets, storage: str) -> None:

@@ -73,6 +73,14 @@ def test_worker_count_must_fill_exactly_one_slice(workers, topology, accelerator
         backends.scaling_config(backends.resolve("tpu"), workers, topology, accelerator)
 
 
+def test_two_slices_take_every_slices_devices_and_a_count_of_one_slice_is_refused(monkeypatch):
+    monkeypatch.delenv("RAY_TPU_RESOURCE_PER_CHIP", raising=False)
+    scaling = backends.scaling_config(backends.resolve("tpu"), 32, "4x4", "TPU-V6E", num_slices=2)
+    assert scaling.num_workers == 32 and scaling.topology == "4x4"
+    with pytest.raises(ConfigError, match="Set --num-workers 32"):
+        backends.scaling_config(backends.resolve("tpu"), 16, "4x4", "TPU-V6E", num_slices=2)
+
+
 def test_auto_follows_what_the_cluster_advertises():
     assert backends.resolve("auto", {"CPU": 4.0, "TPU": 16.0}).name == "tpu"
     assert backends.resolve("auto", {"CPU": 4.0, "GPU": 2.0}).name == "cuda"

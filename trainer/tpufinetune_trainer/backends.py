@@ -95,27 +95,31 @@ def tpu_workers_per_slice(topology: str, accelerator_type: str) -> int:
     return int(workers)
 
 
-def check_workers(backend: Backend, num_workers: int, topology: str, accelerator_type: str) -> None:
+def check_workers(backend: Backend, num_workers: int, topology: str, accelerator_type: str,
+                  num_slices: int = 1) -> None:
     if num_workers < 1:
         raise ConfigError(f"--num-workers must be at least 1, got {num_workers}")
     if backend.name != "tpu":
         return
     per_slice = tpu_workers_per_slice(topology, accelerator_type)
-    if num_workers != per_slice:
+    if num_workers != per_slice * num_slices:
         hint = ""
         if "V7" in accelerator_type.upper() and os.environ.get("RAY_TPU_RESOURCE_PER_CHIP", "1") == "1":
             hint = " (Ironwood schedules per chiplet: the cluster and this job need RAY_TPU_RESOURCE_PER_CHIP=2)"
         raise ConfigError(
-            f"--num-workers {num_workers} does not match the {per_slice} TPU devices of one "
-            f"{accelerator_type} {topology} slice (one worker per device; PyTorch on Ray Train "
-            f"runs on a single slice). Set --num-workers {per_slice}{hint}.")
+            f"--num-workers {num_workers} does not match the {per_slice} TPU devices of each of "
+            f"{num_slices} {accelerator_type} {topology} slice(s) (one worker per device, "
+            f"--num-slices {num_slices}). Set --num-workers {per_slice * num_slices}{hint}.")
 
 
-def scaling_config(backend: Backend, num_workers: int, topology: str, accelerator_type: str):
-    """Ray Train's ScalingConfig: the tutorial's TPU slice reservation, or N GPU/CPU workers."""
+def scaling_config(backend: Backend, num_workers: int, topology: str, accelerator_type: str,
+                   num_slices: int = 1):
+    """Ray Train's ScalingConfig: the tutorial's TPU slice reservation, or N GPU/CPU workers.
+    With several slices, num_workers is every slice's devices: Ray reserves one slice per
+    multiple of a slice's workers (its TPU slice placement groups)."""
     from ray.train import ScalingConfig
 
-    check_workers(backend, num_workers, topology, accelerator_type)
+    check_workers(backend, num_workers, topology, accelerator_type, num_slices)
     if backend.name == "tpu":
         return ScalingConfig(use_tpu=True, num_workers=num_workers, topology=topology,
                              accelerator_type=accelerator_type, resources_per_worker={"TPU": 1})

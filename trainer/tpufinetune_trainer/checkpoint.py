@@ -585,14 +585,17 @@ def join_uri(base: str, *parts: str) -> str:
 
 # ---------------------------------------------------------------------- startup probe
 def _probe_state(mesh, device, rank: int, fill: bool) -> dict:
-    """A tiny state shaped as a checkpoint's: a tensor sharded by rows over the mesh (each
-    rank's rows on its device, values that name the rank) and a replicated scalar."""
-    from torch.distributed.tensor import DTensor, Shard
+    """A tiny state shaped as a checkpoint's: a tensor sharded by rows over the mesh's last
+    dim and replicated over any other (HSDP's slices), each rank's rows on its device, values
+    that name its shard; and a replicated scalar."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     import torch
 
-    rows = torch.arange(PROBE_ROWS * PROBE_COLS, dtype=torch.float32).view(PROBE_ROWS, PROBE_COLS) + 1000.0 * rank
+    shard = mesh.get_local_rank(mesh.ndim - 1) if mesh.ndim > 1 else rank
+    rows = torch.arange(PROBE_ROWS * PROBE_COLS, dtype=torch.float32).view(PROBE_ROWS, PROBE_COLS) + 1000.0 * shard
     local = rows if fill else torch.zeros_like(rows)
-    sharded = DTensor.from_local(local.to(device), mesh, [Shard(0)], run_check=False)
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    sharded = DTensor.from_local(local.to(device), mesh, placements, run_check=False)
     return {"model": {"probe.weight": sharded}, "optim": {"probe.step": torch.tensor(7.0 if fill else 0.0)}}
 
 

@@ -8,6 +8,8 @@ operator can say why.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
 import traceback
@@ -15,12 +17,13 @@ import traceback
 from .backends import COMPILE_CACHE_ENV, COMPILE_MODES, COMPUTE_DTYPES
 from .config import (ACTIVATION_CHECKPOINTING, ATTENTION, DEFAULT_BATCH_SIZE_PER_DEVICE, DEFAULT_DATASET,
                      DEFAULT_DECAY_RATIO, DEFAULT_MODEL, LOSS_HEADS, MODEL_LOADS,
-                     SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig)
+                     SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig, normalise_storage)
 from .data import DATASET_FORMATS, LOSS_ON, PROMPT_FORMATS
 from .lora import DEFAULT_TARGET_MODULES, METHODS
 from .schedule import SCHEDULES
 from .errors import Preempted, TrainerError, UsageError
 from .events import emit
+from .logship import DRIVER, attempt_logs_uri, shipping
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -47,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--dataset", default=DEFAULT_DATASET, help="hub id, or a JSONL/Parquet file or directory, local or in a bucket (gs://...)")
     ft.add_argument("--dataset-split", default="train[:1024]")
     _slice_flags(ft)
+    ft.add_argument("--num-slices", type=int, default=1,
+                    help="TPU slices the workers span: HSDP, the model sharded within a slice and replicated across")
     ft.add_argument("--num-epochs", type=int, default=3)
     ft.add_argument("--batch-size-per-device", type=int, default=DEFAULT_BATCH_SIZE_PER_DEVICE,
                     help="examples per device per optimizer step (the tutorial's batch size), packed into "
@@ -181,7 +186,8 @@ def _config(args: argparse.Namespace):
     if args.command == "finetune":
         return FinetuneConfig(
             topology=args.topology, accelerator_type=args.accelerator_type, num_workers=args.num_workers,
-            device=args.device, model_id=args.model_id, dataset=args.dataset, dataset_split=args.dataset_split,
+            device=args.device, num_slices=args.num_slices,
+            model_id=args.model_id, dataset=args.dataset, dataset_split=args.dataset_split,
             num_epochs=args.num_epochs, batch_size_per_device=args.batch_size_per_device,
             global_batch_examples=args.global_batch_examples, storage_path=args.storage_path,
             max_seq_len=args.max_seq_len, learning_rate=args.learning_rate, lr_schedule=args.lr_schedule,
@@ -232,6 +238,25 @@ def _message(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A finetune driver's output, its failure event included, kept with the attempt's logs.
+    with shipping(DRIVER, _logs_uri(argv), on_sigterm=True):
+        return _command(argv)
+
+
+def _logs_uri(argv: list[str] | None) -> str:
+    """Where a finetune driver's logs go (logship; '' for anything else, or a bad command
+    line, which `_command` reports)."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # --help once
+            args = build_parser().parse_args(argv)
+    except (UsageError, SystemExit):
+        return ""
+    if args.command != "finetune":
+        return ""
+    return attempt_logs_uri(normalise_storage(args.storage_path) if args.storage_path else "", args.run_name)
+
+
+def _command(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command == "checkpoint-now":

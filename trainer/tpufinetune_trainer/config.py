@@ -68,6 +68,7 @@ class FinetuneConfig(SliceConfig):
     dataset_split: str = "train[:1024]"
     num_epochs: int = 3
     batch_size_per_device: int = DEFAULT_BATCH_SIZE_PER_DEVICE
+    num_slices: int = 1  # --num-slices: HSDP, sharded within a slice, replicated across (slices.py)
     global_batch_examples: int = 0  # 0: devices x batch_size_per_device (no accumulation)
     storage_path: str = ""
     max_seq_len: int = 512
@@ -123,6 +124,9 @@ class FinetuneConfig(SliceConfig):
             self.resume_from = normalise_storage(self.resume_from)
         checks = [
             (self.num_epochs >= 1, "--num-epochs must be at least 1"),
+            (self.num_slices >= 1 and self.num_workers % self.num_slices == 0,
+             f"--num-slices {self.num_slices} must be at least 1 and divide --num-workers {self.num_workers} "
+             "(every slice holds as many devices; spec.tpu.slices)"),
             (self.batch_size_per_device >= 1, "--batch-size-per-device must be at least 1"),
             (self.global_batch_examples >= 0, "--global-batch-examples must be 0 (devices x batch size) or more"),
             (self.lr_schedule in SCHEDULES, f"--lr-schedule must be one of {', '.join(SCHEDULES)}"),

@@ -116,7 +116,8 @@ def build_trainer(cfg: FinetuneConfig, data: PreparedData, pad_id: int):
     from .train import train_func
 
     backend = backends.resolve(cfg.device, ray.cluster_resources())
-    scaling = backends.scaling_config(backend, cfg.num_workers, cfg.topology, cfg.accelerator_type)
+    scaling = backends.scaling_config(backend, cfg.num_workers, cfg.topology, cfg.accelerator_type,
+                                      cfg.num_slices)
     check_cluster_fits(backend, cfg.num_workers, ray.cluster_resources())
     print(f"Starting Ray Train FSDP2 SFT job: model={cfg.model_id}, topology={cfg.topology}, "
           f"accelerator_type={cfg.accelerator_type}, num_workers={cfg.num_workers}, backend={backend.name}", flush=True)

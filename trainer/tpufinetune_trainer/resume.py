@@ -41,7 +41,7 @@ SETTINGS = ("model_id", "dataset", "dataset_split", "dataset_format", "prompt_fo
 # shapes and what they are trained as.
 # Derived from the settings, the world and the data: named when they differ too.
 DERIVED = ("world_size", "train_examples", "steps_per_epoch", "total_steps")
-LABELS = {"world_size": "world size (--num-workers)", "train_examples": "training examples",
+LABELS = {"world_size": "world size (--num-workers)", "num_slices": "slices (--num-slices, spec.tpu.slices)", "train_examples": "training examples",
           "steps_per_epoch": "steps per epoch", "total_steps": "total steps",
           "lora": "LoRA settings (--lora-rank, --lora-alpha, --lora-dropout, --lora-target-modules)"}
 
@@ -68,6 +68,8 @@ def fingerprint(cfg, world: int, examples: Examples) -> dict:
     settings.update(lora.settings(cfg))  # the method, and LoRA's shape of the trained state
     if cfg.freeze_embeddings:  # no optimizer state for the embedding; absent when off, so older checkpoints match
         settings["freeze_embeddings"] = True
+    if getattr(cfg, "num_slices", 1) > 1:  # HSDP's mesh; absent for one slice, so older checkpoints match
+        settings["num_slices"] = cfg.num_slices
     return json.loads(json.dumps({**settings, "world_size": world, "train_examples": examples_digest(examples),
                                   "steps_per_epoch": epoch_steps,
                                   "total_steps": min(total, cfg.max_steps) if cfg.max_steps else total}))

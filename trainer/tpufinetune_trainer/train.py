@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from . import checkpoint as ckpt
 from . import export
+from . import logship
 from . import loss as head
 from . import notice
 from . import resume
@@ -125,7 +126,10 @@ class Trainer:
         # DCP's background writes only: a group shared with this thread's collectives could
         # pair them differently on different ranks.
         self.save_group = ckpt.cpu_group()
-        mesh = build_mesh(backend.device_type, world)
+        mesh = build_mesh(backend.device_type, world, cfg.num_slices, self.cpu_group)
+        if rank == 0 and cfg.num_slices > 1:
+            say(f"HSDP over {cfg.num_slices} slices: sharded within a slice, replicated across; mesh "
+                f"{mesh.mesh_dim_names} rows (ranks by slice) {mesh.mesh.tolist()}")
         self.probe_checkpoint_storage(mesh)
         self.examples: Examples = data["train"]
         self.eval_data = data.get("eval")
@@ -824,7 +828,18 @@ def device_layout(backend: Backend, world: int, local_world: int) -> list[str]:
 
 
 def train_func(config: dict) -> None:
-    """Ray Train entry point (one call per worker)."""
+    """Ray Train entry point (one call per worker): its output is kept with the attempt's
+    logs as `worker-<world rank>` (logship)."""
+    import ray.train
+
+    ctx = ray.train.get_context()
+    cfg = config["cfg"]
+    uri = logship.attempt_logs_uri(cfg["storage_path"], cfg["run_name"])
+    with logship.shipping(logship.worker_stream(ctx.get_world_rank()), uri, num_workers=ctx.get_world_size()):
+        _train_worker(config)
+
+
+def _train_worker(config: dict) -> None:
     import ray
     import ray.train
     import ray.train.torch

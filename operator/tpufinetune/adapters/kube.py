@@ -24,7 +24,7 @@ from tpufinetune.core import podstatus, retryafter
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.phases import ClusterView, Identity, QueueView
 from tpufinetune.core.sizing import NAME_LABEL, POD_SELECTOR, QUEUE_NAME_LABEL
-from tpufinetune.adapters import informer
+from tpufinetune.adapters import informer, lease
 from tpufinetune.adapters.pools import Pool
 from tpufinetune.adapters.raytokens import RayTokens, SigningKeyError
 from tpufinetune.settings import Settings
@@ -303,7 +303,7 @@ class KubeBackend:
             # When its hosts were ready: usage counts from then.
             return dataclasses.replace(view, hosts_ready_since=podstatus.hosts_ready_since(pods))
         return dataclasses.replace(view, pod_problem=podstatus.worst_problem(pods),
-                                   hosts_ready=podstatus.hosts_ready(pods))
+                                   hosts_ready=podstatus.hosts_ready(pods), routine_wait=podstatus.routine_wait(pods))
 
     async def _every(self, what: tuple[str, dict], read, keep=lambda value: True):
         """`read()` (blocking, run in a thread) at most every RECHECK_S for one version of
@@ -386,8 +386,10 @@ class KubeBackend:
 
     async def create(self, ident: Identity, manifest: dict) -> None:
         # The run's token Secret (which the RayCluster's pods need) and NetworkPolicy first.
+        # Each create is fenced by the Lease just before it is made (adapters/lease.py).
         try:
-            await self._call(self.tokens.create_for_run, ident)
+            await self._call(self._fenced, f"creating {ident.namespace}/{ident.name}'s token Secret and "
+                                           "NetworkPolicy", self.tokens.create_for_run, ident)
         except SigningKeyError as error:  # shown, and timed, as a refused create
             raise CreateRefused(f"the run's Ray token could not be derived: {error}") from None
         await self._call(self._create_cluster, ident.namespace, manifest)
@@ -400,7 +402,13 @@ class KubeBackend:
             return None
         return await self._call(self.tokens.token, ident)
 
+    @staticmethod
+    def _fenced(what: str, call, *args):
+        lease.check_held(what)
+        return call(*args)
+
     def _create_cluster(self, namespace: str, manifest: dict) -> None:
+        lease.check_held(f"creating RayCluster {namespace}/{manifest['metadata']['name']}")
         try:
             self.objects.create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest,
                                                          _request_timeout=self._timeout)
@@ -411,21 +419,24 @@ class KubeBackend:
                 raise CreateRefused(api_message(error)) from None
             raise
 
-    async def delete(self, ident: Identity, name: str) -> None:
-        await self._call(self._delete_cluster, ident, name)
+    async def delete(self, ident: Identity, name: str, uid: str = "") -> None:
+        """Delete the run's RayCluster `uid`: the one the run recorded and decided on, never
+        one a fresh read finds (a newer leader's, of the same name). Without a uid (an
+        older caller) the owned one a read finds."""
+        await self._call(self._delete_cluster, ident, name, uid)
 
-    def _delete_cluster(self, ident: Identity, name: str) -> None:
+    def _delete_cluster(self, ident: Identity, name: str, uid: str = "") -> None:
         # Preconditions: only delete the object we own (uid checked on observe), and
         # only if it is still the same object.
-        body = self._get_cluster(ident.namespace, name)
-        if body is None or not cluster_view(body, ident.uid, self.settings).owned:
-            return
-        if body["metadata"].get("deletionTimestamp"):
-            return  # already being deleted: asking again changes nothing and costs a write
-        options = client.V1DeleteOptions(
-            propagation_policy="Background",
-            preconditions=client.V1Preconditions(uid=body["metadata"]["uid"]),
-        )
+        if not uid:
+            body = self._get_cluster(ident.namespace, name)
+            if body is None or not cluster_view(body, ident.uid, self.settings).owned:
+                return
+            if body["metadata"].get("deletionTimestamp"):
+                return  # already being deleted: asking again changes nothing and costs a write
+            uid = body["metadata"]["uid"]
+        options = client.V1DeleteOptions(propagation_policy="Background", preconditions=client.V1Preconditions(uid=uid))
+        lease.check_held(f"deleting RayCluster {ident.namespace}/{name}")
         try:
             self.objects.delete_namespaced_custom_object(
                 RAY_GROUP, RAY_VERSION, ident.namespace, RAY_PLURAL, name, body=options,

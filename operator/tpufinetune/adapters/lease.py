@@ -10,10 +10,16 @@ deadline) and logs every retry; this module is the small part of it we need.
 
 Every write carries the resourceVersion that was read (`replace`, and `create` fails if
 the Lease exists), so two candidates that decide at the same moment cannot both win.
+
+Fencing: the leader that renews registers itself (`start_renewing`), and every create,
+delete and submit of the operator calls `check_held` just before it is made: refused
+(LeaseLost) once the Lease is lost, given back, or not renewed within the renew deadline,
+whether or not the renewer has noticed yet. Without election nothing is fenced.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -31,6 +37,25 @@ from tpufinetune.core import lease as rules
 from tpufinetune.core.lease import LeaseRecord
 
 log = logging.getLogger(__name__)
+
+
+class LeaseLost(RuntimeError):
+    """A side effect refused: this process may no longer act as the leader."""
+
+
+_leader: "LeaseElector | None" = None  # this process's renewing elector (None: no election)
+
+
+def check_held(what: str) -> None:
+    """Raise LeaseLost unless this process still leads (core/lease.py, `fenced`); called
+    just before each create, delete and submit. Without election: always allowed."""
+    leader = _leader
+    if leader is None:
+        return
+    problem = rules.fenced(leader.last_renewed, time.monotonic(), leader.renew_deadline, leader.lost)
+    if problem:
+        raise LeaseLost(f"{what} refused: this operator no longer holds Lease "
+                        f"{leader.namespace}/{leader.name}: {problem}")
 
 
 def identity(env: dict | None = None) -> str:
@@ -69,7 +94,11 @@ class LeaseElector:
     def __init__(self, api: client.ApiClient, namespace: str, name: str, me: str, *,
                  lease_duration: float, renew_deadline: float, retry_period: float,
                  on_lost: Callable[[str], None]):
-        self.leases = client.CoordinationV1Api(api)
+        # Its own client, without urllib3's retries: each retry gets the whole timeout again,
+        # and a renewal must end within the renew deadline (a read and a write together).
+        config = copy.deepcopy(api.configuration)
+        config.retries = False
+        self.leases = client.CoordinationV1Api(client.ApiClient(config))
         self.namespace, self.name, self.me = namespace, name, me
         self.duration_s = math.ceil(lease_duration)
         self.renew_deadline, self.retry_period = renew_deadline, retry_period
@@ -79,13 +108,18 @@ class LeaseElector:
         self._seen: tuple[str, float] | None = None
         self._stopping = threading.Event()
         self._renewer: threading.Thread | None = None
-        self.last_renewed = 0.0
+        self.last_renewed = 0.0  # when the last successful try began (time.monotonic())
+        self._tried_at = 0.0  # when the current (or last) try began
+        self.lost = ""  # why this leader stopped acting ('' while it leads)
 
     # ---- one try ---------------------------------------------------------------------
 
     def try_acquire_or_renew(self, timeout: float) -> bool:
-        """One read and at most one write; False on any refusal or error (the caller retries)."""
+        """One read and at most one write, both within `timeout` seconds together; False on
+        any refusal or error (the caller retries)."""
         now = datetime.now(timezone.utc)
+        self._tried_at = time.monotonic()
+        ends = self._tried_at + timeout
         try:
             lease = self.leases.read_namespaced_lease(self.name, self.namespace, _request_timeout=timeout)
         except ApiException as error:
@@ -103,9 +137,14 @@ class LeaseElector:
         if new is None:
             return False
         body = lease_body(self.name, self.namespace, new, lease.metadata.resource_version)
+        left = ends - time.monotonic()
+        if left <= 0:  # the read took the whole budget: a write now could land too late
+            log.warning("renewing Lease %s/%s: the read took %.1f s, no time left to write it",
+                        self.namespace, self.name, timeout)
+            return False
         try:
             self.lease = self.leases.replace_namespaced_lease(self.name, self.namespace, body,
-                                                              _request_timeout=timeout)
+                                                              _request_timeout=left)
         except ApiException as error:
             if error.status != 409:  # 409: someone wrote it since we read it
                 log.warning("updating Lease %s/%s failed: %s %s", self.namespace, self.name, error.status, error.reason)
@@ -146,10 +185,12 @@ class LeaseElector:
                 log.info("standing by: Lease %s/%s is held by %r", self.namespace, self.name, self.holder)
                 announced = self.holder
             time.sleep(self.retry_period * random.uniform(1.0, rules.JITTER))
-        self.last_renewed = time.monotonic()
+        self.last_renewed, self.lost = self._tried_at, ""
         log.info("leading as %r (Lease %s/%s)", self.me, self.namespace, self.name)
 
     def start_renewing(self) -> None:
+        global _leader
+        _leader = self  # from now on every side effect is fenced by this Lease
         self._renewer = threading.Thread(target=self._renew_loop, name="lease-renewer", daemon=True)
         self._renewer.start()
 
@@ -157,22 +198,31 @@ class LeaseElector:
         while not self._stopping.wait(self.retry_period):
             left = self.renew_deadline - (time.monotonic() - self.last_renewed)
             if left > 0 and self.try_acquire_or_renew(timeout=left):
-                self.last_renewed = time.monotonic()
+                # Counted from when the try began: the Lease others watch changed no earlier.
+                self.last_renewed = self._tried_at
                 continue
             if self._stopping.is_set():
                 return
             if self.holder and self.holder != self.me:
-                return self.on_lost(f"Lease {self.namespace}/{self.name} is now held by {self.holder!r}")
+                return self._lose(f"Lease {self.namespace}/{self.name} is now held by {self.holder!r}")
             if rules.must_stop(self.last_renewed, time.monotonic(), self.renew_deadline):
-                return self.on_lost(f"Lease {self.namespace}/{self.name} not renewed for "
-                                    f"{self.renew_deadline:g} s (the renew deadline)")
+                return self._lose(f"Lease {self.namespace}/{self.name} not renewed for "
+                                  f"{self.renew_deadline:g} s (the renew deadline)")
+
+    def _lose(self, why: str) -> None:
+        self.lost = why  # fenced from now on, before on_lost (the exit) has run
+        self.on_lost(why)
 
     def stop(self, release: bool = True) -> None:
         """Stop renewing; with `release`, hand the Lease back so a standby takes over on
         its next try (best effort: if this fails, the standby waits out the lease)."""
+        global _leader
         self._stopping.set()
+        self.lost = self.lost or "the operator is stopping"  # no side effect after the hand-back
         if self._renewer is not None:
             self._renewer.join(self.renew_deadline + 1)
+        if _leader is self:
+            _leader = None
         if not release or self.lease is None or self.holder != self.me:
             return
         body = lease_body(self.name, self.namespace, rules.released(record_of(self.lease), datetime.now(timezone.utc)),

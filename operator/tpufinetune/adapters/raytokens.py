@@ -25,6 +25,7 @@ import time
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from tpufinetune.adapters import lease
 from tpufinetune.core import raytoken
 from tpufinetune.core.phases import Identity
 
@@ -84,6 +85,7 @@ class RayTokens:
             type="Opaque",
             data={raytoken.SIGNING_KEY_FIELD: base64.b64encode(secrets.token_bytes(raytoken.SIGNING_KEY_BYTES)).decode()})
         try:
+            lease.check_held(f"creating the Ray token signing key {self.where}")
             created = self.core.create_namespaced_secret(namespace, body, _request_timeout=self.timeout)
             log.info("created the Ray token signing key %s", self.where)
             return created.data
@@ -148,6 +150,7 @@ class RayTokens:
         for create, body in ((self.core.create_namespaced_secret, secret),
                              (self.networking.create_namespaced_network_policy, policy)):
             try:
+                lease.check_held(f"creating {body['kind']} {ident.namespace}/{body['metadata']['name']}")
                 create(ident.namespace, body, _request_timeout=self.timeout)
             except ApiException as error:
                 if error.status != 409:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from . import validation
 from .errors import SpecError
 from .memplan import KNOWN_MODELS, known_shape
-from .generations import ALL_GENERATION_NAMES, MAX_CHIPS_PER_HOST, MAX_CPU_WORKERS
+from .generations import ALL_GENERATION_NAMES, MAX_CHIPS_PER_HOST, MAX_CPU_WORKERS, MAX_SLICES
 from .sizing import DEFAULT_TERMINATION_GRACE_SECONDS
 
 from .names import API_VERSION, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION  # noqa: F401  (re-exported)
@@ -41,6 +41,8 @@ from .apimodels import (  # noqa: F401  (re-exported: the API's models, one modu
     MemorySettings, SecretSource, Toleration, Volume, VolumeMount, _Model,
 )
 
+from .notify import NOTIFY_FIELD, NotifySubscription  # noqa: E402  (spec.notify)
+
 GenerationName = Literal[ALL_GENERATION_NAMES]  # type: ignore[valid-type]
 # The metrics every epoch reports, so the closed set the trainer accepts is the enum here.
 ScoreAttribute = Literal[SCORE_ATTRIBUTES]  # type: ignore[valid-type]
@@ -63,9 +65,12 @@ class TPUSlice(_Model):
                     f"workers (1-{MAX_CPU_WORKERS}). Invalid shapes are refused with the "
                     "list of valid ones.")
     slices: int = Field(
-        1, ge=1, le=64,
-        description="Number of identical slices (worker group replicas). finetune "
-                    "requires 1: Ray Train runs PyTorch on one TPU slice only.")
+        1, ge=1, le=MAX_SLICES,
+        description="Number of identical slices (worker group replicas, each on its own node "
+                    "pool). finetune shards the model inside each slice and replicates it "
+                    "across slices (HSDP: gradients all-reduced across slices once per step). "
+                    "Refused beyond what one run can span (v5p: 18432 chips in all; cpu: "
+                    f"{MAX_CPU_WORKERS} workers in all).")
     chips_per_host: int | None = Field(
         None, ge=1, le=MAX_CHIPS_PER_HOST,
         description="Chips per TPU VM. Unset picks the default machine (4 chips; 1 for a "
@@ -381,6 +386,11 @@ class TPUFineTuneSpec(_Model):
         description="Kueue WorkloadPriorityClass of the queued RayCluster (label "
                     "kueue.x-k8s.io/priority-class): a higher one may preempt lower ones. "
                     "Needs queueName.")
+    notify: list[NotifySubscription] | None = Field(
+        None, **NOTIFY_FIELD,
+        description="Notices of the run's end, sent as CloudEvents to sinks the cluster admin "
+                    "configured, named here (docs/api.md, \"Notices\"); delivery is shown in "
+                    "status.notifications.")
 
     @model_validator(mode="after")
     def _cross_field_rules(self, info: ValidationInfo) -> TPUFineTuneSpec:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from tpufinetune.core import conditions as cond
+from tpufinetune.core.jobspec import logs_uri
 from tpufinetune.core.status import ATTEMPT_REASONS
 
 LIMIT = 20
@@ -54,13 +55,16 @@ def last_ended(s: dict) -> dict | None:
     return found[-1] if found else None
 
 
-def begin(s: dict, now: datetime, took_over: dict | None = None) -> dict:
+def begin(s: dict, now: datetime, took_over: dict | None = None, logs_root: str = "") -> dict:
     """Open the entry of status.attempt (once). `took_over`: the ended attempt whose ready
-    slice this one keeps (a retry on the same RayCluster): ready from its start."""
+    slice this one keeps (a retry on the same RayCluster): ready from its start.
+    `logs_root`: the run's logs directory (`jobspec.run_logs_root`), '' when it keeps none."""
     entry = current(s)
     if entry is not None:
+        link_logs(entry, logs_root)
         return entry
     entry = {"attempt": int(s.get("attempt") or 1), "startTime": cond.timestamp(now)}
+    link_logs(entry, logs_root)
     if took_over is not None and took_over.get("sliceReadyTime"):
         entry["sliceReadyTime"] = entry["startTime"]
         if took_over.get("rayClusterUID"):
@@ -69,6 +73,12 @@ def begin(s: dict, now: datetime, took_over: dict | None = None) -> dict:
     found.append(entry)
     del found[:-LIMIT]
     return entry
+
+
+def link_logs(entry: dict, logs_root: str) -> None:
+    """The attempt's logsURI (once: a spec edit later does not move logs already written)."""
+    if logs_root and "logsURI" not in entry:
+        entry["logsURI"] = logs_uri(logs_root, int(entry["attempt"]))
 
 
 def slice_ready(s: dict, now: datetime, cluster_uid: str, hosts_ready: datetime | None = None) -> None:

@@ -19,8 +19,20 @@ SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 # Only once the spec had a field this operator version does not know (a newer CRD).
 SPEC_FIELDS_IGNORED = "SpecFieldsIgnored"
+# Only once the head did not answer in Submitting or Running: False since when it stopped
+# answering (its lastTransitionTime is the unreachable clock, so a restarted operator goes
+# on counting from there), True again once it answers.
+RAY_REACHABLE = "RayReachable"
+# Only once the run's status could not be written for a while: written True with the first
+# write that lands again, saying for how long and why writes failed (while they fail the
+# condition cannot be written; the StatusWriteFailing Event and gauge say it meanwhile).
+STATUS_WRITABLE = "StatusWritable"
+# Only once an edit failed the operator's checks: False while the edited spec is refused
+# and the applied generation's plan stays in force; True once a valid spec is back.
+SPEC_VALID = "SpecValid"
 
-ALL_TYPES = (ADMITTED, CLUSTER_READY, JOB_SUBMITTED, RUNNING, SUCCEEDED, FAILED, SPEC_FIELDS_IGNORED)
+ALL_TYPES = (ADMITTED, CLUSTER_READY, JOB_SUBMITTED, RUNNING, SUCCEEDED, FAILED, SPEC_FIELDS_IGNORED,
+             RAY_REACHABLE, STATUS_WRITABLE, SPEC_VALID)
 MESSAGE_LIMIT = 1024
 
 
@@ -33,6 +45,12 @@ def find(status: dict, type_: str) -> dict | None:
         if condition.get("type") == type_:
             return condition
     return None
+
+
+def remove(status: dict, type_: str) -> None:
+    """Drop one condition (one that no longer describes anything)."""
+    if find(status, type_) is not None:
+        status["conditions"] = [c for c in status["conditions"] if c.get("type") != type_]
 
 
 def is_true(status: dict, type_: str) -> bool:

@@ -25,6 +25,8 @@ TPU_RESOURCE = "google.com/tpu"
 MAX_CPU_WORKERS = 64
 # The largest TPU machine (ct5lp-hightpu-8t, ct6e-standard-8t); bounds spec.tpu.chipsPerHost.
 MAX_CHIPS_PER_HOST = 8
+# spec.tpu.slices' own bound: the replicas of one RayCluster worker group.
+MAX_SLICES = 64
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class Generation:
     devices of a chip share it: each holds half. The memory planner (memplan.py) reads it."""
     hbm_source: str = ""
     """Where the HBM figure comes from."""
+    multislice_max_chips: int | None = None
+    """Chips one Multislice job may span over every slice, where Cloud TPU publishes a
+    ceiling (None: none published; MAX_SLICES bounds it)."""
 
     @property
     def is_tpu(self) -> bool:
@@ -96,6 +101,12 @@ _V6E = "https://cloud.google.com/tpu/docs/v6e"
 _V7X = "https://cloud.google.com/tpu/docs/tpu7x"
 # HBM per chip: each generation's "System architecture" table on the same pages (v4 32 GiB,
 # v5e 16 GiB, v5p 95 GiB, v6e 32 GiB, Ironwood 192 GiB per chip).
+# Multislice (https://cloud.google.com/tpu/docs/multislice-introduction): v4 and later, every
+# slice of one accelerator type and topology, in one zone. The only per-generation ceiling
+# Cloud TPU publishes is v5p's: single-slice training up to 6,144 chips, "Multislice ... up to
+# 18,432 chips" (the v5p page). The cpu stand-in's ceiling is its worker count, all slices
+# together (MAX_CPU_WORKERS).
+V5P_MULTISLICE_MAX_CHIPS = 18432
 
 GENERATIONS: tuple[Generation, ...] = (
     Generation(
@@ -124,7 +135,7 @@ GENERATIONS: tuple[Generation, ...] = (
         name="v5p", aliases=("v5p",), accelerator_label="tpu-v5p-slice",
         ray_accelerator_type="TPU-V5P", group_prefix="v5p", tensorcores_per_chip=2,
         devices_per_chip=1, dimensions=3,
-        hbm_gib_per_chip=95, hbm_source=_V5P,
+        hbm_gib_per_chip=95, hbm_source=_V5P, multislice_max_chips=V5P_MULTISLICE_MAX_CHIPS,
         machines=(Machine("ct5p-hightpu-4t", 4, _3D_SHAPES + ("16x16x16", "16x16x24"),
                           "64", "200Gi", "100Gi", vcpus=208, memory_gib=448, source=_V5P),),
     ),
@@ -224,3 +235,20 @@ def machines_summary(gen: Generation) -> str:
     return "; ".join(
         f"{m.chips_per_host} ({m.machine_type}: "
         f"{', '.join(sorted(m.topologies, key=topology_sort_key))})" for m in gen.machines)
+
+
+def max_slices(gen: Generation, topology: str) -> int:
+    """How many slices of `topology` one run may span (callers validate the topology first)."""
+    if not gen.is_tpu:
+        return max(MAX_CPU_WORKERS // int(topology), 1)
+    if gen.multislice_max_chips is None:
+        return MAX_SLICES
+    return max(min(MAX_SLICES, gen.multislice_max_chips // chips_in(topology)), 1)
+
+
+def multislice_ceilings() -> str:
+    """Every ceiling `max_slices` applies, for the one message the CEL rule and Python share."""
+    ceilings = [f"{gen.name} Multislice spans at most {gen.multislice_max_chips} chips"
+                for gen in GENERATIONS if gen.multislice_max_chips]
+    ceilings.append(f"the cpu stand-in at most {MAX_CPU_WORKERS} workers over all slices")
+    return "; ".join(ceilings)

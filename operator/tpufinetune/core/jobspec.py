@@ -53,6 +53,31 @@ def run_name(name: str, uid: str) -> str:
     return f"tft-{name}-{uid.split('-')[0]}"
 
 
+def logs_root(storage_path: str, run: str) -> str:
+    """The run's logs directory, beside its checkpoints (so it is kept and removed as they
+    are). Each attempt's logs (its driver's and every worker's output) are written there
+    by the trainer while it runs (tpufinetune_trainer/logship.py)."""
+    return f"{storage_path.rstrip('/')}/{run}/logs"
+
+
+def logs_uri(root: str, attempt: int) -> str:
+    """Where `attempt`'s logs are kept under the run's `logs_root` (status.attempts[]
+    .logsURI, `tpufinetune logs`). The trainer finds the same place from what the job
+    already gives it, --storage-path, --run-name and TPUFINETUNE_ATTEMPT, so no new flag
+    reaches an older trainer image (tests/operator/test_logs_cli.py holds the two to the
+    same answer)."""
+    if attempt < 1:
+        raise ValueError(f"attempt must be >= 1, got {attempt}")
+    return f"{root}/attempt-{attempt}"
+
+
+def run_logs_root(name: str, uid: str, spec: TPUFineTuneSpec) -> str:
+    """`logs_root` of a resource; '' for a run that keeps none (mode collectives: no storage)."""
+    if spec.mode != "finetune" or not spec.checkpoint.storage_path:
+        return ""
+    return logs_root(spec.checkpoint.storage_path, run_name(name, uid))
+
+
 def _device(spec: TPUFineTuneSpec) -> str:
     return "tpu" if slice_shape(spec).generation.is_tpu else "cpu"
 
@@ -63,6 +88,9 @@ def _slice_flags(spec: TPUFineTuneSpec) -> list[str]:
     if gen.ray_accelerator_type:
         flags.append(f"--accelerator-type={gen.ray_accelerator_type}")
     flags += [f"--num-workers={total_devices(spec)}", f"--device={_device(spec)}"]
+    if spec.mode == "finetune" and spec.tpu.slices > 1:
+        # Only when several: a trainer image older than HSDP knows no such flag.
+        flags.append(f"--num-slices={spec.tpu.slices}")
     return flags
 
 

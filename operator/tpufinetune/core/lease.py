@@ -9,7 +9,12 @@ adapters/lease.py). The rules are client-go's:
 - A renewal keeps acquireTime and leaseTransitions; a take-over sets acquireTime and adds
   one to leaseTransitions.
 - The leader stops acting once it has not renewed for the renew deadline, which is shorter
-  than the lease duration, so it has stopped before any candidate may take over.
+  than the lease duration, so it has stopped before any candidate may take over. Its
+  renewal is counted from when that try began (a slow answer does not stretch the lease),
+  and each try, read and write together, ends by the renew deadline.
+- Fencing: every create, delete and submit asks `fenced` just before it is made, so a
+  leader that has not renewed within the renew deadline (its renewer stuck, or the process
+  not yet gone after losing the Lease) makes no side effect a new leader could meet.
 """
 
 from __future__ import annotations
@@ -80,3 +85,13 @@ def released(record: LeaseRecord, now: datetime) -> LeaseRecord:
 def must_stop(last_renewed: float, now: float, renew_deadline: float) -> bool:
     """The leader has not renewed within the renew deadline: it stops acting at once."""
     return now - last_renewed >= renew_deadline
+
+
+def fenced(last_renewed: float, now: float, renew_deadline: float, lost: str) -> str:
+    """Why this leader may not act now ('' when it may): it lost or gave up the Lease
+    (`lost`, said by the renewer), or its last renewal began a renew deadline ago or more."""
+    if lost:
+        return lost
+    if must_stop(last_renewed, now, renew_deadline):
+        return f"the Lease was last renewed {now - last_renewed:.1f} s ago (renew deadline {renew_deadline:g} s)"
+    return ""

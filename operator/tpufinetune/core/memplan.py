@@ -5,7 +5,9 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
 (trainer/tpufinetune_trainer: parallelize.py, train.py, loss.py), per device:
 
 - full fine-tune (FSDP2): fp32 master weights, fp32 gradients and AdamW's two fp32 moments,
-  16 B per trainable parameter sharded over every device of the slice;
+  16 B per trainable parameter sharded over every device of the slice (with several slices,
+  HSDP: sharded within each slice, replicated across slices, so a device holds what it holds
+  in a single slice of the topology, whatever spec.tpu.slices);
 - LoRA: the frozen base in the compute dtype, sharded; the 16 B only for adapter parameters;
 - Gemma's per-layer embedding table (PLE): frozen, in the compute dtype, replicated on
   every device (kept out of FSDP);
@@ -235,6 +237,7 @@ class Request:
     attention: str | None = None  # eager or sdpa; None: the device's (eager on TPU, sdpa on the cpu stand-in)
     freeze_embeddings: bool = False
     stated_parameters: int | None = None  # spec.model.parameters, for a model not in the table
+    slices: int = 1  # replicas of the slice (HSDP): named in the plan, never dividing the state
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,12 @@ class MemoryPlan:
     host_limit_bytes: int = 0
     breakdown: Breakdown | None = None
     smallest_fit: str = ""  # the smallest topology (or method) that fits, when this does not
+    slices: int = 1
+
+    @property
+    def placement(self) -> str:
+        """`v6e 4x4`, or `v6e 4x4 x 2 slices` (each slice holding a whole replica)."""
+        return f"{self.generation} {self.topology}" + (f" x {self.slices} slices" if self.slices > 1 else "")
 
     @property
     def fits(self) -> bool | None:
@@ -269,7 +278,7 @@ class MemoryPlan:
         parts = []
         if self.limit_bytes:
             parts.append(f"{_gib(self.per_chip_bytes)} HBM per chip of {_gib(self.limit_bytes)} usable "
-                         f"({self.generation} {self.topology}, {int(HEADROOM * 100)}% headroom)")
+                         f"({self.placement}, {int(HEADROOM * 100)}% headroom)")
         if self.host_limit_bytes:
             parts.append(f"{_gib(self.host_bytes)} RAM per host of {_gib(self.host_limit_bytes)} usable")
         elif self.host_bytes:
@@ -290,7 +299,8 @@ class MemoryPlan:
                     f"{_gib(self.host_limit_bytes)} usable of the worker pod's memory")
         hint = (f"; smallest that fits: {self.smallest_fit}" if self.smallest_fit else
                 f"; nothing on {self.generation} fits, even method lora at batchSizePerDevice 1")
-        return f"{self.method} fine-tune of {self.model} on {self.generation} {self.topology} {what}{hint}"
+        across = "; more slices do not help: each holds a whole replica" if self.slices > 1 else ""
+        return f"{self.method} fine-tune of {self.model} on {self.placement} {what}{hint}{across}"
 
 
 def _gib(value: int) -> str:
@@ -314,7 +324,8 @@ def refuses(plan: MemoryPlan) -> bool:
 def _plan(request: Request) -> MemoryPlan:
     gen = g.generation(request.generation)
     shape = known_shape(request.model_id)
-    common = dict(method=request.method, generation=gen.name, topology=request.topology, model=request.model_id)
+    common = dict(method=request.method, generation=gen.name, topology=request.topology, model=request.model_id,
+                  slices=request.slices)
     if request.method not in METHODS:  # a method this planner does not know: not checked
         return MemoryPlan(basis="unknown", **common)
     if shape is None:
@@ -429,4 +440,4 @@ def plan_spec(spec) -> MemoryPlan | None:
         activation_checkpointing=getattr(training, "activation_checkpointing", None) or "none",
         attention=getattr(training, "attention", None),
         freeze_embeddings=bool(getattr(training, "freeze_embeddings", None)),
-        stated_parameters=getattr(spec.model, "parameters", None)))
+        stated_parameters=getattr(spec.model, "parameters", None), slices=spec.tpu.slices))

@@ -45,7 +45,7 @@ def _count_attempts(plan: Plan, old: dict, s: dict, obs: Observations, d: Decisi
     that only waits writes nothing new."""
     cluster = obs.cluster
     if s.get("phase") in ATTEMPT_PHASES and not plan.suspended and s.get("attempt"):
-        attempts.begin(s, obs.now)
+        attempts.begin(s, obs.now, logs_root=plan.logs_root)  # also links one _retry opened
         if s["phase"] in (SUBMITTING, RUNNING):  # a run an older operator started: ready already
             attempts.slice_ready(s, obs.now, cluster.uid if cluster is not None else "")
     gone = cluster_lost(cluster) and before in (SUBMITTING, RUNNING)

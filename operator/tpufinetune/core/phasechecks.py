@@ -1,6 +1,8 @@
 """The checks around a job (a part of phases.py's state machine): spec.preflight, the
 collectives check run on the attempt's cluster before its fine-tune, and a checkpoint asked
-for when a node of the run's pods has maintenance scheduled. Pure: no I/O.
+for when a node of the run's pods has maintenance scheduled; the run's head not answering
+(its unreachable clock, kept in condition RayReachable) and an edit the operator's checks
+refuse (condition SpecValid). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from tpufinetune.core.jobspec import checkpoint_request_id, preflight_id
 from tpufinetune.core.phaseattempts import _fail
 from tpufinetune.core.phasemodel import (
     JOB_ACTIVE, SUBMITTING, Decision, Identity, Observations, Plan, RecordEvent, RequestCheckpoint,
-    SubmitPreflight, _enter, _first_and_last_line,
+    SubmitPreflight, _enter, _first_and_last_line, _set,
 )
 
 
@@ -97,3 +99,55 @@ def maintenance_time(value: str) -> str:
     if value.isdigit():
         return cond.timestamp(datetime.fromtimestamp(int(value), tz=timezone.utc))
     return value
+
+
+def _ray_down(s: dict, obs: Observations, d: Decision) -> None:
+    """The head does not answer, or its token cannot be derived: nothing is decided without
+    Ray until it does or TPUFT_RAY_UNREACHABLE_TIMEOUT ends the attempt. Said in the status
+    (condition RayReachable, False since the head stopped answering: the clock a restarted
+    operator goes on from) and in one Warning Event per new reason."""
+    message = obs.ray_down[: cond.MESSAGE_LIMIT]
+    _set(s, obs, cond.RAY_REACHABLE, False, "NotAnswering", message)
+    if s.get("message") != message:
+        s["message"] = message
+        d.actions.append(RecordEvent("Warning", "RayUnreachable", message))
+
+
+def _ray_clock(old: dict, s: dict, obs: Observations) -> None:
+    """RayReachable holds the unreachable clock of one phase and attempt: an answer stops
+    it (True), a new phase or attempt drops it (its head is asked afresh there)."""
+    if cond.find(s, cond.RAY_REACHABLE) is None:
+        return
+    if (s.get("phase"), s.get("attempt")) != (old.get("phase"), old.get("attempt")):
+        cond.remove(s, cond.RAY_REACHABLE)
+    elif obs.ray_answered and not obs.ray_down and not cond.is_true(s, cond.RAY_REACHABLE):
+        _set(s, obs, cond.RAY_REACHABLE, True, "Answering", "the Ray head answers again")
+
+
+def _spec_validity(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
+    """An edit the operator's checks refuse (admission let it in) is shown by condition
+    SpecValid, False naming the field, and one Warning Event per new refusal; the applied
+    generation's plan stays in force (plan_in_force). True again once the spec is valid."""
+    if obs.spec_error:
+        applied = s.get("observedGeneration")
+        kept = (f"generation {applied}'s plan (watchdog, deadline, TTL, retries) stays in force"
+                if applied and applied != ident.generation else "the run cannot go on with it")
+        message = (f"generation {ident.generation} is refused: {obs.spec_error}; {kept}; "
+                   "fix the field or revert the edit")[: cond.MESSAGE_LIMIT]
+        previous = cond.find(s, cond.SPEC_VALID) or {}
+        _set(s, obs, cond.SPEC_VALID, False, "InvalidSpec", message)
+        if previous.get("message") != message:
+            d.actions.append(RecordEvent("Warning", "SpecRefused", message))
+    elif cond.find(s, cond.SPEC_VALID) is not None and not cond.is_true(s, cond.SPEC_VALID):
+        _set(s, obs, cond.SPEC_VALID, True, "Valid", f"generation {ident.generation} passes the operator's checks")
+
+
+def ray_down_since(s: dict) -> datetime | None:
+    """Since when the head has not answered in this phase and attempt, as the status
+    records it (None: it answered, or nothing is recorded)."""
+    found = cond.find(s, cond.RAY_REACHABLE)
+    if found is None or found.get("status") != "False":
+        return None
+    since = cond.parse_time(found.get("lastTransitionTime"))
+    entered = cond.parse_time(s.get("phaseTransitionTime"))
+    return since if since is not None and (entered is None or since >= entered) else None

@@ -64,6 +64,7 @@ class Plan:
     # why the run cannot fit its slice ('' when it can, or when the model is unknown).
     memory: dict | None = field(default=None, hash=False)
     does_not_fit: str = ""
+    logs_root: str = ""  # jobspec.run_logs_root: status.attempts[].logsURI ('': none kept)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class ClusterView:
     queue: QueueView | None = None  # read only for a suspended cluster with a queue
     uid: str = ""  # metadata.uid: which RayCluster an attempt ran on
     hosts_ready_since: str = ""  # when its last worker pod became Ready (read once it is ready)
+    routine_wait: str = ""  # a pod's routine wait with the kubelet's words for it (podstatus.routine_wait)
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class Observations:
     deleting: bool = False
     ray_unreachable: str = ""  # why, once the job's head has not answered for too long
     ray_down: str = ""  # why the head does not answer (or its token cannot be derived), within that bound
+    ray_answered: bool = False  # the head answered a call of this step (its unreachable clock stops)
     create_refused: str = ""  # the API server's words when it refused to create the RayCluster
     slice_health: SliceHealth | None = None  # read only once a job ended without success
     # (node, GKE's cloud.google.com/scheduled-maintenance-time value) for the nodes of the
@@ -243,3 +246,14 @@ def _note(s, d, obs, type_, reason, message, warn=False) -> None:
 def _copy(status: dict) -> dict:
     # kopf keeps its own bookkeeping under status.kopf; it is not ours to rewrite.
     return copy.deepcopy({k: v for k, v in (status or {}).items() if k != "kopf"})
+
+
+def recorded_cluster_uid(status: dict, cluster: ClusterView | None) -> str:
+    """The RayCluster a delete may remove (its uid precondition): the owned one the step's
+    decision was made on, else the one the run's status records for its latest attempt; ''
+    when neither is known. Never one a fresh read finds: after a hand-over that could be a
+    newer leader's cluster of the same name."""
+    if cluster is not None and cluster.exists and cluster.owned and cluster.uid:
+        return cluster.uid
+    entries = status.get("attempts") or []
+    return str(entries[-1].get("rayClusterUID") or "") if entries else ""

@@ -22,18 +22,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 from tpufinetune.core import attempts
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import memplan
 from tpufinetune.core.api import TPUFineTuneSpec
-from tpufinetune.core.jobspec import submission_id
+from tpufinetune.core.jobspec import run_logs_root, submission_id
 from tpufinetune.core.phaseattempts import (  # noqa: F401  (attempt_reason: part of the API)
     NOT_RETRIED, _count_attempts, _fail, _job_failure, _lost_cluster, _rebuild_or_fail, _release, _retry, _stop_and_fail,
     _success_message, _suspended, attempt_reason,
 )
-from tpufinetune.core.phasechecks import _maintenance, _preflight_passed, maintenance_time  # noqa: F401
+from tpufinetune.core.phasechecks import (  # noqa: F401  (ray_down_since: the driver's)
+    _maintenance, _preflight_passed, _ray_clock, _ray_down, _spec_validity, maintenance_time, ray_down_since,
+)
 from tpufinetune.core.phasemodel import (  # noqa: F401  (re-exported: the driver and tests use phases.X)
     DELETING, FAILED, JOB_ACTIVE, PENDING, PROVISIONING, QUEUED, RUNNING, SUBMITTING, SUCCEEDED, TERMINAL,
     WAITING, ClusterView, CreateCluster, Decision, DeleteCluster, Identity, JobView, Observations, Plan,
@@ -72,7 +75,22 @@ def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: t
         preflight=spec.mode == "finetune" and spec.preflight is not None and spec.preflight.enabled,
         memory=memplan.status_of(memory) if memory is not None else None,
         does_not_fit=memory.refusal() if memory is not None and memplan.refuses(memory) else "",
+        logs_root=run_logs_root(ident.name, ident.uid, spec),
     )
+
+
+def plan_in_force(latest: Plan, applied: Plan | None, refused: bool) -> Plan:
+    """The plan a step goes by. An edit the operator's checks refuse (`refused`: the latest
+    generation's spec is invalid) changes nothing: the applied generation's plan stays in
+    force whole (watchdog, deadline, TTL, retries). A valid edit not yet applied (a running
+    attempt takes it at the next one) is in force at once, except for the size of the slice
+    the attempt holds: its usage goes on at the applied generation's chips and hosts, and
+    what it already cost is never rescaled. `applied` None: not known, the latest goes."""
+    if applied is None:
+        return latest
+    if refused:
+        return applied
+    return replace(latest, chips=applied.chips, hosts=applied.hosts)
 
 
 def _seconds(value: int | None) -> timedelta | None:
@@ -146,6 +164,8 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
     if new.get("phase") != phase:
         # Timers of a phase (provisioning timeout, no-progress) count from here.
         new["phaseTransitionTime"] = cond.timestamp(obs.now)
+    _ray_clock(status or {}, new, obs)
+    _spec_validity(ident, new, obs, decision)
     _count_attempts(plan, status or {}, new, obs, decision, phase)
     return decision
 
@@ -238,8 +258,9 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
     elif cluster.problem:
         _note(s, d, obs, cond.CLUSTER_READY, "Waiting", cluster.problem, warn=True)
     else:
-        s["message"] = f"waiting for RayCluster {name} to be ready" + (f": {hosts}" if hosts else "")
-        if hosts:
+        detail = "; ".join(filter(None, [hosts, cluster.routine_wait]))
+        s["message"] = (f"waiting for RayCluster {name} to be ready" + (f": {detail}" if detail else ""))[: cond.MESSAGE_LIMIT]
+        if detail:
             _set(s, obs, cond.CLUSTER_READY, False, "Waiting", s["message"])
 
 
@@ -289,16 +310,6 @@ def _submit_timeout(ident: Identity, plan: Plan, s: dict, obs: Observations, d: 
             d.actions.append(StopJob(preflight["jobId"]))
     _rebuild_or_fail(ident, plan, s, obs, d, "SubmitTimeout",
                      f"still waiting for {waiting_for} after {seconds} s in Submitting (TPUFT_SUBMIT_TIMEOUT)")
-
-
-def _ray_down(s: dict, obs: Observations, d: Decision) -> None:
-    """The head does not answer, or its token cannot be derived: nothing is decided without
-    Ray until it does or TPUFT_RAY_UNREACHABLE_TIMEOUT ends the attempt. Said in the status
-    and in one Warning Event per new reason."""
-    message = obs.ray_down[: cond.MESSAGE_LIMIT]
-    if s.get("message") != message:
-        s["message"] = message
-        d.actions.append(RecordEvent("Warning", "RayUnreachable", message))
 
 
 def _rebuild(s: dict, obs: Observations, d: Decision) -> None:

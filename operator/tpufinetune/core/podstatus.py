@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from tpufinetune.core.sizing import REPLICA_INDEX_LABEL
+
 # Waiting reasons a kubelet reports while a container is being set up as usual.
 ROUTINE_WAITING = frozenset({"ContainerCreating", "PodInitializing"})
 
@@ -39,6 +41,19 @@ def worst_problem(pods: list[dict]) -> PodProblem | None:
     scheduled and starting as usual."""
     found = [problem for pod in sorted(pods, key=_name) for problem in _problems(pod)]
     return min(found, key=_rank, default=None)
+
+
+def routine_wait(pods: list[dict]) -> str:
+    """What the first pod (by name) in a routine wait says it waits for: "pod X is
+    ContainerCreating: <message>", only where the kubelet gave a message ("" otherwise): a
+    waiting run says what for, not only how many hosts are ready."""
+    for pod in sorted(pods, key=_name):
+        status = pod.get("status") or {}
+        for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in ROUTINE_WAITING and waiting.get("message"):
+                return f"pod {_name(pod)} is {waiting['reason']}: {waiting['message']}"
+    return ""
 
 
 def hosts_ready(pods: list[dict]) -> int:
@@ -100,6 +115,12 @@ def _name(pod: dict) -> str:
     return (pod.get("metadata") or {}).get("name", "")
 
 
+def _replica_index(pod: dict) -> str:
+    """KubeRay's replica index of a worker pod: its slice ("" for a head, or a KubeRay
+    without multi-host indexing)."""
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(REPLICA_INDEX_LABEL, "")
+
+
 def _is_worker(pod: dict) -> bool:
     return ((pod.get("metadata") or {}).get("labels") or {}).get("ray.io/node-type") == "worker"
 
@@ -144,11 +165,15 @@ HEALTHY = SliceHealth(True)
 def slice_health(pods: list[dict], nodes: dict, since, hosts: int) -> SliceHealth:
     """`nodes`: node name -> the Node (None: it is gone) for the pods' nodes; `since`: when
     the slice was ready for the attempt (a datetime, or None: not known); `hosts`: the
-    worker pods the slice has."""
+    worker pods the slice has. On a run of several slices each problem names the slice
+    (KubeRay's replica index) of the pod it is about."""
     found: list[tuple[str, str]] = []  # (reason, detail)
     live = [p for p in sorted(pods, key=_name) if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    several = any(_replica_index(p) not in ("", "0") for p in pods)
     for pod in sorted(pods, key=_name):
-        found += _pod_health(pod, nodes, since)
+        where = f"pod {_name(pod)} of slice {_replica_index(pod)}" if several and _is_worker(pod) else ""
+        found += [(reason, detail.replace(f"pod {_name(pod)}", where, 1) if where else detail)
+                  for reason, detail in _pod_health(pod, nodes, since)]
     workers = sum(1 for p in live if _is_worker(p))
     if hosts and workers < hosts:
         found.append(("Preempted", f"{hosts - workers} of {hosts} worker pods are gone"))

@@ -18,6 +18,11 @@ Two kinds of failure, told apart by the caller from the API server's answer:
   probe makes /healthz fail so that Kubernetes restarts it (a fresh process, a fresh
   connection, every object read again).
 
+A condition cannot be written while the status write itself fails. So the run's trouble is
+shown as it happens by the Event and the gauge, and in the status once a write lands again:
+that write carries condition StatusWritable (True, reason WritesFailed) saying for how long
+writes failed and the last error (`recovered`).
+
 Other failed steps (Ray unreachable, a retry waiting for workers) do not count here: they
 have their own bounds in the run's state machine, which a restart would only reset.
 """
@@ -25,6 +30,9 @@ have their own bounds in the run's state machine, which a restart would only res
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from tpufinetune.core import conditions as cond
 
 RunKey = tuple[str, str, str]  # (namespace, name, uid)
 
@@ -73,3 +81,15 @@ class ProgressTracker:
                 f"last error: {f.error}"
                 for (namespace, name, _), f in sorted(self.failing.items())
                 if not f.own and now - f.since > bound]
+
+
+def recovered(status: dict, failing: Failing, now: datetime, now_monotonic: float) -> None:
+    """The status about to be written after its writes failed: it says so in condition
+    StatusWritable, with when the failures began (on the wall clock) and the last error."""
+    seconds = max(0.0, now_monotonic - failing.since)
+    since = cond.timestamp(now - timedelta(seconds=seconds))
+    whose = "refused this object" if failing.own else "did not serve the operator"
+    cond.set_condition(status, cond.STATUS_WRITABLE, True, "WritesFailed",
+                       f"status writes failed for {seconds:.0f} s from {since} until {cond.timestamp(now)} "
+                       f"(the API server {whose}); last error: {failing.error}",
+                       now, status.get("observedGeneration"))

@@ -38,6 +38,16 @@ DASHBOARD_PORT = 8265
 # `spec.authOptions.secretName` names (ray-operator/controllers/ray/utils/constant.go).
 AUTH_TOKEN_KEY = "auth_token"
 
+# Multi-slice: KubeRay labels each worker pod with its replica's index in the worker group
+# (feature gate RayMultiHostIndexing, on by default since v1.5;
+# ray-operator/controllers/ray/utils/constant.go). A replica is a slice: the trainer reads
+# its slice from this label (through the downward API), never from start order, and the
+# scheduler keeps each replica on a node pool of its own by it.
+REPLICA_INDEX_LABEL = "ray.io/worker-group-replica-index"
+SLICE_INDEX_ENV = "TPUFT_SLICE_INDEX"
+NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
+RAY_CLUSTER_LABEL, RAY_GROUP_LABEL = "ray.io/cluster", "ray.io/group"
+
 # KubeRay derives `<cluster>-headless-worker-svc` (20 more characters) and the TPU webhook
 # builds `<group>-<replica>-<host>.<cluster>-headless-worker-svc` host names; a 40
 # character cluster name keeps every derived DNS label within 63.
@@ -155,8 +165,10 @@ def render_raycluster(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec
         # Ray counts chiplets: advertise every logical TPU device of the host.
         worker_group["resources"] = {
             "TPU": str(shape.chips_per_host * shape.generation.devices_per_chip)}
-    worker_group["template"] = {"metadata": {"labels": pod_labels(name)},
-                                "spec": _worker_pod(spec, shape, env, resources["workers"])}
+    worker_pod = _worker_pod(spec, shape, env, resources["workers"])
+    if spec.tpu.slices > 1:
+        _one_pool_per_slice(worker_pod, raycluster_name(name), shape)
+    worker_group["template"] = {"metadata": {"labels": pod_labels(name)}, "spec": worker_pod}
     raycluster = {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
@@ -182,6 +194,26 @@ def render_raycluster(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec
     if spec.queue_name:
         _queue_in_kueue(raycluster, spec)
     return raycluster
+
+
+def _one_pool_per_slice(pod: dict, cluster: str, shape: SliceShape) -> None:
+    """Several slices: each worker learns its slice (the replica index KubeRay labels it
+    with), and on TPU each replica's hosts share one node pool that no other replica uses,
+    as a GKE TPU node pool is one slice (its ICI domain). matchLabelKeys and
+    mismatchLabelKeys (Kubernetes 1.31+) compare the pod's own replica index."""
+    pod["containers"][0]["env"].append({"name": SLICE_INDEX_ENV, "valueFrom": {
+        "fieldRef": {"fieldPath": f"metadata.labels['{REPLICA_INDEX_LABEL}']"}}})
+    if not shape.generation.is_tpu:
+        return  # the cpu stand-in's workers are CPU pods, not slices of a pool
+    group = {"matchLabels": {RAY_CLUSTER_LABEL: cluster, RAY_GROUP_LABEL: shape.group_name}}
+    pod["affinity"] = {
+        "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": group, "matchLabelKeys": [REPLICA_INDEX_LABEL],
+            "topologyKey": NODEPOOL_LABEL}]},
+        "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": copy.deepcopy(group), "mismatchLabelKeys": [REPLICA_INDEX_LABEL],
+            "topologyKey": NODEPOOL_LABEL}]},
+    }
 
 
 def _queue_in_kueue(raycluster: dict, spec: TPUFineTuneSpec) -> None:

@@ -268,6 +268,27 @@ class Attempt(_Status):
                                            description="When its slice was released or "
                                                        "handed to the next attempt.")
     usage: Usage | None = Field(None, description="What this attempt cost.")
+    logs_uri: str | None = Field(None, alias="logsURI", max_length=2048,
+                                 description="Where its logs are kept (the driver's and "
+                                             "each worker's output, written while it runs "
+                                             "and kept after the RayCluster is gone): "
+                                             "`tpufinetune logs NAME --attempt N`.")
+
+
+class Notification(_Status):
+    """One notice of spec.notify and its delivery (core/notify.py)."""
+
+    sink: str = Field(max_length=63, description="The sink it was sent to.")
+    event: Literal["Succeeded", "Failed", "AttemptEnded"] = Field(description="What it tells.")
+    attempt: int = Field(ge=0, description="The attempt it is about.")
+    id: str = Field(max_length=128, description="Its CloudEvent id (the same at every try and "
+                                                "sink; a receiver may dedupe on it).")
+    state: Literal["Pending", "Delivered", "Failed"] = Field(
+        description="Pending (being retried), Delivered, or Failed (refused, out of tries, or "
+                    "a sink not configured): a Delivered or Failed notice is not sent again.")
+    tries: int = Field(0, ge=0, description="HTTP tries made.")
+    last_error: str | None = Field(None, max_length=512, description="Why the last try failed.")
+    time: str = Field(json_schema_extra={"format": "date-time"}, description="When it was last tried.")
 
 
 class TPUFineTuneStatus(_Status):
@@ -380,6 +401,9 @@ class TPUFineTuneStatus(_Status):
                                 "training.targetEvalLoss.")
     trainer_failure: TrainerFailure | None = Field(
         None, description="The trainer's failure event of the current attempt, if any.")
+    notifications: list[Notification] | None = Field(
+        None, max_length=50, description="Delivery of spec.notify's notices, newest last (at "
+                                         "most 50).")
     plan: MemoryPlanStatus | None = Field(
         None, description="The memory planner's estimate (HBM per chip, memory per host) and "
                           "whether it fits; a run that does not fit fails with reason DoesNotFit "

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 from . import generations as g
 from .errors import SpecError
 from .quantity import parse_quantity
-from .sizing import plan_resources, slice_shape
+from .sizing import SLICE_INDEX_ENV, plan_resources, slice_shape
 
 if TYPE_CHECKING:
     from .api import PodGroup, ResourceRequirements, TPUFineTuneSpec
 
-SLICES_MESSAGE = ("must be 1 when mode is finetune: Ray Train runs PyTorch on one TPU "
-                  "slice only (mode: collectives may span several slices)")
+SLICES_MESSAGE = (f"is more slices than one run can span ({g.multislice_ceilings()}); use fewer "
+                  "slices or a smaller topology")
 STORAGE_MESSAGE = ("is required when mode is finetune: a gs:// bucket path or a shared "
                    "filesystem path where Ray Train writes checkpoints")
 # A local checkpoint path is one filesystem for the head and every worker only when it lies
@@ -40,9 +40,9 @@ EARLY_STOP_MESSAGE = ("needs training.evalFraction greater than 0: it acts on th
                       "loss, and with no evaluation there is none; set training.evalFraction "
                       "(e.g. 0.05) or remove it")
 EARLY_STOP_FIELDS = ("targetEvalLoss", "earlyStoppingPatience")
-GLOBAL_BATCH_MESSAGE = ("must be 0 (no gradient accumulation) or a multiple of the slice's "
-                        "devices x training.batchSizePerDevice, the factor being the "
-                        "accumulation steps")
+GLOBAL_BATCH_MESSAGE = ("must be 0 (no gradient accumulation) or a multiple of every slice's "
+                        "devices (devices per slice x tpu.slices) x training.batchSizePerDevice, "
+                        "the factor being the accumulation steps")
 MIN_NO_PROGRESS_TIMEOUT = 60
 NO_PROGRESS_MESSAGE = (f"must be 0 (off) or at least {MIN_NO_PROGRESS_TIMEOUT} seconds: "
                        "the trainer reports progress about every 30 s")
@@ -63,14 +63,14 @@ TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host
 # RAY_AUTH_*: KubeRay skips its own when the container already has one, and a user's
 # would replace the run's token (core/raytoken.py).
 RESERVED_ENV = ("HF_TOKEN", "RAY_TPU_RESOURCE_PER_CHIP", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
-                "RAY_AUTH_TOKEN_PATH")
+                "RAY_AUTH_TOKEN_PATH", SLICE_INDEX_ENV)
 RESERVED_ENV_PREFIX = "TPU_"  # the KubeRay TPU webhook's TPU_WORKER_ID, TPU_NAME, ...
 SHM_VOLUME, SHM_PATH = "dshm", "/dev/shm"
 RESERVED_LABEL_PREFIX = "ray.io/"
 VOLUME_SOURCES = ("persistentVolumeClaim", "csi", "emptyDir", "configMap", "secret", "nfs")
 ENV_VALUE_MESSAGE = "set exactly one of value and valueFrom.secretKeyRef"
 ENV_RESERVED_MESSAGE = ("is set by the operator (HF_TOKEN from model.tokenSecret; "
-                        "RAY_TPU_RESOURCE_PER_CHIP and TPU_* from the slice; RAY_AUTH_* "
+                        f"RAY_TPU_RESOURCE_PER_CHIP, TPU_* and {SLICE_INDEX_ENV} from the slice; RAY_AUTH_* "
                         "from the run's own Ray token); use another name")
 VOLUME_SOURCE_MESSAGE = f"set exactly one volume source: {', '.join(VOLUME_SOURCES)}"
 SHM_VOLUME_MESSAGE = ("dshm is the workers' /dev/shm volume, sized from the machine; use "
@@ -151,10 +151,25 @@ def _chips_per_host_rule(gen: g.Generation) -> dict:
     }
 
 
+def _slices_rule() -> dict:
+    """slices within what one run can span: a map of every alias/topology whose ceiling is
+    below MAX_SLICES (the schema's own bound), and the cpu stand-in's worker total."""
+    ceilings = "{" + ", ".join(
+        f"'{alias}/{topology}': {g.max_slices(gen, topology)}" for gen in g.GENERATIONS if gen.is_tpu
+        for alias in gen.aliases for topology in gen.valid_topologies()
+        if g.max_slices(gen, topology) < g.MAX_SLICES) + "}"
+    key = "self.generation + '/' + self.topology"
+    cpu = f"(!self.topology.matches('^[0-9]{{1,3}}$') || self.slices * int(self.topology) <= {g.MAX_CPU_WORKERS})"
+    return {"rule": (f"!has(self.slices) || self.slices == 1 || (self.generation == 'cpu' ? {cpu} : "
+                     f"(!({key} in {ceilings}) || self.slices <= {ceilings}[{key}]))"),
+            "message": SLICES_MESSAGE, "fieldPath": ".slices", "reason": "FieldValueInvalid"}
+
+
 def tpu_rules() -> list[dict]:
     """CEL rules on `spec.tpu`."""
     rules = [_topology_rule(gen) for gen in g.GENERATIONS if gen.is_tpu]
     rules.append(_cpu_topology_rule())
+    rules.append(_slices_rule())
     rules += [_chips_per_host_rule(gen) for gen in g.GENERATIONS if gen.is_tpu]
     rules.append({
         "rule": "self.generation != 'cpu' || !has(self.chipsPerHost)",
@@ -185,7 +200,8 @@ def _global_batch_rule(is_collectives: str) -> dict:
     default = Training.model_fields["batch_size_per_device"].default  # what defaulting fills in
     per_device = ("(has(self.training.batchSizePerDevice) ? "
                   f"self.training.batchSizePerDevice : {default})")
-    micro = f"({devices} * {per_device})"
+    slices = "(has(self.tpu.slices) ? self.tpu.slices : 1)"
+    micro = f"({devices} * {slices} * {per_device})"
     return {
         "rule": (f"{is_collectives} || !has(self.training) || "
                  "!has(self.training.globalBatchBlocks) || self.training.globalBatchBlocks == 0 || "
@@ -236,12 +252,6 @@ def spec_rules() -> list[dict]:
     """CEL rules on `spec` (cross-object: mode against tpu and checkpoint)."""
     is_collectives = "(has(self.mode) && self.mode == 'collectives')"
     return [
-        {
-            "rule": f"{is_collectives} || !has(self.tpu.slices) || self.tpu.slices == 1",
-            "message": SLICES_MESSAGE,
-            "fieldPath": ".tpu.slices",
-            "reason": "FieldValueInvalid",
-        },
         {
             "rule": (f"{is_collectives} || (has(self.checkpoint) && "
                      "has(self.checkpoint.storagePath) && self.checkpoint.storagePath != '')"),
@@ -360,9 +370,9 @@ def check_spec(spec: TPUFineTuneSpec, one_machine: bool = False) -> None:
         problem = g.chips_per_host_error(gen, tpu.topology, tpu.chips_per_host)
         if problem:
             raise SpecError("spec.tpu.chipsPerHost", problem)
+    if tpu.slices > g.max_slices(gen, tpu.topology):
+        raise SpecError("spec.tpu.slices", SLICES_MESSAGE)
     if spec.mode == "finetune":
-        if tpu.slices != 1:
-            raise SpecError("spec.tpu.slices", SLICES_MESSAGE)
         if not spec.checkpoint.storage_path:
             raise SpecError("spec.checkpoint.storagePath", STORAGE_MESSAGE)
         if not one_machine and not storage_is_shared(spec):
@@ -423,23 +433,22 @@ def _shared_source(volume) -> tuple | None:
 
 
 def _check_global_batch(spec: TPUFineTuneSpec) -> None:
-    """The trainer's batch plan: global batch = devices x batch size x accumulation."""
-    wanted = spec.training.global_batch_blocks
-    devices = slice_shape(spec).devices_per_slice
-    micro = devices * spec.training.batch_size_per_device
+    """The trainer's batch plan: global batch = devices of every slice x batch size x
+    accumulation (each slice a data-parallel replica of the others)."""
+    wanted, devices, slices = spec.training.global_batch_blocks, slice_shape(spec).devices_per_slice, spec.tpu.slices
+    micro = devices * slices * spec.training.batch_size_per_device
     if wanted and wanted % micro:
+        per_slice = f" x {slices} slices" if slices > 1 else ""
         raise SpecError("spec.training.globalBatchBlocks",
-                        f"{GLOBAL_BATCH_MESSAGE}: {wanted} is not a multiple of {devices} devices x "
-                        f"{spec.training.batch_size_per_device} = {micro}")
+                        f"{GLOBAL_BATCH_MESSAGE}: {wanted} is not a multiple of {devices} devices"
+                        f"{per_slice} x {spec.training.batch_size_per_device} = {micro}")
 
 
 def _check_unique(path: str, keys: list[str], what: str) -> None:
     """The apiserver's list-map check (x-kubernetes-list-map-keys)."""
-    seen: set[str] = set()
     for index, key in enumerate(keys):
-        if key in seen:
+        if key in keys[:index]:
             raise SpecError(f"{path}[{index}]", f'Duplicate value: {what} "{key}"')
-        seen.add(key)
 
 
 def _check_pod_group(path: str, group: PodGroup) -> None:
@@ -459,8 +468,7 @@ def _check_pod_group(path: str, group: PodGroup) -> None:
     for index, mount in enumerate(group.volume_mounts or ()):
         if mount.mount_path == SHM_PATH or mount.mount_path.startswith(SHM_PATH + "/"):
             raise SpecError(f"{path}.volumeMounts[{index}].mountPath", SHM_MOUNT_MESSAGE)
-    _check_unique(f"{path}.volumeMounts", [m.mount_path for m in group.volume_mounts or ()],
-                  "mountPath")
+    _check_unique(f"{path}.volumeMounts", [m.mount_path for m in group.volume_mounts or ()], "mountPath")
     names = {volume.name for volume in group.volumes or ()}
     if any(mount.name not in names for mount in group.volume_mounts or ()):
         raise SpecError(f"{path}.volumeMounts", MOUNT_VOLUME_MESSAGE)
@@ -473,9 +481,9 @@ def _snake(camel: str) -> str:
 
 
 def _check_overrides(path: str, resources: ResourceRequirements) -> None:
-    for side in ("requests", "limits"):
-        if g.TPU_RESOURCE in (getattr(resources, side) or {}):
-            raise SpecError(f"{path}.{side}", TPU_OVERRIDE_MESSAGE)
+    side = next((side for side in ("requests", "limits") if g.TPU_RESOURCE in (getattr(resources, side) or {})), None)
+    if side:
+        raise SpecError(f"{path}.{side}", TPU_OVERRIDE_MESSAGE)
 
 
 def _check_merged_resources(spec: TPUFineTuneSpec) -> None:

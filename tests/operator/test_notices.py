@@ -1,0 +1,250 @@
+"""Notices delivered to a real HTTP receiver in this process (adapters/notify.py): retries
+with backoff, the queue's bound, a sink not configured, and nothing sent twice."""
+import asyncio
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from cloudevents.v1.http import from_http
+
+from tpufinetune.adapters.notify import Notifier, RunNotices
+from tpufinetune.core import notify
+from tpufinetune.core.phases import Identity
+
+IDENT = Identity("tiny", "ml", "0b7c5c1e-1111-2222-3333-444455556666", 1)
+SUCCEEDED = {"phase": "Succeeded", "attempt": 1, "loss": 1.1, "evalLoss": 1.3, "usage": {"chipHours": 0.5},
+             "completionTime": "2026-12-05T01:00:00Z", "checkpointURI": "gs://b/tiny/ckpt",
+             "attempts": [{"attempt": 1, "startTime": "2026-12-05T00:00:00Z", "endTime": "2026-12-05T01:00:00Z",
+                           "reason": "Succeeded", "logsURI": "gs://b/tiny/logs/attempt-1/"}]}
+
+
+class Receiver:
+    """Answers `codes` in turn (then 200) and keeps every request it got."""
+
+    def __init__(self, codes=()):
+        self.codes = list(codes)
+        self.got: list[tuple[dict, bytes]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                receiver.got.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                self.send_response(receiver.codes.pop(0) if receiver.codes else 200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver():
+    made = []
+
+    def make(codes=()):
+        made.append(Receiver(codes))
+        return made[-1]
+    yield make
+    for one in made:
+        one.close()
+
+
+@pytest.fixture(autouse=True)
+def no_proxy(monkeypatch):
+    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def fast_notifier(sinks, **kwargs) -> Notifier:
+    return Notifier({s.name: s for s in sinks}, retry_base=0.05, retry_cap=0.2, **kwargs)
+
+
+async def settle(notices: RunNotices, status: dict, timeout: float = 10.0) -> dict:
+    """Write outcomes into `status` as the driver does until nothing is in flight."""
+    async def loop():
+        while True:
+            notices.wake.clear()
+            records = notices.records()
+            if records:
+                status["notifications"] = notify.with_records(status, records)
+            if not notices.waiting():
+                return status
+            await notices.wake.wait()
+    return await asyncio.wait_for(loop(), timeout)
+
+
+@pytest.mark.timeout(30)
+def test_a_receiver_that_refuses_twice_gets_the_event_on_the_third_try(receiver):
+    hook = receiver([503, 503])
+    sink = notify.Sink(name="bus", type="cloudevents", url=hook.url, mode="binary")
+    notifier = fast_notifier([sink])
+    events = []
+
+    async def scenario():
+        notices = RunNotices(notifier, asyncio.Event())
+        status = dict(SUCCEEDED)
+        notices.offer_due(IDENT, [("bus", None)], status, lambda *a: events.append(a))
+        await settle(notices, status)
+        # A second pass over the written status (a restart, another replica) sends nothing.
+        notices.offer_due(IDENT, [("bus", None)], status, lambda *a: events.append(a))
+        assert not notices.waiting()
+        return status
+    try:
+        status = asyncio.run(scenario())
+    finally:
+        notifier.close()
+    (record,) = status["notifications"]
+    assert (record["state"], record["tries"], record["sink"], record["event"]) == ("Delivered", 3, "bus", "Succeeded")
+    assert "lastError" not in record
+    assert len(hook.got) == 3 and events == []
+    ids = {from_http(headers, body)["id"] for headers, body in hook.got}
+    assert ids == {f"{IDENT.uid}.Succeeded.1"}  # one id at every try: a receiver can dedupe
+    read = from_http(*hook.got[-1])
+    assert read.data["logsURI"] == "gs://b/tiny/logs/attempt-1/" and read.data["evalLoss"] == 1.3
+
+
+@pytest.mark.timeout(30)
+def test_a_refusal_that_will_not_change_fails_at_once_and_the_token_is_sent(receiver, tmp_path):
+    hook = receiver([401])
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    sink = notify.Sink(name="team", type="webhook", url=hook.url, token_file=str(token))
+    notifier = fast_notifier([sink])
+
+    async def scenario():
+        notices = RunNotices(notifier, asyncio.Event())
+        status = dict(SUCCEEDED)
+        notices.offer_due(IDENT, [("team", None)], status, lambda *a: None)
+        return await settle(notices, status)
+    try:
+        status = asyncio.run(scenario())
+    finally:
+        notifier.close()
+    (record,) = status["notifications"]
+    assert (record["state"], record["tries"], record["lastError"]) == ("Failed", 1, "HTTP 401 Unauthorized")
+    headers, body = hook.got[0]
+    assert headers["authorization"] == "Bearer s3cret"
+    assert json.loads(body)["data"]["checkpointURI"] == "gs://b/tiny/ckpt"
+
+
+@pytest.mark.timeout(30)
+def test_out_of_tries_the_notice_fails_with_the_last_error(receiver):
+    hook = receiver([503] * 10)
+    notifier = fast_notifier([notify.Sink(name="bus", type="cloudevents", url=hook.url)], max_tries=3)
+
+    async def scenario():
+        notices = RunNotices(notifier, asyncio.Event())
+        status = dict(SUCCEEDED)
+        notices.offer_due(IDENT, [("bus", None)], status, lambda *a: None)
+        return await settle(notices, status)
+    try:
+        status = asyncio.run(scenario())
+    finally:
+        notifier.close()
+    (record,) = status["notifications"]
+    assert (record["state"], record["tries"]) == ("Failed", 3) and "503" in record["lastError"]
+    assert len(hook.got) == 3
+
+
+def test_a_sink_not_configured_is_failed_in_status_with_an_event_and_never_called():
+    notifier = fast_notifier([])
+    events = []
+
+    async def scenario():
+        notices = RunNotices(notifier, asyncio.Event())
+        status = dict(SUCCEEDED)
+        notices.offer_due(IDENT, [("nosuch", ["Succeeded"])], status, lambda *a: events.append(a))
+        return await settle(notices, status)
+    try:
+        status = asyncio.run(scenario())
+    finally:
+        notifier.close()
+    (record,) = status["notifications"]
+    assert (record["state"], record["tries"]) == ("Failed", 0)
+    assert "'nosuch' is not configured" in record["lastError"]
+    assert [(e[1], e[2]) for e in events] == [("Warning", "NotifySinkUnknown")]
+
+
+@pytest.mark.timeout(30)
+def test_the_queue_is_bounded_and_a_refused_notice_stays_due():
+    # A port nothing listens on, retried only after a minute: each notice stays held.
+    sink = notify.Sink(name="down", type="webhook", url="http://127.0.0.1:9/x")
+    notifier = Notifier({"down": sink}, limit=2, senders=1, retry_base=60.0)
+
+    async def scenario():
+        notices = RunNotices(notifier, asyncio.Event())
+        status = {**SUCCEEDED, "attempts": SUCCEEDED["attempts"] + [
+            {"attempt": 2, "startTime": "2026-12-05T01:00:00Z", "endTime": "2026-12-05T01:10:00Z"}]}
+        subscriptions = [("down", ["Succeeded", "AttemptEnded"])]
+        notices.offer_due(IDENT, subscriptions, status, lambda *a: None)  # 3 due, room for 2
+        assert notifier.held == 2
+        assert notices.waiting()  # the third is still owed: the run keeps stepping
+        notices.offer_due(IDENT, subscriptions, status, lambda *a: None)  # queued ones are not offered twice
+        assert notifier.held == 2
+    try:
+        asyncio.run(scenario())
+    finally:
+        notifier.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_driver_sends_a_finished_runs_notice_once_and_records_it_before_it_rests(receiver, tmp_path):
+    """A run found finished (an operator that restarted after its end): its loop does not
+    rest until the notice is delivered and written; the next operator sends nothing."""
+    from run_helpers import MemoryCluster, body, settings
+
+    from tpufinetune.adapters.rayjobs import RayJobs
+    from tpufinetune.driver import Run
+
+    hook = receiver([503, 503])
+    sinks = tmp_path / "sinks.yaml"
+    sinks.write_text(f"sinks: [{{name: team, type: cloudevents, url: '{hook.url}'}}]\n")
+    finished = {**SUCCEEDED, "conditions": [{"type": "Succeeded", "status": "True", "reason": "JobSucceeded",
+                                             "lastTransitionTime": "2026-12-05T01:00:00Z"}]}
+    cluster = MemoryCluster()
+
+    async def operator_pass(status):
+        live = body(status)
+        live["spec"]["notify"] = [{"sink": "team"}]
+        run = Run(live, cluster, RayJobs(), settings(notify_sinks_file=str(sinks)))
+        await asyncio.wait_for(run.run(asyncio.Event()), 30)
+        return run
+    asyncio.run(operator_pass(finished))
+    (record,) = cluster.status["notifications"]
+    assert (record["state"], record["tries"], record["event"]) == ("Delivered", 3, "Succeeded")
+    assert len(hook.got) == 3
+    read = from_http(*hook.got[-1])
+    assert (read["id"], read["type"]) == ("uid-1.Succeeded.1", "tpufinetune.dev.run.succeeded")
+    assert read.data["reason"] == "JobSucceeded" and read.data["name"] == "demo"
+    asyncio.run(operator_pass(dict(cluster.status)))  # a restart, or the next leader
+    assert len(hook.got) == 3
+
+
+def test_a_sinks_file_that_is_not_valid_fails_each_notice_with_its_error(tmp_path):
+    from tpufinetune.adapters.notify import notifier_for
+
+    bad = tmp_path / "sinks.yaml"
+    bad.write_text("sinks: [{name: team, type: webhook, url: 'ftp://x'}]\n")
+    assert notifier_for(str(tmp_path / "absent.yaml")).sinks == {}  # nothing mounted: no sinks
+    notifier = notifier_for(str(bad))
+    assert "sinks.0.url" in notifier.sinks_error
+    events = []
+
+    async def scenario():
+        notices = RunNotices(notifier, asyncio.Event())
+        status = dict(SUCCEEDED)
+        notices.offer_due(IDENT, [("team", None)], status, lambda *a: events.append(a))
+        return await settle(notices, status)
+    status = asyncio.run(scenario())
+    (record,) = status["notifications"]
+    assert record["state"] == "Failed" and "TPUFT_NOTIFY_SINKS_FILE" in record["lastError"]
+    assert [e[2] for e in events] == ["NotifySinksInvalid"]

@@ -1,0 +1,93 @@
+"""A plan that changes only between attempts: an edit the operator's checks refuse leaves the
+applied generation's plan in force (watchdog, deadline, TTL) and is shown, naming the field;
+the usage an attempt already cost is never rescaled by an edit.
+
+The driver's tests use the in-memory stand-in for Kubernetes of run_helpers; the Ray side
+is a real closed port."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from tpufinetune.adapters.rayjobs import RayJobs
+from tpufinetune.core import conditions as cond
+from tpufinetune.core import phases
+from tpufinetune.driver import Run
+
+from phase_helpers import PLAN, READY, T0, step
+from run_helpers import SPEC, MemoryCluster, body, in_loop, settings
+from test_ray_policy import closed_address, running
+
+WATCHED = {**SPEC, "noProgressTimeoutSeconds": 900, "activeDeadlineSeconds": 7200, "ttlSecondsAfterFinished": 600}
+# Admission takes it; the operator's own checks refuse it (a checkpoint scored on an
+# evaluation that never runs).
+REFUSED = {**WATCHED, "checkpoint": {**SPEC["checkpoint"], "scoreAttribute": "eval_loss"},
+           "training": {"evalFraction": 0}}
+
+
+@in_loop
+async def test_a_refused_edit_keeps_the_applied_plan_and_says_which_field():
+    closed, address = closed_address()
+    cluster = MemoryCluster(address)
+    cluster.exists = True
+    live = body({**running(address), "observedGeneration": 1})
+    live["spec"] = dict(WATCHED)
+    run = Run(live, cluster, RayJobs(timeout=0.3), settings())
+    applied = run.plan
+    assert applied.no_progress_timeout == timedelta(seconds=900)
+    live["metadata"]["generation"] = 2
+    live["spec"] = dict(REFUSED)
+    decision = await run.step()
+    closed.close()
+    assert run.spec_error and "spec.checkpoint.scoreAttribute" in run.spec_error
+    # Watchdog, deadline, TTL: the applied generation's, not turned off.
+    assert run.plan == applied
+    assert decision.phase == phases.RUNNING
+    shown = cond.find(cluster.status, cond.SPEC_VALID)
+    assert shown["status"] == "False" and shown["reason"] == "InvalidSpec"
+    assert "generation 2 is refused" in shown["message"] and "spec.checkpoint.scoreAttribute" in shown["message"]
+    assert "generation 1's plan" in shown["message"]
+    assert "SpecRefused" in cluster.events
+    assert run.spec is not None  # the applied generation's spec, for what the attempt still needs
+
+
+@in_loop
+async def test_a_valid_spec_again_clears_the_refusal():
+    closed, address = closed_address()
+    cluster = MemoryCluster(address)
+    cluster.exists = True
+    live = body({**running(address), "observedGeneration": 1})
+    live["spec"] = dict(WATCHED)
+    run = Run(live, cluster, RayJobs(timeout=0.3), settings())
+    live["metadata"]["generation"], live["spec"] = 2, dict(REFUSED)
+    await run.step()
+    live["metadata"]["generation"], live["spec"] = 3, dict(WATCHED)
+    await run.step()
+    closed.close()
+    assert not run.spec_error
+    assert cond.find(cluster.status, cond.SPEC_VALID)["status"] == "True"
+
+
+def test_the_plan_in_force():
+    applied = phases.Plan(cluster_name="demo-rc", epochs=2, chips=8, hosts=2,
+                          no_progress_timeout=timedelta(seconds=900))
+    off = phases.Plan(cluster_name="demo-rc", epochs=0)  # what an invalid spec plans
+    assert phases.plan_in_force(off, applied, refused=True) == applied
+    bigger = phases.Plan(cluster_name="demo-rc", epochs=2, chips=16, hosts=4, active_deadline=timedelta(hours=1))
+    kept = phases.plan_in_force(bigger, applied, refused=False)
+    assert (kept.chips, kept.hosts, kept.active_deadline) == (8, 2, timedelta(hours=1))
+    assert phases.plan_in_force(bigger, None, refused=False) == bigger
+
+
+def test_usage_already_spent_is_not_rescaled_by_an_edit():
+    applied = phases.Plan(cluster_name="demo-rc", epochs=2, chips=8, hosts=2)
+    status = {**running("http://head:8265"), "phaseTransitionTime": cond.timestamp(T0)}
+    first = step(status, plan=applied, cluster=READY, job=phases.JobView("RUNNING"),
+                 events=({"event": "progress", "epoch": 1, "epochs": 2, "step": 1, "loss": 1.0},))
+    hour = T0 + timedelta(hours=1)
+    event = ({"event": "progress", "epoch": 1, "epochs": 2, "step": 2, "loss": 0.9},)
+    # The edit doubled the slice: the running attempt still holds the old one.
+    in_force = phases.plan_in_force(phases.Plan(cluster_name="demo-rc", epochs=2, chips=16, hosts=4), applied, False)
+    after = step(first.status, plan=in_force, cluster=READY, job=phases.JobView("RUNNING"), events=event, now=hour)
+    assert after.status["usage"]["chipHours"] == 8.0
+    assert PLAN.chips == 0  # (the shared plan is a cpu one; this test sizes its own)
