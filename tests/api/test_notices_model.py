@@ -1,8 +1,5 @@
 """spec.notify, the sinks file, and the notices' CloudEvents (core/notify.py): pure."""
-import json
-
 import pytest
-from cloudevents.v1.http import from_http
 
 from tpufinetune.core import notify
 from tpufinetune.core.api import SpecError, parse_spec
@@ -89,28 +86,6 @@ def test_the_succeeded_event_carries_the_summary_and_a_deterministic_id():
     assert (ended["data"]["reason"], ended["data"]["chipHours"], ended["time"]) == (
         "Preempted", 1.0, "2026-12-05T00:30:00Z")
     assert "logsURI" not in ended["data"]  # attempt 1 has none yet: left out, not null
-
-
-@pytest.mark.parametrize("sink", [
-    notify.Sink(name="b", type="cloudevents", url="http://x", mode="binary"),
-    notify.Sink(name="s", type="cloudevents", url="http://x", mode="structured"),
-])
-def test_both_cloudevents_modes_read_back_with_the_sdk(sink):
-    event = notify.cloud_event(notify.Notice("b", "Succeeded", 2), "tiny", "ml", UID, ENDED)
-    headers, body = notify.http_message(event, sink)
-    read = from_http(headers, body)
-    assert (read["id"], read["type"], read["source"], read["subject"]) == (
-        event["id"], event["type"], event["source"], "tiny")
-    assert read.data == event["data"]
-    assert ("ce-id" in headers) == (sink.mode == "binary")
-
-
-def test_a_webhook_gets_the_whole_event_as_plain_json():
-    event = notify.cloud_event(notify.Notice("team", "Failed", 1), "tiny", "ml", UID,
-                               {**ENDED, "phase": "Failed", "attempt": 1})
-    headers, body = notify.http_message(event, WEBHOOK)
-    assert headers == {"Content-Type": "application/json"}
-    assert json.loads(body)["type"] == "tpufinetune.dev.run.failed"
 
 
 def test_backoff_doubles_to_its_cap_and_only_transient_refusals_retry():

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from cloudevents.v1.http import from_http
 
-from tpufinetune.adapters.notify import Notifier, RunNotices
+from tpufinetune.adapters.notify import Notifier, RunNotices, http_message
 from tpufinetune.core import notify
 from tpufinetune.core.phases import Identity
 
@@ -248,3 +248,31 @@ def test_a_sinks_file_that_is_not_valid_fails_each_notice_with_its_error(tmp_pat
     (record,) = status["notifications"]
     assert record["state"] == "Failed" and "TPUFT_NOTIFY_SINKS_FILE" in record["lastError"]
     assert [e[2] for e in events] == ["NotifySinksInvalid"]
+
+
+# ---- the POST that carries a notice (the CloudEvents SDK's HTTP binding) ----------------
+
+ENDED = {"phase": "Succeeded", "attempt": 2, "loss": 1.25, "completionTime": "2026-12-05T01:00:00Z",
+         "attempts": [{"attempt": 2, "endTime": "2026-12-05T01:00:00Z", "reason": "Succeeded"}]}
+
+
+@pytest.mark.parametrize("sink", [
+    notify.Sink(name="b", type="cloudevents", url="http://x", mode="binary"),
+    notify.Sink(name="s", type="cloudevents", url="http://x", mode="structured"),
+])
+def test_both_cloudevents_modes_read_back_with_the_sdk(sink):
+    event = notify.cloud_event(notify.Notice("b", "Succeeded", 2), "tiny", "ml", "0b7c5c1e", ENDED)
+    headers, body = http_message(event, sink)
+    read = from_http(headers, body)
+    assert (read["id"], read["type"], read["source"], read["subject"]) == (
+        event["id"], event["type"], event["source"], "tiny")
+    assert read.data == event["data"]
+    assert ("ce-id" in headers) == (sink.mode == "binary")
+
+
+def test_a_webhook_gets_the_whole_event_as_plain_json():
+    event = notify.cloud_event(notify.Notice("team", "Failed", 1), "tiny", "ml", "0b7c5c1e",
+                               {**ENDED, "phase": "Failed", "attempt": 1})
+    headers, body = http_message(event, notify.Sink(name="team", type="webhook", url="http://hooks.example/x"))
+    assert headers == {"Content-Type": "application/json"}
+    assert json.loads(body)["type"] == "tpufinetune.dev.run.failed"

@@ -124,7 +124,7 @@ class Notifier:
             log.debug("notice outcome not reported", exc_info=True)
 
     def post(self, sink: notify.Sink, event: dict) -> tuple[int | None, str]:
-        headers, body = notify.http_message(event, sink)
+        headers, body = http_message(event, sink)
         if sink.token_file:
             try:
                 headers["Authorization"] = "Bearer " + Path(sink.token_file).read_text().strip()
@@ -138,6 +138,25 @@ class Notifier:
             return refusal.code, f"HTTP {refusal.code} {refusal.reason}"
         except (OSError, ValueError) as error:  # refused, unreachable, timed out, TLS
             return None, str(getattr(error, "reason", None) or error) or type(error).__name__
+
+
+def http_message(event: dict, sink: notify.Sink) -> tuple[dict[str, str], bytes]:
+    """(headers, body) of the POST that carries `event` (core/notify.cloud_event) to `sink`:
+    for a `cloudevents` sink, the CloudEvents SDK's HTTP protocol binding in the sink's mode
+    (binary: ce-* headers and the summary as the body; structured: the whole event as
+    application/cloudevents+json); for a `webhook`, the event as plain JSON."""
+    if sink.type != "cloudevents":
+        return notify.webhook_message(event)
+    from cloudevents.core.bindings import http as binding
+    from cloudevents.core.formats.json import JSONFormat
+    from cloudevents.core.v1.event import CloudEvent
+
+    attributes = {key: value for key, value in event.items() if key != "data"}
+    if "time" in attributes:  # the SDK takes a datetime and writes RFC 3339 itself
+        attributes["time"] = datetime.fromisoformat(attributes["time"].replace("Z", "+00:00"))
+    to_message = binding.to_binary if sink.mode == "binary" else binding.to_structured
+    message = to_message(CloudEvent(attributes, event["data"]), JSONFormat())
+    return dict(message.headers), message.body
 
 
 def _record(notice: notify.Notice, event: dict, state: str, tries: int, error: str) -> dict:

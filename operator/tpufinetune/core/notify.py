@@ -206,15 +206,11 @@ def _attempt(status: dict, number: int) -> dict:
     return next((a for a in status.get("attempts") or () if a.get("attempt") == number), {})
 
 
-def http_message(event: dict, sink: Sink) -> tuple[dict[str, str], bytes]:
-    """(headers, body) of the POST that carries `event` to `sink` (CloudEvents HTTP
-    protocol binding v1.0)."""
-    if sink.type == "cloudevents" and sink.mode == "binary":
-        headers = {f"ce-{k}": str(v) for k, v in event.items() if k not in ("data", "datacontenttype")}
-        headers["Content-Type"] = event["datacontenttype"]
-        return headers, json.dumps(event["data"], separators=(",", ":")).encode()
-    content_type = "application/cloudevents+json" if sink.type == "cloudevents" else "application/json"
-    return {"Content-Type": content_type}, json.dumps(event, separators=(",", ":")).encode()
+def webhook_message(event: dict) -> tuple[dict[str, str], bytes]:
+    """(headers, body) of the POST that carries `event` to a `webhook` sink: the whole
+    event as plain JSON. A `cloudevents` sink gets the CloudEvents SDK's HTTP binding
+    (adapters/notify.py)."""
+    return {"Content-Type": "application/json"}, json.dumps(event, separators=(",", ":")).encode()
 
 
 def retry_delay(failed_tries: int, base: float = RETRY_BASE_S, cap: float = RETRY_CAP_S) -> float:
