@@ -9,6 +9,7 @@ from tpufinetune.core import phases
 from tpufinetune.core.runevents import split_malformed
 from tpufinetune.core.status import checked_status
 from tpufinetune.core.phases import ClusterView, Identity, JobView, Observations, Plan
+from tpufinetune.core.phasemodel import recorded_cluster_uid
 
 from phase_helpers import ENDED, IDENT, PLAN, READY, T0, kinds, step
 
@@ -61,6 +62,17 @@ def test_a_cluster_owned_by_someone_else_is_refused_with_a_condition_not_adopted
     # the same observation again does not repeat the Warning event
     again = step(d.status, cluster=ClusterView(exists=True, owned=False, ready=True))
     assert kinds(again) == []
+
+
+def test_a_cluster_owned_by_someone_else_still_ends_the_run_at_the_provisioning_timeout():
+    status = step(step({}).status).status
+    foreign = ClusterView(exists=True, owned=False, ready=True, uid="someone-elses")
+    d = step(status, now=T0 + timedelta(minutes=31), cluster=foreign)
+    assert d.phase == phases.FAILED
+    assert cond.find(d.status, cond.FAILED)["reason"] == "ProvisioningTimeout"
+    assert "not owned" in d.status["message"] and "after 30 min" in d.status["message"]
+    # The release can only name its own: no uid of the foreign cluster goes with the delete.
+    assert recorded_cluster_uid(d.status, foreign) == ""
 
 
 def test_provisioning_times_out_and_releases_the_slice():

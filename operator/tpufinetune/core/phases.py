@@ -225,6 +225,10 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
             f"RayCluster {name} exists but is not owned by this TPUFineTune; "
             "delete it or rename the TPUFineTune"
         )
+        if _expired(_provisioning_deadline(plan, s), obs):  # never ours: the bound still holds
+            minutes = int(plan.provision_timeout.total_seconds() // 60)
+            _fail(plan, s, obs, d, "ProvisioningTimeout", f"no RayCluster of its own after {minutes} min: {message}")
+            return
         _note(s, d, obs, cond.CLUSTER_READY, "NotOwned", message, warn=True)
         return
     if plan.queue and not cond.is_true(s, cond.ADMITTED):  # admitted before we saw it queued
