@@ -7,7 +7,7 @@ import pytest
 from api_spec_cases import spec_with
 
 from tpufinetune.core.api import parse_spec
-from tpufinetune.core.jobspec import trainer_argv
+from tpufinetune.core.jobspec import preflight_submission, trainer_argv
 from tpufinetune.core.memplan import plan_spec
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
 from tpufinetune.core.sizing import NODEPOOL_LABEL, REPLICA_INDEX_LABEL, SLICE_INDEX_ENV, raycluster_name
@@ -78,6 +78,14 @@ def test_the_trainer_is_told_the_slices_and_every_slices_devices():
     assert not any(a.startswith("--num-slices") for a in trainer_argv(parse_spec(spec_with())))
     collectives = trainer_argv(parse_spec(spec_with(mode="collectives", checkpoint=None, tpu__slices=2)))
     assert not any(a.startswith("--num-slices") for a in collectives)
+    args = trainer_cli.build_parser().parse_args(argv[1:])
+    assert trainer_cli._config(args).validate().num_slices == 2
+
+
+def test_a_two_slice_runs_preflight_is_parsed_by_the_trainer_with_its_slices():
+    spec = parse_spec(spec_with(tpu__slices=2, preflight={"enabled": True}))
+    argv = preflight_submission("two", "ml", UID, spec, 1).entrypoint_argv
+    assert argv[1] == "collectives" and "--num-slices=2" in argv
     args = trainer_cli.build_parser().parse_args(argv[1:])
     assert trainer_cli._config(args).validate().num_slices == 2
 

@@ -1,6 +1,6 @@
 """The Kubernetes side of a run under faults, against a real kube-apiserver: a
-RayCluster that admission refuses (a ValidatingAdmissionPolicy, as a webhook, a quota or
-a policy would) is shown with the API server's words and fails the run once the
+RayCluster, or the run's NetworkPolicy before it, that admission refuses (a
+ValidatingAdmissionPolicy, as a webhook, a quota or a policy would) is shown with the API server's words and fails the run once the
 provisioning timeout has passed; a deletion the watch never delivered (the watch expired,
 410 Gone) is found by the informer's next list; a RayCluster already being deleted is not
 deleted again.
@@ -33,16 +33,26 @@ pytestmark = [pytest.mark.cluster]
 REFUSAL = "RayClusters are refused by the test's admission policy"
 
 
-def refuse_rayclusters(namespace: str) -> list[dict]:
-    return refusing_policy(f"refuse-rayclusters-{namespace}", namespace, "ray.io", "rayclusters", ["CREATE"], REFUSAL)
+# What admission may refuse of a run's creates, each with a probe of that kind.
+REFUSED_KINDS = {
+    "rayclusters": ("ray.io", {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "probe"},
+                               "spec": {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": {
+                                   "containers": [{"name": "ray-head", "image": "registry.example/t:1"}]}}}}}),
+    # The run's NetworkPolicy, created with its token Secret before the RayCluster.
+    "networkpolicies": ("networking.k8s.io", {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                                              "metadata": {"name": "probe"}, "spec": {"podSelector": {}}}),
+}
 
 
-def wait_until_refused(kubectl, namespace: str, timeout: float = 30) -> None:
+def refuse(namespace: str, resource: str = "rayclusters") -> list[dict]:
+    return refusing_policy(f"refuse-{resource}-{namespace}", namespace, REFUSED_KINDS[resource][0], resource,
+                           ["CREATE"], REFUSAL)
+
+
+def wait_until_refused(kubectl, namespace: str, resource: str = "rayclusters", timeout: float = 30) -> None:
     """A policy reaches the admission plugin a moment after it is applied: probe with a
     server-side dry run (admission runs, nothing is stored) until it refuses."""
-    probe = yaml.safe_dump({"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "probe"},
-                            "spec": {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": {
-                                "containers": [{"name": "ray-head", "image": "registry.example/t:1"}]}}}}})
+    probe = yaml.safe_dump(REFUSED_KINDS[resource][1])
     deadline = time.monotonic() + timeout
     while REFUSAL not in kubectl("-n", namespace, "create", "--dry-run=server", "-f", "-", input=probe,
                                  check=False).stderr:
@@ -62,13 +72,14 @@ class Backend(KubeBackend):
         self.events.append((reason, message))
 
 
-def test_a_refused_raycluster_says_why_and_fails_after_the_provisioning_timeout(
-        control_plane, kuberay_crd, k8s_api, namespace):
+@pytest.mark.parametrize("resource", sorted(REFUSED_KINDS))
+def test_a_refused_create_says_why_and_fails_after_the_provisioning_timeout(
+        control_plane, kuberay_crd, k8s_api, namespace, resource):
     kubectl = control_plane.kubectl
-    policy = yaml.safe_dump_all(refuse_rayclusters(namespace))
+    policy = yaml.safe_dump_all(refuse(namespace, resource))
     kubectl("apply", "-f", "-", input=policy)
     try:
-        wait_until_refused(kubectl, namespace)
+        wait_until_refused(kubectl, namespace, resource)
         manifest = {"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune", "metadata": {"name": "refused"},
                     "spec": {"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
                              "checkpoint": {"storagePath": "gs://tpufinetune-ground/unused"}}}

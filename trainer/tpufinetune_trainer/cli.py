@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     co = sub.add_parser("collectives", help="interconnect check: DTensor TP parity + all_reduce")
     _slice_flags(co)
+    co.add_argument("--num-slices", type=int, default=1,
+                    help="TPU slices the workers span: also measured within each slice (ICI) and across (DCN)")
     co.add_argument("--hidden-dim", type=int, default=128)
     co.add_argument("--batch-size", type=int, default=64)
     co.add_argument("--placement-timeout", type=float, default=600.0, help="seconds to wait for the devices")
@@ -214,7 +216,7 @@ def _config(args: argparse.Namespace):
                              num_workers=args.num_workers, device=args.device, hidden_dim=args.hidden_dim,
                              batch_size=args.batch_size, placement_timeout_s=args.placement_timeout,
                              corrupt_rank=args.corrupt_rank, bandwidth_mib=args.bandwidth_mib,
-                             min_bus_bandwidth_gbps=args.min_bus_bandwidth_gbps)
+                             min_bus_bandwidth_gbps=args.min_bus_bandwidth_gbps, num_slices=args.num_slices)
 
 
 def root_cause(exc: BaseException) -> BaseException:

@@ -12,6 +12,13 @@ an all_reduce of --bandwidth-mib MiB measures the bus bandwidth (as NCCL's tests
 bytes x 2(n-1)/n / time), checked against --min-bus-bandwidth-gbps when given. This is the
 operator's preflight (spec.preflight) before a fine-tune on the same cluster.
 
+With several slices (--num-slices) it is also measured per link class, over the groups of
+the fine-tune's own 2-D mesh (slices.py, each rank's slice from its pod): within each slice
+(ICI: a mesh row, every slice at once) and across slices (DCN: a mesh column, one rank per
+slice at each position), each group's bus bandwidth with its own size n; a class's figure
+is its slowest group's. The floor judges ICI (with one slice ICI is the figure over all
+ranks); the DCN figure is reported, not judged.
+
 On TPU the slice is reserved with `slice_placement_group` and ranks come from the
 webhook's TPU_WORKER_ID and Ray's device id, as in the tutorial. On CPU/GPU, N bundles
 in one placement group get the same arithmetic: rank = host index * devices per host +
@@ -27,6 +34,10 @@ from .backends import Backend, resolve
 from .config import CollectivesConfig
 from .errors import CollectivesError, ConfigError
 from .events import emit
+from .slices import slice_index
+
+# Link class -> the mesh dimension (slices.MESH_DIMS) whose groups cross it.
+LINK_DIMS = {"ici": "shard", "dcn": "replicate"}
 
 SEED = 42
 RTOL, ATOL = 1e-3, 1e-2  # the tutorial's tolerances (bf16-safe)
@@ -70,7 +81,7 @@ class RankWorker:
 
         return {"node_ip": self.node_ip, "accelerator_id": self.accelerator_id,
                 "tpu_worker_id": int(os.environ.get("TPU_WORKER_ID", "0")),
-                "tpu_hosts": os.environ.get("TPU_WORKER_HOSTNAMES", ""),
+                "tpu_hosts": os.environ.get("TPU_WORKER_HOSTNAMES", ""), "slice": slice_index(os.environ),
                 "device_files": len(tpu_device_files()) if self.backend.name == "tpu" else None}
 
     def free_port(self) -> int:
@@ -82,7 +93,8 @@ class RankWorker:
         os.environ.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "WORLD_SIZE": str(world),
                            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world)})
 
-    def check(self, hidden_dim: int, batch_size: int, corrupt: bool, bandwidth_mib: float = 0.0) -> dict:
+    def check(self, hidden_dim: int, batch_size: int, corrupt: bool, bandwidth_mib: float = 0.0,
+              num_slices: int = 1) -> dict:
         import torch
         import torch.distributed as dist
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -117,31 +129,33 @@ class RankWorker:
             dist.all_reduce(contribution, op=dist.ReduceOp.SUM)
             sums = contribution.cpu().tolist()
             seconds = _all_reduce_seconds(device, bandwidth_mib) if bandwidth_mib > 0 else None
+            links = (measure_links(self.backend.device_type, device, bandwidth_mib, num_slices)
+                     if bandwidth_mib > 0 and num_slices > 1 else None)
         finally:
             dist.destroy_process_group()
         return {"rank": self.rank, "local_rank": self.local_rank, "worker_id": self.worker_id,
                 "node_ip": self.node_ip, "all_reduce_sum": sums, "max_abs_diff": err,
-                "shard_ok": shard_ok, "parity_ok": parity_ok, "all_reduce_s": seconds}
+                "shard_ok": shard_ok, "parity_ok": parity_ok, "all_reduce_s": seconds, "links": links}
 
 
 BANDWIDTH_ITERS = 5
 
 
-def _all_reduce_seconds(device, mib: float) -> float:
-    """Mean seconds of one all_reduce of `mib` MiB of fp32, after a warm-up, read on the
-    host once (one sync for all iterations)."""
+def _all_reduce_seconds(device, mib: float, group=None) -> float:
+    """Mean seconds of one all_reduce of `mib` MiB of fp32 over `group` (None: every rank),
+    after a warm-up, read on the host once (one sync for all iterations)."""
     import time
 
     import torch
     import torch.distributed as dist
 
     tensor = torch.ones(max(1, int(mib * 2**20 / 4)), dtype=torch.float32, device=device)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=group)
     float(tensor[0].item())
-    dist.barrier()
+    dist.barrier(group=group)
     start = time.perf_counter()
     for _ in range(BANDWIDTH_ITERS):
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=group)
     float(tensor[0].item())
     return (time.perf_counter() - start) / BANDWIDTH_ITERS
 
@@ -149,6 +163,46 @@ def _all_reduce_seconds(device, mib: float) -> float:
 def bus_bandwidth_gbps(mib: float, world: int, seconds: float) -> float:
     """NCCL tests' bus bandwidth of an all_reduce: what each link carries, in GB/s."""
     return mib * 2**20 * 2 * (world - 1) / world / max(seconds, 1e-12) / 1e9
+
+
+def measure_links(device_type: str, device, mib: float, num_slices: int) -> dict:
+    """Collective (every rank), several slices: this rank's all_reduce seconds within its
+    slice (ICI) and across slices (DCN), over the groups of the fine-tune's mesh, built as
+    training builds it (slices.build_slice_mesh: each rank's slice from its pod). Every
+    slice measures at once, as a step's reduce-scatters run; then every column."""
+    import torch.distributed as dist
+
+    from .slices import build_slice_mesh
+
+    # Pickled places travel over gloo, never over the accelerator's backend (as in train.py).
+    mesh = build_slice_mesh(device_type, num_slices, dist.new_group(backend="gloo"))
+    measured = {}
+    for link, dim in LINK_DIMS.items():
+        group = mesh.get_group(dim)
+        measured[link] = {"ranks": sorted(dist.get_process_group_ranks(group)),
+                          "seconds": _all_reduce_seconds(device, mib, group)}
+    return measured
+
+
+def link_figures(results: list[dict], mib: float, bandwidth: float | None) -> dict:
+    """Bus bandwidth per link class from every rank's `measure_links`: per class, its groups
+    (each timed by its slowest rank, its bandwidth with the group's own size) and the
+    slowest group's figure. Without per-link measurements (one slice), ICI is `bandwidth`,
+    the figure over all ranks."""
+    if not any(r.get("links") for r in results):
+        return {} if bandwidth is None else {
+            "ici": {"bus_bandwidth_gbps": bandwidth, "groups": 1, "ranks_per_group": len(results)}}
+    figures = {}
+    for link in LINK_DIMS:
+        slowest: dict[tuple[int, ...], float] = {}
+        for r in results:
+            measured = r["links"][link]
+            ranks = tuple(measured["ranks"])
+            slowest[ranks] = max(slowest.get(ranks, 0.0), measured["seconds"])
+        worst = min(bus_bandwidth_gbps(mib, len(ranks), s) for ranks, s in slowest.items())
+        figures[link] = {"bus_bandwidth_gbps": round(worst, 3), "groups": len(slowest),
+                         "ranks_per_group": len(next(iter(slowest))), "group_ranks": sorted(map(list, slowest))}
+    return figures
 
 
 def short_hosts(places: list[dict], per_host: int | None) -> dict[str, int]:
@@ -176,22 +230,27 @@ def _mesh(device_type: str, world: int):
 
 def assign_ranks(places: list[dict], devices_per_host: int | None = None) -> list[dict]:
     """Rank arithmetic for every actor (in bundle order): TPU uses the webhook's worker
-    id and Ray's device id; elsewhere hosts are numbered in order of first appearance."""
+    id and Ray's device id, after the ranks of the slices before its own (the webhook
+    numbers hosts within a slice); elsewhere hosts are numbered in order of first appearance."""
+    slices = sorted({p.get("slice") or 0 for p in places})
+    per_slice = len(places) // len(slices)
     hosts: list[str] = []
     local_counts: dict[str, int] = {}
-    out = []
+    out, offsets = [], []
     for p in places:
         if devices_per_host is not None:  # TPU
             worker_id, local = p["tpu_worker_id"], p["accelerator_id"]
+            offsets.append(slices.index(p.get("slice") or 0) * per_slice)  # 0 with one slice
         else:
             if p["node_ip"] not in hosts:
                 hosts.append(p["node_ip"])
             worker_id, local = hosts.index(p["node_ip"]), local_counts.get(p["node_ip"], 0)
             local_counts[p["node_ip"]] = local + 1
+            offsets.append(0)
         out.append({"worker_id": worker_id, "local_rank": local})
     per_host = devices_per_host or max(local_counts.values())
-    for o in out:
-        o["rank"] = o["worker_id"] * per_host + o["local_rank"]
+    for o, offset in zip(out, offsets):
+        o["rank"] = offset + o["worker_id"] * per_host + o["local_rank"]
     ranks = sorted(o["rank"] for o in out)
     if ranks != list(range(len(places))):
         raise ConfigError(f"placement gave uneven hosts; ranks {ranks} are not 0..{len(places) - 1}")
@@ -208,7 +267,7 @@ def _reserve(cfg: CollectivesConfig, backend: Backend):
 
         handle = slice_placement_group(topology=cfg.topology,
                                        accelerator_version=get_tpu_version_from_type(cfg.accelerator_type),
-                                       num_slices=1, resources_per_bundle={"TPU": 1})
+                                       num_slices=_num_slices(cfg), resources_per_bundle={"TPU": 1})
         pg, per_host, release = handle.placement_group, handle.num_bundles // handle.num_hosts, handle.shutdown
         bundles = handle.num_bundles
     else:
@@ -222,6 +281,11 @@ def _reserve(cfg: CollectivesConfig, backend: Backend):
         raise ConfigError(f"could not reserve {bundles} devices within {cfg.placement_timeout_s:g}s "
                           f"(cluster resources: {ray.cluster_resources()})")
     return pg, per_host, bundles, release
+
+
+def _num_slices(cfg) -> int:
+    """--num-slices (a trainer whose collectives parser knows it); 1 otherwise."""
+    return max(1, int(getattr(cfg, "num_slices", 1) or 1))
 
 
 def run(cfg: CollectivesConfig) -> int:
@@ -252,7 +316,7 @@ def run(cfg: CollectivesConfig) -> int:
         world, local_world = len(workers), per_host or bundles
         rank0 = workers[[r["rank"] for r in ranks].index(0)]
         if backend.name == "tpu":
-            master, port = places[0]["tpu_hosts"].split(",")[0], 29500
+            master, port = places[[r["rank"] for r in ranks].index(0)]["tpu_hosts"].split(",")[0], 29500
         else:
             master, port = places[[r["rank"] for r in ranks].index(0)]["node_ip"], ray.get(rank0.free_port.remote())
         emit("start", mode="collectives", world_size=world, backend=backend.dist_backend, device=backend.device_type,
@@ -260,7 +324,7 @@ def run(cfg: CollectivesConfig) -> int:
         ray.get([w.setup.remote(r["rank"], r["local_rank"], r["worker_id"], world, local_world, master, port)
                  for w, r in zip(workers, ranks)])
         results = ray.get([w.check.remote(cfg.hidden_dim, cfg.batch_size, r["rank"] == cfg.corrupt_rank,
-                                          cfg.bandwidth_mib)
+                                          cfg.bandwidth_mib, _num_slices(cfg))
                            for w, r in zip(workers, ranks)])
     finally:
         for w in workers:
@@ -284,19 +348,25 @@ def report(results: list[dict], label: str, cfg: CollectivesConfig | None = None
     err = max(r["max_abs_diff"] for r in results)
     timed = [r["all_reduce_s"] for r in results if r.get("all_reduce_s")]
     bandwidth = round(bus_bandwidth_gbps(cfg.bandwidth_mib, world, max(timed)), 3) if timed and cfg else None
+    links = link_figures(results, cfg.bandwidth_mib, bandwidth) if cfg else {}
+    judged = links["ici"]["bus_bandwidth_gbps"] if "ici" in links else bandwidth
     floor = cfg.min_bus_bandwidth_gbps if cfg else 0.0
-    slow = bool(floor) and (bandwidth is None or bandwidth < floor)
+    slow = bool(floor) and (judged is None or judged < floor)
     emit("collectives", world_size=world, passed=not failed and not slow,
          all_reduce_sum=results[0]["all_reduce_sum"][0], expected_sum=expected, tp_max_abs_err=err,
          failed_ranks=failed, bad_shards=[r["rank"] for r in results if not r["shard_ok"]],
          bus_bandwidth_gbps=bandwidth, min_bus_bandwidth_gbps=floor or None,
-         hosts=len(per_host or {}) or None, devices_per_host=per_host)
+         hosts=len(per_host or {}) or None, devices_per_host=per_host, links=links or None)
     if bandwidth is not None:
         print(f"all_reduce of {cfg.bandwidth_mib:g} MiB over {world} ranks: bus bandwidth {bandwidth:.3f} GB/s",
               flush=True)
+    for link, figure in links.items() if "dcn" in links else ():
+        print(f"{link.upper()}: {figure['groups']} groups of {figure['ranks_per_group']} ranks, slowest bus "
+              f"bandwidth {figure['bus_bandwidth_gbps']:.3f} GB/s", flush=True)
     if slow and not failed:
-        raise CollectivesError(f"all_reduce bus bandwidth {bandwidth} GB/s is under the floor of {floor:g} GB/s "
-                               "(--min-bus-bandwidth-gbps): a slow or degraded interconnect")
+        within = " within a slice (ICI)" if "dcn" in links else ""
+        raise CollectivesError(f"all_reduce bus bandwidth{within} {judged} GB/s is under the floor of {floor:g} "
+                               "GB/s (--min-bus-bandwidth-gbps): a slow or degraded interconnect")
     if failed:
         bad = [r["rank"] for r in results if not r["shard_ok"]]
         raise CollectivesError(f"{len(failed)} of {world} ranks disagree: ranks {failed} "

@@ -239,10 +239,14 @@ class CollectivesConfig(SliceConfig):
     corrupt_rank: int | None = None  # fault injection for tests: perturb this rank's shard
     bandwidth_mib: float = 64.0  # all_reduce size that measures the bus bandwidth (0: not measured)
     min_bus_bandwidth_gbps: float = 0.0  # 0: no floor
+    num_slices: int = 1  # --num-slices: also measured within each slice (ICI) and across (DCN)
 
     def validate(self) -> "CollectivesConfig":
         if self.num_workers < 1:
             raise ConfigError(f"--num-workers must be at least 1, got {self.num_workers}")
+        if self.num_slices < 1 or self.num_workers % self.num_slices:
+            raise ConfigError(f"--num-slices {self.num_slices} must be at least 1 and divide --num-workers "
+                              f"{self.num_workers} (every slice holds as many devices; spec.tpu.slices)")
         if self.bandwidth_mib < 0 or self.min_bus_bandwidth_gbps < 0:
             raise ConfigError("--bandwidth-mib and --min-bus-bandwidth-gbps must not be negative")
         if self.min_bus_bandwidth_gbps and not self.bandwidth_mib:

@@ -392,6 +392,10 @@ class KubeBackend:
                                            "NetworkPolicy", self.tokens.create_for_run, ident)
         except SigningKeyError as error:  # shown, and timed, as a refused create
             raise CreateRefused(f"the run's Ray token could not be derived: {error}") from None
+        except ApiException as error:  # admission, RBAC or a quota: shown and timed, not retried blind
+            if error.status not in REFUSALS:
+                raise
+            raise CreateRefused(f"the run's token Secret or NetworkPolicy was refused: {api_message(error)}") from None
         await self._call(self._create_cluster, ident.namespace, manifest)
         self._created[(ident.namespace, manifest["metadata"]["name"])] = time.monotonic()
 

@@ -16,6 +16,7 @@ from tpufinetune.core.phasemodel import (
     JOB_ACTIVE, SUBMITTING, Decision, Identity, Observations, Plan, RecordEvent, RequestCheckpoint,
     SubmitPreflight, _enter, _first_and_last_line, _set,
 )
+from tpufinetune.core.runevents import link_bandwidths, links_summary
 
 
 def _preflight_passed(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> bool:
@@ -62,12 +63,16 @@ def _preflight_figures(events: tuple[dict, ...]) -> dict:
                                ("world_size", "ranks")):
                 if event.get(key) is not None:
                     figures[field] = event[key]
+            links = link_bandwidths(event)
+            if links:
+                figures["links"] = links
             figures["passed"] = bool(event.get("passed"))
         elif event.get("event") == "failure":
             failure = f"{event.get('type') or 'Error'}: {event.get('message') or ''}"
     passed = figures.pop("passed", False) and not failure
     bandwidth = figures.get("busBandwidthGBps")
-    shown = f"all_reduce bus bandwidth {bandwidth} GB/s" if bandwidth is not None else "no bandwidth measured"
+    shown = (f"all_reduce bus bandwidth {bandwidth} GB/s{links_summary(figures.get('links'))}"
+             if bandwidth is not None else "no bandwidth measured")
     where = f" on {figures['ranks']} ranks, {figures.get('hosts')} hosts" if figures.get("ranks") else ""
     figures["message"] = (f"passed: {shown}{where}" if passed else (failure or f"failed: {shown}{where}"))[:1024]
     return figures

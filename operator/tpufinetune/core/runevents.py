@@ -168,14 +168,46 @@ def _on_failure(status: dict, event: dict) -> None:
     }
 
 
+LINK_CLASSES = ("ici", "dcn")
+
+
+def link_bandwidths(event: dict) -> dict | None:
+    """`links` of status.collectives and status.preflight from a collectives event's
+    (None when it has none: an older trainer, or no bandwidth measured)."""
+    links = event.get("links")
+    if not isinstance(links, dict):
+        return None
+    out = {}
+    for link in LINK_CLASSES:
+        figure = links.get(link)
+        if isinstance(figure, dict):
+            entry = {"busBandwidthGBps": _round(figure.get("bus_bandwidth_gbps"), 3),
+                     "groups": figure.get("groups"), "ranksPerGroup": figure.get("ranks_per_group")}
+            out[link] = {k: v for k, v in entry.items() if v is not None}
+    return out or None
+
+
+def links_summary(links: dict | None) -> str:
+    """'; within a slice (ICI) x GB/s, across slices (DCN) y GB/s' with several slices, else ''."""
+    if not links or "dcn" not in links:
+        return ""
+    ici, dcn = links.get("ici", {}), links["dcn"]
+    return (f"; within a slice (ICI) {ici.get('busBandwidthGBps')} GB/s, across slices (DCN) "
+            f"{dcn.get('busBandwidthGBps')} GB/s")
+
+
 def _on_collectives(status: dict, event: dict) -> None:
     passed = bool(event.get("passed"))
     world = event.get("world_size")
+    links = link_bandwidths(event)
     if passed:
-        message = f"all_reduce sum {event.get('all_reduce_sum')} and tensor-parallel parity OK on {world} ranks"
+        message = (f"all_reduce sum {event.get('all_reduce_sum')} and tensor-parallel parity OK on {world} ranks"
+                   f"{links_summary(links)}")
     else:
         message = f"ranks {event.get('failed_ranks')} disagree (expected sum {event.get('expected_sum')})"
     status["collectives"] = {"passed": passed, "ranks": world, "message": message}
+    if links:
+        status["collectives"]["links"] = links
 
 
 def _on_notice(status: dict, event: dict) -> None:

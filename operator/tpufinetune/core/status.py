@@ -85,12 +85,30 @@ class CurvePoint(_Status):
                                                                   "was taken (every attempt's).")
 
 
+class LinkBandwidth(_Status):
+    """all_reduce bus bandwidth over one link class: its slowest group's."""
+
+    bus_bandwidth_gbps: float | None = Field(None, alias="busBandwidthGBps",
+                                             description="The slowest group's bus bandwidth, GB/s.")
+    groups: int | None = Field(None, ge=0, description="Groups measured (at once).")
+    ranks_per_group: int | None = Field(None, ge=0, description="Ranks in each group.")
+
+
+class LinkBandwidths(_Status):
+    """Bus bandwidth per link class: within a slice (ICI; with one slice, over every rank)
+    and, with several slices, across them (DCN: one rank per slice)."""
+
+    ici: LinkBandwidth | None = Field(None, description="Within each slice.")
+    dcn: LinkBandwidth | None = Field(None, description="Across slices (reported, not judged).")
+
+
 class CollectivesResult(_Status):
     """Outcome of the interconnect check (mode collectives)."""
 
     passed: bool | None = Field(None, description="Every rank verified the all_reduce sum "
                                                   "and tensor-parallel parity.")
     ranks: int | None = Field(None, ge=0, description="Number of ranks that took part.")
+    links: LinkBandwidths | None = Field(None, description="Bus bandwidth per link class.")
     message: str | None = Field(None, description="Summary line from the check.")
 
 
@@ -128,6 +146,8 @@ class PreflightResult(_Status):
     short_hosts: dict[str, int] | None = Field(None, description="TPU hosts with fewer device files "
                                                                 "than devices placed there: IP -> found.")
     ranks: int | None = Field(None, ge=0, description="Ranks (devices) that took part.")
+    links: LinkBandwidths | None = Field(None, description="Bus bandwidth per link class; "
+                                                           "minBusBandwidthGBps judges ici.")
     message: str | None = Field(None, max_length=1024, description="What it found.")
 
 
