@@ -39,7 +39,8 @@ def refuse_status_writes(namespace: str) -> list[dict]:
 
 def shipped_settings() -> dict[str, str]:
     """The operator's environment from deploy/base's settings ConfigMap."""
-    return dict(yaml.safe_load(SETTINGS.read_text())["data"])
+    return dict(next(d for d in yaml.safe_load_all(SETTINGS.read_text())
+                     if d["metadata"]["name"] == "tpufinetune-operator-settings")["data"])
 
 
 def healthz(url: str) -> int | None:

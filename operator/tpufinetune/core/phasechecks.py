@@ -13,7 +13,7 @@ from tpufinetune.core import conditions as cond
 from tpufinetune.core.jobspec import checkpoint_request_id, preflight_id
 from tpufinetune.core.phaseattempts import _fail
 from tpufinetune.core.phasemodel import (
-    JOB_ACTIVE, SUBMITTING, Decision, Identity, Observations, Plan, RecordEvent, RequestCheckpoint,
+    JOB_ACTIVE, SUBMITTING, TERMINAL, Decision, Identity, Observations, Plan, RecordEvent, RequestCheckpoint,
     SubmitPreflight, _enter, _first_and_last_line, _set,
 )
 from tpufinetune.core.runevents import link_bandwidths, links_summary
@@ -141,7 +141,9 @@ def _spec_validity(ident: Identity, s: dict, obs: Observations, d: Decision) -> 
                    "fix the field or revert the edit")[: cond.MESSAGE_LIMIT]
         previous = cond.find(s, cond.SPEC_VALID) or {}
         _set(s, obs, cond.SPEC_VALID, False, "InvalidSpec", message)
-        if previous.get("message") != message:
+        # A run that ended on it already has its Failed Event (InvalidSpec), the last one
+        # of the step: the outcome metric takes its reason from it.
+        if previous.get("message") != message and s.get("phase") not in TERMINAL:
             d.actions.append(RecordEvent("Warning", "SpecRefused", message))
     elif cond.find(s, cond.SPEC_VALID) is not None and not cond.is_true(s, cond.SPEC_VALID):
         _set(s, obs, cond.SPEC_VALID, True, "Valid", f"generation {ident.generation} passes the operator's checks")
