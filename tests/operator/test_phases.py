@@ -338,6 +338,9 @@ def test_a_spec_made_invalid_before_submission_fails_and_releases():
     d = step(status, cluster=ClusterView(exists=True), spec_error="spec.tpu.slices: must be 1 for finetune")
     assert d.phase == phases.FAILED
     assert phases.DeleteCluster("demo-rc") in d.actions
+    # Its Failed Event is the step's last, and names the outcome (the metric reads it).
+    events = [a.reason for a in d.actions if isinstance(a, phases.RecordEvent)]
+    assert events[-1] == "InvalidSpec" and "SpecRefused" not in events, events
 
 
 def test_a_long_suspend_then_resume_gets_the_whole_provisioning_timeout():
