@@ -1,7 +1,7 @@
 """Benchmark: LoRA (--method lora) against full fine-tuning, on CPU. Not a test.
 
     .venv/bin/python benchmarks/bench_lora.py [--size 100m] [--steps 6] [--work DIR]
-    .venv/bin/python benchmarks/bench_lora.py --base pretrained [--methods full,lora] [--epochs 3]
+    .venv/bin/python benchmarks/bench_lora.py --base pretrained [--methods full,lora,lora-embeddings] [--epochs 3]
                                               [--rows 512] [--lr 1e-3] [--work DIR]
 
 Each method runs the trainer's own Trainer (model load, steps, evaluation, checkpoint) in
@@ -28,7 +28,9 @@ prepares it, a checkpoint each epoch), at --lr for full and LORA_LR_FACTOR x --l
 benchmark's scorer, before the first step and after the last. Peak RSS here is the whole
 worker process's high-water mark (load included), tokens/s the real tokens over every
 epoch's time, the checkpoint's bytes and seconds the last epoch's, wall s the training
-from the first step to the last checkpoint written (scoring excluded).
+from the first step to the last checkpoint written (scoring excluded). `lora-embeddings` is
+LoRA with --lora-train-embeddings (the input embedding, and the head tied to it, trained in
+full beside the adapters), at LoRA's learning rate.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ REPO = Path(__file__).resolve().parents[1]
 LENGTH = 256
 # LoRA's learning rate over full fine-tuning's, in both modes.
 LORA_LR_FACTOR = 10
+# --base pretrained's --methods: the trainer's --method, --lora-train-embeddings, lr factor.
+QUALITY_METHODS = {"full": ("full", False, 1), "lora": ("lora", False, LORA_LR_FACTOR),
+                   "lora-embeddings": ("lora", True, LORA_LR_FACTOR)}
 
 
 def _status_kib(field: str) -> int:
@@ -122,7 +127,8 @@ def quality_worker(out: str, port: int, rank: int, world: int, settings: dict) -
     cfg = FinetuneConfig(model_id=settings["model"], dataset=settings["data"], dataset_split="train",
                          num_workers=world, num_epochs=settings["epochs"], learning_rate=settings["lr"],
                          eval_fraction=0.0, device="cpu", storage_path=settings["storage"],
-                         run_name=f"quality-{settings['method']}", method=settings["method"]).validate()
+                         run_name=f"quality-{settings['label']}", method=settings["method"],
+                         lora_train_embeddings=settings["train_embeddings"]).validate()
     data, pad_id = prepare_data(cfg)
     trainer = train.Trainer(cfg, BACKENDS["cpu"], {"train": data.train, "eval": data.eval, "pad_id": pad_id},
                             rank=rank, world=world, local_rank=0)
@@ -168,7 +174,7 @@ def run_ranks(kind: str, settings: dict, out: Path, world: int = 2) -> list[dict
     for proc in procs:
         output = proc.communicate(timeout=900)[0]
         if proc.returncode:
-            raise SystemExit(f"{settings['method']} rank failed:\n{output[-4000:]}")
+            raise SystemExit(f"{settings.get('label', settings['method'])} rank failed:\n{output[-4000:]}")
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(world)]
 
 
@@ -186,10 +192,12 @@ def quality(args, work: Path) -> None:
     assets = ttq.cached_assets(where, "pretrained", args.rows, args.heldout, args.pretrain_steps)
     table = []
     for method in args.methods:
-        lr = args.lr * (LORA_LR_FACTOR if method == "lora" else 1)
+        trainer_method, train_embeddings, factor = QUALITY_METHODS[method]
+        lr = args.lr * factor
         started = time.perf_counter()
         ranks = run_ranks("quality-worker", {"model": assets["model"], "data": assets["train"],
-                                             "heldout": assets["heldout"], "method": method, "lr": lr,
+                                             "heldout": assets["heldout"], "method": trainer_method,
+                                             "train_embeddings": train_embeddings, "label": method, "lr": lr,
                                              "epochs": args.epochs, "storage": str(where / "lora-bench-storage")},
                           where / f"lora-bench-{method}")
         first = ranks[0]
@@ -215,7 +223,8 @@ def main() -> None:
     parser.add_argument("--work", default="")
     parser.add_argument("--base", default="random", choices=["random", "pretrained"],
                         help="random: --size's random model, --steps; pretrained: bench_time_to_quality's base")
-    parser.add_argument("--methods", default="full,lora", help="with --base pretrained: full, lora or both")
+    parser.add_argument("--methods", default="full,lora",
+                        help=f"with --base pretrained: some of {', '.join(QUALITY_METHODS)}, comma-separated")
     parser.add_argument("--epochs", type=int, default=3, help="with --base pretrained")
     parser.add_argument("--rows", type=int, default=512, help="with --base pretrained: training examples")
     parser.add_argument("--heldout", type=int, default=128, help="with --base pretrained: held-out examples")
@@ -231,9 +240,9 @@ def main() -> None:
         import bench_time_to_quality as ttq
 
         args.methods = [m for m in args.methods.split(",") if m]
-        unknown = [m for m in args.methods if m not in ("full", "lora")]
+        unknown = [m for m in args.methods if m not in QUALITY_METHODS]
         if unknown or not args.methods:
-            raise SystemExit(f"--methods: {','.join(unknown) or 'empty'}; give full, lora or full,lora")
+            raise SystemExit(f"--methods: {','.join(unknown) or 'empty'}; give some of {','.join(QUALITY_METHODS)}")
         args.lr = ttq.PEAK_LR if args.lr is None else args.lr
         print(f"work dir: {work}", flush=True)
         quality(args, work)

@@ -285,6 +285,9 @@ INVALID: list[Invalid] = [
             admission='Unsupported value: "attn"', python_exact=False),
     Invalid("lora-with-method-full", spec_with(training={"lora": {"rank": 8}}), "spec.training.lora",
             "applies to method lora only; set method: lora, or remove lora"),
+    Invalid("lora-train-embeddings-and-freeze-embeddings",
+            spec_with(training={"method": "lora", "lora": {"trainEmbeddings": True}, "freezeEmbeddings": True}),
+            "spec.training.lora.trainEmbeddings", "contradicts freezeEmbeddings: true; drop one of them"),
     Invalid("unknown-method", spec_with(training={"method": "qlora"}), "spec.training.method",
             '"qlora" is not valid', admission='Unsupported value: "qlora"', python_exact=False),
 ]

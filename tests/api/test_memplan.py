@@ -59,6 +59,26 @@ def test_lora_31b_on_v6e_16_fits():
     assert plan.breakdown.weights < full.breakdown.weights
 
 
+def test_lora_with_trained_embeddings_counts_their_master_gradient_and_moments():
+    embedding = memplan.known_shape("google/gemma-4-31B-it").embedding
+    adapters = memplan.estimate(request("google/gemma-4-31B-it", method="lora", batch_per_device=1))
+    embeddings = memplan.estimate(request("google/gemma-4-31B-it", method="lora", batch_per_device=1,
+                                          lora_embeddings=True))
+    devices = 16
+    # Two fp32 moments 8 B, a gradient 4 B per embedding parameter, sharded over the 16 chips; its
+    # master in fp32 (4 B) instead of the frozen base's bf16 (2 B).
+    for part, per_parameter in (("optimizer", 8), ("grads", 4), ("weights", 2)):
+        added = getattr(embeddings.breakdown, part) - getattr(adapters.breakdown, part)
+        assert abs(added * devices - per_parameter * embedding) <= 2 * devices, part
+    assert embeddings.breakdown.loss_head > adapters.breakdown.loss_head  # the head's gradient
+    assert embeddings.per_chip_bytes > adapters.per_chip_bytes
+    # From the spec: spec.training.lora.trainEmbeddings reaches the plan.
+    on = memplan.plan_spec(spec("google/gemma-4-31B-it", training={"method": "lora", "batchSizePerDevice": 1,
+                                                                    "lora": {"trainEmbeddings": True}}))
+    off = memplan.plan_spec(spec("google/gemma-4-31B-it", training={"method": "lora", "batchSizePerDevice": 1}))
+    assert on.breakdown == embeddings.breakdown and off.breakdown == adapters.breakdown
+
+
 def test_a_larger_topology_is_named_when_it_fits():
     plan = memplan.estimate(request("google/gemma-4-31B-it", generation="v7x", topology="2x2x2"))
     assert plan.fits is False

@@ -45,6 +45,8 @@ NOT_PASSED = {
                                   "(none is the trainer's default; an older trainer image knows no such flag)",
     "--attention": "passed only when training.attention is set (unset: the device's kernel, the trainer's auto)",
     "--freeze-embeddings": "passed only when training.freezeEmbeddings is true",
+    "--lora-train-embeddings": "passed only when training.lora.trainEmbeddings is true (an older trainer image "
+                               "knows no such flag)",
     "--num-slices": "passed only when tpu.slices is more than 1 (1 is the trainer's default; an older trainer "
                     "image knows no such flag)",
     "--compile-cache-dir": "its default is the head's TPUFT_COMPILE_CACHE_DIR, set in spec.head.env beside the "
@@ -140,6 +142,8 @@ TRAINER_REFUSALS = [
      ["--lora-target-modules=q_proj,attn", "--method=lora"]),
     ({"training": {"lora": {"rank": 8}}}, ["--lora-rank=8"]),  # LoRA's settings with method full
     ({"training": {"method": "qlora"}}, ["--method=qlora"]),
+    ({"training": {"method": "lora", "lora": {"trainEmbeddings": True}, "freezeEmbeddings": True}},
+     ["--lora-train-embeddings=true", "--freeze-embeddings=true", "--method=lora"]),
 ]
 TRAINER_REFUSALS += [
     ({"training": {"activationCheckpointing": "full"}}, ["--activation-checkpointing=full"]),
@@ -223,6 +227,19 @@ def test_the_lora_settings_of_a_spec_reach_the_trainer():
     config = _trainer_config(trainer_argv(parse_spec(spec), run_name="r"))
     assert (config.lora_rank, config.lora_alpha, config.lora_dropout) == (8, 8.0, 0.0)
     assert (config.lora_target_modules, config.lora_export_merged) == ("q_proj,v_proj", False)
+    assert not config.lora_train_embeddings
+
+
+def test_lora_train_embeddings_reaches_the_trainer_only_when_true():
+    def flags(lora: dict) -> dict:
+        return _passed_flags(trainer_argv(parse_spec(spec_with(training={"method": "lora", "lora": lora})),
+                                          run_name="r"))
+
+    on = spec_with(training={"method": "lora", "lora": {"trainEmbeddings": True}})
+    assert _trainer_config(trainer_argv(parse_spec(on), run_name="r")).lora_train_embeddings
+    assert flags({"trainEmbeddings": True})["--lora-train-embeddings"] == "true"
+    for lora in ({}, {"trainEmbeddings": False}):
+        assert "--lora-train-embeddings" not in flags(lora), lora
 
 
 def test_the_memory_fields_closed_sets_are_the_trainers():

@@ -5,7 +5,9 @@ One run trains two epochs with step checkpoints and is shared by the assertions:
 falls, every checkpoint holds the adapters and their optimizer state only, and the export
 writes the adapter in peft's format (PeftModel.from_pretrained loads it) and the merged
 model, whose logits equal base + adapter. A second run resumes from a step checkpoint of
-the first and continues at its saved step; one with another LoRA rank is refused.
+the first and continues at its saved step; one with another LoRA rank is refused. A third
+trains the embedding beside the adapters (--lora-train-embeddings): its checkpoints hold the
+embedding and its moments, and both exports carry it.
 """
 
 from __future__ import annotations
@@ -172,6 +174,9 @@ def test_an_unknown_module_for_the_family_is_refused_naming_the_field_and_the_va
     (["--method", "lora", "--lora-rank", "0"], "--lora-rank"),
     (["--method", "lora", "--lora-target-modules", "q_proj,attn"], "--lora-target-modules"),
     (["--lora-rank", "8"], "--lora-rank"),  # LoRA's settings with --method full
+    (["--lora-train-embeddings", "true"], "--lora-train-embeddings"),
+    (["--method", "lora", "--lora-train-embeddings", "true", "--freeze-embeddings", "true"],
+     "--lora-train-embeddings"),
 ])
 def test_the_trainer_refuses_bad_lora_flags_naming_them(argv, flag):
     from tpufinetune_trainer import cli
@@ -188,7 +193,99 @@ def test_the_fingerprint_holds_the_method_and_loras_settings():
     assert lora.settings(full) == {"method": "full"}
     adapted = FinetuneConfig(storage_path="/x", method="lora", lora_rank=4)
     assert lora.settings(adapted)["lora"]["rank"] == 4
+    # Absent when off, so a checkpoint written before the flag existed still matches.
+    assert "train_embeddings" not in lora.settings(adapted)["lora"]
+    embeddings = FinetuneConfig(storage_path="/x", method="lora", lora_rank=4, lora_train_embeddings=True)
+    assert lora.settings(embeddings)["lora"]["train_embeddings"] is True
+    with pytest.raises(Exception, match="--lora-train-embeddings"):
+        resume.check({"fingerprint": {"model_id": "m", **lora.settings(adapted)}},
+                     {"model_id": "m", **lora.settings(embeddings)}, "loc")
     saved = {"fingerprint": {"model_id": "m"}}  # an earlier trainer's: a full fine-tune
     assert resume.check(saved, {"model_id": "m", "method": "full"}, "loc")
     with pytest.raises(Exception, match="--method"):
         resume.check(saved, {"model_id": "m", "method": "lora"}, "loc")
+
+
+def test_a_trained_embedding_is_saved_as_pefts_modules_to_save_and_loads_with_its_tied_head(trainer_assets,
+                                                                                             tmp_path):
+    """The adapter export's format with --lora-train-embeddings, on an unsharded model: what
+    peft loads is the trained embedding, and the tied head follows it (ensure_weight_tying)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tpufinetune_trainer.config import FinetuneConfig
+
+    cfg = FinetuneConfig(storage_path="/x", model_id=str(trainer_assets.model), method="lora", lora_rank=4,
+                         lora_alpha=8, lora_dropout=0, lora_train_embeddings=True)
+    model = AutoModelForCausalLM.from_pretrained(str(trainer_assets.model), dtype=torch.float32)
+    lora.inject(model, cfg)
+    # What checkpoint.export_adapter gathers: the trainable parameters, a tied head under both names.
+    trained = {name: p for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    embedding = model.get_input_embeddings().weight
+    assert {name for name in trained if not lora.is_adapter(name)} == {
+        name for name, p in model.named_parameters(remove_duplicate=False) if p is embedding}
+    assert embedding.dtype == torch.float32 and model.get_output_embeddings().weight is embedding
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in dict(model.named_parameters()).values():
+            if param.requires_grad:
+                param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    lora.write_adapter(tmp_path, {name: p.detach() for name, p in trained.items()}, cfg)
+
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert (config["modules_to_save"], config["ensure_weight_tying"]) == ([lora.EMBEDDING_MODULE], True)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert {k for k in saved if ".lora_" not in k} == {"base_model.model." + n for n in trained
+                                                         if not lora.is_adapter(n)}
+    base = AutoModelForCausalLM.from_pretrained(str(trainer_assets.model), dtype=torch.float32)
+    with torch.no_grad():
+        for param in base.parameters():  # the trained base was held in bf16
+            param.copy_(param.to(torch.bfloat16).float())
+    untrained_embedding = base.get_input_embeddings().weight.detach().clone()
+    adapted = PeftModel.from_pretrained(base, str(tmp_path)).eval()
+    assert torch.equal(adapted.get_input_embeddings().weight, embedding)
+    assert torch.equal(adapted.get_output_embeddings().weight, embedding)  # the tied head follows
+    assert not torch.equal(untrained_embedding, embedding)
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.float().eval()(input_ids=ids).logits
+        assert torch.allclose(adapted(input_ids=ids).logits, expected, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_trained_embeddings_are_checkpointed_and_carried_by_both_exports(ray_head, trainer_assets,
+                                                                         tmp_path_factory):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    storage = tmp_path_factory.mktemp("storage-embeddings")
+    args = common_args(trainer_assets, storage, "embeddings") + ["--num-epochs", "1", "--lora-train-embeddings",
+                                                                 "true"]
+    run = run_trainer(args, offline_env(ray_head.env()), timeout=420)
+    assert run.rc == 0, run.tail()
+    for event in run.of("checkpoint"):
+        keys = checkpoint_keys(event["uri"])
+        embedding = [k for k in keys if k.startswith("model.") and "embed_tokens" in k]
+        assert embedding and not [k for k in keys if "base_layer" in k], keys
+        moments = {k.removeprefix("optim.state.").rsplit(".", 1)[0] for k in keys if k.startswith("optim.state.")}
+        assert {k.removeprefix("model.") for k in embedding} <= moments  # AdamW state for the embedding
+
+    result = run.one("result")
+    saved = load_file(Path(result["exported_adapter_uri"]) / "adapter_model.safetensors")
+    trained_embedding = next(v for k, v in saved.items() if k.endswith("embed_tokens.weight"))
+    base = AutoModelForCausalLM.from_pretrained(str(trainer_assets.model), dtype=torch.float32)
+    with torch.no_grad():
+        for param in base.parameters():  # the trained base was held in bf16
+            param.copy_(param.to(torch.bfloat16).float())
+    assert not torch.allclose(base.get_input_embeddings().weight, trained_embedding)  # it trained
+    adapted = PeftModel.from_pretrained(base, result["exported_adapter_uri"]).eval()
+    assert torch.equal(adapted.get_output_embeddings().weight, trained_embedding)  # the tied head follows
+    merged = AutoModelForCausalLM.from_pretrained(result["exported_model_uri"], dtype=torch.float32).eval()
+    ids = torch.randint(0, 200, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with_adapter, from_merged = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert (with_adapter - from_merged).abs().max().item() < 1e-2 * with_adapter.abs().max().item()

@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "and MLP projections)")
     ft.add_argument("--lora-export-merged", default="true", choices=["true", "false"],
                     help="also export the base with the adapter merged in (the adapter alone is always exported)")
+    ft.add_argument("--lora-train-embeddings", default="false", choices=["true", "false"],
+                    help="also train the input embedding in full (and a head tied to it) beside the adapters: "
+                         "fp32 master, gradient and AdamW state for it; the adapter export carries it "
+                         "(peft's modules_to_save)")
     ft.add_argument("--activation-checkpointing", default=ACTIVATION_CHECKPOINTING[0],
                     choices=list(ACTIVATION_CHECKPOINTING),
                     help="recompute activations in the backward instead of keeping them: block, every decoder "
@@ -210,6 +214,7 @@ def _config(args: argparse.Namespace):
             fail_at_step=args.fail_at_step, method=args.method, lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
             lora_target_modules=args.lora_target_modules, lora_export_merged=args.lora_export_merged == "true",
+            lora_train_embeddings=args.lora_train_embeddings == "true",
             activation_checkpointing=args.activation_checkpointing, attention=args.attention,
             freeze_embeddings=args.freeze_embeddings == "true")
     return CollectivesConfig(topology=args.topology, accelerator_type=args.accelerator_type,

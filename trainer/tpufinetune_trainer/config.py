@@ -108,6 +108,7 @@ class FinetuneConfig(SliceConfig):
     lora_dropout: float = 0.05
     lora_target_modules: str = ",".join(DEFAULT_TARGET_MODULES)
     lora_export_merged: bool = True
+    lora_train_embeddings: bool = False
     activation_checkpointing: str = ACTIVATION_CHECKPOINTING[0]
     attention: str = ATTENTION[0]
     freeze_embeddings: bool = False
@@ -193,7 +194,8 @@ class FinetuneConfig(SliceConfig):
             ("--lora-rank", self.lora_rank, 16), ("--lora-alpha", self.lora_alpha, 32.0),
             ("--lora-dropout", self.lora_dropout, 0.05),
             ("--lora-target-modules", self.lora_target_modules, ",".join(DEFAULT_TARGET_MODULES)),
-            ("--lora-export-merged", self.lora_export_merged, True)) if value != default]
+            ("--lora-export-merged", self.lora_export_merged, True),
+            ("--lora-train-embeddings", self.lora_train_embeddings, False)) if value != default]
         if self.method != "lora" and given:
             raise ConfigError(f"{given[0]} applies to --method lora only (spec.training.lora needs "
                               "spec.training.method: lora); pass --method lora or drop it")
@@ -201,6 +203,9 @@ class FinetuneConfig(SliceConfig):
             (self.lora_rank >= 1, "--lora-rank (spec.training.lora.rank) must be at least 1"),
             (self.lora_alpha > 0, "--lora-alpha (spec.training.lora.alpha) must be positive"),
             (0 <= self.lora_dropout < 1, "--lora-dropout (spec.training.lora.dropout) must be in [0, 1)"),
+            (not (self.lora_train_embeddings and self.freeze_embeddings),
+             "--lora-train-embeddings (spec.training.lora.trainEmbeddings) and --freeze-embeddings "
+             "(spec.training.freezeEmbeddings) contradict each other; drop one"),
         ]
         for ok, message in checks:
             if not ok:

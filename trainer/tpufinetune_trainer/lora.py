@@ -16,6 +16,14 @@ source and loads the adapters into it.
 The export writes the adapter as peft writes it (adapter_config.json and
 adapter_model.safetensors, keys `base_model.model.<module>.lora_A.weight`), and, unless
 --lora-export-merged false, the base with W + alpha / r x B A merged into each adapted layer.
+
+--lora-train-embeddings true also trains the input embedding in full (fp32 master, gradient,
+AdamW state; a head tied to it, Gemma's, is the same weight and trains with it): a base that
+never saw the chat template's special tokens has them as initialised, and adapters on the
+projections cannot move them. It stays a plain parameter of the model (no peft wrapper, so
+the sharded load, the checkpoint and the merged export see the base's names); the adapter
+export names it as peft's `modules_to_save` (with `ensure_weight_tying`, so the loaded
+adapter's head follows it).
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ MODULE_NAMES = tuple(dict.fromkeys(name for names in TARGET_MODULES.values() for
 # from the base, and peft must not match their projections when it loads the adapter).
 EXCLUDE_MODULES = r".*(vision_tower|audio_tower|embed_vision|embed_audio).*"
 ADAPTER_NAME = "default"
+# The input embedding's module name in every family of the table (peft's modules_to_save
+# matches modules by this name).
+EMBEDDING_MODULE = "embed_tokens"
 FIELD = "spec.training.lora.targetModules (--lora-target-modules)"
 
 
@@ -68,12 +79,28 @@ def check_targets(model, names: list[str]) -> None:
                          f"valid names: {', '.join(valid)}")
 
 
-def lora_config(cfg):
+def lora_config(cfg, saved: bool = False):
+    """peft's config of the run. `saved`: the exported adapter's, which names a trained
+    embedding as modules_to_save; injection never gets it (peft would wrap the embedding)."""
     from peft import LoraConfig
 
+    extra = ({"modules_to_save": [EMBEDDING_MODULE], "ensure_weight_tying": True}
+             if saved and cfg.lora_train_embeddings else {})
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=parse_modules(cfg.lora_target_modules), exclude_modules=EXCLUDE_MODULES,
-                      bias="none", task_type="CAUSAL_LM", base_model_name_or_path=cfg.model_id)
+                      bias="none", task_type="CAUSAL_LM", base_model_name_or_path=cfg.model_id, **extra)
+
+
+def input_embedding(model):
+    """The input embedding module --lora-train-embeddings trains; a ModelError if the model
+    names it otherwise than the adapter export will (EMBEDDING_MODULE)."""
+    embedding = model.get_input_embeddings()
+    names = [name for name, module in model.named_modules() if module is embedding]
+    if not names or names[0].rsplit(".", 1)[-1] != EMBEDDING_MODULE:
+        raise ModelError(f"spec.training.lora.trainEmbeddings (--lora-train-embeddings): this model's input "
+                         f"embedding is {names[0] if names else 'not a named module'}, not {EMBEDDING_MODULE}; "
+                         "leave it unset for this model")
+    return embedding
 
 
 def inject(model, cfg) -> None:
@@ -83,11 +110,12 @@ def inject(model, cfg) -> None:
     from peft import inject_adapter_in_model
 
     check_targets(model, parse_modules(cfg.lora_target_modules))
+    trained = {id(p) for p in input_embedding(model).parameters()} if cfg.lora_train_embeddings else set()
     inject_adapter_in_model(lora_config(cfg), model, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
-        adapter = is_adapter(name)
-        param.requires_grad_(adapter)
-        param.data = param.data.to(torch.float32 if adapter else torch.bfloat16)
+        train = is_adapter(name) or id(param) in trained  # a tied head is the embedding's parameter
+        param.requires_grad_(train)
+        param.data = param.data.to(torch.float32 if train else torch.bfloat16)
 
 
 def is_adapter(name: str) -> bool:
@@ -131,8 +159,16 @@ def peft_key(name: str) -> str:
     return "base_model.model." + name.replace(f".{ADAPTER_NAME}.", ".")
 
 
-def adapter_state(full: dict) -> dict:
-    return {peft_key(name): tensor.float().contiguous() for name, tensor in full.items() if is_adapter(name)}
+def adapter_state(full: dict, cfg) -> dict:
+    """`full`: the trained parameters by name (checkpoint.export_adapter). With a trained
+    embedding, it is saved under its own name and a tied head's (lm_head.weight), as peft
+    saves a modules_to_save embedding with ensure_weight_tying; separate copies, since
+    safetensors refuses shared storage."""
+    state = {peft_key(name): tensor.float().contiguous() for name, tensor in full.items() if is_adapter(name)}
+    if cfg.lora_train_embeddings:
+        state.update({peft_key(name): tensor.float().clone().contiguous() for name, tensor in full.items()
+                      if not is_adapter(name)})
+    return state
 
 
 def write_adapter(directory, full: dict, cfg) -> None:
@@ -141,8 +177,8 @@ def write_adapter(directory, full: dict, cfg) -> None:
 
     from safetensors.torch import save_file
 
-    lora_config(cfg).save_pretrained(str(directory))
-    save_file(adapter_state(full), str(Path(directory, "adapter_model.safetensors")), metadata={"format": "pt"})
+    lora_config(cfg, saved=True).save_pretrained(str(directory))
+    save_file(adapter_state(full, cfg), str(Path(directory, "adapter_model.safetensors")), metadata={"format": "pt"})
 
 
 def settings(cfg) -> dict:
@@ -150,4 +186,6 @@ def settings(cfg) -> dict:
     if cfg.method != "lora":
         return {"method": cfg.method}
     return {"method": cfg.method, "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
-                                           "target_modules": parse_modules(cfg.lora_target_modules)}}
+                                           "target_modules": parse_modules(cfg.lora_target_modules),
+                                           # only when on: a checkpoint from before the flag matches
+                                           **({"train_embeddings": True} if cfg.lora_train_embeddings else {})}}

@@ -43,7 +43,8 @@ SETTINGS = ("model_id", "dataset", "dataset_split", "dataset_format", "prompt_fo
 DERIVED = ("world_size", "train_examples", "steps_per_epoch", "total_steps")
 LABELS = {"world_size": "world size (--num-workers)", "num_slices": "slices (--num-slices, spec.tpu.slices)", "train_examples": "training examples",
           "steps_per_epoch": "steps per epoch", "total_steps": "total steps",
-          "lora": "LoRA settings (--lora-rank, --lora-alpha, --lora-dropout, --lora-target-modules)"}
+          "lora": "LoRA settings (--lora-rank, --lora-alpha, --lora-dropout, --lora-target-modules, "
+                  "--lora-train-embeddings)"}
 
 
 def examples_digest(examples: Examples) -> str:

@@ -473,7 +473,8 @@ class Trainer:
             return ""
         trained = sum(p.numel() for p in self.params)
         frozen = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
-        return (f" for LoRA's adapters only (rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g} on "
+        what = "adapters and the embedding" if getattr(cfg, "lora_train_embeddings", False) else "adapters only"
+        return (f" for LoRA's {what} (rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g} on "
                 f"{cfg.lora_target_modules}: {trained:,} parameters trained, {frozen:,} frozen in bfloat16)")
 
     def schedule_words(self) -> str:

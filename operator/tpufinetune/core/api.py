@@ -167,12 +167,27 @@ class LoRA(_Model):
         True, description="Also export the base with the adapter merged into it, as a full-"
                           "fine-tune's export (status.exportedModelURI); the adapter alone is "
                           "always exported (status.exportedAdapterURI).")
+    # No schema default (an older operator would refuse a stored object carrying it).
+    train_embeddings: bool | None = Field(
+        None, description="Also train the input embedding in full beside the adapters (and the output "
+                          "head where it is tied to the embedding, as Gemma's is): fp32 master, gradient "
+                          "and AdamW state for it, in every checkpoint and in the exported adapter (peft's "
+                          "modules_to_save; vLLM's LoRA loader refuses that, so serve the merged export "
+                          "there). For a base whose embeddings of the chat template's special tokens are "
+                          "untrained. Unset: false.")
+
+
+EMBEDDINGS_CONTRADICT = "contradicts freezeEmbeddings: true; drop one of them"
 
 
 def _training_rules() -> list[dict]:
     return [{"rule": "(has(self.method) && self.method == 'lora') || !has(self.lora)",
              "message": "applies to method lora only; set method: lora, or remove lora",
-             "fieldPath": ".lora", "reason": "FieldValueForbidden"}]
+             "fieldPath": ".lora", "reason": "FieldValueForbidden"},
+            {"rule": "!(has(self.lora) && has(self.lora.trainEmbeddings) && self.lora.trainEmbeddings"
+                     " && has(self.freezeEmbeddings) && self.freezeEmbeddings)",
+             "message": EMBEDDINGS_CONTRADICT, "fieldPath": ".lora.trainEmbeddings",
+             "reason": "FieldValueInvalid"}]
 
 
 class Training(MemorySettings):
@@ -268,6 +283,8 @@ class Training(MemorySettings):
     def _lora_needs_method_lora(self) -> Training:
         if self.lora is not None and self.method != "lora":  # the CEL rule's twin (_training_rules)
             raise SpecError("spec.training.lora", "applies to method lora only; set method: lora, or remove lora")
+        if self.lora is not None and self.lora.train_embeddings and self.freeze_embeddings:  # the CEL twin
+            raise SpecError("spec.training.lora.trainEmbeddings", EMBEDDINGS_CONTRADICT)
         return self
 
     def lora_settings(self) -> LoRA | None:

@@ -149,6 +149,8 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         argv += [f"--method={training.method}", f"--lora-rank={lora.rank}", f"--lora-alpha={lora.alpha!r}",
                  f"--lora-dropout={lora.dropout!r}", f"--lora-target-modules={','.join(lora.target_modules)}",
                  f"--lora-export-merged={'true' if lora.export_merged else 'false'}"]
+        if lora.train_embeddings:  # only when on: an older trainer image knows no such flag
+            argv.append("--lora-train-embeddings=true")
     argv += memory_flags(training)
     if training.loss_on is not None:
         argv.append(f"--loss-on={training.loss_on}")

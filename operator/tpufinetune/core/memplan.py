@@ -187,8 +187,10 @@ def activation_bytes(shape: ModelShape, tokens: int, scores: int, compute_bytes:
 def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int, batch_per_device: int,
                  compute_bytes: int = 2, eager_attention: bool = True, lora_rank: int = 16,
                  lora_targets: int = LORA_TARGETS, checkpointing: str = "none",
-                 freeze_embeddings: bool = False) -> Breakdown:
-    """What one of `devices` devices holds at the peak of a training step."""
+                 freeze_embeddings: bool = False, lora_embeddings: bool = False) -> Breakdown:
+    """What one of `devices` devices holds at the peak of a training step. `lora_embeddings`
+    (spec.training.lora.trainEmbeddings): LoRA also trains the embedding (and a head tied to
+    it) as full fine-tuning does: fp32 master, gradient, two AdamW moments."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     if checkpointing not in CHECKPOINTING:
@@ -196,16 +198,19 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
                          f"{', '.join(CHECKPOINTING)}")
     full = method == "full"
     # Frozen embeddings (tied to the head) keep their fp32 master copy but no gradient or AdamW state.
+    embedding_trains = not freeze_embeddings if full else lora_embeddings
     trainable = ((shape.parameters - (shape.embedding if freeze_embeddings else 0)) if full
-                 else shape.lora_parameters(lora_rank, lora_targets))
-    base = 4 * shape.parameters if full else compute_bytes * shape.parameters + 4 * trainable
+                 else shape.lora_parameters(lora_rank, lora_targets) + (shape.embedding if lora_embeddings else 0))
+    # LoRA: the frozen base in the compute dtype (a trained embedding is fp32, counted in trainable).
+    frozen = shape.parameters - (shape.embedding if lora_embeddings else 0)
+    base = 4 * shape.parameters if full else compute_bytes * frozen + 4 * trainable
     tokens = max_seq_len * batch_per_device
     scores = (SAVED_ATTENTION_MATRICES * compute_bytes * shape.heads * batch_per_device * max_seq_len ** 2
               if eager_attention else 0)
     masks = batch_per_device * max_seq_len ** 2 * (2 * (compute_bytes if eager_attention else 1) + MASK_BOOLEANS)
     block_grads = (compute_bytes + 4) * shape.block_parameters if full else 0
     # The head weight's gradient in the compute dtype (scaled in place) and its fp32 reduce copy.
-    head_grad = (compute_bytes + 4) * shape.embedding if full and not freeze_embeddings else 0
+    head_grad = (compute_bytes + 4) * shape.embedding if embedding_trains else 0
     return Breakdown(
         weights=_ceil_div(base, devices),
         grads=_ceil_div(4 * trainable, devices),
@@ -236,6 +241,7 @@ class Request:
     activation_checkpointing: str = "none"
     attention: str | None = None  # eager or sdpa; None: the device's (eager on TPU, sdpa on the cpu stand-in)
     freeze_embeddings: bool = False
+    lora_embeddings: bool = False  # spec.training.lora.trainEmbeddings
     stated_parameters: int | None = None  # spec.model.parameters, for a model not in the table
     slices: int = 1  # replicas of the slice (HSDP): named in the plan, never dividing the state
 
@@ -343,7 +349,7 @@ def _plan(request: Request) -> MemoryPlan:
     part = device_bytes(shape, request.method, devices, request.max_seq_len, request.batch_per_device,
                         compute_bytes=2 if gen.is_tpu else 4, eager_attention=eager,
                         lora_rank=request.lora_rank, checkpointing=request.activation_checkpointing,
-                        freeze_embeddings=request.freeze_embeddings)
+                        freeze_embeddings=request.freeze_embeddings, lora_embeddings=request.lora_embeddings)
     # Host: each device's process, and the host copy of its sharded state an asynchronous
     # checkpoint stages (weights and AdamW; train.py's HostStager). The cpu stand-in's
     # device is the host.
@@ -440,4 +446,5 @@ def plan_spec(spec) -> MemoryPlan | None:
         activation_checkpointing=getattr(training, "activation_checkpointing", None) or "none",
         attention=getattr(training, "attention", None),
         freeze_embeddings=bool(getattr(training, "freeze_embeddings", None)),
+        lora_embeddings=bool(getattr(lora, "train_embeddings", None)),
         stated_parameters=getattr(spec.model, "parameters", None), slices=spec.tpu.slices))
