@@ -82,6 +82,24 @@ async def settle(notices: RunNotices, status: dict, timeout: float = 10.0) -> di
     return await asyncio.wait_for(loop(), timeout)
 
 
+def delivered(notifier: Notifier, subscriptions, record=lambda *a: None) -> dict:
+    """A finished run's due notices offered once and settled into its status; the
+    notifier closed after."""
+    async def scenario():
+        notices = RunNotices(notifier, asyncio.Event())
+        return await settle(notices, notices_offered(notices, subscriptions, record))
+    try:
+        return asyncio.run(scenario())
+    finally:
+        notifier.close()
+
+
+def notices_offered(notices: RunNotices, subscriptions, record) -> dict:
+    status = dict(SUCCEEDED)
+    notices.offer_due(IDENT, subscriptions, status, record)
+    return status
+
+
 @pytest.mark.timeout(30)
 def test_a_receiver_that_refuses_twice_gets_the_event_on_the_third_try(receiver):
     hook = receiver([503, 503])
@@ -91,9 +109,7 @@ def test_a_receiver_that_refuses_twice_gets_the_event_on_the_third_try(receiver)
 
     async def scenario():
         notices = RunNotices(notifier, asyncio.Event())
-        status = dict(SUCCEEDED)
-        notices.offer_due(IDENT, [("bus", None)], status, lambda *a: events.append(a))
-        await settle(notices, status)
+        status = await settle(notices, notices_offered(notices, [("bus", None)], lambda *a: events.append(a)))
         # A second pass over the written status (a restart, another replica) sends nothing.
         notices.offer_due(IDENT, [("bus", None)], status, lambda *a: events.append(a))
         assert not notices.waiting()
@@ -118,17 +134,7 @@ def test_a_refusal_that_will_not_change_fails_at_once_and_the_token_is_sent(rece
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     sink = notify.Sink(name="team", type="webhook", url=hook.url, token_file=str(token))
-    notifier = fast_notifier([sink])
-
-    async def scenario():
-        notices = RunNotices(notifier, asyncio.Event())
-        status = dict(SUCCEEDED)
-        notices.offer_due(IDENT, [("team", None)], status, lambda *a: None)
-        return await settle(notices, status)
-    try:
-        status = asyncio.run(scenario())
-    finally:
-        notifier.close()
+    status = delivered(fast_notifier([sink]), [("team", None)])
     (record,) = status["notifications"]
     assert (record["state"], record["tries"], record["lastError"]) == ("Failed", 1, "HTTP 401 Unauthorized")
     headers, body = hook.got[0]
@@ -140,34 +146,15 @@ def test_a_refusal_that_will_not_change_fails_at_once_and_the_token_is_sent(rece
 def test_out_of_tries_the_notice_fails_with_the_last_error(receiver):
     hook = receiver([503] * 10)
     notifier = fast_notifier([notify.Sink(name="bus", type="cloudevents", url=hook.url)], max_tries=3)
-
-    async def scenario():
-        notices = RunNotices(notifier, asyncio.Event())
-        status = dict(SUCCEEDED)
-        notices.offer_due(IDENT, [("bus", None)], status, lambda *a: None)
-        return await settle(notices, status)
-    try:
-        status = asyncio.run(scenario())
-    finally:
-        notifier.close()
+    status = delivered(notifier, [("bus", None)])
     (record,) = status["notifications"]
     assert (record["state"], record["tries"]) == ("Failed", 3) and "503" in record["lastError"]
     assert len(hook.got) == 3
 
 
 def test_a_sink_not_configured_is_failed_in_status_with_an_event_and_never_called():
-    notifier = fast_notifier([])
     events = []
-
-    async def scenario():
-        notices = RunNotices(notifier, asyncio.Event())
-        status = dict(SUCCEEDED)
-        notices.offer_due(IDENT, [("nosuch", ["Succeeded"])], status, lambda *a: events.append(a))
-        return await settle(notices, status)
-    try:
-        status = asyncio.run(scenario())
-    finally:
-        notifier.close()
+    status = delivered(fast_notifier([]), [("nosuch", ["Succeeded"])], lambda *a: events.append(a))
     (record,) = status["notifications"]
     assert (record["state"], record["tries"]) == ("Failed", 0)
     assert "'nosuch' is not configured" in record["lastError"]
