@@ -14,7 +14,7 @@ import pytest
 
 from harness.nodeagent import POD_INITIALIZING
 from harness.timing import within
-from test_tpu_slices import sample_on_the_ground
+from harness.samples import sample_on_the_ground
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.ground]
 

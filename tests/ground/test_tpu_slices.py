@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from kubernetes.utils import parse_quantity
 
 from harness import images
 from harness.nodepools import NODEPOOL_LABEL, tpu_pool
+from harness.samples import sample_on_the_ground
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.generations import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
 from harness.timing import within
@@ -39,21 +39,6 @@ def tpu_resource(name: str, generation: str, topology: str, assets, storage, **e
             **extra,
         },
     }
-
-
-SAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "samples"
-
-
-def sample_on_the_ground(kube, ground, sample: str) -> dict:
-    """A tutorial sample as a ground user applies it: PROJECT and BUCKET filled in (the
-    image's repository, `trainer`, is the trainer image's environment on the ground; the
-    bucket is the ground's Cloud Storage), and the Hugging Face token Secret it names
-    created in the namespace. Nothing else of it changes."""
-    text = (SAMPLES / sample).read_text().replace("PROJECT", "ground-project").replace("BUCKET", ground.gcs.bucket)
-    manifest = yaml.safe_load(text)
-    token = manifest["spec"]["model"]["tokenSecret"]
-    kube.kubectl("create", "secret", "generic", token["name"], f"--from-literal={token['key']}=hf_ground_token")
-    return manifest
 
 
 # Programs of the base image itself (Ray's /bin/sh fate-sharing watchdog and its sleep).

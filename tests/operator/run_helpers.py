@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import shlex
+import socket
 import time
 from pathlib import Path
 
 from harness.waiting import wait_for
+from tpufinetune.core import phases
 from tpufinetune.core.phases import ClusterView
 from tpufinetune_trainer.events import format_event
 from tpufinetune.core.podstatus import HEALTHY
@@ -88,6 +90,19 @@ class MemoryCluster:
 
     async def maintenance(self, ident, cluster):
         return ()  # no node of this cluster has maintenance scheduled
+
+
+def closed_address() -> tuple[socket.socket, str]:
+    """A Ray head's address that refuses connections (bound, never listening)."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    return closed, f"http://127.0.0.1:{closed.getsockname()[1]}"
+
+
+def running(address: str) -> dict:
+    """The status of a run whose attempt 1 runs on the head at `address`."""
+    return {"phase": phases.RUNNING, "rayClusterName": "tft-demo", "jobId": "tft-uid-1-1", "attempt": 1,
+            "dashboardURL": address, "epochs": 1}
 
 
 def body(status: dict | None = None, **meta) -> dict:

@@ -18,8 +18,7 @@ from tpufinetune.core import phases
 from tpufinetune.driver import Run
 
 from phase_helpers import READY, T0, step
-from run_helpers import MemoryCluster, body, in_loop, settings
-from test_ray_policy import closed_address, running
+from run_helpers import body, closed_address, in_loop, MemoryCluster, running, settings
 
 
 @in_loop

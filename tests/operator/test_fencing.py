@@ -36,8 +36,7 @@ from tpufinetune.core.phases import ClusterView, Identity
 from tpufinetune.driver import Run
 from tpufinetune.settings import Settings
 
-from run_helpers import MemoryCluster, body, in_loop, settings
-from test_ray_policy import closed_address, running
+from run_helpers import body, closed_address, in_loop, MemoryCluster, running, settings
 
 TIMING = dict(lease_duration=2, renew_deadline=1.5, retry_period=0.25)
 IDENT = Identity("demo", "ns", "uid-1")

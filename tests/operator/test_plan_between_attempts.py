@@ -15,8 +15,7 @@ from tpufinetune.core import phases
 from tpufinetune.driver import Run
 
 from phase_helpers import PLAN, READY, T0, step
-from run_helpers import SPEC, MemoryCluster, body, in_loop, settings
-from test_ray_policy import closed_address, running
+from run_helpers import SPEC, body, closed_address, in_loop, MemoryCluster, running, settings
 
 WATCHED = {**SPEC, "noProgressTimeoutSeconds": 900, "activeDeadlineSeconds": 7200, "ttlSecondsAfterFinished": 600}
 # Admission takes it; the operator's own checks refuse it (a checkpoint scored on an
@@ -25,14 +24,19 @@ REFUSED = {**WATCHED, "checkpoint": {**SPEC["checkpoint"], "scoreAttribute": "ev
            "training": {"evalFraction": 0}}
 
 
-@in_loop
-async def test_a_refused_edit_keeps_the_applied_plan_and_says_which_field():
+def watched_run():
+    """A running run whose generation 1 (WATCHED) is applied, its head's port closed."""
     closed, address = closed_address()
     cluster = MemoryCluster(address)
     cluster.exists = True
     live = body({**running(address), "observedGeneration": 1})
     live["spec"] = dict(WATCHED)
-    run = Run(live, cluster, RayJobs(timeout=0.3), settings())
+    return closed, cluster, live, Run(live, cluster, RayJobs(timeout=0.3), settings())
+
+
+@in_loop
+async def test_a_refused_edit_keeps_the_applied_plan_and_says_which_field():
+    closed, cluster, live, run = watched_run()
     applied = run.plan
     assert applied.no_progress_timeout == timedelta(seconds=900)
     live["metadata"]["generation"] = 2
@@ -53,12 +57,7 @@ async def test_a_refused_edit_keeps_the_applied_plan_and_says_which_field():
 
 @in_loop
 async def test_a_valid_spec_again_clears_the_refusal():
-    closed, address = closed_address()
-    cluster = MemoryCluster(address)
-    cluster.exists = True
-    live = body({**running(address), "observedGeneration": 1})
-    live["spec"] = dict(WATCHED)
-    run = Run(live, cluster, RayJobs(timeout=0.3), settings())
+    closed, cluster, live, run = watched_run()
     live["metadata"]["generation"], live["spec"] = 2, dict(REFUSED)
     await run.step()
     live["metadata"]["generation"], live["spec"] = 3, dict(WATCHED)

@@ -10,7 +10,6 @@ instead: test_operator_bounds_e2e.py. The Ray side is a real closed port."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 from kubernetes import client
@@ -21,7 +20,7 @@ from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
 
-from run_helpers import SPEC, MemoryCluster, body, in_loop, settings
+from run_helpers import SPEC, MemoryCluster, body, closed_address, in_loop, running, settings
 
 NO_KEY = "Secret tpufinetune-system/tpufinetune-ray-token-key has no data.key"
 
@@ -31,17 +30,6 @@ class KeylessCluster(MemoryCluster):
 
     async def ray_token(self, ident):
         raise SigningKeyError(NO_KEY)
-
-
-def closed_address() -> tuple[socket.socket, str]:
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
-    return closed, f"http://127.0.0.1:{closed.getsockname()[1]}"
-
-
-def running(address: str) -> dict:
-    return {"phase": phases.RUNNING, "rayClusterName": "tft-demo", "jobId": "tft-uid-1-1", "attempt": 1,
-            "dashboardURL": address, "epochs": 1}
 
 
 @in_loop
