@@ -4,14 +4,11 @@ event's `grad_norm`) is the global norm of that gradient."""
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import torch
 
-from tpufinetune_trainer.data import pad_id_of, prepare
-from tpufinetune_trainer.model import load_tokenizer
-from trainer_helpers import run_rank_processes
+from trainer_helpers import prepared_data_file, run_rank_processes
 
 WORKER = Path(__file__).with_name("trainer_grad_worker.py")
 LENGTH = 256  # trainer_grad_worker.LENGTH
@@ -24,10 +21,7 @@ def run_ranks(model: Path, data_file: Path, out: Path, world: int) -> dict:
 
 
 def test_two_ranks_give_the_one_rank_gradient_of_the_same_global_batch(trainer_assets, tmp_path):
-    tokenizer = load_tokenizer(str(trainer_assets.model))
-    data = prepare(str(trainer_assets.data), "train[:160]", tokenizer, LENGTH, 0.1, 42)
-    data_file = tmp_path / "data.pkl"
-    data_file.write_bytes(pickle.dumps({"train": data.train, "eval": data.eval, "pad_id": pad_id_of(tokenizer)}))
+    data_file = prepared_data_file(trainer_assets, tmp_path / "data.pkl", LENGTH)
     one = run_ranks(trainer_assets.model, data_file, tmp_path / "one.pt", world=1)
     two = run_ranks(trainer_assets.model, data_file, tmp_path / "two.pt", world=2)
     assert one["names"] == two["names"] and len(one["grads"]) > 10

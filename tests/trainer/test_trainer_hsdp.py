@@ -11,17 +11,14 @@ real processes) against plain FSDP over four ranks, same seed and global batch.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import pytest
 import torch
 
-from tpufinetune_trainer.data import pad_id_of, prepare
 from tpufinetune_trainer.errors import ConfigError
-from tpufinetune_trainer.model import load_tokenizer
 from tpufinetune_trainer.slices import Place, layout
-from trainer_helpers import run_rank_processes
+from trainer_helpers import prepared_data_file, run_rank_processes
 
 WORKER = Path(__file__).with_name("trainer_hsdp_worker.py")
 LENGTH = 256  # trainer_hsdp_worker.LENGTH
@@ -47,10 +44,7 @@ def data_bytes(checkpoint: str) -> tuple[int, int]:
 
 @pytest.mark.timeout(900)
 def test_hsdp_two_by_two_has_the_loss_curve_of_fsdp_over_four_and_writes_each_shard_once(trainer_assets, tmp_path):
-    tokenizer = load_tokenizer(str(trainer_assets.model))
-    data = prepare(str(trainer_assets.data), "train[:160]", tokenizer, LENGTH, 0.1, 42)
-    data_file = tmp_path / "data.pkl"
-    data_file.write_bytes(pickle.dumps({"train": data.train, "eval": data.eval, "pad_id": pad_id_of(tokenizer)}))
+    data_file = prepared_data_file(trainer_assets, tmp_path / "data.pkl", LENGTH)
     fsdp = run_ranks(trainer_assets.model, data_file, tmp_path / "fsdp.pt", slices=1)
     hsdp = run_ranks(trainer_assets.model, data_file, tmp_path / "hsdp.pt", slices=2)
 

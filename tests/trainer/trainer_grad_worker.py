@@ -8,7 +8,6 @@ and the step's global gradient norm before clipping.
 
 from __future__ import annotations
 
-import pickle
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.train import Trainer
+from trainer_helpers import load_data_file
 
 GLOBAL_EXAMPLES = 4
 LENGTH = 256
@@ -26,8 +26,7 @@ LENGTH = 256
 def main(model: str, data_file: str, out: str, port: int, rank: int, world: int) -> None:
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    with open(data_file, "rb") as f:
-        data = pickle.load(f)
+    data = load_data_file(data_file)
     # Storage every rank shares, as a run's (the startup checkpoint probe reads back what all
     # ranks wrote), next to the output; one run name for all ranks, as the driver gives them.
     storage = str(Path(out).with_suffix(".storage"))

@@ -165,3 +165,25 @@ def run_rank_processes(worker: Path, world: int, argv_of, timeout: float = 240) 
             raise
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-4000:]
+
+
+def prepared_data_file(assets, out: Path, length: int) -> Path:
+    """The test data's first 160 rows prepared as `finetune` prepares them (blocks of
+    `length`), pickled for rank processes to load with `load_data_file`."""
+    import pickle
+
+    from tpufinetune_trainer.data import pad_id_of, prepare
+    from tpufinetune_trainer.model import load_tokenizer
+
+    tokenizer = load_tokenizer(str(assets.model))
+    data = prepare(str(assets.data), "train[:160]", tokenizer, length, 0.1, 42)
+    out.write_bytes(pickle.dumps({"train": data.train, "eval": data.eval, "pad_id": pad_id_of(tokenizer)}))
+    return out
+
+
+def load_data_file(path: str) -> dict:
+    """What `prepared_data_file` wrote, in a rank process."""
+    import pickle
+
+    with open(path, "rb") as f:
+        return pickle.load(f)

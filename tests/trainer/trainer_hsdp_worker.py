@@ -11,7 +11,6 @@ step, the mesh's rows and the checkpoint's location.
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.slices import SLICE_INDEX_ENV
 from tpufinetune_trainer.train import Trainer
+from trainer_helpers import load_data_file
 
 STEPS = 5
 PER_DEVICE = 2
@@ -34,8 +34,7 @@ def main(model: str, data_file: str, out: str, port: int, rank: int, world: int,
         os.environ[SLICE_INDEX_ENV] = str(slice_)
     torch.manual_seed(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    with open(data_file, "rb") as f:
-        data = pickle.load(f)
+    data = load_data_file(data_file)
     storage = str(Path(out).with_suffix(".storage"))
     cfg = FinetuneConfig(model_id=model, storage_path=storage, run_name="hsdp", num_workers=world, device="cpu",
                          num_slices=slices, max_seq_len=LENGTH, batch_size_per_device=PER_DEVICE, num_epochs=1,
