@@ -171,9 +171,7 @@ def slice_health(pods: list[dict], nodes: dict, since, hosts: int) -> SliceHealt
     live = [p for p in sorted(pods, key=_name) if not (p.get("metadata") or {}).get("deletionTimestamp")]
     several = any(_replica_index(p) not in ("", "0") for p in pods)
     for pod in sorted(pods, key=_name):
-        where = f"pod {_name(pod)} of slice {_replica_index(pod)}" if several and _is_worker(pod) else ""
-        found += [(reason, detail.replace(f"pod {_name(pod)}", where, 1) if where else detail)
-                  for reason, detail in _pod_health(pod, nodes, since)]
+        found += _pod_health(pod, nodes, since, several_slices=several)
     workers = sum(1 for p in live if _is_worker(p))
     if hosts and workers < hosts:
         found.append(("Preempted", f"{hosts - workers} of {hosts} worker pods are gone"))
@@ -185,8 +183,9 @@ def slice_health(pods: list[dict], nodes: dict, since, hosts: int) -> SliceHealt
     return SliceHealth(False, ranked[0][0], ranked[0][1])
 
 
-def _pod_health(pod: dict, nodes: dict, since) -> list[tuple[str, str]]:
-    name, meta, status = _name(pod), pod.get("metadata") or {}, pod.get("status") or {}
+def _pod_health(pod: dict, nodes: dict, since, several_slices: bool = False) -> list[tuple[str, str]]:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    name = _name(pod) + (f" of slice {_replica_index(pod)}" if several_slices and _is_worker(pod) else "")
     node_name = (pod.get("spec") or {}).get("nodeName") or ""
     node = nodes.get(node_name) if node_name else {}
     problems = []
