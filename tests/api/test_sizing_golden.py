@@ -10,7 +10,9 @@ import yaml
 from api_spec_cases import IMAGE
 
 from tpufinetune.core.api import parse_spec
-from tpufinetune.core.sizing import DEFAULT_TERMINATION_GRACE_SECONDS, NOTICE_ENV, PRE_STOP_SCRIPT, render_raycluster
+from tpufinetune.core.sizing import (
+    DEFAULT_TERMINATION_GRACE_SECONDS, NOTICE_ENV, PRE_STOP_SCRIPT, SHUTDOWN_ENV, render_raycluster,
+)
 
 UID = "6f1c2a7e-0b1d-4c55-9a57-3c1e0d2b8f10"
 
@@ -184,7 +186,8 @@ def operator_additions(manifest: dict, name: str) -> dict:
     for group in manifest["spec"]["workerGroupSpecs"]:
         # A fixed-size slice: KubeRay's autoscaler must neither add nor remove hosts.
         group["minReplicas"] = group["maxReplicas"] = group["replicas"]
-    # Checkpoint on notice: a grace period, the preStop hook and its directory (sizing.py).
+    # Checkpoint on notice: a grace period, the preStop hook and its directory; and no Serve
+    # drain on SIGTERM (sizing.py).
     for template in [manifest["spec"]["headGroupSpec"]["template"],
                      *[group["template"] for group in manifest["spec"]["workerGroupSpecs"]]]:
         # Every pod carries the labels the operator's pod watch selects on (informer.py).
@@ -192,7 +195,7 @@ def operator_additions(manifest: dict, name: str) -> dict:
                                            "tpufinetune.dev/name": name}}
         template["spec"]["terminationGracePeriodSeconds"] = DEFAULT_TERMINATION_GRACE_SECONDS
         container = template["spec"]["containers"][0]
-        container["env"] = container.get("env", []) + NOTICE_ENV
+        container["env"] = container.get("env", []) + NOTICE_ENV + SHUTDOWN_ENV
         container["lifecycle"] = {"preStop": {"exec": {"command": ["/bin/sh", "-c", PRE_STOP_SCRIPT]}}}
     return manifest
 

@@ -11,7 +11,7 @@ from api_spec_cases import spec_with
 from tpufinetune.core import generations as g
 from tpufinetune.core.api import parse_spec
 from tpufinetune.core.errors import SpecError
-from tpufinetune.core.sizing import (DEFAULT_TERMINATION_GRACE_SECONDS, NOTICE_ENV, MAX_CLUSTER_NAME, raycluster_name, render_raycluster,
+from tpufinetune.core.sizing import (DEFAULT_TERMINATION_GRACE_SECONDS, NOTICE_ENV, MAX_CLUSTER_NAME, SHUTDOWN_ENV, raycluster_name, render_raycluster,
                                 slice_shape, total_devices)
 
 # generation, topology, chipsPerHost, expected: hosts, google.com/tpu, group, machine,
@@ -185,8 +185,8 @@ def test_overrides_service_account_and_no_token_without_secret(kuberay_schema):
         "limits": {"cpu": "2", "memory": "16Gi"}, "requests": {"cpu": "2", "memory": "8Gi"}}
     assert worker["containers"][0]["resources"]["limits"] == {
         "cpu": "64", "memory": "300Gi", "google.com/tpu": "4"}
-    # No token without a Secret: the only env is checkpoint on notice's.
-    assert all(pod["containers"][0]["env"] == NOTICE_ENV for pod in (head, worker))
+    # No token without a Secret: the only env is checkpoint on notice's and the shutdown's.
+    assert all(pod["containers"][0]["env"] == NOTICE_ENV + SHUTDOWN_ENV for pod in (head, worker))
     assert kuberay_schema.problems(manifest) == []
 
 

@@ -122,8 +122,15 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
         kube.apply(tpu_run("second", ground_assets, f"{storage}/second"))
         queued = kube.wait_for(phase_is(kube, "second", "Queued"), "second Queued", timeout=60)
         second_cluster = queued["rayClusterName"]
-        kube.wait_for(lambda: "google.com/tpu" in kube.status("second").get("message", ""),
-                      "Kueue's quota message on second", timeout=60)
+        # Kueue writes why on the Workload once its scheduler has tried it (on two busy
+        # cores, over a minute in a full suite); the operator copies it to status.
+        def quota_message():
+            message = kube.status("second").get("message", "")
+            return message if "google.com/tpu" in message else False
+        second_uid = kube.get("raycluster", second_cluster)["metadata"]["uid"]
+        wait_for(quota_message, 180, "Kueue's quota message on second",
+                 details=lambda: f"status: {kube.status('second').get('message')!r}; its Workload's conditions: "
+                                 f"{[w.get('status', {}).get('conditions') for w in workloads_of(kube, second_uid)]}")
         status = kube.status("second")
         assert status["message"].startswith(f"queued in {TPU_QUEUE}: "), status["message"]
         assert cond.find(status, cond.ADMITTED)["status"] == "False"

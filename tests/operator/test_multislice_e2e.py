@@ -5,9 +5,10 @@ KubeRay and the real scheduler.
   worker per replica, the scheduler puts the two replicas on different pools (a pool could
   hold both), and each worker's processes find their slice, KubeRay's replica index, in
   TPUFT_SLICE_INDEX. The ground has no chips, so this run is deleted once placed.
-- A fine-tune across two cpu slices runs to Succeeded with an HSDP mesh whose rows are the
-  replicas, and its epoch loss is a single-slice run's over the same four devices and global
-  batch (the CPU equivalence of tests/trainer/test_trainer_hsdp.py, end to end).
+- A fine-tune across two cpu slices of two hosts each runs to Succeeded with an HSDP mesh
+  whose rows are the replicas, and releases both slices. That its loss is one slice's over
+  the same devices and global batch is tests/trainer/test_trainer_hsdp.py's check (a second
+  ground run to compare with cost two minutes of the suite and proved nothing more).
 """
 
 from __future__ import annotations
@@ -22,11 +23,6 @@ from harness.nodepools import NODEPOOL_LABEL, REPLICA_INDEX_LABEL, tpu_pool
 from tpufinetune.core.sizing import SLICE_INDEX_ENV
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
-
-# Both runs train in fp32 over gloo on the same four devices; only the grouping of the
-# gradient sums differs (measured 7e-7 relative on the trainer's own test).
-LOSS_TOLERANCE = 1e-4
-
 
 def workers(kube, cluster: str) -> list[dict]:
     return [p for p in kube.pods_of(cluster) if p["metadata"]["labels"].get("ray.io/node-type") == "worker"]
@@ -80,11 +76,12 @@ def test_two_tpu_slices_take_one_node_pool_each_and_every_worker_knows_its_slice
 
 
 def _start(kube, ground_assets, storage, name: str, topology: str, slices: int) -> str:
-    """A cpu run of 4 devices in all, 8 examples per device: 32 per step, whatever the
-    slices. Returns its RayCluster's name."""
+    """A cpu run of 4 devices in all, 8 examples per device: 32 per step. Returns its
+    RayCluster's name once the RayCluster exists (status names it before it is created)."""
     manifest = resource(name, ground_assets, storage, epochs=1, rows=160,
                         tpu={"topology": topology, "slices": slices}, training={"seed": 7})
     _, cluster = start_run(kube, manifest)
+    kube.wait_for(lambda: kube.get("raycluster", cluster), f"RayCluster {cluster} created", timeout=60)
     return cluster
 
 
@@ -112,22 +109,18 @@ def _finished(kube, ground, name: str, cluster: str) -> dict:
     return status
 
 
-@pytest.mark.timeout(1200)
-def test_a_finetune_across_two_slices_succeeds_with_the_loss_of_one_slice_of_the_same_devices(
+@pytest.mark.timeout(900)
+def test_a_finetune_across_two_slices_of_two_hosts_succeeds_with_a_mesh_row_per_slice(
         operator, ground, kube, ground_assets, storage):
-    # One run after the other: both at once (ten Ray pods starting on two cores) stalled
-    # the operator past its Lease's renew deadline in a full suite.
-    two_cluster = _start(kube, ground_assets, storage, "two-slices", "2", 2)
-    group = kube.get("raycluster", two_cluster)["spec"]["workerGroupSpecs"][0]
+    cluster = _start(kube, ground_assets, storage, "two-slices", "2", 2)
+    group = kube.get("raycluster", cluster)["spec"]["workerGroupSpecs"][0]
     assert (group["replicas"], group["numOfHosts"]) == (2, 2), group
-    hsdp_line = _hsdp_line(kube, "two-slices", two_cluster)
+    hsdp_line = _hsdp_line(kube, "two-slices", cluster)
     assert "over 2 slices" in hsdp_line and "('replicate', 'shard')" in hsdp_line, hsdp_line
     rows = json.loads(hsdp_line.rsplit("rows (ranks by slice) ", 1)[1])
     assert len(rows) == 2 and sorted(r for row in rows for r in row) == [0, 1, 2, 3], rows
-    two = _finished(kube, ground, "two-slices", two_cluster)
-    one = _finished(kube, ground, "one-slice", _start(kube, ground_assets, storage, "one-slice", "4", 1))
+    two = _finished(kube, ground, "two-slices", cluster)
     assert two["phase"] == "Succeeded" and two["attempt"] == 1, two.get("message")
-    assert one["phase"] == "Succeeded", one.get("message")
-    (a,), (b,) = ([e["loss"] for e in s["history"]] for s in (one, two))
-    print(f"epoch loss: one slice of 4 devices {a!r}, two slices of 2 {b!r}; mesh rows {rows}")
-    assert abs(a - b) <= LOSS_TOLERANCE * abs(a), (a, b)
+    (loss,) = [entry["loss"] for entry in two["history"]]
+    assert loss == loss and loss > 0, two["history"]  # a real number came back from the trainer
+    print(f"two slices of 2 devices: epoch loss {loss!r}; mesh rows {rows}")
