@@ -17,7 +17,7 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
 def _status(client: JobApiClient, job_id: str) -> str:
-    return client.get_job_info(job_id)["status"]
+    return client.job_or_none(job_id)["status"]
 
 
 @pytest.mark.ray
@@ -27,7 +27,7 @@ def test_the_job_api_over_plain_http(ray_head):
     assert client.submit_job(entrypoint="echo hello-from-jobapi", submission_id=job_id,
                              runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}},
                              metadata={"run": "jobapi"}) == job_id
-    info = client.get_job_info(job_id)
+    info = client.job_or_none(job_id)
     assert info["submission_id"] == job_id and info["metadata"] == {"run": "jobapi"}
     assert info["runtime_env"]["env_vars"] == {"PYTHONUNBUFFERED": "1"}
     assert wait_for(lambda: _status(client, job_id) in TERMINAL and _status(client, job_id), 120,
@@ -41,18 +41,18 @@ def test_the_job_api_over_plain_http(ray_head):
     long_id = f"tft-jobapi-long-{uuid.uuid4().hex[:8]}"
     client.submit_job(entrypoint="sleep 600", submission_id=long_id)
     wait_for(lambda: _status(client, long_id) == "RUNNING", 120, "the sleeping job to run")
-    assert client.stop_job(long_id) is True
+    assert client.stop_if_exists(long_id) is True
     assert wait_for(lambda: _status(client, long_id) in TERMINAL and _status(client, long_id), 60,
                     "the sleeping job to stop") == "STOPPED"
 
 
 @pytest.mark.ray
-def test_an_unknown_job_is_a_404(ray_head):
+def test_an_unknown_job_is_none_and_nothing_to_stop_but_its_logs_are_a_404(ray_head):
     client = JobApiClient(ray_head.dashboard_url, ray_head.headers(), timeout=10)
+    assert client.job_or_none("tft-jobapi-never-submitted") is None
+    assert client.stop_if_exists("tft-jobapi-never-submitted") is False
     with pytest.raises(RuntimeError, match="status code 404"):
-        client.get_job_info("tft-jobapi-never-submitted")
-    with pytest.raises(RuntimeError, match="status code 404"):
-        client.stop_job("tft-jobapi-never-submitted")
+        client.get_job_logs("tft-jobapi-never-submitted")
 
 
 @pytest.mark.ray
@@ -62,7 +62,7 @@ def test_an_unknown_job_is_a_404(ray_head):
 ])
 def test_a_refused_token_names_the_status(ray_head, headers, status, words):
     with pytest.raises(AuthenticationError, match=words) as refused:
-        JobApiClient(ray_head.dashboard_url, headers, timeout=10).get_job_info("tft-jobapi-never-submitted")
+        JobApiClient(ray_head.dashboard_url, headers, timeout=10).job_or_none("tft-jobapi-never-submitted")
     assert str(status) in str(refused.value)
 
 

@@ -127,15 +127,24 @@ class JobApiClient:
         body = {key: value for key, value in body.items() if value is not None}
         return self._json(self._do_request("POST", "/api/jobs/", json_data=body))["submission_id"]
 
-    def get_job_info(self, job_id: str) -> dict:
+    def job_or_none(self, submission_id: str) -> dict | None:
         """GET /api/jobs/{id}: the job's details as the head sends them (Ray's JobDetails
-        fields: status, message, job_id, submission_id, driver_node_id, ...), a dict."""
-        return self._json(self._do_request("GET", f"/api/jobs/{job_id}"))
+        fields: status, message, job_id, submission_id, driver_node_id, ...), or None only
+        when the head answers 404: a job lost is decided on the status code, never on words
+        in an error body."""
+        response = self._do_request("GET", f"/api/jobs/{submission_id}")
+        if response.status_code == 404:
+            return None
+        return self._json(response)
 
     def get_job_logs(self, job_id: str) -> str:
         """GET /api/jobs/{id}/logs: the driver's whole log (for a short job only)."""
         return self._json(self._do_request("GET", f"/api/jobs/{job_id}/logs"))["logs"]
 
-    def stop_job(self, job_id: str) -> bool:
-        """POST /api/jobs/{id}/stop: True if the job was running. 404 raises."""
-        return bool(self._json(self._do_request("POST", f"/api/jobs/{job_id}/stop"))["stopped"])
+    def stop_if_exists(self, submission_id: str) -> bool:
+        """POST /api/jobs/{id}/stop: True if the job was running; False as well when the
+        head has no such job (404): there is nothing left to stop."""
+        response = self._do_request("POST", f"/api/jobs/{submission_id}/stop")
+        if response.status_code == 404:
+            return False
+        return bool(self._json(response)["stopped"])

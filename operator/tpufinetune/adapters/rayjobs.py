@@ -148,16 +148,6 @@ class TimedJobClient(JobApiClient):
                     if text:
                         yield text
 
-    def job_or_none(self, submission_id: str):
-        """The job's details, or None only when the head answers 404: a job lost is
-        decided on the status code, never on words in an error body."""
-        response = self._do_request("GET", f"/api/jobs/{submission_id}")
-        if response.status_code == 404:
-            return None
-        if response.status_code != 200:
-            self._raise_error(response)
-        return response.json()
-
     def last_lines(self, submission_id: str, lines: int) -> str | None:
         """The last lines of the job's driver log, cut on the head (the state API's log
         endpoint): a multi-megabyte log is never downloaded to keep its tail. None when
@@ -213,11 +203,6 @@ class TimedJobClient(JobApiClient):
                 names = sorted({str(item.get("class_name") or item.get("name") or "") for item in left} - {""})
                 found.append(f"{len(left)} {what}" + (f" ({', '.join(names[:3])})" if names else ""))
         return ", ".join(found)
-
-    def stop_if_exists(self, submission_id: str) -> None:
-        response = self._do_request("POST", f"/api/jobs/{submission_id}/stop")
-        if response.status_code not in (200, 404):
-            self._raise_error(response)
 
 
 class RayJobs:
