@@ -13,11 +13,11 @@ from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
 from tpufinetune.adapters import metrics
-from tpufinetune.core import attempts, conditions, notify, phases
+from tpufinetune.core import applied, attempts, conditions, notify, phases
 from tpufinetune.core.api import SpecError, parse_stored_spec
 from tpufinetune.core.errors import CreateRefused, StatusConflict
 from tpufinetune.core.jobspec import job_submission, preflight_submission
-from tpufinetune.core.skew import report_ignored_fields
+from tpufinetune.core.skew import report_ignored_fields, status_patch
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
 from tpufinetune.core.phasemodel import recorded_cluster_uid
 from tpufinetune.core.podstatus import SliceHealth
@@ -28,7 +28,7 @@ from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.runray import RayNotAnswering, RunRay, _one_line
 from tpufinetune.settings import Settings
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
-from tpufinetune.core.status import STATUS_KEYS, checked_status
+from tpufinetune.core.status import checked_status
 from tpufinetune.core.generations import generation
 
 log = logging.getLogger(__name__)
@@ -51,15 +51,6 @@ class ClusterBackend(Protocol):
     async def slice_health(self, ident: Identity, name: str, since, hosts: int) -> SliceHealth: ...
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None: ...
     async def maintenance(self, ident: Identity, cluster: str) -> tuple[tuple[str, str], ...]: ...
-
-
-def status_patch(old: dict, new: dict) -> dict:
-    """JSON merge patch from old to new status: changed keys, and None for removed ones.
-    Only keys this version declares are ever removed: one a newer operator wrote (read
-    back after a rollback) is not ours to delete, and stays for when it returns."""
-    patch = {k: v for k, v in new.items() if old.get(k) != v}
-    patch.update({k: None for k in old if k not in new and k in STATUS_KEYS})
-    return patch
 
 
 class Run(RunRay):
@@ -122,10 +113,11 @@ class Run(RunRay):
             spec, self.ignored_fields = self._parse_spec(self._spec_source)
         except SpecError as error:
             spec, self.spec_error = None, str(error)
-        self.latest_plan = phases.plan_for(self.ident, spec, timedelta(seconds=self.settings.provision_timeout),
-                                           timedelta(seconds=self.settings.submit_timeout))
+        self.latest_plan = phases.plan_for(self.ident, spec, *self._bounds())
         if self.applied is None and spec is not None and self.status.get("observedGeneration") in (None, generation):
             self.applied = (generation, self._spec_source, self.latest_plan)
+        elif self.applied is None:  # a restart: status.appliedSpec says what is in force
+            self.applied = applied.recorded(self.status, self.ident, self._parse_spec, *self._bounds())
         self._plan_in_force()
 
     def _plan_in_force(self) -> None:
@@ -141,6 +133,9 @@ class Run(RunRay):
                 self.applied is None or self.applied[0] != self.generation):
             self.applied = (self.generation, self._spec_source, self.latest_plan)
             self._plan_in_force()
+
+    def _bounds(self) -> tuple[timedelta, timedelta]:
+        return timedelta(seconds=self.settings.provision_timeout), timedelta(seconds=self.settings.submit_timeout)
 
     def _parse_spec(self, source: str):
         return parse_stored_spec(json.loads(source), one_machine=getattr(self.backend, "one_machine", False))
@@ -257,6 +252,8 @@ class Run(RunRay):
         self._log_cursor(decision.status)
         # Status first: identities are persisted before the actions that depend on them.
         before = self.status
+        applied.record(decision.status, self.generation, self._spec_source, bool(self.spec_error),
+                       self.applied[:2] if self.applied is not None else None)
         outcomes = self.notices.records()  # spec.notify's deliveries, recorded with this write
         if outcomes:
             decision.status["notifications"] = notify.with_records(decision.status, outcomes)

@@ -19,7 +19,7 @@ from tpufinetune.core.api import SpecError, parse_spec, parse_stored_spec
 from tpufinetune.core.phases import Decision, RecordEvent
 from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.status import STATUS_KEYS, UndeclaredStatusKey, checked_status
-from tpufinetune.driver import status_patch
+from tpufinetune.core.skew import status_patch
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
 NEWER_SPEC = spec_with(

@@ -9,7 +9,8 @@ import pytest
 
 from harness.waiting import wait_for
 from run_helpers import long_log, submit_printing
-from tpufinetune.driver import Run, status_patch
+from tpufinetune.core.skew import status_patch
+from tpufinetune.driver import Run
 from tpufinetune.adapters.logresume import ANCHOR_LINES, AnchorSearch, as_logged, stream_decoder
 from tpufinetune.adapters.logfollow import LogFollower
 from tpufinetune.adapters.rayjobs import RESUME_LINES, RayJobs, event_dict

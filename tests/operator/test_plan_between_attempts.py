@@ -7,6 +7,7 @@ is a real closed port."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 from tpufinetune.adapters.rayjobs import RayJobs
@@ -65,6 +66,41 @@ async def test_a_valid_spec_again_clears_the_refusal():
     closed.close()
     assert not run.spec_error
     assert cond.find(cluster.status, cond.SPEC_VALID)["status"] == "True"
+
+
+@in_loop
+async def test_a_restarted_operator_keeps_the_applied_plan_the_status_records():
+    """The stored object holds only the latest generation's spec: a new operator process
+    learns the applied one from status.appliedSpec, for a refused edit as for one that
+    waits for the next attempt."""
+    closed, cluster, live, run = watched_run()
+    applied = run.plan
+    await run.step()
+    assert json.loads(cluster.status["appliedSpec"]) == WATCHED and cluster.status["observedGeneration"] == 1
+    bigger = {**WATCHED, "tpu": {"generation": "cpu", "topology": "2"}}
+    for generation, edit, refused in ((2, REFUSED, True), (3, bigger, False)):
+        live["metadata"]["generation"], live["spec"] = generation, dict(edit)
+        await run.step()
+        assert cluster.status["observedGeneration"] == 1  # applied only at the next attempt
+        assert json.loads(cluster.status["appliedSpec"]) == WATCHED
+        restarted = Run({**live, "status": dict(cluster.status)}, cluster, RayJobs(timeout=0.3), settings())
+        assert bool(restarted.spec_error) is refused
+        assert restarted.plan == run.plan
+        # Without the record it would go by the edit: no watchdog (the refused one), or the
+        # running attempt's usage counted at two hosts (the bigger one).
+        assert restarted.plan.no_progress_timeout == applied.no_progress_timeout == timedelta(seconds=900)
+        assert (restarted.plan.hosts, restarted.plan.chips) == (applied.hosts, applied.chips)
+    assert restarted.latest_plan.hosts == 2 != applied.hosts
+    closed.close()
+
+
+def test_a_status_without_a_usable_record_goes_by_the_latest_generation():
+    _, _, live, _ = watched_run()
+    live["metadata"]["generation"], live["spec"] = 2, {**WATCHED, "noProgressTimeoutSeconds": 60}
+    for record in (None, "{not json", json.dumps({"model": 7})):
+        status = {**live["status"], "appliedSpec": record} if record else dict(live["status"])
+        run = Run({**live, "status": status}, MemoryCluster("http://127.0.0.1:9"), RayJobs(timeout=0.3), settings())
+        assert run.plan.no_progress_timeout == timedelta(seconds=60), record
 
 
 def test_the_plan_in_force():

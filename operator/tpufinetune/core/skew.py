@@ -3,7 +3,7 @@
 Spec fields it does not know (the installed CRD is newer) are ignored by
 `api.parse_stored_spec`; `report_ignored_fields` says which, on the SpecFieldsIgnored
 condition and in one Warning Event per change. Status keys a newer operator wrote are
-carried untouched (`status.checked_status`, `driver.status_patch`).
+carried untouched (`status.checked_status`, `status_patch`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from datetime import datetime
 
 from . import conditions as cond
 from .phases import Decision, RecordEvent
+from .status import STATUS_KEYS
 
 IGNORED = "UnknownFields"
 ALL_KNOWN = "AllFieldsKnown"
@@ -40,3 +41,12 @@ def report_ignored_fields(decision: Decision, ignored: tuple[str, ...], now: dat
     cond.set_condition(status, cond.SPEC_FIELDS_IGNORED, True, IGNORED, message, now, generation)
     if not reported:
         decision.actions.append(RecordEvent("Warning", "SpecFieldsIgnored", message))
+
+
+def status_patch(old: dict, new: dict) -> dict:
+    """JSON merge patch from old to new status: changed keys, and None for removed ones.
+    Only keys this version declares are ever removed: one a newer operator wrote (read
+    back after a rollback) is not ours to delete, and stays for when it returns."""
+    patch = {k: v for k, v in new.items() if old.get(k) != v}
+    patch.update({k: None for k in old if k not in new and k in STATUS_KEYS})
+    return patch

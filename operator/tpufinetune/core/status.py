@@ -14,6 +14,11 @@ Phase = Literal["Pending", "Queued", "Provisioning", "Submitting", "Running", "S
 PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
 
 
+# Characters of status.appliedSpec at most: a spec longer than this is not recorded (a
+# restart then goes by the latest generation, as before the record existed).
+APPLIED_SPEC_LIMIT = 65536
+
+
 class _Status(BaseModel):
     # Unknown keys are ignored, not refused: status is read back from the apiserver.
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True,
@@ -327,6 +332,11 @@ class TPUFineTuneStatus(_Status):
                           "from, the current attempt submitted with, or a suspend applied "
                           "for. An edit to a running job applies to the next attempt, and "
                           "shows here only then.")
+    applied_spec: str | None = Field(
+        None, max_length=APPLIED_SPEC_LIMIT,
+        description="The spec of observedGeneration, as JSON: after a restart, the plan an "
+                    "attempt keeps (watchdog, deadline, TTL, slice size) while a later edit "
+                    "waits for the next attempt or is refused.")
     ray_cluster_name: str | None = Field(None, description="The owned RayCluster.")
     job_id: str | None = Field(None, description="Ray job submission id of this attempt.")
     dashboard_url: str | None = Field(None, alias="dashboardURL",
