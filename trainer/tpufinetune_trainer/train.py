@@ -192,6 +192,7 @@ class Trainer:
         self.restored = False
         self.resumed_from: str | None = None
         self.notice = notice.NoticeWatch(rank)  # SIGTERM only; train_func adds Ray's KV requests
+        self.agreements = notice.Agreements(rank)  # after which steps the ranks agree on both
         self.saved_step = -1  # the global step of the last checkpoint written or being written
         self.pending: dict | None = None  # the checkpoint being written in the background
         self.stager = ckpt.HostStager()  # its host copy, kept from one checkpoint to the next
@@ -515,12 +516,15 @@ class Trainer:
                 self.report(self.epoch_metrics(loss_sum, label_tokens, real_tokens, elapsed, steps),
                             epoch_end=False)
                 self.model.train()
-            code = self.notice.agreed(self.cpu_group)
-            if code:
-                self.on_notice(code, lambda: self.epoch_metrics(loss_sum, label_tokens, real_tokens,
-                                                                time.perf_counter() - start, steps))
-            if self.pending is not None:
-                self.settle_checkpoint(wait=False)
+            if self.agreements.due(self.global_step):
+                code, not_done, failed, steps_to_next = self.notice.agreed(
+                    self.cpu_group, *self.save_flags(), self.agreements.proposal(self.global_step))
+                self.agreements.agreed(self.global_step, steps_to_next)
+                if code:
+                    self.on_notice(code, lambda: self.epoch_metrics(loss_sum, label_tokens, real_tokens,
+                                                                    time.perf_counter() - start, steps))
+                elif self.pending is not None:
+                    self.settled(bool(not_done), bool(failed))
             if self.stopped is not None:
                 break
         if self.rank == 0 and window.steps:
@@ -696,9 +700,21 @@ class Trainer:
             start = time.perf_counter()
             concurrent.futures.wait([save.future])
             self.pending["waited_s"] += time.perf_counter() - start
-        flags = torch.tensor([0 if save.done() else 1, 1 if save.failure() is not None else 0], dtype=torch.int64)
+        flags = torch.tensor(self.save_flags(), dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.cpu_group)
-        not_done, failed = flags.tolist()
+        self.settled(*(bool(flag) for flag in flags.tolist()))
+
+    def save_flags(self) -> tuple[int, int]:
+        """This rank's part of the background save's agreement: (not done, failed); (0, 0)
+        with none in flight."""
+        if self.pending is None:
+            return 0, 0
+        save = self.pending["save"]
+        return (0 if save.done() else 1), (1 if save.failure() is not None else 0)
+
+    def settled(self, not_done: bool, failed: bool) -> None:
+        """What the ranks agreed of the save in flight: report it once complete everywhere."""
+        save = self.pending["save"]
         if failed:
             if save.failure() is not None:
                 save.future.result()  # this rank's own failure
