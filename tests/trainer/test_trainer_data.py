@@ -13,6 +13,7 @@ from tpufinetune_trainer.data import (
     IGNORE_INDEX,
     BatchPlan,
     Examples,
+    Ragged,
     blocks_per_device,
     encode_rows,
     epoch_steps,
@@ -168,6 +169,34 @@ def synthetic_examples(count: int, seed: int) -> Examples:
         ids.append(tokens)
         labels.append([IGNORE_INDEX] * prompt + tokens[prompt:])
     return Examples(ids, labels)
+
+
+def test_examples_are_flat_int32_rows_that_say_what_the_lists_said():
+    """Examples hold their rows as one int32 array and offsets: the lengths, the scored
+    tokens, each row and the resume digest are what the lists gave, and the rows pickle
+    as out-of-band buffers (what Ray's object store shares among a host's workers)."""
+    import pickle
+
+    from tpufinetune_trainer.resume import examples_digest
+
+    listed = synthetic_examples(300, seed=5)
+    ids = [row.tolist() for row in listed.input_ids]
+    labels = [row.tolist() for row in listed.labels]
+    assert isinstance(listed.input_ids, Ragged) and listed.input_ids.values.dtype == np.int32
+    assert listed.lengths.tolist() == [len(row) for row in ids]
+    assert listed.label_tokens.tolist() == [sum(1 for t in row[1:] if t != IGNORE_INDEX) for row in labels]
+    assert [listed.labels[i].tolist() for i in (0, 7, -1)] == [labels[0], labels[7], labels[-1]]
+    assert examples_digest(listed) == examples_digest(Examples(ids, labels))
+    tokens = int(listed.lengths.sum())
+    assert listed.input_ids.values.nbytes == listed.labels.values.nbytes == 4 * tokens
+    # Pickled as Ray pickles (protocol 5): the token arrays travel out of band, as buffers
+    # the object store maps into each worker of a host instead of objects rebuilt per worker.
+    buffers = []
+    inline = pickle.dumps(listed, protocol=5, buffer_callback=buffers.append)
+    assert sum(buffer.raw().nbytes for buffer in buffers) >= 2 * 4 * tokens and len(inline) < 1000
+    assert examples_digest(pickle.loads(inline, buffers=buffers)) == examples_digest(listed)
+    with pytest.raises(IndexError):
+        listed.input_ids[len(listed)]
 
 
 @pytest.mark.parametrize("world,batch,accum", [(2, 4, 1), (1, 2, 2), (4, 3, 1)])
