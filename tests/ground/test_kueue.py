@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,12 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
         wait_for(quota_message, 180, "Kueue's quota message on second",
                  details=lambda: f"status: {kube.status('second').get('message')!r}; its Workload's conditions: "
                                  f"{[w.get('status', {}).get('conditions') for w in workloads_of(kube, second_uid)]}")
+        # When Kueue wrote it and when the operator showed it, for the suite's log.
+        (workload,) = workloads_of(kube, second_uid)
+        reserved = next(c for c in workload["status"]["conditions"] if c["type"] == "QuotaReserved")
+        print(f"second: Workload created {workload['metadata']['creationTimestamp']}, QuotaReserved "
+              f"{reserved['status']} since {reserved['lastTransitionTime']}, seen in status by "
+              f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
         status = kube.status("second")
         assert status["message"].startswith(f"queued in {TPU_QUEUE}: "), status["message"]
         assert cond.find(status, cond.ADMITTED)["status"] == "False"
