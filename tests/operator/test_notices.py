@@ -7,6 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from cloudevents.v1.http import from_http
+from prometheus_client import REGISTRY
 
 from tpufinetune.adapters.notify import Notifier, RunNotices, http_message
 from tpufinetune.core import notify
@@ -106,6 +107,7 @@ def test_a_receiver_that_refuses_twice_gets_the_event_on_the_third_try(receiver)
     sink = notify.Sink(name="bus", type="cloudevents", url=hook.url, mode="binary")
     notifier = fast_notifier([sink])
     events = []
+    tries = {outcome: tried("bus", outcome) for outcome in ("Pending", "Delivered", "Failed")}
 
     async def scenario():
         notices = RunNotices(notifier, asyncio.Event())
@@ -126,6 +128,13 @@ def test_a_receiver_that_refuses_twice_gets_the_event_on_the_third_try(receiver)
     assert ids == {f"{IDENT.uid}.Succeeded.1"}  # one id at every try: a receiver can dedupe
     read = from_http(*hook.got[-1])
     assert read.data["logsURI"] == "gs://b/tiny/logs/attempt-1/" and read.data["evalLoss"] == 1.3
+    # tpufinetune_notice_tries_total: two tries to be tried again, then one delivered.
+    assert {outcome: tried("bus", outcome) - before for outcome, before in tries.items()} == {
+        "Pending": 2, "Delivered": 1, "Failed": 0}
+
+
+def tried(sink: str, outcome: str) -> float:
+    return REGISTRY.get_sample_value("tpufinetune_notice_tries_total", {"sink": sink, "outcome": outcome}) or 0.0
 
 
 @pytest.mark.timeout(30)

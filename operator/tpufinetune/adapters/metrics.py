@@ -12,6 +12,7 @@
 | tpufinetune_chip_seconds_total | counter | namespace, generation, reason | TPU chip-seconds of ended attempts (slice ready to released), by the attempt's end reason (status.attempts[].reason); counted once the attempt's slice is released |
 | tpufinetune_queue_wait_seconds | histogram | | Queued → admitted by Kueue (Provisioning), from the two phaseTransitionTimes; one observation per admission |
 | tpufinetune_log_bytes_total | counter | | bytes of the trainer jobs' logs read from Ray heads (streams and whole-log reads): what following the running jobs costs, e.g. after a restart |
+| tpufinetune_notice_tries_total | counter | sink, outcome | tries to deliver spec.notify's notices to a configured sink: Delivered, Pending (to be tried again) or Failed (given up); sinks are the admin's, so the labels stay few |
 
 Per run (off with TPUFT_RUN_METRICS=false), read from each TPUFineTune's status as the watch
 sees it (core/runmetrics.py); a series is absent while the status has no value for it, and
@@ -86,6 +87,11 @@ QUEUE_WAIT = Histogram(
     buckets=QUEUE_BUCKETS,
 )
 LOG_BYTES = Counter("tpufinetune_log_bytes", "Bytes of the trainer jobs' logs read from Ray heads.")
+NOTICE_TRIES = Counter(
+    "tpufinetune_notice_tries",
+    "Tries to deliver notices to a configured sink, by sink and outcome (Delivered, Pending, Failed).",
+    ["sink", "outcome"],
+)
 DROPPED_EVENTS = Counter(
     "tpufinetune_trainer_events_dropped", "Trainer event lines the status cannot hold, dropped."
 )
@@ -217,6 +223,11 @@ def events_dropped(count: int) -> None:
 
 def log_read(size: int) -> None:
     LOG_BYTES.inc(size)
+
+
+def notice_tried(sink: str, outcome: str) -> None:
+    """One try of a notice to a sink the admin configured (never a name from a spec)."""
+    NOTICE_TRIES.labels(sink, outcome).inc()
 
 
 def step_failed(phase: str) -> None:

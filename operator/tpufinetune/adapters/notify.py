@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from tpufinetune.adapters import metrics
 from tpufinetune.core import notify
 from tpufinetune.core.conditions import timestamp
 
@@ -106,6 +107,7 @@ class Notifier:
         delivered = code is not None and 200 <= code < 300
         final = delivered or not notify.retryable(code) or delivery.tries >= self.max_tries
         state = "Delivered" if delivered else "Failed" if final else "Pending"
+        metrics.notice_tried(delivery.sink.name, state)
         record = _record(delivery.notice, delivery.event, state, delivery.tries, "" if delivered else error)
         if not final:
             delivery.due = time.monotonic() + notify.retry_delay(delivery.tries, self.retry_base, self.retry_cap)
