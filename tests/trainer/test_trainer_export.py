@@ -90,7 +90,7 @@ def test_an_export_that_does_not_load_fails_the_run_and_keeps_the_checkpoint(tra
 
 def test_held_out_prompts_fall_back_to_the_first_training_examples(prepared):
     prompts = export.proof_prompts(None, prepared["train"], count=2)
-    first = prepared["train"].input_ids[:2]
+    first = list(prepared["train"].input_ids)[:2]
     assert len(prompts) == 2 and all(ids[:len(p)].tolist() == p and 1 <= len(p) < len(ids) for p, ids in zip(prompts, first))
 
 
