@@ -60,7 +60,7 @@ import torch.distributed as dist  # noqa: E402
 from tpufinetune_trainer import assets  # noqa: E402
 from tpufinetune_trainer.backends import BACKENDS  # noqa: E402
 from tpufinetune_trainer.config import FinetuneConfig  # noqa: E402
-from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, Examples, blocks_per_device  # noqa: E402
+from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, Examples, plan_run  # noqa: E402
 from tpufinetune_trainer.model import per_layer_embeddings  # noqa: E402
 from tpufinetune_trainer.train import Trainer  # noqa: E402
 
@@ -157,14 +157,14 @@ def synthetic_examples(count: int, seq: int, vocab: int, seed: int) -> Examples:
 def examples_for(target_blocks: int, seq: int, vocab: int, steps: int, seed: int,
                  plan_seed: int) -> tuple[Examples, int]:
     """Examples for `steps` optimizer steps, with the most examples per device per step whose
-    fullest step the trainer packs into at most `target_blocks` blocks (data.blocks_per_device,
+    fullest step the trainer packs into at most `target_blocks` blocks (data.plan_run,
     with the run's seed, as the trainer plans it)."""
     mean = seq * 0.2 * math.exp(0.18)
     per_device = max(1, int(target_blocks * seq * 0.95 / mean))
     while True:
         examples = synthetic_examples(per_device * steps, seq, vocab, seed)
-        if per_device == 1 or blocks_per_device(examples.lengths, BatchPlan(1, per_device, 1), 1, plan_seed,
-                                                seq) <= target_blocks:
+        if per_device == 1 or plan_run(examples.lengths, examples.label_tokens, BatchPlan(1, per_device, 1), 1,
+                                       plan_seed, seq).plan.blocks <= target_blocks:
             return examples, per_device
         per_device = max(1, int(per_device * 0.95))
 

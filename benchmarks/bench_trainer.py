@@ -23,6 +23,16 @@ summed cross-entropy of 512-token blocks over Gemma's vocabulary, forward and ba
 fp32, as transformers' full logits (what the trainer did before) and at label positions
 (loss.py), with 22% of the positions labelled: seconds per step and the step's peak RSS
 over what was resident before it (hidden states, head weight and its gradient).
+
+    .venv/bin/python benchmarks/bench_trainer.py --profile [--profile-warmup 6] [--profile-steps 12]
+
+profiles one step of each loop, both run as for the table on the tiny model (stopped after
+the profiled steps): torch.profiler (CPU) on each worker over --profile-steps steady-state
+steps, after as many timed without it. Per step of the training thread: wall time, forward +
+backward compute, FSDP's collectives (their ranges: copy-in, the gloo call, the wait,
+copy-out), the optimizer, data, collectives outside FSDP, and the rest, by the outermost op
+or range it was in (`step_breakdown`); then whatever a step of ours costs beyond its
+compute and what the tutorial's loop also pays.
 """
 
 from __future__ import annotations
@@ -97,15 +107,192 @@ class HeldoutScore:
         return heldout_loss(model, self.batches)
 
 
-def make_ours_train_func(out: str, heldout: str):
+# ----------------------------------------------------------------------------- one step under the profiler
+
+# Main-thread time in these is FSDP's collectives: their ranges (copy-in, the gloo call, the
+# wait, copy-out), and any collective op inside them.
+FSDP_COLLECTIVE_RANGES = ("FSDP::all_gather", "FSDP::post_backward_reduce", "FSDP::post_backward_rs_wait")
+COLLECTIVE_WORDS = ("all_gather", "allgather", "reduce_scatter", "allreduce", "all_reduce", "gloo", "c10d",
+                    "broadcast", "barrier", "wait_tensor")
+OPTIMIZER_RANGES = ("Optimizer.step#", "Optimizer.zero_grad#")  # torch.optim's own ranges
+DATA_RANGES = ("enumerate(DataLoader)#", "bench::data")
+
+
+def merged(spans) -> list:
+    """Sorted, non-overlapping (start, end) spans covering `spans`."""
+    out = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def minus(spans, taken) -> list:
+    """Merged `spans` less merged `taken`."""
+    out, taken = [], merged(taken)
+    for start, end in merged(spans):
+        for t0, t1 in taken:
+            if t1 <= start or t0 >= end:
+                continue
+            if t0 > start:
+                out.append((start, t0))
+            start = max(start, t1)
+            if start >= end:
+                break
+        if start < end:
+            out.append((start, end))
+    return out
+
+
+def total(spans) -> float:
+    return sum(end - start for start, end in merged(spans))
+
+
+def thread_cpu_ticks() -> dict:
+    """CPU clock ticks (user + system) of each of this process's threads: {tid: (name, ticks)}."""
+    ticks = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        ticks[int(task.name)] = (name, int(fields[11]) + int(fields[12]))
+    return ticks
+
+
+def step_breakdown(events, window: tuple, steps: int) -> dict:
+    """Milliseconds per step of the training thread (the one that ran `bench::forward`), by
+    what it did, each span counted once, in this order: FSDP's collectives (their ranges,
+    or a collective op inside an FSDP range); other collectives (a collective op outside
+    them: ours' gradient norm, its agreements); the optimizer (torch.optim's step and
+    zero_grad ranges); forward + backward compute (what is left of the `bench::forward` and
+    `bench::backward` ranges: the model, the loss, FSDP's hooks' own work); data (the
+    DataLoader's next batch, ours' gather of a step's blocks); other: the rest of the
+    step's wall time, by the outermost op or range it was in ("no op": Python between ops)."""
+    threads = {e.thread for e in events if e.name == "bench::forward"}
+    if len(threads) != 1:
+        raise RuntimeError(f"bench::forward ran on threads {threads}: expected one training thread")
+    main = [e for e in events if e.thread in threads]
+    span = lambda e: (e.time_range.start, e.time_range.end)  # noqa: E731 - microseconds
+    fsdp_ranges = [span(e) for e in main if e.name.startswith("FSDP::")]
+    collective_ops = [e for e in main if any(w in e.name.lower() for w in COLLECTIVE_WORDS)]
+
+    def inside(e, spans) -> bool:
+        return any(s <= e.time_range.start and e.time_range.end <= t for s, t in spans)
+
+    fsdp = merged([span(e) for e in main if e.name.startswith(FSDP_COLLECTIVE_RANGES)]
+                  + [span(e) for e in collective_ops if inside(e, fsdp_ranges)])
+    other_coll = minus([span(e) for e in collective_ops if not inside(e, fsdp_ranges)], fsdp)
+    taken = fsdp + other_coll
+    optimizer = minus([span(e) for e in main if e.name.startswith(OPTIMIZER_RANGES)], taken)
+    taken += optimizer
+    compute = minus([span(e) for e in main if e.name in ("bench::forward", "bench::backward")], taken)
+    taken += compute
+    data = minus([span(e) for e in main if e.name.startswith(DATA_RANGES)], taken)
+    taken += data
+    rest = minus([window], taken)
+    # The rest, by the outermost op or range around each part of it.
+    by_name: dict = {}
+    outer = [e for e in main if e.cpu_parent is None or e.cpu_parent.name == "bench::window"]
+    for e in outer:
+        part = total(minus([span(e)], minus([span(e)], rest)))  # span(e) within rest
+        if part:
+            by_name[e.name] = by_name.get(e.name, 0.0) + part
+    by_name["no op (Python between ops)"] = total(minus(rest, [span(e) for e in outer]))
+    per_step = lambda us: us / 1000 / steps  # noqa: E731
+    ranges: dict = {}  # ours' own ranges, whole (what they hold included)
+    for e in main:
+        if e.name.startswith("bench::") and e.name not in ("bench::forward", "bench::backward"):
+            ranges[e.name] = ranges.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+    return {"step_ms": per_step(window[1] - window[0]), "compute_ms": per_step(total(compute)),
+            "fsdp_ms": per_step(total(fsdp)), "other_collectives_ms": per_step(total(other_coll)),
+            "optimizer_ms": per_step(total(optimizer)), "data_ms": per_step(total(data)),
+            "other_ms": per_step(total(rest)),
+            "other_by_name": {k: round(per_step(v), 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])
+                              if per_step(v) >= 0.05},
+            "ranges_ms": {k: round(per_step(v), 3) for k, v in ranges.items()}}
+
+
+class StepProbe:
+    """Times a loop's steps and profiles some, in a worker. `step()` is called at the top of
+    every step: after `warmup` steps it times `steps` steps without the profiler, then
+    profiles the next `steps` (CPU activities) and records their breakdown (`step_breakdown`,
+    plus the collectives in the profiler's key_averages, every thread, and the CPU time of
+    the process's other threads) as one `profile` row; it returns True from then on.
+    `range(name)` is a `bench::<name>` record_function while profiling, nothing otherwise."""
+
+    def __init__(self, out: str, loop: str, rank: int, warmup: int, steps: int):
+        self.out, self.loop, self.rank, self.warmup, self.steps = out, loop, rank, warmup, steps
+        self.calls, self.profiler, self.done = 0, None, False
+
+    def range(self, name: str):
+        import contextlib
+
+        from torch.profiler import record_function
+
+        return record_function(f"bench::{name}") if self.profiler is not None else contextlib.nullcontext()
+
+    def step(self) -> bool:
+        import threading
+
+        from torch.profiler import ProfilerActivity, profile
+
+        n, self.calls = self.calls, self.calls + 1
+        if n == self.warmup:
+            self.plain_start = time.perf_counter()
+        elif n == self.warmup + self.steps:
+            self.plain_ms = (time.perf_counter() - self.plain_start) * 1000 / self.steps
+            self.profiler = profile(activities=[ProfilerActivity.CPU])
+            self.profiler.start()
+            self.ticks = thread_cpu_ticks()
+            self.start = time.perf_counter()
+            self.marker = self.range("window")
+            self.marker.__enter__()  # its start opens the window in the profiler's clock
+        elif n == self.warmup + 2 * self.steps:
+            self.marker.__exit__(None, None, None)
+            wall = time.perf_counter() - self.start
+            ticks = thread_cpu_ticks()
+            self.profiler.stop()
+            self.finish(wall, ticks, threading.get_native_id())
+            self.profiler, self.done = None, True
+        return self.done
+
+    def finish(self, wall: float, ticks: dict, me: int) -> None:
+        events = self.profiler.events()
+        (marker,) = [e for e in events if e.name == "bench::window"]
+        window = (marker.time_range.start, marker.time_range.end)
+        row = {"kind": "profile", "loop": self.loop, "rank": self.rank, "steps": self.steps,
+               "plain_step_ms": self.plain_ms, "wall_step_ms": wall * 1000 / self.steps,
+               **step_breakdown([e for e in events if e is not marker], window, self.steps)}
+        averages = self.profiler.key_averages()
+        row["collective_ops"] = {a.key: [a.count / self.steps, round(a.cpu_time_total / 1000 / self.steps, 3)]
+                                 for a in averages if any(w in a.key.lower() for w in COLLECTIVE_WORDS)
+                                 or a.key.startswith(FSDP_COLLECTIVE_RANGES)}
+        tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+        others: dict = {}
+        for tid, (name, after) in ticks.items():
+            before = self.ticks.get(tid, (name, 0))[1]
+            key = "training thread" if tid == me else name
+            others[key] = others.get(key, 0.0) + (after - before) * tick_ms / self.steps
+        row["thread_cpu_ms"] = {k: round(v, 1) for k, v in sorted(others.items(), key=lambda kv: -kv[1]) if v}
+        record(self.out, row)
+
+
+def make_ours_train_func(out: str, heldout: str, profile: tuple | None = None):
     """The product's own train_func, with the epoch and checkpoint steps timed and the
-    held-out loss scored after each epoch."""
+    held-out loss scored after each epoch; with `profile` (warmup, steps), a StepProbe
+    on its steps (`probe_ours`)."""
 
     def train_func(config):
         from tpufinetune_trainer import train as product
 
         train_epoch, checkpoint = product.Trainer.train_epoch, product.Trainer.checkpoint
         score = HeldoutScore(heldout)
+        if profile:
+            probe_ours(product, out, *profile)
 
         def timed_epoch(self):
             m = train_epoch(self)
@@ -130,10 +317,57 @@ def make_ours_train_func(out: str, heldout: str):
     return train_func
 
 
+def probe_ours(product, out: str, warmup: int, steps: int) -> None:
+    """In a worker: a StepProbe on the Trainer's steps. Its `step()` runs at the start of
+    each `train_step`, so a profiled step is everything the epoch's loop does between two
+    steps (its bookkeeping and agreements included); ranges name the forward (the masks,
+    the model, the label head's loss), the backward, and the work the tutorial's loop does
+    not do: the gather of a step's blocks (data), the gradient clip, the agreements, the
+    progress line. Nothing else in the product changes."""
+    import torch
+
+    from tpufinetune_trainer import notice
+
+    holder: dict = {}
+    trainer_cls = product.Trainer
+
+    def ranged(owner, name: str, what: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            probe = holder.get("probe")
+            if probe is None:
+                return original(*a, **k)
+            with probe.range(what):
+                return original(*a, **k)
+
+        setattr(owner, name, wrapper)
+
+    train_step = trainer_cls.train_step
+
+    def probed_step(self, loss_sum):
+        if "probe" not in holder:
+            holder["probe"] = StepProbe(out, "ours", self.rank, warmup, steps)
+        holder["probe"].step()
+        return train_step(self, loss_sum)
+
+    trainer_cls.train_step = probed_step
+    ranged(trainer_cls, "token_loss_sum", "forward")
+    ranged(torch.Tensor, "backward", "backward")
+    ranged(product.DeviceBlocks, "gather", "data")
+    ranged(trainer_cls, "clip_gradients", "clip")
+    ranged(trainer_cls, "emit_progress", "progress")
+    ranged(notice.NoticeWatch, "agreed", "agreement")
+
+
 def make_baseline_train_func(out: str):
-    """The tutorial's loop, re-implemented (CPU: fp32 params, gloo)."""
+    """The tutorial's loop, re-implemented (CPU: fp32 params, gloo). With
+    config["profile"] (warmup, steps), a StepProbe on its steps: its `step()` runs at the
+    top of each step (so a step holds the DataLoader's next batch), ranges name the
+    forward and backward, and the epoch ends after the profiled steps."""
 
     def train_func(config):
+        import contextlib
         import tempfile as tf
 
         import ray.train
@@ -153,6 +387,8 @@ def make_baseline_train_func(out: str):
         rank, world = ctx.get_world_rank(), ctx.get_world_size()
         length, batch_size = config["max_seq_len"], config["batch_size"]
         score = HeldoutScore(config["heldout"])
+        probe = StepProbe(out, "tutorial", rank, *config["profile"]) if config.get("profile") else None
+        span = probe.range if probe else (lambda name: contextlib.nullcontext())
         tokenizer = AutoTokenizer.from_pretrained(config["model"])
         rows = load_dataset("json", data_files=config["data"], split=config["split"])
         tokenized = rows.map(lambda x: tokenizer(format_prompt(x["instruction"], x["context"]) + " " + x["response"],
@@ -182,10 +418,14 @@ def make_baseline_train_func(out: str):
             real = torch.zeros(1, dtype=torch.float64)
             shapes = set()
             for batch in loader:
+                if probe and probe.step():
+                    break
                 shapes.add(tuple(batch["input_ids"].shape))
                 optimizer.zero_grad()
-                out_ = model(input_ids=batch["input_ids"], labels=batch["labels"])
-                out_.loss.backward()
+                with span("forward"):
+                    out_ = model(input_ids=batch["input_ids"], labels=batch["labels"])
+                with span("backward"):
+                    out_.loss.backward()
                 optimizer.step()
                 running += out_.loss.detach().float()
                 real += batch["attention_mask"].sum()
@@ -227,16 +467,19 @@ OURS = {"ours": {}, "ours-loss-on-all": {"loss_on": "all"},
 
 def run_one(args) -> None:
     out = str(args.out)
+    profile = (args.profile_warmup, args.profile_steps) if args.profile else None
     if args.one in OURS:
         from tpufinetune_trainer import finetune
         from tpufinetune_trainer import train as product
         from tpufinetune_trainer.config import FinetuneConfig
 
-        product.train_func = make_ours_train_func(out, args.heldout)  # finetune.run picks it up by name
+        product.train_func = make_ours_train_func(out, args.heldout, profile)  # finetune.run picks it up by name
+        # Profiling: the table's run, stopped one step after the probe's last.
+        stop = {"max_steps": args.profile_warmup + 2 * args.profile_steps + 1} if profile else {}
         cfg = FinetuneConfig(model_id=args.model, dataset=args.data, dataset_split=args.split, num_workers=2,
                              num_epochs=args.epochs, batch_size_per_device=4, max_seq_len=512,
                              learning_rate=args.lr, eval_fraction=0.0, device="cpu", storage_path=args.storage,
-                             prompt_format="tutorial", run_name=f"ours-{int(time.time())}", **OURS[args.one])
+                             prompt_format="tutorial", run_name=f"ours-{int(time.time())}", **OURS[args.one], **stop)
         finetune.run(cfg)
         return
     import ray
@@ -247,7 +490,8 @@ def run_one(args) -> None:
     TorchTrainer(
         train_loop_per_worker=make_baseline_train_func(out),
         train_loop_config={"model": args.model, "data": args.data, "split": args.split, "epochs": args.epochs,
-                           "batch_size": 4, "max_seq_len": 512, "lr": args.lr, "heldout": args.heldout},
+                           "batch_size": 4, "max_seq_len": 512, "lr": args.lr, "heldout": args.heldout,
+                           "profile": profile},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=f"baseline-{int(time.time())}", storage_path=args.storage),
@@ -392,11 +636,11 @@ def compute_ceiling(args) -> None:
 
 
 def measure(kind: str, model: Path, data: Path, split: str, epochs: int, lr: float, work: Path, env: dict,
-            heldout: Path | None) -> list:
+            heldout: Path | None, extra: tuple = ()) -> list:
     out = work / f"{kind}-{model.parent.name}-{int(time.time())}.jsonl"
     cmd = [sys.executable, __file__, "--one", kind, "--model", str(model), "--data", str(data), "--split", split,
            "--epochs", str(epochs), "--lr", str(lr), "--out", str(out), "--storage", str(work / "storage"),
-           "--heldout", str(heldout or "")]
+           "--heldout", str(heldout or ""), *extra]
     log = out.with_suffix(".log")
     started = time.time()
     with open(log, "w") as f:
@@ -443,6 +687,11 @@ def main() -> None:
                         help="loss head: hidden size (the logits' memory does not depend on it)")
     parser.add_argument("--blocks-list", type=int, nargs="+", default=[1, 2], help="loss head: blocks per step")
     parser.add_argument("--repeats", type=int, default=2, help="loss head: timed steps per case")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile some steady-state steps of both loops (tiny model) instead of the table")
+    parser.add_argument("--profile-warmup", type=int, default=6, help="profile: steps before the timed ones")
+    parser.add_argument("--profile-steps", type=int, default=12,
+                        help="profile: steps timed without the profiler, then as many profiled")
     parser.add_argument("--one", choices=[*OURS, "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--ceiling", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--loss-head-case", choices=["full", "label", "label-all"], help=argparse.SUPPRESS)
@@ -470,7 +719,7 @@ def main() -> None:
 
     work = args.work or Path(tempfile.mkdtemp(prefix="tpuft-bench-"))
     print(f"work dir: {work}", flush=True)
-    for size in ("tiny", "100m"):
+    for size in ("tiny",) if args.profile else ("tiny", "100m"):
         if not (work / size / "model" / "config.json").exists():
             info = write_assets(work / size, size)
             print(f"  built {size}: {info['parameters'] / 1e6:.1f}M parameters", flush=True)
@@ -479,6 +728,9 @@ def main() -> None:
     if len(rows) < args.rows + args.heldout_rows:
         raise SystemExit(f"{len(rows)} rows in the dataset: not enough for {args.rows} + {args.heldout_rows} held out")
     heldout.write_text("".join(line + "\n" for line in rows[args.rows:args.rows + args.heldout_rows]))
+    if args.profile:
+        profile_loops(args, work)
+        return
     cache = work / "results.json"
     results = json.loads(cache.read_text()) if cache.exists() else {}
     runs = [(k, s) for k in ("ours", "baseline") for s in ("tiny", "100m")] + [(k, "tiny") for k in OURS if k != "ours"]
@@ -508,6 +760,80 @@ def main() -> None:
         results["ceiling"] = json.loads(done.stdout.strip().splitlines()[-1])
         cache.write_text(json.dumps(results, indent=1))
     print_table(results, args)
+
+
+PROFILE_COLUMNS = (("step_ms", "step ms"), ("compute_ms", "fwd+bwd compute ms"),
+                   ("fsdp_ms", "FSDP collectives ms"), ("optimizer_ms", "optimizer ms"), ("data_ms", "data ms"),
+                   ("other_collectives_ms", "other collectives ms"), ("other_ms", "other ms"))
+
+
+def profile_loops(args, work: Path) -> None:
+    """Both loops as the table runs them (tiny model, `--rows` examples, the same Ray head
+    and workers), each stopped after its profiled steps (one epoch: ours by --max-steps,
+    the tutorial's by its probe), then one row per loop (the mean over the 2 workers) and
+    the details of each worker: where "other" goes, ours' own ranges, the collectives in the
+    profiler's key_averages and the CPU time of each thread over the profiled steps."""
+    from harness.rayhead import RayHead
+
+    extra = ("--profile", "--profile-warmup", str(args.profile_warmup), "--profile-steps", str(args.profile_steps))
+    rows = []
+    head = RayHead.start(num_cpus=4)
+    env = dict(head.env(), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(REPO / "tests"))
+    try:
+        for kind in ("ours", "baseline"):
+            rows += measure(kind, work / "tiny" / "model", work / "tiny" / "data" / "train.jsonl",
+                            f"train[:{args.rows}]", 1, args.lr, work, env, None, extra)
+    finally:
+        head.stop()
+    profiles = [r for r in rows if r["kind"] == "profile"]
+    (work / f"profile-{int(time.time())}.json").write_text(json.dumps(profiles, indent=1))
+    print_profile(profiles, args)
+
+
+def print_profile(profiles: list, args) -> None:
+    loops = {loop: sorted((r for r in profiles if r["loop"] == loop), key=lambda r: r["rank"])
+             for loop in ("ours", "tutorial")}
+    mean = {loop: {k: sum(r[k] for r in rs) / len(rs) for k in ("plain_step_ms", *(c for c, _ in PROFILE_COLUMNS))}
+            for loop, rs in loops.items()}
+    print(f"\nCPU, 2 workers (gloo), tiny Gemma 4, batch 4/worker, max length 512; steps {args.profile_warmup + 1}-"
+          f"{args.profile_warmup + args.profile_steps} timed without the profiler, the next {args.profile_steps} "
+          f"under torch.profiler (CPU); ms per step of the training thread, mean of the 2 workers")
+    header = ("loop", "step ms, no profiler", *(name for _, name in PROFILE_COLUMNS))
+    table = [(loop, f"{mean[loop]['plain_step_ms']:.1f}", *(f"{mean[loop][c]:.1f}" for c, _ in PROFILE_COLUMNS))
+             for loop in ("ours", "tutorial")]
+    table.append(("ours / tutorial", f"{mean['ours']['plain_step_ms'] / mean['tutorial']['plain_step_ms']:.2f}x",
+                  *(f"{mean['ours'][c] / mean['tutorial'][c]:.2f}x" if mean["tutorial"][c] > 0.05 else "-"
+                    for c, _ in PROFILE_COLUMNS)))
+    widths = [max(len(str(r[i])) for r in table + [header]) for i in range(len(header))]
+    print(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for r in table:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    # What a step costs beyond its compute and what both loops pay (FSDP's collectives, the
+    # optimizer, its batch): collectives of its own, and the rest.
+    extra = {loop: m["other_collectives_ms"] + m["other_ms"] for loop, m in mean.items()}
+    ranges: dict = {}
+    for r in loops["ours"]:
+        for name, ms in r["ranges_ms"].items():
+            ranges[name] = ranges.get(name, 0.0) + ms / len(loops["ours"])
+    print(f"\nBeyond compute, FSDP's collectives, the optimizer and data, per step: ours {extra['ours']:.1f} ms "
+          f"({extra['ours'] / mean['ours']['step_ms']:.1%} of its step), the tutorial's loop "
+          f"{extra['tutorial']:.1f} ms "
+          f"({extra['tutorial'] / mean['tutorial']['step_ms']:.1%}); ours' ranges, whole (mean of the workers, ms): "
+          + ", ".join(f"{name.removeprefix('bench::')} {ms:.2f}" for name, ms in ranges.items()))
+    for loop, rs in loops.items():
+        for r in rs:
+            print(f"\n{loop}, rank {r['rank']}: step {r['step_ms']:.1f} ms (wall {r['wall_step_ms']:.1f}), "
+                  f"no profiler {r['plain_step_ms']:.1f}")
+            print(f"  other, by outermost op or range (ms/step): {r['other_by_name']}")
+            if r["ranges_ms"]:
+                print(f"  ranges, whole (ms/step): {r['ranges_ms']}")
+            ops: dict = {}
+            for key, (count, ms) in r["collective_ops"].items():  # FSDP's ranges carry the module's name
+                name = re.sub(r" \(.*\)$", "", key)
+                ops[name] = [round(ops.get(name, [0, 0])[0] + count, 2), round(ops.get(name, [0, 0])[1] + ms, 2)]
+            print(f"  collectives in key_averages, every thread ([calls, CPU ms] per step): {ops}")
+            print(f"  CPU ms per step by thread: {r['thread_cpu_ms']}")
 
 
 def print_table(results: dict, args) -> None:

@@ -14,7 +14,6 @@ from tpufinetune_trainer.data import (
     BatchPlan,
     Examples,
     Ragged,
-    blocks_per_device,
     encode_rows,
     epoch_steps,
     eval_order,
@@ -22,6 +21,7 @@ from tpufinetune_trainer.data import (
     load_rows,
     pack,
     plan_epoch,
+    plan_run,
     prepare,
     rank_blocks,
     steps_per_epoch,
@@ -205,7 +205,7 @@ def test_every_step_has_the_same_blocks_and_padding_carries_no_labels(world, bat
     examples = synthetic_examples(101, world)
     lengths, labels = examples.lengths, examples.label_tokens
     base = BatchPlan(world, batch, accum)
-    plan = BatchPlan(world, batch, accum, blocks_per_device(lengths, base, epochs, 7, length))
+    plan = plan_run(lengths, labels, base, epochs, 7, length).plan
     for epoch in range(1, epochs + 1):
         planned = plan_epoch(lengths, labels, plan, epoch, 7, length)
         grouped = epoch_steps(lengths, plan, epoch, 7)

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tpufinetune_trainer import loss
 from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
-from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, blocks_per_device, plan_epoch, rank_blocks
+from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, plan_epoch, plan_run, rank_blocks
 from tpufinetune_trainer.errors import ConfigError
 from tpufinetune_trainer.train import Trainer
 from trainer_helpers import BLOCK_LENGTH
@@ -166,9 +166,9 @@ def test_the_cap_holds_every_micro_batch_of_the_run_and_a_smaller_one_is_refused
     examples, epochs, seed = prepared["train"], 3, 42
     lengths, labels = examples.lengths, examples.label_tokens
     base = BatchPlan(2, 2, 2)
-    plan = BatchPlan(2, 2, 2, blocks_per_device(lengths, base, epochs, seed, LENGTH))
+    shape = plan_run(lengths, labels, base, epochs, seed, LENGTH)  # the cap the trainer takes
+    plan, most = shape.plan, shape.most_label_tokens
     plans = [plan_epoch(lengths, labels, plan, epoch, seed, LENGTH) for epoch in range(1, epochs + 1)]
-    most = loss.most_label_tokens(plans, labels)
     seen = [rank_blocks(examples, planned, rank, LENGTH, 0).label_tokens.reshape(len(planned), plan.accum,
                                                                                  plan.blocks).sum(axis=-1)
             for planned in plans for rank in range(plan.world)]

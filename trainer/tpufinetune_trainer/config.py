@@ -17,7 +17,7 @@ DEFAULT_MODEL = "google/gemma-4-E2B-it"
 DEFAULT_DATASET = "databricks/databricks-dolly-15k"
 # Examples per device per optimizer step, the tutorial's batch size (4): the same steps per
 # epoch as the tutorial, its padding removed (the step's examples are packed into as few
-# blocks as the run's fullest step needs, data.blocks_per_device).
+# blocks as the run's fullest step needs, data.plan_run).
 DEFAULT_BATCH_SIZE_PER_DEVICE = 4
 # Share of all optimizer steps over which the learning rate decays, at the end; until then
 # it holds the peak (warmup-stable-decay). The default peak is the tutorial's constant
@@ -218,7 +218,7 @@ class FinetuneConfig(SliceConfig):
 
     def batch_plan(self) -> BatchPlan:
         """Examples per optimizer step = devices x examples per device x accumulation steps
-        (the blocks per device come from the data: data.blocks_per_device)."""
+        (the blocks per device come from the data: data.plan_run)."""
         micro = self.num_workers * self.batch_size_per_device
         wanted = self.global_batch_examples or micro
         if wanted % micro:

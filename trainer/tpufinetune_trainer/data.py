@@ -12,25 +12,30 @@ tutorial's DataCollatorForLanguageModeling does.
 Steps and static shapes: an optimizer step takes the tutorial's batch of examples
 (`BatchPlan`); each epoch groups the seeded shuffle into steps (`epoch_steps`) and packs
 each step's examples (best fit) into blocks of exactly ``max_seq_len`` tokens, a fixed
-number per device for the whole run (`blocks_per_device`, `plan_epoch`). Each block
+number per device for the whole run (`plan_run`, `plan_epoch`). Each block
 carries segment ids (one per example, padding is its own segment) and position ids that
 restart at 0 for every example; the trainer turns the segment ids into block-diagonal
 attention masks, so an example only attends to itself and sees the positions it would see
 alone. Every example's first token is unlabelled (a prompt token, label -100), so no
 label ever crosses a boundary.
 
-Loading and tokenizing run in the driver (once); workers receive the token lists and
+Loading and tokenizing run in the driver (once), a chunk of rows at a time into files on
+the host's disk that workers map (data_stream.py); workers receive the token rows and
 plan and pack the epochs themselves (the same on every rank: it is a pure function of
-the lengths, the plan and the seed).
+the lengths, the plan and the seed): the run's static maxima up front in one pass
+(`plan_run`), each epoch's plan when the loop reaches it.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
+import operator
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -273,19 +278,35 @@ class Packed:
 def bin_pack(lengths: list[int] | np.ndarray, max_seq_len: int) -> list[list[int]]:
     """Best-fit-decreasing bin packing: lists of indices into `lengths` whose lengths sum
     to at most `max_seq_len`, the fewest bins this heuristic finds (deterministic)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (free tokens, bin index), sorted
-    for i in order:
-        need = int(lengths[i])
-        at = bisect.bisect_left(free, (need, -1))
-        if at == len(free):
-            bins.append([i])
-            bisect.insort(free, (max_seq_len - need, len(bins) - 1))
+    return steps_bins(lengths, [np.arange(len(lengths))], max_seq_len)[0]
+
+
+def longest_first(lengths: np.ndarray) -> np.ndarray:
+    """Positions (along the last axis) by decreasing length, ties in position order."""
+    return np.argsort(-lengths, axis=-1, kind="stable")
+
+
+def best_fit(items: list[int], needs: list[int], capacity: int) -> list[list[int]]:
+    """`items`, longest first, each into the open bin with the least room that holds it
+    (the first opened on a tie), or a new bin. Bins are kept as sorted keys `room * span +
+    bin`: one int compares faster than a tuple."""
+    if sum(needs) <= capacity:  # every item fits the first bin
+        return [list(items)] if items else []
+    span = len(items) + 1  # more than any bin index
+    # Items over half the capacity fit no bin opened before them (each holds one as long).
+    opened = bisect.bisect_left(needs, -(capacity // 2), key=operator.neg)
+    bins = [[item] for item in items[:opened]]
+    keys = [(capacity - need) * span + b for b, need in enumerate(needs[:opened])]  # sorted: needs decrease
+    find, insort = bisect.bisect_left, bisect.insort
+    for item, need in zip(items[opened:], needs[opened:]):
+        at = find(keys, need * span)  # the first bin with room >= need
+        if at == len(keys):
+            insort(keys, (capacity - need) * span + len(bins))
+            bins.append([item])
         else:
-            room, b = free.pop(at)
-            bins[b].append(i)
-            bisect.insort(free, (room - need, b))
+            key = keys.pop(at)
+            bins[key % span].append(item)
+            insort(keys, key - need * span)
     return bins
 
 
@@ -324,7 +345,8 @@ class Ragged:
     rows' offsets: 4 bytes a token where a list of Python ints costs about 36, and two
     buffers that Ray's object store hands to every worker of a host without a copy (the
     driver puts the examples there once), where lists were rebuilt in each worker. Row `i`
-    is a read-only view."""
+    is a read-only view. The arrays may be maps of files (data_stream.MappedRagged): what
+    reads every token reads a part at a time (`parts`)."""
 
     __slots__ = ("values", "offsets")
 
@@ -356,6 +378,11 @@ class Ragged:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def parts(self, tokens: int = 1 << 22):
+        """The values, `tokens` at a time (views): to read them all in bounded memory."""
+        for start in range(0, len(self.values), tokens):
+            yield self.values[start:start + tokens]
+
 
 @dataclass
 class Examples:
@@ -383,12 +410,20 @@ class Examples:
     def label_tokens(self) -> np.ndarray:
         """Scored tokens per example: labels past its first token (every example starts
         with an unlabelled prompt token, so this is what its block counts for it)."""
-        scored = self.labels.values != IGNORE_INDEX
-        starts = self.labels.offsets[:-1]
-        scored[starts[self.labels.lengths > 0]] = False
-        counted = np.zeros(len(scored) + 1, dtype=np.int64)
-        np.cumsum(scored, out=counted[1:])
-        return counted[self.labels.offsets[1:]] - counted[starts]
+        offsets, counts = self.labels.offsets, np.zeros(len(self), dtype=np.int64)
+        rows = np.flatnonzero(self.labels.lengths > 0)  # reduceat needs no empty segment
+        # A part of the rows at a time: reduceat sums an int64 copy of all it is given.
+        for part in np.array_split(rows, max(1, len(self.labels.values) // LABEL_COUNT_TOKENS)):
+            if part.size:
+                first, starts = offsets[part[0]], offsets[part] - offsets[part[0]]
+                scored = self.labels.values[first:offsets[part[-1] + 1]] != IGNORE_INDEX
+                scored[starts] = False
+                counts[part] = np.add.reduceat(scored, starts, dtype=np.int64)
+        return counts
+
+
+# Tokens whose labels Examples.label_tokens counts at a time.
+LABEL_COUNT_TOKENS = 1 << 20
 
 
 @dataclass
@@ -403,15 +438,25 @@ class PreparedData:
     prompt_format: str = "tutorial"
 
 
-def split_eval(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+def held_out(n: int, eval_fraction: float, seed: int) -> np.ndarray:
+    """The held-out examples' indices, sorted: the first `eval_fraction` of a seeded shuffle
+    (`random.shuffle` on an int64 array makes the calls it makes on a list, so the split is
+    the one runs made when it shuffled a list), 8 bytes an example."""
     if eval_fraction <= 0:
-        return list(range(n)), []
-    order = list(range(n))
+        return np.zeros(0, dtype=np.int64)
+    order = np.arange(n, dtype=np.int64)
     random.Random(seed).shuffle(order)
     held = max(1, int(round(n * eval_fraction)))
     if held >= n:
         raise DataError(f"--eval-fraction {eval_fraction} leaves no training examples out of {n}")
-    return sorted(order[held:]), sorted(order[:held])
+    return np.sort(order[:held])
+
+
+def split_eval(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    held = held_out(n, eval_fraction, seed)
+    kept = np.ones(n, dtype=bool)
+    kept[held] = False
+    return np.flatnonzero(kept).tolist(), held.tolist()
 
 
 def pad_id_of(tokenizer) -> int:
@@ -420,10 +465,20 @@ def pad_id_of(tokenizer) -> int:
 
 def prepare(dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction: float, seed: int,
             long_prompts: str = "skip", prompt_format: str = "auto", dataset_format: str = "auto",
-            loss_on: str = "responses") -> PreparedData:
+            loss_on: str = "responses", stream: bool = True, cache_dir: str | Path | None = None) -> PreparedData:
+    """The training examples (tokenized, not packed) and the held-out ones (packed).
+    `stream` (the default) tokenizes a chunk of rows at a time into this host's cache
+    (`cache_dir`, else data_stream.cache_root()) and maps the files, so neither the text
+    nor the tokens need to fit in memory (data_stream.py); otherwise every row is
+    tokenized in memory. Both give the same examples."""
     rows = load_rows(dataset, split)
     dataset_format = validate_rows(rows, dataset, split, dataset_format)
     prompt_format = resolve_prompt_format(prompt_format, tokenizer)
+    if stream:
+        from . import data_stream
+
+        return data_stream.prepare(rows, dataset, split, tokenizer, max_seq_len, eval_fraction, seed, long_prompts,
+                                   prompt_format, dataset_format, loss_on, cache_dir)
     enc = encode_rows(rows, tokenizer, max_seq_len, prompt_format, dataset_format, loss_on)
     if enc.skipped_long_prompts and (long_prompts == "fail" or not enc.input_ids):
         first = enc.skipped_long_prompts[0]
@@ -453,7 +508,7 @@ class BatchPlan:
     """One optimizer step: `world` devices x `per_device` examples x `accum` micro-batches
     (the tutorial's batch: examples, not blocks). The step's examples are packed into
     blocks, dealt out as `accum` micro-batches of `blocks` blocks on each device; `blocks`
-    is fixed for the whole run (static shapes) and known up front (`blocks_per_device`)."""
+    is fixed for the whole run (static shapes) and known up front (`plan_run`)."""
 
     world: int
     per_device: int
@@ -495,40 +550,150 @@ def epoch_steps(lengths: np.ndarray, plan: BatchPlan, epoch: int, seed: int) -> 
     keeps the fixed blocks per step nearly full (the fullest step sets them for the run).
     Depends only on the lengths, the plan and the seed: every rank, and a resumed run, get
     the same steps."""
+    lengths = np.asarray(lengths, dtype=np.int64)
     order = epoch_permutation(len(lengths), epoch, seed)
     size, steps = plan.global_examples, steps_per_epoch(len(lengths), plan)
     rng = np.random.default_rng([seed, epoch])
-    out: list[np.ndarray] = []
-    for first in range(0, steps, BALANCE_WINDOW_STEPS):
-        window = range(first, min(steps, first + BALANCE_WINDOW_STEPS))
-        pool = order[first * size:window[-1] * size + size]
-        room = [len(order[s * size:(s + 1) * size]) for s in window]
-        members: list[list[int]] = [[] for _ in window]
-        heap = [(0, k) for k in range(len(window))]
-        for i in sorted(range(len(pool)), key=lambda i: (-int(lengths[pool[i]]), i)):
-            tokens, k = heapq.heappop(heap)
-            members[k].append(int(pool[i]))
-            if len(members[k]) < room[k]:
-                heapq.heappush(heap, (tokens + int(lengths[pool[i]]), k))
-        out += [np.array(sorted(members[k]), dtype=np.int64) for k in rng.permutation(len(window))]
+    window = BALANCE_WINDOW_STEPS * size
+    whole = len(order) // window if len(order) >= DEAL_TOGETHER * window else 0  # windows dealt together
+    dealt = deal_windows(order[:whole * window].reshape(whole, window), lengths, size)
+    out = [step for members in dealt for step in members[rng.permutation(BALANCE_WINDOW_STEPS)]]
+    for first in range(whole * BALANCE_WINDOW_STEPS, steps, BALANCE_WINDOW_STEPS):  # the others, one by one
+        count = min(steps, first + BALANCE_WINDOW_STEPS) - first
+        pool = order[first * size:(first + count) * size]
+        pool, room = pool[longest_first(lengths[pool])], [size] * (count - 1) + [len(pool) - (count - 1) * size]
+        members = deal_window(pool.tolist(), lengths[pool].tolist(), room)
+        out += [np.sort(np.array(members[k], dtype=np.int64)) for k in rng.permutation(count)]
     return out
 
 
-def step_bins(lengths: np.ndarray, examples: np.ndarray, max_seq_len: int) -> list[list[int]]:
-    """A step's examples packed into the fewest blocks (example indices per block)."""
-    return [[int(examples[i]) for i in members] for members in bin_pack(lengths[examples], max_seq_len)]
+# Windows of full steps dealt together (deal_windows) where there are at least this many:
+# a numpy pass per place costs about what dealing this many windows one by one does.
+DEAL_TOGETHER = 32
 
 
-def blocks_per_device(lengths: np.ndarray, plan: BatchPlan, epochs: int, seed: int, max_seq_len: int) -> int:
-    """Blocks per device per micro-batch for the whole run: what the fullest step of any
-    epoch needs, its blocks spread over every device and micro-batch. Known up front, as
-    every epoch's order is a seeded permutation."""
-    slots = plan.world * plan.accum
-    most = 1
+def deal_window(items: list[int], needs: list[int], room: list[int]) -> list[list[int]]:
+    """`items` (longest first) each to the step with the fewest tokens so far that still
+    has room (`room[k]` examples), the first step on a tie: the heap's `tokens * steps + k`."""
+    steps, members = len(room), [[] for _ in room]
+    heap = list(range(steps))
+    for item, need in zip(items, needs):
+        k = heap[0] % steps
+        members[k].append(item)
+        if len(members[k]) < room[k]:
+            heapq.heapreplace(heap, heap[0] + need * steps)
+        else:
+            heapq.heappop(heap)
+    return members
+
+
+def deal_windows(pools: np.ndarray, lengths: np.ndarray, size: int) -> np.ndarray:
+    """deal_window for windows of full steps (rows of `pools`), all windows a place at a
+    time: [windows, steps, size] examples, each step's sorted."""
+    pools = np.take_along_axis(pools, longest_first(lengths[pools]), axis=1)
+    needs = lengths[pools]
+    tokens = np.zeros((len(pools), BALANCE_WINDOW_STEPS), dtype=np.int64)
+    taken = np.zeros_like(tokens)
+    step = np.empty_like(pools)
+    rows = np.arange(len(pools))
+    for place in range(pools.shape[1] if len(pools) else 0):
+        k = np.where(taken < size, tokens, np.iinfo(np.int64).max).argmin(axis=1)  # argmin: the first on a tie
+        step[:, place] = k
+        tokens[rows, k] += needs[:, place]
+        taken[rows, k] += 1
+    members = np.sort(step * (len(lengths) + 1) + pools, axis=1) % (len(lengths) + 1)  # by step, then example
+    return members.reshape(len(pools), BALANCE_WINDOW_STEPS, size)
+
+
+def steps_bins(lengths: np.ndarray, steps: list[np.ndarray], max_seq_len: int) -> list[list[list[int]]]:
+    """Each step's examples packed into the fewest blocks (example indices per block): best
+    fit, the longest first (ties in the step's order; every step sorted at once)."""
+    lengths, sizes = np.asarray(lengths, dtype=np.int64), [len(examples) for examples in steps]
+    flat = np.concatenate(steps).astype(np.int64) if steps else np.zeros(0, dtype=np.int64)
+    flat = flat[np.lexsort((-lengths[flat], np.repeat(np.arange(len(steps)), sizes)))]  # stable
+    items, needs, ends = flat.tolist(), lengths[flat].tolist(), np.cumsum(sizes).tolist()
+    return [best_fit(items[end - n:end], needs[end - n:end], max_seq_len) for n, end in zip(sizes, ends)]
+
+
+class EpochBlocks(NamedTuple):
+    """An epoch's steps and their blocks, step after step (`per_step[s]` are step s's)."""
+
+    steps: list[np.ndarray]
+    blocks: list[list[int]]
+    per_step: np.ndarray
+
+
+def pack_epoch(lengths: np.ndarray, plan: BatchPlan, epoch: int, seed: int, max_seq_len: int) -> EpochBlocks:
+    """The epoch's steps, each packed into the fewest blocks (the plan's `blocks` unused)."""
+    steps = epoch_steps(lengths, plan, epoch, seed)
+    bins = steps_bins(lengths, steps, max_seq_len)
+    per_step = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
+    return EpochBlocks(steps, list(itertools.chain.from_iterable(bins)), per_step)
+
+
+def sums_of(per_example: np.ndarray, groups: list) -> np.ndarray:
+    """Exact int64 sums of `per_example` over each (non-empty) group of example indices
+    (arrays, or lists)."""
+    if not groups:
+        return np.zeros(0, dtype=np.int64)
+    sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
+    flat = np.concatenate(groups) if isinstance(groups[0], np.ndarray) else \
+        np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=int(sizes.sum()))
+    return np.add.reduceat(np.asarray(per_example, dtype=np.int64)[flat], np.cumsum(sizes) - sizes)
+
+
+def block_places(per_step: np.ndarray, plan: BatchPlan) -> tuple[np.ndarray, ...]:
+    """(step, micro-batch, rank, place in the micro-batch) of every block, in order: block
+    j of a step goes to rank j % world, its (j // world)-th place there."""
+    step = np.repeat(np.arange(len(per_step)), per_step)
+    j = np.arange(len(step)) - np.repeat(np.cumsum(per_step) - per_step, per_step)
+    place = j // plan.world
+    return step, place // plan.blocks, j % plan.world, place % plan.blocks
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the run's static shapes need, known before its first step: the plan with its
+    blocks per device, and the most label tokens of any micro-batch of any rank in any
+    epoch (the loss head's cap: what `rank_blocks` of every epoch's plan hold at most)."""
+
+    plan: BatchPlan
+    most_label_tokens: int
+
+
+def plan_run(lengths: np.ndarray, label_tokens: np.ndarray, base: BatchPlan, epochs: int, seed: int,
+             max_seq_len: int) -> RunShape:
+    """Both whole-run maxima in one pass over the epochs, one epoch's blocks at a time and
+    no epoch's plan kept. Which blocks share a micro-batch depends on the blocks per
+    device, known only after the last epoch, so the label maximum is kept for each value
+    they can take (at most `per_device`: a block holds at least one example)."""
+    most_blocks, most_labels = 1, np.zeros(base.per_device + 1, dtype=np.int64)
     for epoch in range(1, epochs + 1):
-        for examples in epoch_steps(lengths, plan, epoch, seed):
-            most = max(most, len(step_bins(lengths, examples, max_seq_len)))
-    return -(-most // slots)
+        fullest, labels = epoch_maxima(lengths, label_tokens, base, epoch, seed, max_seq_len)
+        most_blocks, most_labels = max(most_blocks, fullest), np.maximum(most_labels, labels)
+    plan = BatchPlan(base.world, base.per_device, base.accum, -(-most_blocks // (base.world * base.accum)))
+    return RunShape(plan, int(most_labels[plan.blocks]))
+
+
+def epoch_maxima(lengths: np.ndarray, label_tokens: np.ndarray, base: BatchPlan, epoch: int, seed: int,
+                 max_seq_len: int) -> tuple[int, np.ndarray]:
+    """The blocks of the epoch's fullest step, and the most label tokens of a micro-batch
+    of one rank for each blocks per device that holds that step (0 for fewer)."""
+    packed = pack_epoch(lengths, base, epoch, seed, max_seq_len)
+    fullest = int(packed.per_step.max(initial=1))
+    block_labels = sums_of(label_tokens, packed.blocks)
+    most = np.zeros(base.per_device + 1, dtype=np.int64)
+    for blocks in range(-(-fullest // (base.world * base.accum)), base.per_device + 1):
+        plan = BatchPlan(base.world, base.per_device, base.accum, blocks)
+        most[blocks] = most_micro_batch(block_labels, packed.per_step, plan)
+    return fullest, most
+
+
+def most_micro_batch(block_values: np.ndarray, per_step: np.ndarray, plan: BatchPlan) -> int:
+    """The largest sum of `block_values` over one micro-batch of one rank (0 with none)."""
+    step, micro, rank, _ = block_places(per_step, plan)
+    which = (step * plan.accum + micro) * plan.world + rank
+    return int(np.bincount(which, weights=block_values).max(initial=0))  # float64: exact below 2**53
 
 
 @dataclass
@@ -552,31 +717,23 @@ def plan_epoch(lengths: np.ndarray, label_tokens: np.ndarray, plan: BatchPlan, e
     to rank j % world, its (j // world)-th place there (micro-batch place // blocks), and
     the places left are all-padding blocks. Depends only on the data, the plan and the
     seed: every rank, and a resumed run, get the same steps."""
-    grouped = epoch_steps(lengths, plan, epoch, seed)
-    steps = len(grouped)
-    slots = np.full((steps, plan.accum, plan.world, plan.blocks), -1, dtype=np.int64)
-    blocks: list[list[int]] = []
-    labels = np.zeros(steps, dtype=np.int64)
-    real = np.zeros(steps, dtype=np.int64)
-    for step, examples in enumerate(grouped):
-        bins = step_bins(lengths, examples, max_seq_len)
-        if len(bins) > plan.global_blocks:
-            raise RuntimeError(f"epoch {epoch} step {step} needs {len(bins)} blocks, more than the plan's "
-                               f"{plan.global_blocks}; blocks_per_device must come from the same order")
-        for j, members in enumerate(bins):
-            rank, place = j % plan.world, j // plan.world
-            slots[step, place // plan.blocks, rank, place % plan.blocks] = len(blocks)
-            blocks.append(members)
-        labels[step] = int(label_tokens[examples].sum())
-        real[step] = int(lengths[examples].sum())
-    return EpochPlan(blocks, slots, labels, real)
+    packed = pack_epoch(lengths, plan, epoch, seed, max_seq_len)
+    over = np.flatnonzero(packed.per_step > plan.global_blocks)
+    if over.size:
+        raise RuntimeError(f"epoch {epoch} step {over[0]} needs {packed.per_step[over[0]]} blocks, more than the "
+                           f"plan's {plan.global_blocks}; the blocks per device must come from the same order (plan_run)")
+    slots = np.full((len(packed.steps), plan.accum, plan.world, plan.blocks), -1, dtype=np.int64)
+    slots[block_places(packed.per_step, plan)] = np.arange(len(packed.blocks))
+    return EpochPlan(packed.blocks, slots, sums_of(label_tokens, packed.steps), sums_of(lengths, packed.steps))
 
 
-def rank_blocks(examples: Examples, epoch: EpochPlan, rank: int, max_seq_len: int, pad_id: int) -> Packed:
-    """Rank `rank`'s blocks of the epoch, one per slot in step order ([steps * accum *
-    blocks] blocks; a padding slot is an all-padding block): step s's micro-batch a is
-    blocks [(s * accum + a) * blocks, … + blocks)."""
-    mine = epoch.slots[:, :, rank, :].reshape(-1)
+def rank_blocks(examples: Examples, epoch: EpochPlan, rank: int, max_seq_len: int, pad_id: int,
+                steps: slice = slice(None)) -> Packed:
+    """Rank `rank`'s blocks of the epoch's `steps` (all by default), one per slot in step
+    order ([steps * accum * blocks] blocks; a padding slot is an all-padding block): the
+    window's step s's micro-batch a is blocks [(s * accum + a) * blocks, … + blocks). A
+    window of steps holds that many steps' blocks in memory, whatever the dataset's size."""
+    mine = epoch.slots[steps, :, rank, :].reshape(-1)
     return fill_blocks(examples.input_ids, examples.labels, [epoch.blocks[b] if b >= 0 else [] for b in mine],
                        max_seq_len, pad_id)
 

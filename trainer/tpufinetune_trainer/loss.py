@@ -24,8 +24,8 @@ it: the weight read inside is the all-gathered one and its gradient is reduce-sc
 as after a plain forward.
 
 The cap: the most label tokens any micro-batch of the run holds, known on the host before
-the first step (`most_label_tokens`: every epoch's order is a seeded permutation and its
-steps are packed from it, data.plan_epoch), rounded
+the first step (every epoch's order is a seeded permutation and its steps are packed from
+it: data.plan_run finds it in one pass, without keeping the plans), rounded
 up to ROW_ALIGN rows. Fewer labels are padded with positions whose target is the ignore
 index (zero loss, zero gradient); more can never be gathered, and the trainer checks every
 step's micro-batches against the cap on the host before the epoch starts (`check_cap`).
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE_INDEX, EpochPlan, Packed, eval_order
+from .data import IGNORE_INDEX, Packed, eval_order
 from .errors import ModelError
 
 # Rows of one chunk: its fp32 logits are CHUNK_ROWS x vocab x 4 bytes (256 MiB for Gemma's
@@ -67,17 +67,6 @@ def micro_batch_labels(packed: Packed, blocks: np.ndarray) -> np.ndarray:
     return counts[index].sum(axis=-1)
 
 
-def most_label_tokens(epochs: list[EpochPlan], example_labels: np.ndarray) -> int:
-    """The most label tokens of any training micro-batch of any rank in the run's epochs,
-    from the same plans the loop takes (data.plan_epoch: `slots[step, micro, rank]`)."""
-    most = 0
-    for epoch in epochs:
-        per_block = np.array([int(example_labels[members].sum()) for members in epoch.blocks] + [0], dtype=np.int64)
-        if epoch.slots.size:
-            most = max(most, int(per_block[epoch.slots].sum(axis=-1).max()))  # -1 (padding) picks the 0
-    return most
-
-
 def most_eval_label_tokens(packed: Packed, world: int, per_device: int) -> int:
     """The most label tokens of any evaluation micro-batch of any rank (data.eval_order)."""
     most = 0
@@ -92,7 +81,7 @@ def check_cap(packed: Packed, blocks: np.ndarray, cap: int, where: str) -> None:
     counts = micro_batch_labels(packed, blocks)
     if counts.size and int(counts.max()) > cap:
         raise RuntimeError(f"{where}: a micro-batch holds {int(counts.max())} label tokens, more than the loss "
-                           f"head's {cap} rows; the cap must come from the same block order (loss.most_label_tokens)")
+                           f"head's {cap} rows; the cap must come from the same block order (data.plan_run)")
 
 
 def label_rows(targets: torch.Tensor, cap: int) -> torch.Tensor:

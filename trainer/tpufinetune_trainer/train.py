@@ -35,8 +35,8 @@ from . import storage
 from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .config import FinetuneConfig
 from .errors import ConfigError, Preempted, StorageError
-from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, blocks_per_device, eval_order, \
-    plan_epoch, rank_blocks, steps_per_epoch
+from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, eval_order, plan_epoch, plan_run, \
+    rank_blocks, steps_per_epoch
 from .events import emit
 from .masks import MaskBuilder
 from .model import base_directory, freeze_input_embeddings, load_tokenizer
@@ -160,17 +160,18 @@ class Trainer:
                                  self.attn_implementation)
         # A step is the tutorial's batch of examples; its blocks per device are fixed for the
         # run: what the fullest step of any epoch needs (static shapes).
-        lengths, example_labels = self.examples.lengths, self.examples.label_tokens
+        self.example_labels = self.examples.label_tokens
         base = cfg.batch_plan()
         self.epoch_steps = steps_per_epoch(len(self.examples), base)
         self.total_steps = self.epoch_steps * cfg.num_epochs
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         epochs = -(-self.total_steps // self.epoch_steps)  # the epochs the run reaches (--max-steps)
-        blocks = blocks_per_device(lengths, base, epochs, cfg.seed, cfg.max_seq_len)
-        self.plan: BatchPlan = BatchPlan(base.world, base.per_device, base.accum, blocks)
-        self.epoch_plans: list[EpochPlan] = [plan_epoch(lengths, example_labels, self.plan, epoch, cfg.seed,
-                                                        cfg.max_seq_len) for epoch in range(1, epochs + 1)]
+        # Both whole-run maxima (blocks per device, the loss head's label cap) in one pass;
+        # each epoch's plan is built when the loop reaches it (epoch_plan).
+        shape = plan_run(self.examples.lengths, self.example_labels, base, epochs, cfg.seed, cfg.max_seq_len)
+        self.plan: BatchPlan = shape.plan
+        self.planned: tuple[int, EpochPlan] | None = None  # (epoch, its plan): the current epoch's only
         self._build_optimizer()
         # What a resume must match (resume.py), and this start's id: its checkpoints' names
         # are its own, never another start's (rank 0's id, so every rank names alike).
@@ -182,7 +183,7 @@ class Trainer:
         # Rows of the loss head's label buffer: the most label tokens of any micro-batch the
         # run takes (static for the whole run; loss.py).
         positions = self.plan.blocks * cfg.max_seq_len
-        self.train_cap = head.label_cap(head.most_label_tokens(self.epoch_plans, example_labels), positions)
+        self.train_cap = head.label_cap(shape.most_label_tokens, positions)
         self.eval_cap = head.label_cap(head.most_eval_label_tokens(self.eval_data, world, self.plan.blocks),
                                        positions) if self.eval_data else positions
         self.history: list[dict] = []
@@ -380,7 +381,13 @@ class Trainer:
 
     @property
     def epoch_plan(self) -> EpochPlan:
-        return self.epoch_plans[self.epoch - 1]
+        """The current epoch's plan, built when first asked for (a pure function of the data,
+        the plan and the seed: a resume mid-epoch gets the same); only the current one is kept."""
+        if self.planned is None or self.planned[0] != self.epoch:
+            self.planned = None  # the previous epoch's plan goes before the next is built
+            self.planned = (self.epoch, plan_epoch(self.examples.lengths, self.example_labels, self.plan,
+                                                   self.epoch, self.cfg.seed, self.cfg.max_seq_len))
+        return self.planned[1]
 
     def load_epoch(self) -> None:
         """This rank's packed blocks of the current epoch and every step's input,
