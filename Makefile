@@ -65,9 +65,10 @@ dashboards: venv
 	$(PYTHON) -m tpufinetune.dashboard --out deploy/
 
 ## Everything: unit, control-plane, Ray and end-to-end tests. Non-zero on any failure
-## (pytest's "no tests collected", exit 5, included).
+## (pytest's "no tests collected", exit 5, included). Two lanes at once: the ground's tests
+## in one worker, all others in the other (tests/harness/session_order.py).
 test: venv ground helm
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n 2 --dist loadgroup
 
 ## Pure-core tests only (milliseconds; no control plane, no Ray).
 test-fast: venv

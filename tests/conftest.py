@@ -39,3 +39,10 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", "heaviest 15 test files (s)")
     for path, seconds in sorted(per_file.items(), key=lambda item: -item[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    from harness.ground_fixtures import CLUSTERS_STASH  # a plugin: imported by then
+
+    clusters = terminalreporter.config.stash.get(CLUSTERS_STASH, None)
+    if clusters is not None:
+        terminalreporter.write_sep("=", f"RayClusters whose workers ran on the ground: {len(clusters)}")
+        for line in clusters:
+            terminalreporter.write_line(line)

@@ -29,3 +29,24 @@ def test_a_part_stops_after_its_last_users_module_not_before():
     assert stopped == ["control plane"]
     release.torn_down(items[3], None)
     assert stopped == ["control plane"]
+
+
+def test_with_lanes_a_part_stops_after_the_last_user_of_the_lane_that_runs_it():
+    stopped = []
+    local, ground = object(), object()
+    local_items = [SimpleNamespace(nodeid=f"l::{i}", module=local, fixturenames=("control_plane",)) for i in range(2)]
+    # A ground test that also names the control plane: in one lane it would keep it up.
+    ground_items = [SimpleNamespace(nodeid="g::0", module=ground, fixturenames=("ground", "control_plane"))]
+    assert [order.lane(i.fixturenames) for i in local_items + ground_items] == ["local", "local", "ground"]
+    release = order.Release()
+    release.collected(local_items + ground_items, lanes=True)
+    release.hold(order.CONTROL_PLANE, lambda: stopped.append("control plane"))
+    release.torn_down(local_items[0], local_items[1])
+    release.torn_down(local_items[1], None)  # the local lane's worker ends here
+    assert stopped == ["control plane"]
+
+    one_lane = order.Release()
+    one_lane.collected(local_items + ground_items, lanes=False)
+    one_lane.hold(order.CONTROL_PLANE, lambda: stopped.append("too early"))
+    one_lane.torn_down(local_items[1], ground_items[0])
+    assert stopped == ["control plane"]

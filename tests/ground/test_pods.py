@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -21,10 +22,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import images, podcgroup
+from harness import images, podbind, podcgroup
 from harness.nodeagent import (
     CONTAINER_CREATING, PODS_DIR, POD_INITIALIZING, ContainerState, NodeAgent, PodRun, health_check_to_gcs,
-    probe_command, ray_port_map, service_endpoints, waiting)
+    plain_command, probe_command, ray_port_map, service_endpoints, waiting)
 from harness.ports import free_ports
 from harness.processes import tail
 from harness.podprobes import (
@@ -94,6 +95,55 @@ def test_volumes_resolve_to_their_sources():
         volume_plan(gcs, "ns", lookup, None)
     with pytest.raises(MountError, match='persistentvolumeclaim "c" not found'):
         volume_plan({"name": "v", "persistentVolumeClaim": {"claimName": "c"}}, "ns", lookup, None)
+
+
+def test_a_service_account_projection_gets_a_bound_token_the_ca_and_the_namespace():
+    """kube-api-access-*, as the ServiceAccount admission plugin adds it to every pod."""
+    volume = {"name": "kube-api-access-x", "projected": {"defaultMode": 0o644, "sources": [
+        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}}]}}
+    asked = []
+    roots = {("ConfigMap", "kube-root-ca.crt"): {"data": {"ca.crt": "PEM"}}}
+    files = volume_plan(volume, "ns", lambda kind, name: roots.get((kind, name)), None,
+                        pod={"metadata": {"labels": {"a": "1"}}}, fields={"metadata.namespace": "ns"},
+                        token=lambda audience, seconds: asked.append((audience, seconds)) or "jwt").files
+    assert files == {"token": (b"jwt", 0o644), "ca.crt": (b"PEM", 0o644), "namespace": (b"ns", 0o644)}
+    assert asked == [("", 3607)]  # the API server's own audience
+    labels = volume_plan({"name": "d", "downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}},
+                         "ns", lookup, None, pod={"metadata": {"labels": {"b": "2", "a": "1"}}}).files
+    assert labels == {"labels": (b'a="1"\nb="2"', 0o644)}
+    with pytest.raises(MountError, match="no token"):
+        volume_plan(volume, "ns", lambda kind, name: roots.get((kind, name)), None)
+
+
+def test_a_container_without_a_command_runs_its_images_entrypoint_as_a_runtime_does(tmp_path):
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text('FROM x\nCMD ["old"]\nENTRYPOINT ["tpufinetune"]\nCMD ["operator", "--port=1"]\n')
+    image = images.dockerfile_command(dockerfile)
+    assert image == (["tpufinetune"], ["operator", "--port=1"])
+    assert images.dockerfile_command(images.OPERATOR_DOCKERFILE)[0] == ["tpufinetune"]
+    assert plain_command({}, {}, image) == ["tpufinetune", "operator", "--port=1"]
+    assert plain_command({"args": ["operator", "--name=$(POD)"]}, {"POD": "p"}, image) == ["tpufinetune", "operator", "--name=p"]
+    assert plain_command({"command": ["sh"], "args": ["-c", "x"]}, {}, image) == ["sh", "-c", "x"]
+    with pytest.raises(ValueError, match="no entrypoint"):
+        plain_command({"args": ["x"]}, {}, None)
+
+
+def test_a_pods_wildcard_bind_lands_on_its_own_address():
+    """Two pods on one fixed port, as two replicas of a Deployment listen on GKE."""
+    library = podbind.library()
+    if library is None:
+        pytest.fail("no C compiler: the ground's pods share the machine's ports")
+    port = free_ports(1, "0.0.0.0")[0]
+    script = ("import socket, sys; s = socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1]))); "
+              "e = socket.socket(); e.bind(('0.0.0.0', 0)); print(s.getsockname()[0], e.getsockname()[0])")
+    seen = []
+    for ip in ("127.250.9.1", "127.250.9.2"):
+        out = subprocess.run([sys.executable, "-c", script, str(port)], capture_output=True, text=True, check=True,
+                             env={**os.environ, "LD_PRELOAD": str(library), "GROUND_POD_IP": ip})
+        seen.append(out.stdout.split())
+    assert seen == [["127.250.9.1", "0.0.0.0"], ["127.250.9.2", "0.0.0.0"]]  # an ephemeral port's bind is left
 
 
 def test_mounts_with_sub_paths_and_parents_first():
@@ -419,6 +469,40 @@ def test_a_worker_held_for_its_head_says_what_it_waits_for(tmp_path):
     assert not agent.waits_for_head(run)
 
 
+def test_a_worker_started_against_a_head_that_started_again_is_ended_to_reach_the_new_one(tmp_path):
+    """A head's new container listens at new ports here (on GKE its Service keeps 6379): a
+    worker's container still aimed at the old address is ended at once, to restart against
+    the new one, instead of waiting minutes inside its `ray start` (a CI failure)."""
+    agent = an_agent()
+    head = PodRun(**{**vars(a_run(tmp_path, head=True, ray=True)), "name": "rc-head", "gcs_address": "127.250.0.3:40001"})
+    agent.heads["rc-uid"] = head
+    worker = a_run(tmp_path, ray=True)
+    worker.cluster_uid, worker.gcs_address = "rc-uid", head.gcs_address
+    worker.proc = subprocess.Popen(["sleep", "60"])
+    worker.mains[0].state = {"running": {"startedAt": "2026-12-05T10:53:52Z"}}
+    try:
+        assert not agent.head_moved(worker)  # its head is where it was
+        head.gcs_address = "127.250.0.3:40777"  # the head's container started again
+        agent.sync_running(worker)
+        assert worker.proc.wait(5) == -15 and worker.kill_deadline is not None
+        agent.sync_running(worker)  # the exit reported: restarted per restartPolicy, after its back-off
+        assert worker.proc is None and worker.crashed and worker.mains[0].state["terminated"]["exitCode"] == 143
+    finally:
+        if worker.proc is not None:
+            worker.proc.kill()
+
+
+def test_a_port_number_is_given_to_one_ray_container_only(monkeypatch):
+    """The kernel may hand out a released port again at once; Ray binds some on 0.0.0.0, so
+    the agent never gives one number to two containers (a worker's probe once read another
+    pod's gRPC bytes on its agent's HTTP port)."""
+    answers = iter([[41001, 41002], [41002, 41003], [41004, 41005]])
+    monkeypatch.setattr("harness.nodeagent.free_ports", lambda count, host: next(answers))
+    agent = an_agent(ports_given=set())
+    assert agent.ray_ports(2) == [41001, 41002]
+    assert agent.ray_ports(2) == [41004, 41005]  # 41002 was given already
+
+
 def test_a_pull_without_progress_fails_naming_who_prepares_the_images_environment(tmp_path, monkeypatch):
     """While another process keeps the image's environment locked, the waiting container
     names that process; past the pull deadline the pull fails as a kubelet's does
@@ -548,7 +632,8 @@ def test_a_pod_sees_its_own_tmp_and_only_the_env_its_spec_gives(ground, kube, tm
     env = seen["env"]
     assert env["GIVEN"] == "yes" and env["MODE"] == "fast" and env["CM_mode"] == "fast"
     assert env["HOSTNAME"] == "reader" and env["WEB_SERVICE_PORT"] == "80" and env["KUBERNETES_SERVICE_HOST"]
-    node_env = set(json.loads((ground.workdir / "nodeagent.ready").read_text())["node_env"])
+    agent = json.loads((ground.workdir / "nodeagent.ready").read_text())
+    node_env = set(agent["node_env"]) | set(agent["bind_env"])  # the bind shim: the runtime's, for its own address
     image = {"PATH", "HOME", "LANG", "HOSTNAME"}
     services = {n for n in env if n.startswith(("KUBERNETES_", "WEB_"))}
     assert set(env) - image - node_env - services == {"GIVEN", "MODE", "CM_mode"}

@@ -176,6 +176,9 @@ class ControlPlane:
         self.user_name = TEST_USER
         self.version = pinned_version()
         self.extra_apiserver_args: list[str] = []
+        # The bare control plane has no kubelet to mount a ServiceAccount's token, so its pods
+        # get none; the ground (ground.py) turns the plugin on, as every GKE cluster has it.
+        self.disabled_admission: list[str] = ["ServiceAccount"]
 
     # -- paths, set once started
     @property
@@ -274,7 +277,7 @@ class ControlPlane:
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--token-auth-file={self.workdir / 'tokens.csv'}",
                 "--authorization-mode=RBAC",
-                "--disable-admission-plugins=ServiceAccount",
+                *([f"--disable-admission-plugins={','.join(self.disabled_admission)}"] if self.disabled_admission else []),
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 "--allow-privileged=true",
                 # No nodes, no kube-proxy: nothing reads the kubernetes Service endpoints.

@@ -57,7 +57,7 @@ import images  # noqa: E402
 import podcgroup  # noqa: E402
 from ports import free_ports  # noqa: E402
 from processes import spawn, stop_process, tail  # noqa: E402
-from nodeagent import pod_log_path, ray_session_logs  # noqa: E402
+from nodeagent import CLUSTERS_WITH_WORKERS, pod_log_path, ray_session_logs  # noqa: E402
 from nodepools import MAINTENANCE_LABEL, NodePool, default_pools, node_manifest, node_status  # noqa: E402
 
 # deploy/'s namespace (the Lease lives there) and the pod names the operator replicas get,
@@ -65,13 +65,19 @@ from nodepools import MAINTENANCE_LABEL, NodePool, default_pools, node_manifest,
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
 OPERATOR_NAMESPACE = "tpufinetune-system"
 OPERATOR_PODS = ("tpufinetune-operator-0", "tpufinetune-operator-1")
+DEPLOYMENT = "deployment"  # Ground(with_operator=DEPLOYMENT): the operator as deploy/'s pods
 
 GC_CONTROLLERS = ",".join([
     "garbage-collector-controller",
     "namespace-controller",
     "serviceaccount-controller",
     "serviceaccount-token-controller",
+    # kube-root-ca.crt in every namespace: the CA of each pod's kube-api-access volume.
+    "root-ca-certificate-publisher-controller",
     "endpoints-controller",
+    # The operator's own Deployment (make cluster; test_operator_deploy_e2e.py).
+    "deployment-controller",
+    "replicaset-controller",
     "endpointslice-controller",
     *CONTROLLERS,  # node lifecycle, taint eviction, pod GC, disruption budgets (nodelife.py)
     # Claims bound to volumes (the agent's provisioner makes them), and kept while in use.
@@ -91,15 +97,26 @@ def kuberay_crd_files() -> list[Path]:
     return crds
 
 
+def event_time(event: dict) -> str:
+    """When an event last happened, as the API server wrote it (core/v1 or events.k8s.io)."""
+    return event.get("lastTimestamp") or event.get("eventTime") or ""
+
+
 class Ground:
     """start() returns once every component is up and the nodes are Ready."""
 
     def __init__(self, pools: list[NodePool] | None = None, workdir: Path | None = None,
-                 with_operator: bool = False, operator_env: dict | None = None):
+                 with_operator: bool | str = False, operator_env: dict | None = None):
         self.pools = list(default_pools() if pools is None else pools)
         self.cp = ControlPlane(workdir=workdir)
         self.cp.extra_apiserver_args = ["--enable-admission-plugins=ExtendedResourceToleration", *APISERVER_FLAGS]
+        # Every pod gets its ServiceAccount's token (kube-api-access-*: a bound token, the
+        # cluster's CA, its namespace), which the node agent projects as a kubelet does.
+        self.cp.disabled_admission = []
+        # False, True (the operator as a process: the tests' fixture) or DEPLOYMENT (deploy/'s
+        # Deployment's pods: make cluster).
         self.with_operator = with_operator
+        self.operator_objects: list[dict] | None = None  # deploy/base as applied, in DEPLOYMENT mode
         self.operator_env = dict(operator_env or {})
         self.ground_id = secrets.token_hex(4)
         # One 127.N.0.0/16 per ground: two grounds at once (a test run beside `make cluster`)
@@ -153,7 +170,11 @@ class Ground:
             self.add_pools(self.pools)
             self._wait_component_health(timeout)
             self._mark("components", t)
-            if self.with_operator:
+            if self.with_operator == DEPLOYMENT:
+                t = time.monotonic()
+                self.deploy_operator(timeout)
+                self._mark("operator", t)
+            elif self.with_operator:
                 t = time.monotonic()
                 self.start_operator()
                 self._mark("operator", t)
@@ -217,6 +238,7 @@ class Ground:
 
     def _start_agent(self) -> None:
         trainer_image = images.ensure()  # built by `make images`; the project copy refreshed here
+        operator_image = images.ensure_operator()  # deploy/'s Deployment runs it (make cluster)
         # The agent's own environment never reaches a pod (NodeAgent.environment).
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
@@ -232,6 +254,10 @@ class Ground:
             f"--gcs-root={self.gcs_root}",
             # The trainer's image: its environment, as Dockerfile.trainer builds it.
             *(f"--image-env={repository}={trainer_image}" for repository in images.TRAINER_REPOSITORIES),
+            # The operator's image: its environment and its entrypoint, as Dockerfile.operator
+            # builds them.
+            *(f"--image-env={repository}={operator_image}" for repository in images.OPERATOR_REPOSITORIES),
+            *(f"--image-dockerfile={repository}={images.OPERATOR_DOCKERFILE}" for repository in images.OPERATOR_REPOSITORIES),
         ], env=env)
 
     def _wait_component_health(self, timeout: float) -> None:
@@ -405,6 +431,17 @@ class Ground:
         self.operator.start()
         return self.operator
 
+    def deploy_operator(self, timeout: float = 180) -> list[dict]:
+        """The operator as deploy/'s Deployment (operator_deployment.py): its two pods Ready,
+        one of them leading."""
+        import operator_deployment
+        from waiting import wait_for
+
+        self.operator_objects = operator_deployment.apply(self.cp)
+        pods = operator_deployment.wait_ready(self.cp, timeout=timeout)
+        wait_for(lambda: operator_deployment.leading_pod(self.cp), timeout, "an operator pod leading")
+        return pods
+
     def start_replica(self, pod_name: str = OPERATOR_PODS[1]):
         """A second operator replica beside `start_operator`'s, with the same ServiceAccount
         and settings but its own pod name (so its own Lease identity) and log. It answers
@@ -452,13 +489,18 @@ class Ground:
             return f"(pods of {namespace}: {status})"
         lines = []
         root = podcgroup.ground_cgroup(self.ground_id)
+        events = self.pod_events(namespace)
         for pod in body["items"]:
             meta = pod["metadata"]
             lines.append(f"pod {meta['name']} ({pod['status'].get('phase')}, node {pod['spec'].get('nodeName')})")
-            for c in pod["status"].get("containerStatuses") or []:
+            for c in (pod["status"].get("initContainerStatuses") or []) + (pod["status"].get("containerStatuses") or []):
                 last = (c.get("lastState") or {}).get("terminated")
+                lines.append(f"  {c['name']}: {c.get('state')}, ready {c.get('ready')}")
                 if c.get("restartCount") or last:
                     lines.append(f"  {c['name']}: restarted {c.get('restartCount', 0)} times; last ended: {last}")
+            # What the node and the controllers said of it (Killing, Unhealthy, BackOff...):
+            # before the logs, so that a cut report still shows it.
+            lines.extend(f"  event {line}" for line in events.get(meta["name"], [])[-12:])
             lines.append("  -- its log --\n" + tail(pod_log_path(self.workdir, meta["namespace"], meta["name"]), 15))
             for container in sorted(p for p in (root / meta["uid"]).glob("*") if p.is_dir()):
                 usage = {key: podcgroup.read_number(container / f"memory.{key}")
@@ -477,6 +519,21 @@ class Ground:
                     lines.append(f"  -- {logs.parent.name}/{name} --\n" + "\n".join(text))
         return "\n".join(lines) or f"(no pods in {namespace})"
 
+    def events(self, namespace: str) -> list[dict]:
+        """The events of `namespace`, oldest first (none when they cannot be read)."""
+        status, body = self.cp.get_json(f"/api/v1/namespaces/{namespace}/events")
+        return sorted(body.get("items", []) if status == 200 else [], key=event_time)
+
+    def pod_events(self, namespace: str) -> dict[str, list[str]]:
+        """The events of each pod of `namespace`, oldest first, one line each."""
+        found: dict[str, list[str]] = {}
+        for event in self.events(namespace):
+            involved = event.get("involvedObject") or {}
+            if involved.get("kind") == "Pod":
+                found.setdefault(involved.get("name", ""), []).append(
+                    f"{event_time(event)} {event.get('reason')} x{event.get('count') or 1}: {event.get('message')}")
+        return found
+
     def alive(self) -> bool:
         return self.cp.etcd.poll() is None and self.cp.apiserver.poll() is None and all(
             p.poll() is None for p in self.processes.values()) and (
@@ -488,6 +545,14 @@ class Ground:
                 **({"kueue": self.kueue.proc.pid} if self.kueue and self.kueue.proc else {}),
                 **({"gcs": self.gcs.proc.pid} if self.gcs and self.gcs.proc else {}),
                 **({"operator": self.operator.proc.pid} if self.operator and self.operator.proc else {})}
+
+    def clusters_with_workers(self) -> list[str]:
+        """"namespace/name uid" of each RayCluster whose workers ran here (the node agent's
+        count): a RayCluster that never trains is applied suspended or has no workers."""
+        try:
+            return (self.workdir / CLUSTERS_WITH_WORKERS).read_text().split("\n")[:-1]
+        except OSError:
+            return []
 
     def stop(self) -> None:
         for replica in self.replicas:

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
+from harness import session_order
 from harness.ports import free_port
 from harness.processes import tail
 from harness.waiting import wait_for
-from harness.ground import Ground
+from harness.ground import Ground, event_time
 from harness.k8s_fixtures import namespace_name
 from harness.service_account import refusals
 
@@ -44,13 +45,42 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def ground():
+def ground(request):
+    # One ground at a time on this machine: under xdist only the "ground" lane (one worker,
+    # session_order.py) may start it.
+    if hasattr(request.config, "workerinput") and not session_order.lanes_on(request.config):
+        pytest.fail("the ground's tests run in one xdist worker: run with `--dist loadgroup` (make test does)",
+                    pytrace=False)
     g = Ground()
     g.start(timeout=180)
     try:
         yield g
     finally:
+        report_clusters_with_workers(request.config, g.clusters_with_workers())
         g.stop()
+
+
+CLUSTERS_KEY = "ground_clusters_with_workers"
+
+
+def report_clusters_with_workers(config, clusters: list[str]) -> None:
+    """For the session's summary (conftest.py): on the controller, or through xdist's
+    worker output."""
+    if hasattr(config, "workeroutput"):
+        config.workeroutput[CLUSTERS_KEY] = clusters
+    else:
+        config.stash[CLUSTERS_STASH] = clusters
+
+
+CLUSTERS_STASH = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist: a worker's ground count reaches the controller."""
+    clusters = getattr(node, "workeroutput", {}).get(CLUSTERS_KEY)
+    if clusters is not None:
+        node.config.stash[CLUSTERS_STASH] = clusters
 
 
 @dataclass(frozen=True)
@@ -140,11 +170,10 @@ def _nodes_and_evictions(kube) -> str:
         taints = ",".join(f"{t['key']}:{t['effect']}" for t in node["spec"].get("taints") or [])
         lines.append(f"{node['metadata']['name']}: Ready={ready.get('status')} {ready.get('reason', '')} "
                      f"since {ready.get('lastTransitionTime')} taints=[{taints}]")
-    events = json.loads(kube.ground.kubectl("-n", kube.ns, "get", "events", "-o", "json").stdout)["items"]
-    for e in events:
+    for e in kube.ground.events(kube.ns):
         if e.get("reason") in ("TaintManagerEviction", "Evicted", "Preempted", "Preempting", "NodeNotReady",
                                "Killing", "FailedScheduling"):
-            lines.append(f"{e.get('lastTimestamp') or e.get('eventTime')} {e['involvedObject']['kind']}/"
+            lines.append(f"{event_time(e)} {e['involvedObject']['kind']}/"
                          f"{e['involvedObject']['name']}: {e['reason']}: {e.get('message', '')}")
     return "\n".join(lines)
 

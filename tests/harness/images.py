@@ -22,7 +22,12 @@ it works, so two callers (`make images`, a ground starting beside a running one)
 and the node agent, which asks `state()`, holds a container of that image in
 ContainerCreating with a kubelet's `Pulling` event until it is done.
 
-    python tests/harness/images.py        # build or refresh (silent when up to date)
+The operator's image (Dockerfile.operator) is built the same way, from its own hashed lock
+(`ensure_operator`: no torch, no Ray), and its ENTRYPOINT and CMD are read from the
+Dockerfile (`dockerfile_command`), so deploy/'s Deployment, which gives only `args`, runs
+as it would from the image.
+
+    python tests/harness/images.py        # build or refresh both (silent when up to date)
 """
 from __future__ import annotations
 
@@ -133,26 +138,24 @@ def _link_base_layer(env: Path) -> None:
     (site / "zz_base_image.pth").write_text(str(base) + "\n")
 
 
-def build_environment(env: Path) -> None:
+def _venv_with_lock(env: Path, lock: Path) -> Path:
+    """A new venv beside `env` (moved there by _move_environment once complete) with the
+    hashed lock installed first and alone, as the Dockerfile's first RUN does."""
     partial = env.with_name(env.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(partial)], check=True)
-    # The lock first and alone, as the Dockerfile's RUN does.
-    _pip(partial, "install", "--require-hashes", "--no-deps", "-r", str(lock_file()))
+    _pip(partial, "install", "--require-hashes", "--no-deps", "-r", str(lock))
+    return partial
+
+
+def build_environment(env: Path) -> None:
+    partial = _venv_with_lock(env, lock_file())
     # The base image's TPU runtime: torch_tpu without torch (linked below), its other needs.
     _pip(partial, "install", "--no-deps", TORCH_TPU)
     _pip(partial, "install", *_torch_tpu_needs(partial))
     _link_base_layer(partial)
     # venv scripts name their interpreter by path: build in place, then move.
-    shutil.rmtree(env, ignore_errors=True)
-    partial.rename(env)
-    for script in (env / "bin").iterdir():
-        if script.is_file() and not script.is_symlink():
-            text = script.read_bytes()
-            if text.startswith(b"#!") and str(partial).encode() in text:
-                script.write_bytes(text.replace(str(partial).encode(), str(env).encode()))
-    for cfg in [env / "pyvenv.cfg", *(env / "bin").glob("activate*")]:
-        cfg.write_text(cfg.read_text().replace(str(partial), str(env)))
+    _move_environment(partial, env)
     (_site_packages(env) / "zz_base_image.pth").write_text(str(env / "base") + "\n")
 
 
@@ -167,20 +170,25 @@ def _torch_tpu_needs(env: Path) -> list[str]:
             and (r.marker is None or r.marker.evaluate({"extra": ""}))]
 
 
-def install_project(env: Path, key: str) -> None:
-    build_dir = env.with_name(env.name + ".project-build")  # its own: another environment may build beside it
+def _source_copy(env: Path) -> Path:
+    """A clean copy of the sources, as the Dockerfile's COPY lines make (no egg-info, no
+    build leftovers of the checkout), in a directory of `env`'s own (another environment
+    may build beside it)."""
+    build_dir = env.with_name(env.name + ".project-build")
     shutil.rmtree(build_dir, ignore_errors=True)
-    # A clean copy of the sources, as the Dockerfile's COPY lines make (no egg-info, no
-    # build leftovers of the checkout).
+    build_dir.mkdir(parents=True)
     for name in PACKAGE_SOURCES:
         source = ROOT / name
         if source.is_file():
-            build_dir.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, build_dir / name)
         else:
-            shutil.copytree(source, build_dir / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+            shutil.copytree(source, build_dir / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
     shutil.copy2(ROOT / "README.md", build_dir / "README.md")
+    return build_dir
+
+
+def install_project(env: Path, key: str) -> None:
+    build_dir = _source_copy(env)
     # Built with the lock's own setuptools, not an isolated download of the newest: a refresh
     # holds the lock every pod of this image waits on, and needs no network (measured: about
     # 1 s, against 5 s with a download, and minutes of retries behind a proxy that fails).
@@ -251,22 +259,101 @@ def preparer(env: Path) -> str:
     return ""
 
 
-def ensure() -> Path:
-    """The trainer image's environment, built or refreshed; returns its venv. Under its lock
-    (`lock_path`): a second caller waits for the first and then finds it current."""
-    env = trainer_env()
+def _ensure(env: Path, build, install) -> Path:
+    """`env` built (`build(env)`) if missing, the project in it refreshed (`install(env,
+    key)`) if its sources changed. Under its lock (`lock_path`): a second caller waits for
+    the first and then finds it current."""
     key = sources_key()
     if _current(env, key):
         return env
     with _locked(env):
         if not (env / "bin" / "python").exists():
-            build_environment(env)
+            build(env)
         if not _current(env, key):
-            install_project(env, key)
+            install(env, key)
     return env
 
 
+def ensure() -> Path:
+    """The trainer image's environment, built or refreshed; returns its venv."""
+    return _ensure(trainer_env(), build_environment, install_project)
+
+
+# ---- the operator's image (Dockerfile.operator) ---------------------------------------------
+
+# Repository names that are the operator's image (deploy/base/deployment.yaml names
+# `.../tpufinetune/operator:TAG`).
+OPERATOR_REPOSITORIES = ("operator", "tpufinetune-operator")
+OPERATOR_DOCKERFILE = ROOT / "Dockerfile.operator"
+
+
+def operator_lock() -> Path:
+    return ROOT / "requirements" / "operator.lock.txt"
+
+
+def operator_env() -> Path:
+    """The operator image's environment for its lock (a venv)."""
+    digest = hashlib.sha256(operator_lock().read_bytes()).hexdigest()[:12]
+    return cache_root() / f"operator-{python_tag()}-{digest}"
+
+
+def _move_environment(partial: Path, env: Path) -> None:
+    """A venv built at `partial` moved to `env`: its scripts name their interpreter by path."""
+    shutil.rmtree(env, ignore_errors=True)
+    partial.rename(env)
+    for script in (env / "bin").iterdir():
+        if script.is_file() and not script.is_symlink():
+            text = script.read_bytes()
+            if text.startswith(b"#!") and str(partial).encode() in text:
+                script.write_bytes(text.replace(str(partial).encode(), str(env).encode()))
+    for cfg in [env / "pyvenv.cfg", *(env / "bin").glob("activate*")]:
+        cfg.write_text(cfg.read_text().replace(str(partial), str(env)))
+
+
+def build_operator_environment(env: Path) -> None:
+    """As Dockerfile.operator's first RUN: the hashed lock alone, no dependencies resolved."""
+    _move_environment(_venv_with_lock(env, operator_lock()), env)
+
+
+def install_operator_project(env: Path, key: str) -> None:
+    """As the Dockerfile's `pip install --no-deps .`: the project from a clean copy of its
+    sources, built into a wheel offline by this interpreter's setuptools (the lock has none;
+    the Dockerfile's isolated build downloads it), then installed without dependencies."""
+    build_dir = _source_copy(env)
+    wheels = build_dir / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet", "wheel", "--no-deps",
+                    "--no-build-isolation", "-w", str(wheels), str(build_dir)], check=True, cwd=ROOT)
+    _pip(env, "install", "--no-deps", "--force-reinstall", *map(str, wheels.glob("*.whl")))
+    shutil.rmtree(build_dir, ignore_errors=True)
+    (env / ".project").write_text(key)
+
+
+def ensure_operator() -> Path:
+    """The operator image's environment, built or refreshed; returns its venv."""
+    return _ensure(operator_env(), build_operator_environment, install_operator_project)
+
+
+def dockerfile_command(dockerfile: Path) -> tuple[list[str], list[str]]:
+    """The image's ENTRYPOINT and CMD, as its Dockerfile's last ones give them (exec form,
+    a JSON list; the shell form runs under /bin/sh -c). A container's `command` replaces
+    the first, its `args` the second, as a container runtime does."""
+    entrypoint: list[str] = []
+    cmd: list[str] = []
+    for line in dockerfile.read_text().splitlines():
+        word, _, rest = line.strip().partition(" ")
+        if word.upper() not in ("ENTRYPOINT", "CMD") or not rest.strip():
+            continue
+        rest = rest.strip()
+        value = json.loads(rest) if rest.startswith("[") else ["/bin/sh", "-c", rest]
+        if word.upper() == "ENTRYPOINT":
+            entrypoint, cmd = value, []  # a new ENTRYPOINT clears an earlier CMD
+        else:
+            cmd = value
+    return entrypoint, cmd
+
+
 def main() -> int:
+    ensure_operator()
     env = ensure()
     check = subprocess.run([str(env / "bin" / "python"), "-c",
                             "import torch, torch_tpu, ray, tpufinetune_trainer; print(ray.__version__)"],

@@ -80,7 +80,9 @@ from kubernetes import client, config  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
 import images  # noqa: E402
+import podbind  # noqa: E402
 import podcgroup  # noqa: E402
+from images import dockerfile_command  # noqa: E402
 import podprobes  # noqa: E402
 from kubernetes.utils import parse_quantity  # noqa: E402
 from gke_shapes import family_by_ray_type, tpu_pod_environment  # noqa: E402
@@ -123,6 +125,8 @@ _OWN_FLAGS = {
 
 # Where a pod's files are, under the agent's workdir (Ground.pod_report reads them too).
 PODS_DIR = Path("kubelet", "pods")  # one directory per pod uid: its /tmp, HOME; removed with the pod
+CLUSTERS_WITH_WORKERS = "clusters-with-workers.txt"  # in the ground's workdir
+BIND_ENV = ("LD_PRELOAD", "GROUND_POD_IP")  # podbind.c's library and the pod's address
 RAY_TEMP_DIR = "/tmp/ray"  # `ray start --temp-dir`, inside the pod's own /tmp
 
 
@@ -332,12 +336,20 @@ def probe_command(command: list[str], ip: str, ports: dict[int, int]) -> list[st
     return [re.sub(r"\b(localhost|127\.0\.0\.1):(\d+)\b", moved, word) for word in command]
 
 
-def plain_command(container: dict, env: dict) -> list[str]:
-    """A non-Ray container's command and args, with $(VAR) expanded as a kubelet does."""
-    argv = [expand(word, env) for word in [*(container.get("command") or []), *(container.get("args") or [])]]
-    if not container.get("command"):
+def plain_command(container: dict, env: dict, image_command: tuple[list[str], list[str]] | None = None) -> list[str]:
+    """A non-Ray container's command and args, with $(VAR) expanded as a kubelet does. With
+    no `command`, the image's ENTRYPOINT, then `args` or else its CMD (`image_command`, from
+    the image's Dockerfile: images.dockerfile_command), as a container runtime does."""
+    command, args = container.get("command") or [], container.get("args") or []
+    if command:
+        return [expand(word, env) for word in [*command, *args]]
+    if image_command is None:  # an image the ground knows no Dockerfile of
         raise ValueError("the ground's image has no entrypoint: give the container a command")
-    return argv
+    entrypoint, cmd = image_command
+    if not entrypoint and not (args or cmd):
+        raise ValueError("the image has neither ENTRYPOINT nor CMD: give the container a command")
+    # $(VAR) is the pod spec's syntax: the image's own words are taken as they are.
+    return [*entrypoint, *([expand(word, env) for word in args] if args else cmd)]
 
 
 def last_line(path: Path, offset: int) -> str:
@@ -443,7 +455,7 @@ class PodRun:
 class NodeAgent:
     def __init__(self, api: client.ApiClient, workdir: Path, hosts_file: Path, ip_prefix: str,
                  ground_id: str, gcs_root: Path | None = None, node_env: dict | None = None,
-                 images: dict[str, Path] | None = None):
+                 images: dict[str, Path] | None = None, image_dockerfiles: dict[str, Path] | None = None):
         self.api = api
         self.core = client.CoreV1Api(api)
         self.workdir = workdir
@@ -454,6 +466,13 @@ class NodeAgent:
         # Image repository name -> the environment built as its Dockerfile builds it
         # (images.py); any other image runs this machine's own environment.
         self.images = dict(images or {})
+        # Image repository name -> its ENTRYPOINT and CMD (from its Dockerfile).
+        self.image_commands = {repository: dockerfile_command(Path(path))
+                               for repository, path in (image_dockerfiles or {}).items()}
+        # A pod's wildcard binds on its own address, as in its own network namespace.
+        self.bind_library = podbind.library()
+        if self.bind_library is None:
+            log.warning("no C compiler: pods' binds on 0.0.0.0 share the machine's ports")
         # The kubelet's kubepods: every pod's cgroup below it (podcgroup.py).
         self.cgroup = podcgroup.create(podcgroup.ground_cgroup(ground_id), shares=podcgroup.node_cpu_shares())
         self.pods_dir = workdir / PODS_DIR
@@ -468,12 +487,15 @@ class NodeAgent:
         server = urllib.parse.urlsplit(api.configuration.host)
         self.api_server = (server.hostname or "127.0.0.1", str(server.port or 443))
         self.runs: dict[str, PodRun] = {}  # by pod uid
+        self.clusters_with_workers: set[str] = set()
         self.heads: dict[str, PodRun] = {}  # RayCluster uid -> head run
         self.life = NodeLife(self)  # the nodes' heartbeats and failures (nodelife.py)
         # Every pod, as the watch last delivered it: the sync loop and cluster DNS read it.
         self.pods: dict[str, object] = {}
         self.pods_listed = threading.Event()  # the pod watch has listed once: the agent sees every pod
         self.next_ip = 1
+        # Every port number a Ray container was given (ray_ports): never given twice.
+        self.ports_given: set[int] = set()
         self.admit_after: dict[str, float] = {}  # pod uid -> when to try again a pod the node could not set up
         self.stop_event = threading.Event()
         self.wake = threading.Event()
@@ -757,7 +779,8 @@ class NodeAgent:
         try:
             for volume in body["spec"].get("volumes") or []:
                 plan = volume_plan(volume, run.namespace, self.lookup(run.namespace),
-                                   str(self.gcs_root) if self.gcs_root else None)
+                                   str(self.gcs_root) if self.gcs_root else None, pod=body,
+                                   fields=self.downward_fields(run, body), token=self.token_for(run, body))
                 paths[volume["name"]] = self.materialize(run, volume["name"], plan)
         except Exception as error:  # MountError, or the node failing to write it (a kubelet says FailedMount too)
             if not isinstance(error, MountError):
@@ -828,13 +851,8 @@ class NodeAgent:
                 **self.node_env}
         if image_repository(image) in self.images:
             base.pop("PYTHONPATH", None)  # the image carries its own copy of the project
-        fields = {
-            "metadata.name": run.name, "metadata.namespace": run.namespace, "metadata.uid": run.uid,
-            "status.podIP": run.ip, "status.podIPs": run.ip, "spec.nodeName": run.node,
-            "spec.serviceAccountName": pod.spec.service_account_name or "default",
-            "status.hostIP": "127.0.0.1", "status.hostIPs": "127.0.0.1",
-        }
-        env = container_env(self.api.sanitize_for_serialization(pod), container, base=base, fields=fields,
+        body = self.api.sanitize_for_serialization(pod)
+        env = container_env(body, container, base=base, fields=self.downward_fields(run, body),
                             services=self.service_variables(pod), lookup=self.lookup(run.namespace))
         accelerator = node_labels.get(ACCELERATOR_LABEL)
         if tpu and accelerator and not run.head:
@@ -844,6 +862,34 @@ class NodeAgent:
             env.update(tpu_environment(topology, host.worker_id, host.slice_name, list(host.hostnames),
                                        RAY_ACCELERATOR_BY_LABEL.get(accelerator, "")))
         return env
+
+    @staticmethod
+    def downward_fields(run: PodRun, body: dict) -> dict:
+        """The downward API's fieldRef values (env and volumes), for the pod as a dict."""
+        return {
+            "metadata.name": run.name, "metadata.namespace": run.namespace, "metadata.uid": run.uid,
+            "status.podIP": run.ip, "status.podIPs": run.ip, "spec.nodeName": run.node,
+            "spec.serviceAccountName": (body.get("spec") or {}).get("serviceAccountName") or "default",
+            "status.hostIP": "127.0.0.1", "status.hostIPs": "127.0.0.1",
+        }
+
+    def token_for(self, run: PodRun, body: dict):
+        """A serviceAccountToken projection's token, as a kubelet gets it: a TokenRequest for
+        the pod's ServiceAccount, bound to the pod (gone with it). The API server's default
+        audience when the projection names none."""
+        def request(audience: str, seconds: int) -> str:
+            spec = {"expirationSeconds": seconds,
+                    "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": run.name, "uid": run.uid}}
+            if audience:
+                spec["audiences"] = [audience]
+            account = (body.get("spec") or {}).get("serviceAccountName") or "default"
+            try:
+                answer = self.core.create_namespaced_service_account_token(
+                    account, run.namespace, {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec})
+            except ApiException as error:  # the kubelet's words: FailedMount, tried again
+                raise MountError(f"failed to fetch token: {error.reason}: {(error.body or '')[:300]}") from error
+            return answer.status.token
+        return request
 
     def service_variables(self, pod) -> dict:
         """The Services of the pod's namespace (with enableServiceLinks) and the API
@@ -901,6 +947,8 @@ class NodeAgent:
                 env = dict(run.main_env)
             argv = self.command(run, spec, env, init)
             mounts = self.mounts(run, spec, env)
+            if not run.ray and self.bind_library is not None:  # its own 0.0.0.0 (podbind.c)
+                env.update(dict(zip(BIND_ENV, (str(self.bind_library), run.ip))))
         except ConfigError as error:
             self.container_error(run, "CreateContainerConfigError", str(error))
             return
@@ -926,6 +974,17 @@ class NodeAgent:
         if not init:
             run.probes = ContainerProbes(spec, time.monotonic())
             c.started = run.probes.started
+            if run.ray and not run.head:
+                self.count_cluster_with_workers(run)
+
+    def count_cluster_with_workers(self, run: PodRun) -> None:
+        """Each RayCluster whose workers ran on this ground, one line the first time
+        (CLUSTERS_WITH_WORKERS): the suite's count of clusters that trained or checked."""
+        key = f"{run.namespace}/{run.cluster} {run.cluster_uid}"
+        if key not in self.clusters_with_workers:
+            self.clusters_with_workers.add(key)
+            with open(self.workdir / CLUSTERS_WITH_WORKERS, "a") as out:
+                out.write(key + "\n")
 
     def sandboxed(self, run: PodRun, container: str, sandbox: Path, env: dict, **streams) -> subprocess.Popen:
         """A process in the container (podsandbox.py: its memory cgroup, mounts and working
@@ -943,10 +1002,10 @@ class NodeAgent:
             return [str(self.image_bin(spec.get("image") or "") / "python"), "-c",
                     f"import sys; print('asked to exit {int(exit_with)}'); sys.exit({int(exit_with)})"]
         if not run.ray:
-            return plain_command(spec, env)
+            return plain_command(spec, env, self.image_commands.get(image_repository(spec.get("image") or "")))
         # On every address: Ray's GCS and some agents listen on 0.0.0.0.
         names = ("gcs", "metrics", "agent_http", "agent_grpc", "runtime_env", "client")
-        ports = dict(zip(names, free_ports(len(names), "0.0.0.0")))
+        ports = dict(zip(names, self.ray_ports(len(names))))
         if run.head:
             run.gcs_address = f"{run.ip}:{ports['gcs']}"
         run.ports = ray_port_map(ray_start_args(spec), run.head, {**ports, "dashboard": DASHBOARD_PORT})
@@ -956,6 +1015,20 @@ class NodeAgent:
         return [str(self.image_bin(spec.get("image") or "") / "ray"), "start",
                 *rewrite_ray_start(ray_start_args(spec), head=run.head, ip=run.ip, temp_dir=RAY_TEMP_DIR,
                                    gcs_address=run.gcs_address, ports=ports)]
+
+    def ray_ports(self, count: int) -> list[int]:
+        """Ports for a Ray container's servers, free now and never given to another
+        container of this ground. Ray's GCS and some agents listen on 0.0.0.0, so a port is
+        the machine's, not the pod's (on GKE every pod has its own): two containers starting
+        at once were once given the same number, one worker's agent HTTP port was another's
+        gRPC port, its readiness probe read gRPC's bytes (BadStatusLine), and its pod never
+        became Ready. Free ports are asked of the kernel, which may hand a number out again
+        as soon as it is released; this agent does not."""
+        while True:
+            picked = free_ports(count, "0.0.0.0")
+            if not self.ports_given.intersection(picked):
+                self.ports_given.update(picked)
+                return picked
 
     def sync_running(self, run: PodRun) -> None:
         c = run.container
@@ -968,6 +1041,12 @@ class NodeAgent:
         if code is None:
             if run.kill_deadline is not None:
                 self.sync_kill(run, cgroup)
+            elif self.head_moved(run):
+                log.info("pod %s/%s: container %s reaches for GCS %s, but its head's container restarted and "
+                         "listens at %s (on GKE, its Service's port stays): ended, to restart", run.namespace,
+                         run.name, c.name, run.gcs_address, self.heads[run.cluster_uid].gcs_address)
+                run.kill_deadline = time.monotonic() + 5
+                self.terminate_main(run)
             elif run.stage == "main":
                 if not run.answering and self.answers(run):
                     run.answering = True
@@ -1098,6 +1177,18 @@ class NodeAgent:
             self.terminate_main(run)
         elif now_ >= run.kill_deadline:
             podcgroup.kill_all(cgroup)
+
+    def head_moved(self, run: PodRun) -> bool:
+        """A worker's container was started against its head's GCS, and the head's container
+        (or pod) has since started again. Here a new head gets new ports (tests/README.md); on
+        GKE the head's Service keeps 6379, so a worker still starting reaches the new head at
+        once and a registered raylet, refused by the new GCS, exits within seconds. Left
+        alone, the worker would wait on the dead address until Ray's own timeouts (minutes
+        for a `ray start` that has not registered), so the agent ends it and it restarts."""
+        if not run.ray or run.head or not run.gcs_address:
+            return False
+        head = self.heads.get(run.cluster_uid)
+        return head is not None and bool(head.gcs_address) and head.gcs_address != run.gcs_address
 
     def answers(self, run: PodRun) -> bool:
         """Whether the container's process answers, decided by the agent: the head's
@@ -1350,6 +1441,8 @@ def main(argv: list[str]) -> int:
                         help="a variable every pod gets, as the node adds it (repeatable)")
     parser.add_argument("--image-env", action="append", default=[], metavar="REPOSITORY=VENV",
                         help="pods of images named REPOSITORY run the environment VENV (repeatable)")
+    parser.add_argument("--image-dockerfile", action="append", default=[], metavar="REPOSITORY=DOCKERFILE",
+                        help="a container of REPOSITORY with no command runs its Dockerfile's ENTRYPOINT and CMD")
     parser.add_argument("--gcs-root", type=Path, default=None,
                         help="the GCS emulator's directory of buckets: gcsfuse CSI volumes mount <dir>/<bucket>")
     args = parser.parse_args(argv)
@@ -1364,7 +1457,8 @@ def main(argv: list[str]) -> int:
     api = client.ApiClient()
     agent = NodeAgent(api, args.workdir, args.hosts_file, args.ip_prefix, args.ground_id,
                       gcs_root=args.gcs_root, node_env=node_env,
-                      images={k: Path(v) for k, _, v in (item.partition("=") for item in args.image_env)})
+                      images={k: Path(v) for k, _, v in (item.partition("=") for item in args.image_env)},
+                      image_dockerfiles={k: Path(v) for k, _, v in (item.partition("=") for item in args.image_dockerfile)})
     provisioner = Provisioner(api, args.workdir / "volumes")
     provisioner.install()
     signal.signal(signal.SIGTERM, lambda *_: agent.stop_event.set())
@@ -1376,7 +1470,10 @@ def main(argv: list[str]) -> int:
     if not agent.pods_listed.wait(60):
         log.warning("the pod watch has not listed within 60s")
     # The node-level variables every pod gets, for tests to tell them from the spec's.
-    (args.workdir / "nodeagent.ready").write_text(json.dumps({"pid": os.getpid(), "node_env": sorted(agent.node_env)}))
+    (args.workdir / "nodeagent.ready").write_text(json.dumps({
+        "pid": os.getpid(), "node_env": sorted(agent.node_env),
+        # What the runtime adds to a non-Ray container for its own address (podbind.c).
+        "bind_env": list(BIND_ENV) if agent.bind_library is not None else []}))
     agent.stop_event.wait()
     agent.shutdown()
     return 0

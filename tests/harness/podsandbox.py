@@ -65,7 +65,7 @@ def enter(spec: dict) -> None:
             if not os.path.isdir(f"/proc/self/fd/{fd}"):  # a file (a subPath of a key) on a file
                 open(target, "a").close()
             else:
-                os.mkdir(target)
+                os.makedirs(target, exist_ok=True)  # two pods may create one host path at once
         _mount(libc, f"/proc/self/fd/{fd}", target, MS_BIND | MS_REC)
         if m.get("readOnly"):
             _mount(libc, None, target, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_REC)

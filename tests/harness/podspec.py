@@ -118,9 +118,7 @@ def container_env(pod: dict, container: dict, *, base: dict, fields: dict, servi
         if source is None:
             env[name] = expand(item.get("value") or "", {**services, **env})
         elif "fieldRef" in source:
-            path = source["fieldRef"]["fieldPath"]
-            match = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
-            env[name] = (pod["metadata"].get(match.group(1)) or {}).get(match.group(2), "") if match else fields.get(path, "")
+            env[name] = field_value(source["fieldRef"]["fieldPath"], pod, fields)
         elif "resourceFieldRef" in source:
             env[name] = resource_value(container, source["resourceFieldRef"])
         else:
@@ -167,7 +165,34 @@ def _projection(kind: str, ref: dict, namespace: str, lookup, default_mode: int)
     return files
 
 
-def volume_plan(volume: dict, namespace: str, lookup, gcs_root: str | None) -> VolumePlan:
+def field_value(path: str, pod: dict, fields: dict) -> str:
+    """A fieldRef's value: a label or annotation of the pod (`metadata.labels['k']`), the
+    whole map as a volume gets it (one key="value" a line), or one of `fields`."""
+    match = re.fullmatch(r"metadata\.(labels|annotations)(?:\['(.+)'\])?", path)
+    if match is None:
+        return fields.get(path, "")
+    values = (pod.get("metadata") or {}).get(match.group(1)) or {}
+    if match.group(2) is None:
+        return "\n".join(f'{k}="{v}"' for k, v in sorted(values.items()))
+    return values.get(match.group(2), "")
+
+
+def _downward(items: list[dict], fields: dict, pod: dict, default_mode: int) -> dict:
+    """A downwardAPI volume's (or projection's) files: fieldRef paths as the env's."""
+    files = {}
+    for item in items or []:
+        ref = item.get("fieldRef")
+        if ref is None:  # resourceFieldRef: the container's limits; no pod here reads them
+            raise MountError(f"downwardAPI item {item.get('path')!r}: only fieldRef runs on the ground")
+        files[item["path"]] = (field_value(ref["fieldPath"], pod, fields).encode(), item.get("mode", default_mode))
+    return files
+
+
+def volume_plan(volume: dict, namespace: str, lookup, gcs_root: str | None, *, pod: dict | None = None,
+                fields: dict | None = None, token=None) -> VolumePlan:
+    """`fields` are the downward API's values (as the env's fieldRef); `token(audience,
+    seconds)` asks the API server for a token of the pod's ServiceAccount bound to the pod
+    (TokenRequest), as a kubelet does for a serviceAccountToken projection."""
     name = volume["name"]
     if "emptyDir" in volume:
         medium = (volume["emptyDir"] or {}).get("medium") or ""
@@ -177,14 +202,28 @@ def volume_plan(volume: dict, namespace: str, lookup, gcs_root: str | None) -> V
             source = volume[key]
             ref = {**source, "name": source.get("secretName") or source.get("name")}
             return VolumePlan("files", files=_projection(kind, ref, namespace, lookup, source.get("defaultMode", 0o644)))
+    if "downwardAPI" in volume:
+        source = volume["downwardAPI"]
+        return VolumePlan("files", files=_downward(source.get("items"), fields or {}, pod or {},
+                                                   source.get("defaultMode", 0o644)))
     if "projected" in volume:
         files = {}
+        mode = volume["projected"].get("defaultMode", 0o644)
         for source in volume["projected"].get("sources") or []:
+            if "serviceAccountToken" in source:
+                if token is None:
+                    raise MountError(f"volume {name!r}: no token for the pod's ServiceAccount")
+                request = source["serviceAccountToken"]
+                files[request["path"]] = (token(request.get("audience") or "", int(request.get("expirationSeconds") or 3600)).encode(), mode)
+                continue
+            if "downwardAPI" in source:
+                files.update(_downward(source["downwardAPI"].get("items"), fields or {}, pod or {}, mode))
+                continue
             kind = "Secret" if "secret" in source else "ConfigMap" if "configMap" in source else None
             if kind is None:
-                raise MountError(f"volume {name!r}: only secret and configMap projections run on the ground")
-            files.update(_projection(kind, source["secret" if kind == "Secret" else "configMap"], namespace, lookup,
-                                     volume["projected"].get("defaultMode", 0o644)))
+                raise MountError(f"volume {name!r}: only secret, configMap, downwardAPI and serviceAccountToken "
+                                 "projections run on the ground")
+            files.update(_projection(kind, source["secret" if kind == "Secret" else "configMap"], namespace, lookup, mode))
         return VolumePlan("files", files=files)
     if "hostPath" in volume:
         return VolumePlan("host", volume["hostPath"]["path"])
@@ -206,7 +245,7 @@ def volume_plan(volume: dict, namespace: str, lookup, gcs_root: str | None) -> V
             return _csi(spec["csi"]["driver"], spec["csi"].get("volumeHandle", ""), gcs_root)
         raise MountError(f"persistentvolume {pv_name!r}: only hostPath, local and the GCS FUSE CSI driver run on the ground")
     raise MountError(f"volume {name!r}: its type does not run on the ground "
-                     "(emptyDir, secret, configMap, projected, hostPath, persistentVolumeClaim, csi gcsfuse do)")
+                     "(emptyDir, secret, configMap, downwardAPI, projected, hostPath, persistentVolumeClaim, csi gcsfuse do)")
 
 
 def _csi(driver: str, bucket: str, gcs_root: str | None) -> VolumePlan:

@@ -53,6 +53,7 @@ class RayHead:
     token: str | None = None
     temp_dir: str = ""
     pid: int = 0
+    started_at: float = 0.0  # the head process's start time: its pid alone may be reused
     log_path: str = ""
     owns_temp_dir: bool = True
     ports: dict = field(default_factory=dict)
@@ -129,6 +130,7 @@ class RayHead:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO))
         head.pid = proc.pid
+        head.started_at = _start_time(proc.pid)
         try:
             head._wait_ready(proc, timeout_s)
         except BaseException:
@@ -166,7 +168,7 @@ class RayHead:
     def stop(self, grace_s: float = 8.0) -> None:
         """Stop the head's process group, then any process still tied to this head
         (job drivers run in sessions of their own). Nothing else is touched."""
-        if self.pid:
+        if self.pid and not _reused(self.pid, self.started_at):
             _signal_group(self.pid, signal.SIGTERM)
             if not _wait_gone(lambda: _group_alive(self.pid), grace_s):
                 _signal_group(self.pid, signal.SIGKILL)
@@ -200,6 +202,23 @@ class RayHead:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+def _start_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def _reused(pid: int, started_at: float) -> bool:
+    """Is `pid` now another process? With pid_max at 32768 a busy machine wraps its pids in
+    minutes, and a pod's processes on the ground share this pid namespace: a head that died
+    early (reaped by the subprocess module) leaves its number to the next process group
+    leader, which a blind killpg would take down. While any process of the head's group is
+    left, the kernel does not hand its number out again."""
+    now = _start_time(pid)
+    return bool(now and started_at and now != started_at)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

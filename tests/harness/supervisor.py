@@ -53,9 +53,9 @@ def _start_stack(workdir: Path):
     if os.environ.get("TPUFT_CLUSTER_KIND", "ground") == "controlplane":
         cp, _ = start_with_crds(workdir=workdir, out=sys.stdout)
         return cp, cp
-    from ground import Ground
+    from ground import DEPLOYMENT, Ground
 
-    ground = Ground(workdir=workdir, with_operator=True).start()
+    ground = Ground(workdir=workdir, with_operator=DEPLOYMENT).start()
     try:
         start_queues(ground)
         t = time.monotonic()
@@ -103,7 +103,12 @@ def sample_readiness(ground, namespace: str = "default") -> dict:
         # Built by `make images` and refreshed by Ground.start; another process may be at it.
         "the trainer image's environment": lambda: images.state(images.trainer_env()) == images.READY,
     }
-    if ground.operator and elects:  # until it leads, the operator's handlers do not run
+    if ground.operator_objects is not None:  # deploy/'s Deployment: one of its pods leads
+        import operator_deployment
+
+        checks[f"an operator pod leading (Lease {OPERATOR_NAMESPACE}/{operator_deployment.LEASE})"] = \
+            lambda: bool(operator_deployment.leading_pod(ground.cp))
+    elif ground.operator and elects:  # until it leads, the operator's handlers do not run
         checks[f"the operator leading (Lease {OPERATOR_NAMESPACE}/{lease})"] = leading
     return checks
 

@@ -39,8 +39,10 @@ POLL_S = 1.0
 # Seconds of steps between two agreements at most (once at least one step has been timed).
 AGREE_EVERY_S = 1.0
 # Where a worker announces itself to its pod's preStop hook: the directory (per pod, from
-# the pod's environment) holds one empty file per worker pid, removed once that worker has
-# saved on notice (or has finished); the hook signals those pids and waits for the files.
+# the pod's environment) holds one file per worker pid, removed once that worker has saved
+# on notice (or has finished); the hook signals those pids and waits for the files. Each
+# file holds its process's start time, so that the hook never signals a later process that
+# was given the pid of a worker that died without removing its file.
 NOTICE_DIR_ENV = "TPUFT_NOTICE_DIR"
 
 _lock = threading.Lock()
@@ -78,6 +80,16 @@ def _pid_file() -> str | None:
     return os.path.join(directory, str(os.getpid())) if directory else None
 
 
+def start_time(pid: int | str = "self") -> str:
+    """A process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat, read
+    after the command name, which may hold spaces); empty where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
 def _announce(present: bool) -> None:
     path = _pid_file()
     if path is None:
@@ -85,7 +97,8 @@ def _announce(present: bool) -> None:
     try:
         if present:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            open(path, "w").close()
+            with open(path, "w") as announced:
+                announced.write(start_time())
         else:
             os.remove(path)
     except OSError:

@@ -247,10 +247,15 @@ def _common_env(spec: TPUFineTuneSpec, shape: SliceShape) -> list[dict]:
 # default model (each host writes its own shards) with room to spare.
 DEFAULT_TERMINATION_GRACE_SECONDS = 60
 NOTICE_DIR = "/tmp/tpufinetune-notice/$(TPUFT_POD_UID)"
+# A worker's file holds its start time (field 22 of /proc/<pid>/stat, as the trainer's
+# notice.py writes it): a pid whose process has since ended may name another process, and
+# the hook leaves that one alone. An empty file (a trainer before this) is taken at its pid.
 PRE_STOP_SCRIPT = (
     'd="$TPUFT_NOTICE_DIR"; [ -d "$d" ] || exit 0; '
-    'for f in "$d"/*; do [ -e "$f" ] && kill -TERM "${f##*/}" 2>/dev/null; done; '
-    'while :; do left=0; for f in "$d"/*; do [ -e "$f" ] && kill -0 "${f##*/}" 2>/dev/null && left=1; done; '
+    'ours() { p=${1##*/}; [ -r "/proc/$p/stat" ] || return 1; s=$(cat "$1" 2>/dev/null); '
+    '[ -z "$s" ] || [ "$(sed "s/^.*) //" "/proc/$p/stat" | cut -d" " -f20)" = "$s" ]; }; '
+    'for f in "$d"/*; do [ -e "$f" ] && ours "$f" && kill -TERM "${f##*/}" 2>/dev/null; done; '
+    'while :; do left=0; for f in "$d"/*; do [ -e "$f" ] && ours "$f" && left=1; done; '
     '[ "$left" = 0 ] && exit 0; sleep 0.5; done')
 NOTICE_ENV = [
     {"name": "TPUFT_POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
