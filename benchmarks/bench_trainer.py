@@ -355,7 +355,7 @@ def probe_ours(product, out: str, warmup: int, steps: int) -> None:
     ranged(trainer_cls, "token_loss_sum", "forward")
     ranged(torch.Tensor, "backward", "backward")
     ranged(product.DeviceBlocks, "gather", "data")
-    ranged(trainer_cls, "clip_gradients", "clip")
+    ranged(product, "clip_grad_norm", "clip")  # train.py calls it by its module name
     ranged(trainer_cls, "emit_progress", "progress")
     ranged(notice.NoticeWatch, "agreed", "agreement")
 

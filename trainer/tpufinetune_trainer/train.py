@@ -40,7 +40,7 @@ from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, eval_ord
 from .events import emit
 from .masks import MaskBuilder
 from .model import base_directory, freeze_input_embeddings, load_tokenizer
-from .parallelize import apply_activation_checkpointing, build_mesh
+from .parallelize import apply_activation_checkpointing, build_mesh, clip_grad_norm
 from .schedule import decay_steps, lr_table, warmup_steps
 from .sharded_load import load_sharded
 
@@ -422,22 +422,11 @@ class Trainer:
             (summed * scale).backward()
             loss_sum += summed.detach()
         if self.cfg.max_grad_norm > 0:
-            self.grad_norm = self.clip_gradients()  # stays on the device; progress reads it
+            self.grad_norm = clip_grad_norm(self.params, self.cfg.max_grad_norm)  # stays on the device
         self.lr.copy_(self.lr_table.index_select(0, self.step_counter).squeeze(0))
         self.step_counter += 1
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-    def clip_gradients(self) -> torch.Tensor:
-        """Clip by the global norm; returns the norm before clipping (a device tensor)."""
-        from torch.distributed.tensor import DTensor
-
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm, foreach=True)
-        return norm
 
     # ------------------------------------------------------------------ epochs
     def run(self) -> None:
