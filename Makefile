@@ -4,7 +4,7 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 PIP_STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: venv controlplane kuberay kueue gcs prometheus images ground helm test test-fast crds dashboards demo cluster cluster-down bench lint clean
+.PHONY: venv controlplane kuberay kueue gcs prometheus images ground helm go-tools prepare test test-fast crds dashboards demo cluster cluster-down bench lint clean
 
 ## Python environment: pinned stack from pyproject.toml (pip's cache keeps re-runs fast).
 $(PIP_STAMP): pyproject.toml
@@ -67,8 +67,18 @@ dashboards: venv
 ## Everything: unit, control-plane, Ray and end-to-end tests. Non-zero on any failure
 ## (pytest's "no tests collected", exit 5, included). Two lanes at once: the ground's tests
 ## in one worker, all others in the other (tests/harness/session_order.py).
-test: venv ground helm
+test: prepare
 	$(PYTHON) -m pytest -n 2 --dist loadgroup
+
+## The Go programs one after another (each build takes every core by itself; make says it
+## resets its jobserver for this one).
+go-tools:
+	@$(MAKE) --no-print-directory -j1 controlplane kuberay kueue gcs prometheus helm
+
+## What the suite needs, with pip's side (the venv, then the trainer and operator images'
+## environments) beside the Go builds: on a fresh machine both wait on downloads for minutes.
+prepare:
+	@$(MAKE) --no-print-directory -j2 images go-tools
 
 ## Pure-core tests only (milliseconds; no control plane, no Ray).
 test-fast: venv
