@@ -1,8 +1,8 @@
 """Queueing on TPU quota with the real Kueue (harness/kueue.py) on the test ground.
 
-- Two v6e 4x4 runs in one queue with the quota of one slice: the first runs, the second is
-  Queued with Kueue's message and is admitted when the first ends; at no time do more than
-  16 google.com/tpu of pods exist.
+- Two v6e 4x4 runs in one queue with the quota of one slice: the first holds the slice, the
+  second is Queued with Kueue's message and is admitted when the first ends; at no time do
+  more than 16 google.com/tpu of pods exist.
   A third run deleted while Queued leaves nothing behind and takes nothing from the quota;
   the second, deleted once admitted, gives its quota back.
 - Preemption: a higher-priority run (a collectives check: it needs the quota, not training)
@@ -69,6 +69,11 @@ def cpu_run(name: str, assets, storage, training: dict, rows: int, **spec) -> di
     }
 
 
+# A run's workers that exit at once, again and again: the run stays in Provisioning (under the
+# ground's TPUFT_PROVISION_TIMEOUT, 600 s) with its RayCluster admitted and its quota held.
+HELD_IN_PROVISIONING = {"annotations": {"ground.tpufinetune.dev/exit-code": "1"}}
+
+
 def phase_is(kube, name: str, *phases: str):
     return lambda: kube.status(name) if kube.status(name).get("phase") in phases else None
 
@@ -116,7 +121,12 @@ def workloads_of(kube, cluster_uid: str) -> list[dict]:
 def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, queued_namespace, kube, ground,
                                                              ground_assets, storage):
     with KubeWatch(kube.cp.kubeconfig, kube.ns, live=live_tpu_of, with_terminating=tpu_of) as watch:
-        kube.apply(tpu_run("first", ground_assets, f"{storage}/first"))
+        # The first holds the slice until the test ends it: its workers crash-loop (the
+        # ground's exit-code annotation), so it waits in Provisioning with its quota reserved.
+        # A first run that reached its trainer failed for want of a chip within a minute or two,
+        # a race with the checks below (a cold run saw it end as the third run was applied, and
+        # Kueue admitted the third before the second).
+        kube.apply(tpu_run("first", ground_assets, f"{storage}/first", workers=HELD_IN_PROVISIONING))
         # The operator created the RayCluster suspended, and Kueue (not its webhook) admitted it.
         kube.wait_for(lambda: cond.is_true(kube.status("first"), cond.ADMITTED),
                       "first admitted", timeout=120)
@@ -167,17 +177,23 @@ def test_two_v6e_slices_in_one_queue_run_one_after_the_other(operator, kueue, qu
                               "one pending again", 60)
         assert after["usage"] == before["usage"] and after["admitted"] == before["admitted"], (before, after)
 
-        # The first runs (its job reaches the trainer, which stops for want of a chip) and ends.
-        kube.kubectl("wait", "tpufinetune/first", "--for=condition=Failed", "--timeout=500s", timeout=520)
-        first = kube.status("first")
-        assert cond.is_true(first, cond.JOB_SUBMITTED)
-        assert "no TPU device" in first["message"], first["message"]
-
-        # The quota came back with the first's RayCluster: the second is admitted and its
-        # pods come up. Deleting it, admitted, releases the quota as well.
+        # The first ends (deleted, as its owner ends a run that holds the slice): the quota comes
+        # back with its RayCluster, and the second is admitted and its pods come up. Deleting
+        # the second, admitted, releases the quota as well. (That a run ending on its own gives
+        # its quota back is the preemption test's: the higher-priority run succeeds and the
+        # evicted one is admitted again.)
+        def held():
+            status = kube.status("first")
+            ready = cond.find(status, cond.CLUSTER_READY) or {}
+            return (status.get("phase") == "Provisioning" and cond.is_true(status, cond.ADMITTED)
+                    and ready.get("reason") == "CrashLoopBackOff" and "exited 1" in ready.get("message", "")
+                    and status)
+        kube.wait_for(held, "first held in Provisioning, its workers' exits named", 120)
+        ended_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        kube.kubectl("delete", "tpufinetune", "first", "--timeout=90s", timeout=100)
         kube.wait_for(lambda: cond.is_true(kube.status("second"), cond.ADMITTED),
                       "second admitted after the first ended", timeout=180)
-        assert cond.find(kube.status("second"), cond.ADMITTED)["lastTransitionTime"] >= first["completionTime"]
+        assert cond.find(kube.status("second"), cond.ADMITTED)["lastTransitionTime"] >= ended_at
         kube.wait_for(lambda: len(kube.pods_of(second_cluster)) == 5, "second's head and four workers", 120)
         kube.kubectl("delete", "tpufinetune", "second", "--timeout=90s", timeout=100)
         kube.wait_for(lambda: kube.get("raycluster", second_cluster) is None, "second's RayCluster released", 60)
