@@ -54,7 +54,7 @@ ENTRY_NAME = re.compile(r"[0-9a-f]{32}(\.partial-[0-9a-f]{8})?")  # an entry, or
 
 def cache_root() -> Path:
     """Where prepared datasets go on this host (the local disk)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpufinetune" / "data"
+    return storage.cache_home() / "data"
 
 
 # --------------------------------------------------------------------------- fingerprint

@@ -91,8 +91,13 @@ def upload_dir(local: str, destination: str) -> None:
     pafs.copy_files(local, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
 
 
+def cache_home() -> Path:
+    """The trainer's caches on this host's local disk (XDG's cache directory)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpufinetune"
+
+
 def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tpufinetune" / "storage"
+    return cache_home() / "storage"
 
 
 def local_copy(location: str) -> Path:
