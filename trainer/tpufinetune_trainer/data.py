@@ -463,6 +463,16 @@ def pad_id_of(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
+def check_long_prompts(skipped: int, read: int, first: int | None, kept: int, max_seq_len: int,
+                       long_prompts: str) -> None:
+    """Refuse the data when a prompt had to be skipped for its length and --long-prompts is
+    `fail`, or when no example is left; `first` is the first skipped row's index."""
+    if skipped and (long_prompts == "fail" or not kept):
+        raise DataError(f"{skipped} of {read} examples have a prompt longer than --max-seq-len={max_seq_len} "
+                        f"tokens (first: row {first}); raise --max-seq-len"
+                        + (" or pass --long-prompts skip" if long_prompts == "fail" else ""))
+
+
 def prepare(dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction: float, seed: int,
             long_prompts: str = "skip", prompt_format: str = "auto", dataset_format: str = "auto",
             loss_on: str = "responses", stream: bool = True, cache_dir: str | Path | None = None) -> PreparedData:
@@ -480,11 +490,9 @@ def prepare(dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction
         return data_stream.prepare(rows, dataset, split, tokenizer, max_seq_len, eval_fraction, seed, long_prompts,
                                    prompt_format, dataset_format, loss_on, cache_dir)
     enc = encode_rows(rows, tokenizer, max_seq_len, prompt_format, dataset_format, loss_on)
-    if enc.skipped_long_prompts and (long_prompts == "fail" or not enc.input_ids):
-        first = enc.skipped_long_prompts[0]
-        raise DataError(f"{len(enc.skipped_long_prompts)} of {len(rows)} examples have a prompt longer than "
-                        f"--max-seq-len={max_seq_len} tokens (first: row {first}); raise --max-seq-len"
-                        + (" or pass --long-prompts skip" if long_prompts == "fail" else ""))
+    skipped = enc.skipped_long_prompts
+    check_long_prompts(len(skipped), len(rows), skipped[0] if skipped else None, len(enc.input_ids), max_seq_len,
+                       long_prompts)
     train_idx, eval_idx = split_eval(len(enc.input_ids), eval_fraction, seed)
     pad_id = pad_id_of(tokenizer)
 

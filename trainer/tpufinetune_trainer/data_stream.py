@@ -326,10 +326,8 @@ def build(rows, directory: Path, fp: str, tokenizer, max_seq_len: int, eval_frac
     """Write the cache entry into `directory` (a private one), `meta.json` last."""
     written = write_examples(rows, directory / "all", tokenizer, max_seq_len, prompt_format, dataset_format,
                              loss_on)
-    if written["skipped"] and (long_prompts == "fail" or not written["rows"]):
-        raise DataError(f"{written['skipped']} of {written['read']} examples have a prompt longer than "
-                        f"--max-seq-len={max_seq_len} tokens (first: row {written['first_skipped']}); raise "
-                        "--max-seq-len" + (" or pass --long-prompts skip" if long_prompts == "fail" else ""))
+    data.check_long_prompts(written["skipped"], written["read"], written["first_skipped"], written["rows"],
+                            max_seq_len, long_prompts)
     eval_index = data.held_out(written["rows"], eval_fraction, seed)
     if len(eval_index):
         parts = split_files(directory, written["rows"], written["tokens"], eval_index)
