@@ -60,7 +60,7 @@ import torch.distributed as dist  # noqa: E402
 from tpufinetune_trainer import assets  # noqa: E402
 from tpufinetune_trainer.backends import BACKENDS  # noqa: E402
 from tpufinetune_trainer.config import FinetuneConfig  # noqa: E402
-from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, Examples, plan_run  # noqa: E402
+from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, Examples, plan_run, rank_blocks  # noqa: E402
 from tpufinetune_trainer.model import per_layer_embeddings  # noqa: E402
 from tpufinetune_trainer.train import Trainer  # noqa: E402
 
@@ -360,8 +360,11 @@ def measure(trainer: Trainer, args, cuda: bool, first_step: int, warmup: int, ti
     plan, epoch = trainer.plan, trainer.epoch_plan
     per_step = plan.accum * plan.blocks
     flops, real = [], []
-    for step in range(first_step + warmup, first_step + warmup + timed):
-        f, r = step_flops(shape, trainer.epoch_blocks, step * per_step, per_step, int(epoch.label_tokens[step]))
+    timed_steps = range(first_step + warmup, first_step + warmup + timed)
+    blocks = rank_blocks(trainer.examples, epoch, trainer.rank, trainer.cfg.max_seq_len, trainer.pad_id,
+                         steps=slice(timed_steps.start, timed_steps.stop))  # the timed steps' blocks of this rank
+    for row, step in enumerate(timed_steps):
+        f, r = step_flops(shape, blocks, row * per_step, per_step, int(epoch.label_tokens[step]))
         flops.append(f)
         real.append(r)
     all_labels = int(epoch.label_tokens[first_step:first_step + warmup + timed].sum())

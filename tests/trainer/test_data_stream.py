@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tpufinetune_trainer import data, data_stream
+from tpufinetune_trainer import data, data_stream, finetune
+from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.data import BatchPlan
-from tpufinetune_trainer.errors import DataError
+from tpufinetune_trainer.errors import DataError, StorageError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -281,6 +282,27 @@ def test_mapped_rows_pickle_as_a_description(trainer_assets, tokenizer, tmp_path
     shutil.rmtree(tmp_path / "host-cache")
     with pytest.raises(DataError, match="publish"):
         pickle.loads(slim)
+
+
+def test_the_driver_publishes_mapped_examples_only_for_workers_on_other_hosts(trainer_assets, tokenizer, tmp_path):
+    """finetune's choice: one node (the workers beside the driver) ships the examples as they
+    are; more nodes publish them to the run's storage and ship the description; examples in
+    memory ship as they are; a storage that refuses the upload fails naming the flag."""
+    path = dataset_file(trainer_assets, tmp_path)
+    train = data.prepare(str(path), "train", tokenizer, MAX_SEQ_LEN, 0.1, 5, cache_dir=tmp_path / "cache").train
+    cfg = FinetuneConfig(model_id="m", storage_path=f"file://{tmp_path / 'storage'}", run_name="run-1")
+    assert finetune.shipped_examples(train, cfg, alive_nodes=1) is train
+    assert not (tmp_path / "storage").exists()
+    shipped = finetune.shipped_examples(train, cfg, alive_nodes=5)
+    assert shipped.input_ids.part.mirror.endswith(f"/run-1/data/{train.input_ids.part.fingerprint}")
+    assert len(pickle.dumps(shipped, protocol=5)) < 2000 < len(pickle.dumps(train, protocol=5))
+    in_memory = data.Examples(data.Ragged(train.input_ids.values.copy(), train.input_ids.offsets.copy()),
+                              data.Ragged(train.labels.values.copy(), train.labels.offsets.copy()))
+    assert finetune.shipped_examples(in_memory, cfg, alive_nodes=5) is in_memory
+    (tmp_path / "file").write_text("not a directory")
+    refused = FinetuneConfig(model_id="m", storage_path=f"file://{tmp_path / 'file'}", run_name="run-1")
+    with pytest.raises(StorageError, match="--storage-path"):
+        finetune.shipped_examples(train, refused, alive_nodes=2)
 
 
 @pytest.mark.parametrize("n,fraction,seed", [(1, 0.0, 0), (10, 0.1, 3), (977, 0.05, 42), (5000, 0.3, 7)])

@@ -60,7 +60,7 @@ def loss_and_grads(trainer: Trainer, batch: dict, head: bool) -> tuple[float, li
 
 
 def first_micro_batch(trainer: Trainer) -> dict:
-    trainer.load_epoch()
+    trainer.load_window()
     return trainer.train_blocks.gather(torch.arange(trainer.plan.blocks))
 
 

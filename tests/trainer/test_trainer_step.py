@@ -122,7 +122,7 @@ def test_forward_and_backward_never_read_a_tensor_on_the_host(trainer_assets, pr
     with our masks passed in, the step's forward and backward read nothing (the loss head
     gathers its label rows on the device, too)."""
     trainer = make_trainer(trainer_assets, prepared, tmp_path)
-    trainer.load_epoch()
+    trainer.load_window()
     index = torch.arange(trainer.plan.blocks)  # step 0's micro-batch
     batch = trainer.train_blocks.gather(index)
     assert trainer.label_head and trainer.train_cap < batch["targets"].numel()  # rows are gathered
@@ -334,7 +334,7 @@ def test_no_weight_decay_on_norm_scales_and_biases(trainer_assets, prepared, pro
 
 def test_token_ids_reach_the_device_as_int32(trainer_assets, prepared, process_group, tmp_path):
     trainer = make_trainer(trainer_assets, prepared, tmp_path)
-    trainer.load_epoch()
+    trainer.load_window()
     batch = trainer.train_blocks.gather(torch.tensor([0, 1]))
     assert {name: t.dtype for name, t in batch.items()} == dict.fromkeys(
         ("input_ids", "targets", "position_ids", "segment_ids"), torch.int32)
@@ -342,37 +342,45 @@ def test_token_ids_reach_the_device_as_int32(trainer_assets, prepared, process_g
     assert all(np.isfinite(losses))
 
 
-def test_an_epoch_reaches_the_device_in_one_copy_and_a_resumed_epoch_takes_the_same_steps(
+def test_an_epoch_reaches_the_device_a_window_at_a_time_and_a_resumed_epoch_takes_the_same_steps(
         trainer_assets, prepared, process_group, tmp_path, monkeypatch):
-    """The loop copies an epoch's packed blocks and step inputs to the device once and
-    selects each step's row there (bit-identical to running the steps one by one); an
-    epoch resumed at step 2 takes exactly the uninterrupted epoch's steps 2, 3, …"""
-    steps = 4
+    """The loop copies a window of steps' packed blocks and inputs to the device in one copy
+    each and selects each step's row there (bit-identical to running the steps one by one,
+    across a window's end); an epoch resumed at step 2 takes exactly the uninterrupted
+    epoch's steps 2, 3, …"""
+    steps, window = 5, 2
     table = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
     per_step = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
+    table.window_steps = window
     copies, from_numpy = [], torch.from_numpy
     monkeypatch.setattr(torch, "from_numpy", lambda array: copies.append(array.shape) or from_numpy(array))
     metrics = table.train_epoch()
     monkeypatch.undo()
-    plan, rows = table.plan, table.epoch_steps * table.plan.accum * table.plan.blocks
-    # One copy each of this rank's blocks of the epoch (4 arrays, plus a filler block) and
-    # of the table of [steps, block indices + the global label count].
-    assert copies == [(rows + 1, LENGTH)] * 4 + [(table.epoch_steps, plan.accum * plan.blocks + 1)]
-    assert table.global_step == steps and table.epoch_steps > steps
+    plan = table.plan
+    rows = window * plan.accum * plan.blocks
+    assert table.global_step == steps and table.epoch_steps >= 3 * window  # three whole windows
+    # Per window, one copy each of this rank's blocks of its steps (4 arrays, plus a filler
+    # block) and of the table of [steps, block indices + the global label count]: 3 windows.
+    one = [(rows + 1, LENGTH)] * 4 + [(window, plan.accum * plan.blocks + 1)]
+    assert copies == one * 3, copies
+    assert table.window is None and table.train_blocks is None  # the epoch's end frees its blocks
     loss_sum = torch.zeros(())
-    for _ in range(steps):
+    for _ in range(steps):  # a window of the whole epoch
         per_step.train_step(loss_sum)
+        per_step.epoch_step += 1
+    assert per_step.window == (per_step.epoch, 0, per_step.epoch_steps)
     assert metrics["epoch_loss_sum"] == float(loss_sum)
     for a, b in zip(table.params, per_step.params):
         assert torch.equal(a.detach().full_tensor(), b.detach().full_tensor())
     assert table.evaluate() == per_step.evaluate()
     whole = make_trainer(trainer_assets, prepared, tmp_path)
-    whole.load_epoch()
+    whole.load_window()
     resumed = make_trainer(trainer_assets, prepared, tmp_path)
     resumed.epoch_step = 2
-    resumed.load_epoch()
-    assert int(resumed.epoch_row) == 2 and torch.equal(resumed.epoch_inputs, whole.epoch_inputs)
+    resumed.load_window()
+    assert int(resumed.epoch_row) == 0 and resumed.window == (resumed.epoch, 2, whole.epoch_steps)
+    assert torch.equal(resumed.epoch_inputs[:, -1], whole.epoch_inputs[2:, -1])
     for step in range(2, table.epoch_steps):
         index = whole.epoch_inputs[step, :-1]
-        a, b = whole.train_blocks.gather(index), resumed.train_blocks.gather(resumed.epoch_inputs[step, :-1])
+        a, b = whole.train_blocks.gather(index), resumed.train_blocks.gather(resumed.epoch_inputs[step - 2, :-1])
         assert all(torch.equal(a[name], b[name]) for name in a)

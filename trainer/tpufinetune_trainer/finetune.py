@@ -13,7 +13,7 @@ import uuid
 
 from . import backends, storage
 from .config import FinetuneConfig
-from .data import PreparedData, pad_id_of, prepare
+from .data import Examples, PreparedData, pad_id_of, prepare
 from .errors import ConfigError, StorageError
 from .model import check_model, load_config, load_tokenizer
 
@@ -106,6 +106,29 @@ def prepare_data(cfg: FinetuneConfig) -> tuple[PreparedData, int]:
     return data, pad_id_of(tokenizer)
 
 
+def shipped_examples(train: Examples, cfg: FinetuneConfig, alive_nodes: int) -> Examples:
+    """The training examples as the workers receive them. On a cluster of more than one
+    node the workers run on other hosts than this driver (GKE: the driver in the head
+    pod, the workers on TPU hosts), which cannot map the driver's prepared files: they are
+    published to the run's storage once (data_stream.publish; a retry finds them there)
+    and the examples pickle as a description, each host fetching and mapping one copy.
+    Otherwise, or for examples held in memory, they ship as they are (Ray's object
+    store, shared by a host's workers)."""
+    from . import data_stream
+
+    if alive_nodes <= 1:
+        return train
+    try:
+        shipped = data_stream.publish(train, cfg.storage_path, cfg.run_name)
+    except OSError as e:
+        raise StorageError(f"could not publish the prepared dataset to the run's storage {cfg.storage_path} "
+                           f"(--storage-path) for the workers on other hosts: {e}") from e
+    if shipped is not train:
+        print(f"Data: published to {shipped.input_ids.part.mirror} for the workers' hosts "
+              "(each fetches one copy and maps it)", flush=True)
+    return shipped
+
+
 def build_trainer(cfg: FinetuneConfig, data: PreparedData, pad_id: int):
     """The Ray Train TorchTrainer for this cluster: backend and scaling from what the
     cluster offers (refused when it cannot hold the workers), data shipped once by ref."""
@@ -125,7 +148,8 @@ def build_trainer(cfg: FinetuneConfig, data: PreparedData, pad_id: int):
           f"packed into {len(data.eval) if data.eval else 0} blocks of {cfg.max_seq_len} tokens "
           f"({data.skipped_long_prompts} skipped for long prompts, {data.truncated} responses truncated); "
           f"dataset format {data.dataset_format}, prompt format {data.prompt_format}, loss on {cfg.loss_on}", flush=True)
-    data_ref = ray.put({"train": data.train, "eval": data.eval, "pad_id": pad_id})
+    train = shipped_examples(data.train, cfg, alive_nodes=sum(1 for n in ray.nodes() if n.get("Alive")))
+    data_ref = ray.put({"train": train, "eval": data.eval, "pad_id": pad_id})
     return TorchTrainer(
         train_loop_per_worker=train_func,
         train_loop_config={"cfg": cfg.to_dict(), "backend": backend.name, "data": data_ref,

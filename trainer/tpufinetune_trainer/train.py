@@ -5,9 +5,9 @@ schedule -> data on the device -> restore -> steps (train, progress, eval, shard
 checkpoints) -> export of the best checkpoint. Only rank 0 prints.
 
 The hot loop never makes the host wait for the device: token counts come from the host's
-plan (every rank knows the global batch's label count), the epoch's packed blocks and every
-step's block indices and count reach the device in one host-to-device copy per epoch (a
-step selects its row there),
+plan (every rank knows the global batch's label count), the packed blocks and every
+step's block indices and count reach the device in one host-to-device copy per window of
+LOAD_WINDOW_STEPS steps (a step selects its row there),
 the attention masks are built there from segment ids, the learning rate is read from a
 table on the device, and the loss is summed on the device in fp32, the LM head running
 at label positions only (loss.py: a buffer of a fixed number of rows, gathered there). The host reads a device
@@ -43,6 +43,10 @@ from .model import base_directory, freeze_input_embeddings, load_tokenizer
 from .parallelize import apply_activation_checkpointing, build_mesh, clip_grad_norm
 from .schedule import decay_steps, lr_table, warmup_steps
 from .sharded_load import load_sharded
+
+# Steps whose packed blocks are on the device at once (Trainer.load_window): one
+# host-to-device copy per window, and memory for a window's blocks, not an epoch's.
+LOAD_WINDOW_STEPS = 256
 
 # Under <storage>/<run name>/, beside the model's `export`: the LoRA adapter (--method lora).
 ADAPTER_EXPORT_DIR = "export-adapter"
@@ -203,9 +207,11 @@ class Trainer:
         self.stale_evals = 0
         self.stopped: dict | None = None
         self.grad_norm: torch.Tensor | None = None  # the last step's global norm before clipping
-        # The loaded epoch (load_epoch): this rank's blocks of it on the host and on the
-        # device, every step's inputs on the device, and the row of the next step.
-        self.loaded_epoch = 0
+        # The loaded window (load_window): (epoch, first step, end step) of the steps whose
+        # blocks this rank holds on the host and on the device, their inputs on the device,
+        # and the row of the next step there.
+        self.window: tuple[int, int, int] | None = None
+        self.window_steps = LOAD_WINDOW_STEPS
         self.epoch_blocks: Packed | None = None
         self.train_blocks: DeviceBlocks | None = None
         self.epoch_inputs: torch.Tensor | None = None
@@ -373,8 +379,8 @@ class Trainer:
     def train_step(self, loss_sum: torch.Tensor) -> None:
         """The next optimizer step of the current epoch (self.epoch), from the epoch's table
         on the device: the step takes its row there by the device step counter."""
-        if self.loaded_epoch != self.epoch:
-            self.load_epoch()
+        if not self.holds(self.epoch_step):
+            self.load_window()
         step_input = self.epoch_inputs.index_select(0, self.epoch_row).squeeze(0)
         self.epoch_row += 1
         self.step_from(step_input, loss_sum)
@@ -389,26 +395,38 @@ class Trainer:
                                                    self.epoch, self.cfg.seed, self.cfg.max_seq_len))
         return self.planned[1]
 
-    def load_epoch(self) -> None:
-        """This rank's packed blocks of the current epoch and every step's input,
-        [steps, accum * blocks + 1] (its block indices, then the global batch's label
-        count), copied to the device at the start of the epoch; the next step is
-        self.epoch_step. Every micro-batch is checked against the loss head's cap first."""
-        plan, epoch = self.plan, self.epoch_plan
-        self.epoch_blocks = rank_blocks(self.examples, epoch, self.rank, self.cfg.max_seq_len, self.pad_id)
+    def holds(self, step: int) -> bool:
+        """Whether the loaded window holds step `step` of the current epoch."""
+        return self.window is not None and self.window[0] == self.epoch and self.window[1] <= step < self.window[2]
+
+    def load_window(self) -> None:
+        """This rank's packed blocks of the next `window_steps` steps of the current epoch
+        (from self.epoch_step) and each step's input, [steps, accum * blocks + 1] (its block
+        indices, then the global batch's label count), copied to the device in one copy
+        each; the loop then takes a step's row by the device step counter. Host and device
+        hold one window, not the epoch, whatever the dataset's size. Every micro-batch is
+        checked against the loss head's cap first."""
+        plan, epoch, first = self.plan, self.epoch_plan, self.epoch_step
+        end = min(len(epoch), first + self.window_steps)
+        self.window = self.train_blocks = self.epoch_inputs = None  # the previous window goes first
+        self.epoch_blocks = rank_blocks(self.examples, epoch, self.rank, self.cfg.max_seq_len, self.pad_id,
+                                        steps=slice(first, end))
         per_step = plan.accum * plan.blocks
-        index = np.arange(len(epoch) * per_step, dtype=np.int64).reshape(len(epoch), plan.accum, plan.blocks)
-        head.check_cap(self.epoch_blocks, index, self.train_cap, f"epoch {self.epoch}")
+        index = np.arange((end - first) * per_step, dtype=np.int64).reshape(end - first, plan.accum, plan.blocks)
+        head.check_cap(self.epoch_blocks, index, self.train_cap, f"epoch {self.epoch} steps {first + 1} to {end}")
         self.train_blocks = DeviceBlocks(self.epoch_blocks, self.device, self.pad_id)
-        rows = np.concatenate([index.reshape(len(epoch), per_step), epoch.label_tokens[:, None]], axis=1)
+        rows = np.concatenate([index.reshape(end - first, per_step), epoch.label_tokens[first:end, None]], axis=1)
         self.epoch_inputs = torch.from_numpy(rows).to(self.device)
-        self.epoch_row = torch.full((1,), self.epoch_step, dtype=torch.int64, device=self.device)
-        self.loaded_epoch = self.epoch
+        self.epoch_row = torch.zeros((1,), dtype=torch.int64, device=self.device)
+        self.window = (self.epoch, first, end)
+
+    def drop_window(self) -> None:
+        self.window = self.epoch_blocks = self.train_blocks = self.epoch_inputs = None
 
     def rank_label_tokens(self, step: int) -> int:
-        """Label tokens of this rank's blocks in step `step` of the loaded epoch."""
-        per_step = self.plan.accum * self.plan.blocks
-        return int(self.epoch_blocks.label_tokens[step * per_step:(step + 1) * per_step].sum())
+        """Label tokens of this rank's blocks in step `step` of the loaded window."""
+        per_step, row = self.plan.accum * self.plan.blocks, step - self.window[1]
+        return int(self.epoch_blocks.label_tokens[row * per_step:(row + 1) * per_step].sum())
 
     def step_from(self, step_input: torch.Tensor, loss_sum: torch.Tensor) -> None:
         """One optimizer step from a device row: this rank's block indices, then the global
@@ -490,8 +508,7 @@ class Trainer:
         window = ProgressWindow(time.perf_counter())
         label_tokens = real_tokens = steps = 0
         start = time.perf_counter()
-        self.load_epoch()  # the epoch's one host-to-device copy of blocks and step inputs
-        epoch = self.epoch_plan
+        epoch = self.epoch_plan  # train_step loads its blocks a window of steps at a time
         while self.epoch_step < self.epoch_steps and self.global_step < self.total_steps:
             step = self.epoch_step
             self.train_step(loss_sum)  # its input is the table's row (epoch_inputs)
@@ -528,7 +545,7 @@ class Trainer:
             # metrics all_reduce follows), so status.progress and its curve are current at
             # each epoch's end, however short the epoch.
             self.emit_progress(window, loss_sum)
-        self.loaded_epoch, self.train_blocks, self.epoch_inputs = 0, None, None  # free the epoch's blocks
+        self.drop_window()  # free the epoch's last blocks
         return self.epoch_metrics(loss_sum, label_tokens, real_tokens, time.perf_counter() - start, steps)
 
     def on_notice(self, code: int, metrics) -> None:
