@@ -284,6 +284,27 @@ def test_mapped_rows_pickle_as_a_description(trainer_assets, tokenizer, tmp_path
         pickle.loads(slim)
 
 
+def test_long_prompts_fail_stops_reading_at_the_first_chunk_that_has_one(tokenizer, tmp_path, small_chunks,
+                                                                         monkeypatch):
+    """--long-prompts fail refuses the data without tokenizing the rest of the dataset: the
+    reading stops with the chunk holding the first prompt too long, and nothing is cached."""
+    path = messages_file(tmp_path)
+    with pytest.raises(DataError) as whole:
+        data.prepare(str(path), "train", tokenizer, MAX_SEQ_LEN, 0.1, 5, long_prompts="fail", stream=False)
+    first = int(str(whole.value).split("(first: row ")[1].split(")")[0])
+    chunks = []
+    encode = data.encode_rows
+    monkeypatch.setattr(data, "encode_rows", lambda rows, *a, **k: chunks.append(len(rows)) or encode(rows, *a, **k))
+    with pytest.raises(DataError, match=rf"of the first {(first // 7 + 1) * 7} examples .*\(first: row {first}\)"):
+        data.prepare(str(path), "train", tokenizer, MAX_SEQ_LEN, 0.1, 5, long_prompts="fail",
+                     cache_dir=tmp_path / "cache")
+    assert chunks == [7] * (first // 7 + 1) and sum(chunks) < 60, chunks
+    assert not list((tmp_path / "cache").rglob(data_stream.META))
+    chunks.clear()
+    skipped = data.prepare(str(path), "train", tokenizer, MAX_SEQ_LEN, 0.1, 5, cache_dir=tmp_path / "cache")
+    assert sum(chunks) == 60 and skipped.skipped_long_prompts > 1  # skip reads every row
+
+
 def test_the_driver_publishes_mapped_examples_only_for_workers_on_other_hosts(trainer_assets, tokenizer, tmp_path):
     """finetune's choice: one node (the workers beside the driver) ships the examples as they
     are; more nodes publish them to the run's storage and ship the description; examples in

@@ -464,11 +464,14 @@ def pad_id_of(tokenizer) -> int:
 
 
 def check_long_prompts(skipped: int, read: int, first: int | None, kept: int, max_seq_len: int,
-                       long_prompts: str) -> None:
+                       long_prompts: str, complete: bool = True) -> None:
     """Refuse the data when a prompt had to be skipped for its length and --long-prompts is
-    `fail`, or when no example is left; `first` is the first skipped row's index."""
+    `fail`, or when no example is left; `first` is the first skipped row's index. When the
+    reading stopped at the first such prompt (`complete` False), the counts are those of
+    the rows read."""
     if skipped and (long_prompts == "fail" or not kept):
-        raise DataError(f"{skipped} of {read} examples have a prompt longer than --max-seq-len={max_seq_len} "
+        of = f"the first {read}" if not complete else f"{read}"
+        raise DataError(f"{skipped} of {of} examples have a prompt longer than --max-seq-len={max_seq_len} "
                         f"tokens (first: row {first}); raise --max-seq-len"
                         + (" or pass --long-prompts skip" if long_prompts == "fail" else ""))
 

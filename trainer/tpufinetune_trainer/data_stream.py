@@ -276,9 +276,12 @@ class _Chunk:
 
 
 def write_examples(rows, prefix: Path, tokenizer, max_seq_len: int, prompt_format: str, dataset_format: str,
-                   loss_on: str) -> dict:
+                   loss_on: str, stop_at_long_prompt: bool = False) -> dict:
     """Every row tokenized (`data.encode_rows`, CHUNK_ROWS at a time) and appended to the
-    files at `prefix`; the rows' counts, the skipped rows and the truncated ones."""
+    files at `prefix`; the rows' counts, the skipped rows and the truncated ones. With
+    `stop_at_long_prompt` (--long-prompts fail) it stops after the first chunk holding a
+    prompt too long: the run is refused anyway, and a large dataset need not be read to
+    its end first (`complete` is then False)."""
     writer, skipped, truncated, first_skipped, start = RaggedWriter(prefix), 0, 0, None, 0
     try:
         for columns in rows.iter(batch_size=CHUNK_ROWS):
@@ -291,9 +294,12 @@ def write_examples(rows, prefix: Path, tokenizer, max_seq_len: int, prompt_forma
             writer.append(itertools.chain.from_iterable(enc.input_ids), itertools.chain.from_iterable(enc.labels),
                           lengths)
             start += len(chunk)
+            if stop_at_long_prompt and skipped:
+                break
     finally:
         counts = writer.close()
-    return dict(counts, skipped=skipped, first_skipped=first_skipped, truncated=truncated, read=start)
+    return dict(counts, skipped=skipped, first_skipped=first_skipped, truncated=truncated, read=start,
+                complete=not (stop_at_long_prompt and skipped))
 
 
 def split_files(directory: Path, rows: int, tokens: int, eval_index: np.ndarray) -> dict:
@@ -325,9 +331,9 @@ def build(rows, directory: Path, fp: str, tokenizer, max_seq_len: int, eval_frac
           long_prompts: str, prompt_format: str, dataset_format: str, loss_on: str) -> dict:
     """Write the cache entry into `directory` (a private one), `meta.json` last."""
     written = write_examples(rows, directory / "all", tokenizer, max_seq_len, prompt_format, dataset_format,
-                             loss_on)
+                             loss_on, stop_at_long_prompt=long_prompts == "fail")
     data.check_long_prompts(written["skipped"], written["read"], written["first_skipped"], written["rows"],
-                            max_seq_len, long_prompts)
+                            max_seq_len, long_prompts, complete=written["complete"])
     eval_index = data.held_out(written["rows"], eval_fraction, seed)
     if len(eval_index):
         parts = split_files(directory, written["rows"], written["tokens"], eval_index)
