@@ -396,9 +396,13 @@ def make_baseline_train_func(out: str, heldout: str, score_every: int):
 
 # ----------------------------------------------------------------------------- one run (a subprocess)
 
-# Ours with its defaults, and with the loss on every token as the tutorial's loop has it
-# (--loss-on all; its final held-out loss only, in the same-epochs table).
-OURS = {"ours": {}, "ours-loss-on-all": {"loss_on": "all"}}
+# Ours with its defaults, with the loss on every token as the tutorial's loop has it
+# (--loss-on all; its final held-out loss only, in the same-epochs table), and MaxText's
+# way: a step of a fixed number of tokens, one full block of 512 per device
+# (--tokens-per-step 1024 on 2 workers; its final loss, time and time to the tutorial's final).
+TOKENS_PER_STEP = 1024
+OURS = {"ours": {}, "ours-loss-on-all": {"loss_on": "all"},
+        "ours-tokens-per-step": {"tokens_per_step": TOKENS_PER_STEP, "batch_size_per_device": 1}}
 
 
 def run_one(args) -> None:
@@ -553,8 +557,20 @@ def overview(by_base: dict) -> list[tuple]:
                      f"{ours[-1]['seconds'] / tutorial[-1]['seconds']:.2f}x",
                      "not reached" if reach is None else f"{reach:.1f} ({reach / tutorial[-1]['seconds']:.2f}x)",
                      f"{ours[-1]['step']} / {tutorial[-1]['step']}",
-                     f"{results['ours-loss-on-all'][-1]['heldout']:.3f}"))
+                     f"{results['ours-loss-on-all'][-1]['heldout']:.3f}", tokens_words(results, tutorial)))
     return rows
+
+
+def tokens_words(results: dict, tutorial: list[dict]) -> str:
+    """--tokens-per-step's run: final held-out loss, seconds and steps, and when it reached
+    the tutorial loop's final loss."""
+    run = results.get("ours-tokens-per-step")
+    if not run:
+        return "not run"
+    reach = time_to_reach(run, tutorial[-1]["heldout"])
+    return (f"{run[-1]['heldout']:.3f} in {run[-1]['seconds']:.1f} s ({run[-1]['seconds'] / tutorial[-1]['seconds']:.2f}x), "
+            f"{run[-1]['step']} steps; tutorial's final at "
+            + ("not reached" if reach is None else f"{reach:.1f} s ({reach / tutorial[-1]['seconds']:.2f}x)"))
 
 
 def main() -> None:
@@ -568,7 +584,7 @@ def main() -> None:
     parser.add_argument("--bases", default=",".join(BASES),
                         help="pretrained (pretrained here first), scratch (random weights), or both")
     parser.add_argument("--redo", action="append", default=[],
-                        help="ours, ours-loss-on-all, baseline or all (else cached)")
+                        help="ours, ours-loss-on-all, ours-tokens-per-step, baseline or all (else cached)")
     parser.add_argument("--plot", type=Path, default=None, help="write the curves as a PNG here (needs matplotlib)")
     parser.add_argument("--one", choices=[*OURS, "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--score-every", type=int, default=8, help=argparse.SUPPRESS)
@@ -617,7 +633,8 @@ def main() -> None:
         print_curves(results)
     print(f"\nSame epochs ({args.epochs}), both bases:")
     print_table(("base", "ours final", "tutorial final", "ours <= tutorial", "ours s", "tutorial s", "time ratio",
-                 "ours to the tutorial's final, s", "steps ours / tutorial", "ours --loss-on all final"),
+                 "ours to the tutorial's final, s", "steps ours / tutorial", "ours --loss-on all final",
+                 f"ours --tokens-per-step {TOKENS_PER_STEP}"),
                 overview(by_base))
     if args.plot:
         print(f"\nplot: {args.plot}" if plot(by_base, args.plot, args.rows, args.epochs)

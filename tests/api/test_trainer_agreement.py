@@ -35,6 +35,8 @@ NOT_PASSED = {
     "--global-batch-examples": "the operator passes the same flag by its other name, --global-batch-blocks",
     "--loss-on": "passed only when training.lossOn is set (unset: the trainer's responses)",
     "--target-eval-loss": "passed only when training.targetEvalLoss is set (the trainer's 0 is off)",
+    "--tokens-per-step": "passed only when training.tokensPerStep is set (the trainer's 0 is a step of examples; "
+                         "an older trainer image knows no such flag)",
     "--early-stopping-patience": "passed only when training.earlyStoppingPatience is set (0 is off)",
     "--method": "passed only when training.method is lora (full is the trainer's default, and an older trainer "
                 "image knows no --method)",
@@ -148,6 +150,9 @@ TRAINER_REFUSALS = [
 TRAINER_REFUSALS += [
     ({"training": {"activationCheckpointing": "full"}}, ["--activation-checkpointing=full"]),
     ({"training": {"attention": "flash"}}, ["--attention=flash"]),
+    ({"training": {"tokensPerStep": 40000}}, ["--tokens-per-step=40000"]),
+    ({"training": {"tokensPerStep": 32768, "globalBatchBlocks": 64}},
+     ["--tokens-per-step=32768", "--global-batch-blocks=64"]),
 ]
 
 
@@ -185,10 +190,21 @@ def test_every_trainer_refusal_is_an_admission_case():
                     "scoreOrder": "max"}},
     {"training": {"maxSeqLen": 8, "evalFraction": 0.5}},
     {"training": {"targetEvalLoss": 1.5, "earlyStoppingPatience": 2}},
+    {"training": {"tokensPerStep": 65536}},
+    {"tpu": {"generation": "v6e", "topology": "4x4", "slices": 2},
+     "training": {"tokensPerStep": 65536, "maxSeqLen": 1024, "batchSizePerDevice": 2}},
 ], ids=str)
 def test_what_the_api_accepts_the_trainer_accepts(changes):
     spec = parse_spec(spec_with(**changes))
     _trainer_config(trainer_argv(spec, run_name="r"))
+
+
+def test_tokens_per_step_reaches_the_trainer_only_when_set():
+    assert not any(arg.startswith("--tokens-per-step") for arg in trainer_argv(parse_spec(base_spec()), run_name="r"))
+    argv = trainer_argv(parse_spec(spec_with(training={"tokensPerStep": 65536})), run_name="r")
+    plan = _trainer_config(argv).batch_plan()
+    assert "--tokens-per-step=65536" in argv
+    assert (plan.tokens_per_step, plan.world, plan.blocks, plan.accum) == (65536, 16, 4, 2)
 
 
 def test_a_collectives_run_ignores_the_checkpoint_ranking():

@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                     default=0,
                     help="examples per optimizer step over all devices; a multiple of devices x batch size, the "
                          "factor being gradient accumulation (default 0: devices x batch size, no accumulation)")
+    ft.add_argument("--tokens-per-step", type=int, default=0,
+                    help="MaxText's way: token positions per optimizer step over all devices, full packed "
+                         "blocks whatever examples they hold; a multiple of devices x --batch-size-per-device "
+                         "(then blocks per device per micro-batch) x --max-seq-len, the factor being gradient "
+                         "accumulation (default 0: a step is --global-batch-examples examples)")
     ft.add_argument("--storage-path", default=os.environ.get("STORAGE_PATH", ""),
                     help="checkpoint storage (gs://… or a shared path); default $STORAGE_PATH")
     ft.add_argument("--max-seq-len", type=int, default=512, help="tokens per packed block")
@@ -195,7 +200,8 @@ def _config(args: argparse.Namespace):
             device=args.device, num_slices=args.num_slices,
             model_id=args.model_id, dataset=args.dataset, dataset_split=args.dataset_split,
             num_epochs=args.num_epochs, batch_size_per_device=args.batch_size_per_device,
-            global_batch_examples=args.global_batch_examples, storage_path=args.storage_path,
+            global_batch_examples=args.global_batch_examples, tokens_per_step=args.tokens_per_step,
+            storage_path=args.storage_path,
             max_seq_len=args.max_seq_len, learning_rate=args.learning_rate, lr_schedule=args.lr_schedule,
             warmup_ratio=args.warmup_ratio, min_lr_ratio=args.min_lr_ratio, decay_ratio=args.decay_ratio,
             max_grad_norm=args.max_grad_norm,

@@ -70,6 +70,7 @@ class FinetuneConfig(SliceConfig):
     batch_size_per_device: int = DEFAULT_BATCH_SIZE_PER_DEVICE
     num_slices: int = 1  # --num-slices: HSDP, sharded within a slice, replicated across (slices.py)
     global_batch_examples: int = 0  # 0: devices x batch_size_per_device (no accumulation)
+    tokens_per_step: int = 0  # --tokens-per-step: a step of full blocks (0: of examples)
     storage_path: str = ""
     max_seq_len: int = 512
     learning_rate: float = 2e-5
@@ -130,6 +131,10 @@ class FinetuneConfig(SliceConfig):
              "(every slice holds as many devices; spec.tpu.slices)"),
             (self.batch_size_per_device >= 1, "--batch-size-per-device must be at least 1"),
             (self.global_batch_examples >= 0, "--global-batch-examples must be 0 (devices x batch size) or more"),
+            (self.tokens_per_step >= 0, "--tokens-per-step must be 0 (a step of examples) or more"),
+            (not (self.tokens_per_step and self.global_batch_examples),
+             "--tokens-per-step (spec.training.tokensPerStep) and --global-batch-examples "
+             "(spec.training.globalBatchBlocks) exclude each other: a step is either tokens or examples"),
             (self.lr_schedule in SCHEDULES, f"--lr-schedule must be one of {', '.join(SCHEDULES)}"),
             (0 <= self.warmup_ratio < 1, "--warmup-ratio must be in [0, 1)"),
             (0 <= self.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1]"),
@@ -218,8 +223,19 @@ class FinetuneConfig(SliceConfig):
 
     def batch_plan(self) -> BatchPlan:
         """Examples per optimizer step = devices x examples per device x accumulation steps
-        (the blocks per device come from the data: data.plan_run)."""
+        (the blocks per device come from the data: data.plan_run); with --tokens-per-step,
+        tokens = devices x blocks per device x --max-seq-len x accumulation steps."""
         micro = self.num_workers * self.batch_size_per_device
+        if self.tokens_per_step:
+            positions = micro * self.max_seq_len  # one micro-batch of every device
+            if self.tokens_per_step % positions:
+                raise ConfigError(
+                    f"--tokens-per-step {self.tokens_per_step} (spec.training.tokensPerStep) is not a multiple of "
+                    f"{self.num_workers} devices x --batch-size-per-device {self.batch_size_per_device} x "
+                    f"--max-seq-len {self.max_seq_len} = {positions}; use a multiple of {positions}, e.g. "
+                    f"{max(positions, self.tokens_per_step // positions * positions)}")
+            return BatchPlan(self.num_workers, self.batch_size_per_device, self.tokens_per_step // positions,
+                             blocks=self.batch_size_per_device, tokens_per_step=self.tokens_per_step)
         wanted = self.global_batch_examples or micro
         if wanted % micro:
             raise ConfigError(f"--global-batch-examples {wanted} is not a multiple of {self.num_workers} devices x "

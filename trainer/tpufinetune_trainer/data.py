@@ -33,7 +33,7 @@ import heapq
 import itertools
 import operator
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -519,12 +519,17 @@ class BatchPlan:
     """One optimizer step: `world` devices x `per_device` examples x `accum` micro-batches
     (the tutorial's batch: examples, not blocks). The step's examples are packed into
     blocks, dealt out as `accum` micro-batches of `blocks` blocks on each device; `blocks`
-    is fixed for the whole run (static shapes) and known up front (`plan_run`)."""
+    is fixed for the whole run (static shapes) and known up front (`plan_run`).
+
+    With `tokens_per_step` (--tokens-per-step, MaxText's way) a step is a fixed number of
+    token positions instead: `world` x `blocks` (= `per_device`) blocks x `accum`, full
+    blocks, whatever number of examples they hold (pack_token_epoch)."""
 
     world: int
     per_device: int
     accum: int
     blocks: int = 1
+    tokens_per_step: int = 0
 
     @property
     def global_examples(self) -> int:
@@ -545,6 +550,19 @@ def steps_per_epoch(num_examples: int, plan: BatchPlan) -> int:
     the same blocks). Where the examples fill whole steps this is the tutorial's count
     (its DataLoader drops a partial last batch instead)."""
     return -(-num_examples // plan.global_examples)
+
+
+def epoch_step_count(lengths: np.ndarray, plan: BatchPlan) -> int:
+    """Optimizer steps per epoch: every example once (steps_per_epoch), or with
+    --tokens-per-step the steps the data's tokens fill (the blocks packing needs beyond
+    them, a few percent, are left for other epochs' shuffles: every step is full)."""
+    if not plan.tokens_per_step:
+        return steps_per_epoch(len(lengths), plan)
+    tokens = int(np.asarray(lengths, dtype=np.int64).sum())
+    if tokens < plan.tokens_per_step:
+        raise DataError(f"the training examples hold {tokens} tokens, fewer than one step's --tokens-per-step "
+                        f"{plan.tokens_per_step} (spec.training.tokensPerStep); lower it or give the run more data")
+    return tokens // plan.tokens_per_step
 
 
 # Steps whose examples are grouped together to even out their tokens (epoch_steps).
@@ -634,8 +652,40 @@ class EpochBlocks(NamedTuple):
     per_step: np.ndarray
 
 
+# --tokens-per-step: steps' worth of tokens packed together (pack_token_epoch).
+TOKEN_WINDOW_STEPS = 16
+
+
+def pack_token_epoch(lengths: np.ndarray, plan: BatchPlan, epoch: int, seed: int, max_seq_len: int) -> EpochBlocks:
+    """--tokens-per-step: the epoch's seeded shuffle cut into windows of TOKEN_WINDOW_STEPS
+    steps' worth of tokens, each window packed best fit (the longest first) and its blocks
+    taken in a seeded order; the first epoch_step_count x global_blocks blocks make the
+    steps, global_blocks each, all of them full blocks. Depends only on the lengths, the
+    plan and the seed: every rank, and a resumed run, get the same steps."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    steps, size = epoch_step_count(lengths, plan), plan.global_blocks
+    order = epoch_permutation(len(lengths), epoch, seed)
+    rng = np.random.default_rng([seed, epoch, 1])
+    window = np.cumsum(lengths[order]) // (TOKEN_WINDOW_STEPS * plan.tokens_per_step)
+    cuts = np.flatnonzero(np.diff(window)) + 1
+    blocks: list[list[int]] = []
+    for pool in np.split(order, cuts):
+        pool = pool[longest_first(lengths[pool])]
+        packed = best_fit(pool.tolist(), lengths[pool].tolist(), max_seq_len)
+        blocks += [packed[k] for k in rng.permutation(len(packed))]
+        if len(blocks) >= steps * size:
+            break
+    blocks = blocks[:steps * size]
+    members = [np.sort(np.fromiter(itertools.chain.from_iterable(blocks[s * size:(s + 1) * size]), dtype=np.int64))
+               for s in range(steps)]
+    return EpochBlocks(members, blocks, np.full(steps, size, dtype=np.int64))
+
+
 def pack_epoch(lengths: np.ndarray, plan: BatchPlan, epoch: int, seed: int, max_seq_len: int) -> EpochBlocks:
-    """The epoch's steps, each packed into the fewest blocks (the plan's `blocks` unused)."""
+    """The epoch's steps, each packed into the fewest blocks (the plan's `blocks` unused;
+    with --tokens-per-step, pack_token_epoch's full steps)."""
+    if plan.tokens_per_step:
+        return pack_token_epoch(lengths, plan, epoch, seed, max_seq_len)
     steps = epoch_steps(lengths, plan, epoch, seed)
     bins = steps_bins(lengths, steps, max_seq_len)
     per_step = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
@@ -682,7 +732,7 @@ def plan_run(lengths: np.ndarray, label_tokens: np.ndarray, base: BatchPlan, epo
     for epoch in range(1, epochs + 1):
         fullest, labels = epoch_maxima(lengths, label_tokens, base, epoch, seed, max_seq_len)
         most_blocks, most_labels = max(most_blocks, fullest), np.maximum(most_labels, labels)
-    plan = BatchPlan(base.world, base.per_device, base.accum, -(-most_blocks // (base.world * base.accum)))
+    plan = replace(base, blocks=-(-most_blocks // (base.world * base.accum)))
     return RunShape(plan, int(most_labels[plan.blocks]))
 
 
@@ -695,8 +745,7 @@ def epoch_maxima(lengths: np.ndarray, label_tokens: np.ndarray, base: BatchPlan,
     block_labels = sums_of(label_tokens, packed.blocks)
     most = np.zeros(base.per_device + 1, dtype=np.int64)
     for blocks in range(-(-fullest // (base.world * base.accum)), base.per_device + 1):
-        plan = BatchPlan(base.world, base.per_device, base.accum, blocks)
-        most[blocks] = most_micro_batch(block_labels, packed.per_step, plan)
+        most[blocks] = most_micro_batch(block_labels, packed.per_step, replace(base, blocks=blocks))
     return fullest, most
 
 

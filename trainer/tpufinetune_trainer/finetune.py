@@ -13,7 +13,7 @@ import uuid
 
 from . import backends, storage
 from .config import FinetuneConfig
-from .data import Examples, PreparedData, pad_id_of, prepare
+from .data import Examples, PreparedData, epoch_step_count, pad_id_of, prepare
 from .errors import ConfigError, StorageError
 from .model import check_model, load_config, load_tokenizer
 
@@ -177,6 +177,7 @@ def run(cfg: FinetuneConfig) -> int:
 
     quiet_progress_bars()
     data, pad_id = prepare_data(cfg)
+    epoch_step_count(data.train.lengths, cfg.batch_plan())  # refuses data too small for one step, before Ray
     check_resume(cfg, data)
     ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
     result = build_trainer(cfg, data, pad_id).fit()

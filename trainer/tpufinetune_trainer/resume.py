@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from . import lora
-from .data import Examples, steps_per_epoch
+from .data import Examples, epoch_step_count
 from .errors import ResumeMismatch
 
 # The run's settings in its fingerprint (FinetuneConfig fields), each shown as its flag.
@@ -64,11 +64,13 @@ def fingerprint(cfg, world: int, examples: Examples) -> dict:
     """This run's fingerprint (JSON values): the settings, the world size, the examples and
     the step counts they give."""
     plan = cfg.batch_plan()
-    epoch_steps = steps_per_epoch(len(examples), plan)
+    epoch_steps = epoch_step_count(examples.lengths, plan)
     total = epoch_steps * cfg.num_epochs
     settings = {name: getattr(cfg, name) for name in SETTINGS}
     settings["global_batch_examples"] = plan.global_examples  # 0 means devices x batch: the resolved value
     settings.update(lora.settings(cfg))  # the method, and LoRA's shape of the trained state
+    if plan.tokens_per_step:  # absent for a step of examples, so older checkpoints match
+        settings["tokens_per_step"] = plan.tokens_per_step
     if cfg.freeze_embeddings:  # no optimizer state for the embedding; absent when off, so older checkpoints match
         settings["freeze_embeddings"] = True
     if getattr(cfg, "num_slices", 1) > 1:  # HSDP's mesh; absent for one slice, so older checkpoints match

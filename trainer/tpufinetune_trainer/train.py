@@ -35,8 +35,8 @@ from . import storage
 from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .config import FinetuneConfig
 from .errors import ConfigError, Preempted, StorageError
-from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, eval_order, plan_epoch, plan_run, \
-    rank_blocks, steps_per_epoch
+from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, epoch_step_count, eval_order, plan_epoch, \
+    plan_run, rank_blocks
 from .events import emit
 from .masks import MaskBuilder
 from .model import base_directory, freeze_input_embeddings, load_tokenizer
@@ -166,7 +166,7 @@ class Trainer:
         # run: what the fullest step of any epoch needs (static shapes).
         self.example_labels = self.examples.label_tokens
         base = cfg.batch_plan()
-        self.epoch_steps = steps_per_epoch(len(self.examples), base)
+        self.epoch_steps = epoch_step_count(self.examples.lengths, base)
         self.total_steps = self.epoch_steps * cfg.num_epochs
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
@@ -464,10 +464,16 @@ class Trainer:
 
     def announce(self) -> None:
         cfg, plan = self.cfg, self.plan
-        say(f"Plan: {plan.world} devices x {plan.per_device} examples x {plan.accum} accumulation = "
-            f"{plan.global_examples} examples per optimizer step, packed into {plan.blocks} blocks of "
-            f"{cfg.max_seq_len} tokens per device per micro-batch ({plan.global_blocks * cfg.max_seq_len} tokens "
-            f"per step); "
+        if plan.tokens_per_step:
+            step_words = (f"{plan.world} devices x {plan.blocks} blocks of {cfg.max_seq_len} tokens x {plan.accum} "
+                          f"accumulation = {plan.tokens_per_step} tokens per optimizer step (--tokens-per-step: full "
+                          f"blocks, about {self.examples_per_step():.1f} examples); ")
+        else:
+            step_words = (f"{plan.world} devices x {plan.per_device} examples x {plan.accum} accumulation = "
+                          f"{plan.global_examples} examples per optimizer step, packed into {plan.blocks} blocks of "
+                          f"{cfg.max_seq_len} tokens per device per micro-batch "
+                          f"({plan.global_blocks * cfg.max_seq_len} tokens per step); ")
+        say("Plan: " + step_words +
             f"{self.epoch_steps} steps per epoch, {self.total_steps} in all; lr {cfg.learning_rate:g} "
             f"(warmup {self.warmup} steps, {self.schedule_words()}); "
             f"clip {cfg.max_grad_norm:g}; compute {str(self.dtype).removeprefix('torch.')}, master weights "
@@ -475,12 +481,18 @@ class Trainer:
             + (f" (cache {cfg.compile_cache_dir})" if self.compile_cache else "") + "; loss head "
             + (f"at label positions ({self.train_cap} rows of {plan.blocks * cfg.max_seq_len} per micro-batch)"
                if self.label_head else "over every position (full logits)"))
-        emit("plan", global_batch_examples=plan.global_examples, blocks_per_device=plan.blocks,
+        emit("plan", global_batch_examples=0 if plan.tokens_per_step else plan.global_examples,
+             tokens_per_step=plan.tokens_per_step or None, blocks_per_device=plan.blocks,
              global_batch_blocks=plan.global_blocks, global_batch_tokens=plan.global_blocks * cfg.max_seq_len,
              accumulation=plan.accum, steps_per_epoch=self.epoch_steps, total_steps=self.total_steps,
              warmup_steps=self.warmup, lr_schedule=cfg.lr_schedule, compute_dtype=str(self.dtype).split(".")[-1],
              compile=self.compiled, resumed_step=self.global_step if self.resumed_from else None,
              resumed_from=self.resumed_from)
+
+    def examples_per_step(self) -> float:
+        """Examples per step of the current epoch's plan, on average."""
+        epoch = self.epoch_plan
+        return sum(map(len, epoch.blocks)) / max(1, len(epoch))
 
     def method_words(self) -> str:
         cfg = self.cfg

@@ -215,6 +215,15 @@ class Training(MemorySettings):
         description="Examples per optimizer step over all devices: a multiple of devices x "
                     "batchSizePerDevice, the factor being gradient accumulation. 0: devices x "
                     "batchSizePerDevice (no accumulation).")
+    # No schema default (rollbacks, as method above): unset is a step of examples.
+    tokens_per_step: int | None = Field(
+        None, ge=1, le=2**40,
+        description="MaxText's way: token positions per optimizer step over all devices, full packed "
+                    "blocks of maxSeqLen whatever number of examples they hold (unset: a step is "
+                    "batchSizePerDevice examples per device, the tutorial's). A multiple of devices x "
+                    "batchSizePerDevice (then blocks per device per micro-batch) x maxSeqLen, the factor "
+                    "being gradient accumulation; not with globalBatchBlocks. An epoch is then the steps "
+                    "the data's tokens fill.")
     max_seq_len: int = Field(512, ge=8, le=131072,
                              description="Tokens per packed block.")
     learning_rate: float = Field(2e-5, gt=0, le=1,

@@ -152,6 +152,8 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         if lora.train_embeddings:  # only when on: an older trainer image knows no such flag
             argv.append("--lora-train-embeddings=true")
     argv += memory_flags(training)
+    if training.tokens_per_step is not None:  # only when set: an older trainer image knows no such flag
+        argv.append(f"--tokens-per-step={training.tokens_per_step}")
     if training.loss_on is not None:
         argv.append(f"--loss-on={training.loss_on}")
     if training.target_eval_loss is not None:

@@ -43,6 +43,10 @@ EARLY_STOP_FIELDS = ("targetEvalLoss", "earlyStoppingPatience")
 GLOBAL_BATCH_MESSAGE = ("must be 0 (no gradient accumulation) or a multiple of every slice's "
                         "devices (devices per slice x tpu.slices) x training.batchSizePerDevice, "
                         "the factor being the accumulation steps")
+TOKENS_PER_STEP_MESSAGE = ("must be a multiple of every slice's devices (devices per slice x tpu.slices) x "
+                           "training.batchSizePerDevice (blocks per device per micro-batch) x "
+                           "training.maxSeqLen, the factor being the accumulation steps, and is not "
+                           "given with training.globalBatchBlocks")
 MIN_NO_PROGRESS_TIMEOUT = 60
 NO_PROGRESS_MESSAGE = (f"must be 0 (off) or at least {MIN_NO_PROGRESS_TIMEOUT} seconds: "
                        "the trainer reports progress about every 30 s")
@@ -189,7 +193,9 @@ def _devices_per_slice_map() -> str:
     return "{" + ", ".join(entries) + "}"
 
 
-def _global_batch_rule(is_collectives: str) -> dict:
+def _micro_batch_cel() -> tuple[str, str]:
+    """(whether the slice's devices are known, the examples or blocks of one micro-batch of
+    every device) as CEL over the spec, with the schema's defaults where a field is unset."""
     from .api import Training  # api imports this module
 
     key = "self.tpu.generation + '/' + self.tpu.topology"
@@ -201,7 +207,11 @@ def _global_batch_rule(is_collectives: str) -> dict:
     per_device = ("(has(self.training.batchSizePerDevice) ? "
                   f"self.training.batchSizePerDevice : {default})")
     slices = "(has(self.tpu.slices) ? self.tpu.slices : 1)"
-    micro = f"({devices} * {slices} * {per_device})"
+    return known, f"({devices} * {slices} * {per_device})"
+
+
+def _global_batch_rule(is_collectives: str) -> dict:
+    known, micro = _micro_batch_cel()
     return {
         "rule": (f"{is_collectives} || !has(self.training) || "
                  "!has(self.training.globalBatchBlocks) || self.training.globalBatchBlocks == 0 || "
@@ -209,6 +219,22 @@ def _global_batch_rule(is_collectives: str) -> dict:
         # No messageExpression: string(<int>) is unbounded for the CRD cost estimator.
         "message": GLOBAL_BATCH_MESSAGE,
         "fieldPath": ".training.globalBatchBlocks",
+        "reason": "FieldValueInvalid",
+    }
+
+
+def _tokens_per_step_rule(is_collectives: str) -> dict:
+    from .api import Training  # api imports this module
+
+    known, micro = _micro_batch_cel()
+    length = (f"(has(self.training.maxSeqLen) ? self.training.maxSeqLen : "
+              f"{Training.model_fields['max_seq_len'].default})")
+    return {
+        "rule": (f"{is_collectives} || !has(self.training) || !has(self.training.tokensPerStep) || "
+                 "((!has(self.training.globalBatchBlocks) || self.training.globalBatchBlocks == 0) && "
+                 f"(!{known} || self.training.tokensPerStep % ({micro} * {length}) == 0))"),
+        "message": TOKENS_PER_STEP_MESSAGE,
+        "fieldPath": ".training.tokensPerStep",
         "reason": "FieldValueInvalid",
     }
 
@@ -279,6 +305,7 @@ def spec_rules() -> list[dict]:
             "reason": "FieldValueInvalid",
         } for name in EARLY_STOP_FIELDS],
         _global_batch_rule(is_collectives),
+        _tokens_per_step_rule(is_collectives),
         {
             "rule": ("!has(self.noProgressTimeoutSeconds) || self.noProgressTimeoutSeconds == 0 "
                      f"|| self.noProgressTimeoutSeconds >= {MIN_NO_PROGRESS_TIMEOUT}"),
@@ -383,6 +410,7 @@ def check_spec(spec: TPUFineTuneSpec, one_machine: bool = False) -> None:
             if getattr(spec.training, _snake(name)) is not None and spec.training.eval_fraction == 0:
                 raise SpecError(f"spec.training.{name}", EARLY_STOP_MESSAGE)
         _check_global_batch(spec)
+        _check_tokens_per_step(spec)
     if 0 < spec.no_progress_timeout_seconds < MIN_NO_PROGRESS_TIMEOUT:
         raise SpecError("spec.noProgressTimeoutSeconds", NO_PROGRESS_MESSAGE)
     if tuple(int(part) for part in spec.ray_version.split(".")) < MIN_RAY_VERSION:
@@ -442,6 +470,25 @@ def _check_global_batch(spec: TPUFineTuneSpec) -> None:
         raise SpecError("spec.training.globalBatchBlocks",
                         f"{GLOBAL_BATCH_MESSAGE}: {wanted} is not a multiple of {devices} devices"
                         f"{per_slice} x {spec.training.batch_size_per_device} = {micro}")
+
+
+def _check_tokens_per_step(spec: TPUFineTuneSpec) -> None:
+    """The trainer's step of tokens: devices of every slice x blocks per device x block
+    length x accumulation (--tokens-per-step)."""
+    training, wanted = spec.training, spec.training.tokens_per_step
+    if wanted is None:
+        return
+    if training.global_batch_blocks:
+        raise SpecError("spec.training.tokensPerStep", f"{TOKENS_PER_STEP_MESSAGE}: globalBatchBlocks is "
+                                                       f"{training.global_batch_blocks}; give one of the two")
+    devices, slices = slice_shape(spec).devices_per_slice, spec.tpu.slices
+    positions = devices * slices * training.batch_size_per_device * training.max_seq_len
+    if wanted % positions:
+        per_slice = f" x {slices} slices" if slices > 1 else ""
+        raise SpecError("spec.training.tokensPerStep",
+                        f"{TOKENS_PER_STEP_MESSAGE}: {wanted} is not a multiple of {devices} devices{per_slice} x "
+                        f"{training.batch_size_per_device} x {training.max_seq_len} = {positions}; e.g. "
+                        f"{max(positions, wanted // positions * positions)}")
 
 
 def _check_unique(path: str, keys: list[str], what: str) -> None:
