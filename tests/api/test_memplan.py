@@ -38,8 +38,10 @@ def test_31b_full_on_v6e_16_does_not_fit_and_says_what_would():
     assert float(figure) == round(plan.per_chip_bytes / GIB, 1) and float(limit) == 28.8
     assert "HBM per chip" in message and "v6e 4x4" in message
     assert plan.smallest_fit and plan.smallest_fit in message
-    # What it names does fit.
-    assert "method lora" in plan.smallest_fit
+    # What it names does fit: the same method on four times the chips, recomputing activations.
+    assert plan.smallest_fit == "activationCheckpointing block, topology 8x8 (64 chips)"
+    assert memplan.estimate(request("google/gemma-4-31B-it", topology="8x8", activation_checkpointing="block")).fits
+    assert not memplan.estimate(request("google/gemma-4-31B-it", topology="8x8")).fits
     assert memplan.estimate(request("google/gemma-4-31B-it", method="lora", batch_per_device=1)).fits
 
 
@@ -80,12 +82,29 @@ def test_lora_with_trained_embeddings_counts_their_master_gradient_and_moments()
 
 
 def test_a_larger_topology_is_named_when_it_fits():
-    plan = memplan.estimate(request("google/gemma-4-31B-it", generation="v7x", topology="2x2x2"))
+    plan = memplan.estimate(request("google/gemma-4-31B-it", activation_checkpointing="block"))
     assert plan.fits is False
     assert plan.smallest_fit.startswith("topology ")
     topology = plan.smallest_fit.split()[1]
-    assert g.chips_in(topology) > 8 and memplan.estimate(request("google/gemma-4-31B-it", generation="v7x",
-                                                                 topology=topology)).fits
+    assert g.chips_in(topology) > 16 and memplan.estimate(request("google/gemma-4-31B-it", topology=topology,
+                                                                  activation_checkpointing="block")).fits
+
+
+def test_activation_checkpointing_is_named_before_a_larger_topology_when_it_fits():
+    """E2B full at 2048 tokens a block with eager attention: the activations, not the state,
+    overflow a v6e chip; recomputing them per block fits the same 16 chips."""
+    long = dict(max_seq_len=2048, attention="eager")
+    plan = memplan.estimate(request("google/gemma-4-E2B-it", **long))
+    assert plan.fits is False
+    assert plan.smallest_fit == "activationCheckpointing block, topology 4x4 (16 chips)"
+    assert memplan.estimate(request("google/gemma-4-E2B-it", activation_checkpointing="block", **long)).fits
+    # Already on: not named again; what is named fits.
+    on = memplan.estimate(request("google/gemma-4-E4B-it", activation_checkpointing="block", max_seq_len=8192,
+                                  attention="eager"))
+    assert on.fits is False and "activationCheckpointing" not in on.smallest_fit
+    assert on.smallest_fit == "batchSizePerDevice 2, topology 4x4 (16 chips)"
+    assert memplan.estimate(request("google/gemma-4-E4B-it", activation_checkpointing="block", max_seq_len=8192,
+                                    attention="eager", batch_per_device=2)).fits
 
 
 def test_v7x_counts_both_devices_of_a_chip():

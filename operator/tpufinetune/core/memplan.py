@@ -379,10 +379,11 @@ def _stated_plan(request: Request, gen, common: dict) -> MemoryPlan:
 
 
 def smallest_fit(request: Request) -> str:
-    """What would fit, smallest change first: a larger topology of the same generation; then
-    method lora (on the requested topology, then larger ones); then a smaller
-    batchSizePerDevice with either method. '' when nothing does. Every candidate keeps the
-    request's worker pod memory."""
+    """What would fit, smallest change first: activation checkpointing per block, then a
+    larger topology of the same generation (each with and without it); then method lora
+    (on the requested topology, then larger ones); then a smaller batchSizePerDevice with
+    either method. '' when nothing does. Every candidate keeps the request's worker pod
+    memory."""
     gen = g.generation(request.generation)
     if not gen.is_tpu:
         return ""
@@ -391,12 +392,17 @@ def smallest_fit(request: Request) -> str:
     batches = [request.batch_per_device]
     while batches[-1] > 1:
         batches.append(batches[-1] // 2)
+    # Activations recomputed per block cost compute, not chips: tried on each topology
+    # before the next larger one.
+    checkpointing = [request.activation_checkpointing] + [c for c in ("block",) if c != request.activation_checkpointing]
     for batch in batches:
         for method in methods:
             for topology in [request.topology] + larger:
-                candidate = replace(request, topology=topology, method=method, batch_per_device=batch)
-                if _plan(candidate).fits:
-                    return _describe(request, candidate)
+                for recompute in checkpointing:
+                    candidate = replace(request, topology=topology, method=method, batch_per_device=batch,
+                                        activation_checkpointing=recompute)
+                    if _plan(candidate).fits:
+                        return _describe(request, candidate)
     return ""
 
 
@@ -407,6 +413,8 @@ def _describe(request: Request, candidate: Request) -> str:
                                                         else ""))
     if candidate.batch_per_device != request.batch_per_device:
         changes.append(f"batchSizePerDevice {candidate.batch_per_device}")
+    if candidate.activation_checkpointing != request.activation_checkpointing:
+        changes.append(f"activationCheckpointing {candidate.activation_checkpointing}")
     changes.append(f"topology {candidate.topology} ({g.chips_in(candidate.topology)} chips)")
     return ", ".join(changes)
 
