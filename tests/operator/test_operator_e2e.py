@@ -298,6 +298,12 @@ def _check_storage(gcs, storage: str, status: dict, tmp_path: Path) -> None:
     assert shards == {f"__{rank}_{i}.distcp" for rank in (0, 1) for i in range(WRITE_THREADS)}, gcs.list(checkpoint)
     assert ".metadata" in gcs.list(checkpoint)
     assert json.loads(gcs.read(f"{checkpoint}/trainer_state.json"))["epoch"] in (1, 2, 3)  # the best of the three
+    # The driver (head pod) published its prepared examples for the workers on other nodes:
+    # one complete entry, its marker beside its files.
+    published = gcs.list(f"{checkpoint.rsplit('/', 1)[0]}/data")
+    (entry,) = {name.split("/")[0] for name in published}
+    assert {f"{entry}/{name}" for name in ("meta.json", "train.tokens", "train.labels", "train.offsets")} \
+        <= set(published), published
     local = gcs.download(export, tmp_path / "export")
     assert {"config.json", "model.safetensors"} <= {p.name for p in local.iterdir()}
     model = AutoModelForCausalLM.from_pretrained(local)
