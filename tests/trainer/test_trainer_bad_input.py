@@ -47,6 +47,17 @@ def _case_prompt_longer_than_max_seq_len(tmp, assets):
     return {"--dataset": str(path), "--max-seq-len": "64"}, "DataError", "prompt longer than --max-seq-len=64"
 
 
+def _case_a_step_of_more_tokens_than_the_data(tmp, assets):
+    # 64 short rows hold a few thousand tokens; one step of 2 workers x 64 blocks of 512 is 65536.
+    return ({"--tokens-per-step": "65536", "--batch-size-per-device": "64", "--max-seq-len": "512"}, "DataError",
+            "fewer than one step's --tokens-per-step 65536")
+
+
+def _case_tokens_per_step_not_a_multiple(tmp, assets):
+    return ({"--tokens-per-step": "1000", "--batch-size-per-device": "1", "--max-seq-len": "512"}, "ConfigError",
+            "--tokens-per-step 1000 (spec.training.tokensPerStep) is not a multiple of 2 devices")
+
+
 def _case_unknown_device(tmp, assets):
     return {"--device": "quantum"}, "UsageError", "invalid choice: 'quantum'"
 
