@@ -282,6 +282,18 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
         # The worker's preStop hook had the trainer save the step it was on: at most the step
         # in flight when SIGTERM came is lost (attempts.py: lastStep - checkpointStep).
         assert preempted[0]["lostSteps"] <= 1, preempted[0]
+        # That bound alone holds without any save: the steps after the last checkpoint that
+        # the trainer never reported count as none lost. So the save itself: a step checkpoint
+        # written on SIGTERM, of the attempt's last step, is the one the retry resumed from
+        # (not the last epoch end).
+        saved = [e["message"] for e in kube.items("events", "--field-selector", "involvedObject.name=spot")
+                 if e["reason"] == "CheckpointOnNotice" and e["message"].startswith("SIGTERM")]
+        resumed = status["attempts"][-1]["resumedFrom"]
+        name = resumed.rstrip("/").rsplit("/", 1)[-1]
+        assert name.startswith("step_"), (resumed, preempted[0], saved)
+        step = int(name.removeprefix("step_").split("-", 1)[0])
+        assert 0 <= preempted[0]["lastStep"] - step <= 1, (resumed, preempted[0])
+        assert any(f"checkpoint of step {step} written to {resumed}" in m for m in saved), (resumed, saved)
         assert status["attempts"][-1]["reason"] == "Succeeded", status["attempts"]
         assert status["attempts"][-1]["resumedFrom"], status["attempts"]
         stop = status["earlyStop"]
