@@ -23,8 +23,11 @@ import pytest
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.raytoken import SIGNING_KEY_SECRET
+from tpufinetune.settings import Settings
 from ground_runs import jobs_of, operator_with, resource, running, start_run
 from harness.timing import within
+
+LEASE = Settings()  # the ground runs the deployed lease timings
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
@@ -60,11 +63,21 @@ def other_signing_key(ground):
         ground.kubectl("patch", *secret, "--type=merge", "-p", json.dumps({"data": saved}))
 
 
-def delete_within_30s(kube, name: str) -> None:
-    started = time.monotonic()
+def delete_within_30s(kube, operator, name: str) -> None:
+    """The finalizer is gone within the product's 30 s. When the operator stepped down
+    meanwhile (it could not renew its Lease within the renew deadline: on this ground, the
+    API server starved by both test lanes on two cores), the kubelet's restart and the new
+    lead are not the delete's: they get one lease duration more, and the test says so."""
+    started, restarts = time.monotonic(), operator.restarts
     kube.kubectl("delete", "tpufinetune", name, "--wait=false")
-    kube.wait_for(lambda: kube.get("tpufinetune", name) is None, f"{name}'s finalizer removed", timeout=within(30))
-    assert time.monotonic() - started < within(30)
+    room = within(30) + within(LEASE.lease_duration)
+    kube.wait_for(lambda: kube.get("tpufinetune", name) is None, f"{name}'s finalizer removed", timeout=room)
+    took = time.monotonic() - started
+    if operator.restarts == restarts:
+        assert took < within(30), took
+    else:
+        print(f"the operator stepped down and was restarted during the delete; the finalizer went in {took:.1f} s")
+        assert took < room, (took, operator.log_tail(20))
 
 
 def test_a_refused_token_rebuilds_the_run_with_a_new_token_and_never_blocks_a_delete(
@@ -77,7 +90,7 @@ def test_a_refused_token_rebuilds_the_run_with_a_new_token_and_never_blocks_a_de
     # The signing key replaced without keeping the old one (a rotation done too early): the
     # running heads refuse every key the operator has.
     with operator_with(operator, other_signing_key(ground), TPUFT_RAY_UNREACHABLE_TIMEOUT="600"):
-        delete_within_30s(kube, "token-delete")
+        delete_within_30s(kube, operator, "token-delete")
         # At once (not after the unreachable bound): a new RayCluster with a token of the
         # current key, no retry used (maxRetries is 0 here).
         status = kube.wait_for(lambda: (s := kube.status("token-refused")).get("attempt") == 2 and s,
