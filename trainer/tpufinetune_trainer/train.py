@@ -408,7 +408,7 @@ class Trainer:
         checked against the loss head's cap first."""
         plan, epoch, first = self.plan, self.epoch_plan, self.epoch_step
         end = min(len(epoch), first + self.window_steps)
-        self.window = self.train_blocks = self.epoch_inputs = None  # the previous window goes first
+        self.drop_window()  # the previous window's memory goes first
         self.epoch_blocks = rank_blocks(self.examples, epoch, self.rank, self.cfg.max_seq_len, self.pad_id,
                                         steps=slice(first, end))
         per_step = plan.accum * plan.blocks
@@ -421,6 +421,7 @@ class Trainer:
         self.window = (self.epoch, first, end)
 
     def drop_window(self) -> None:
+        """Free the loaded window's host and device blocks."""
         self.window = self.epoch_blocks = self.train_blocks = self.epoch_inputs = None
 
     def rank_label_tokens(self, step: int) -> int:

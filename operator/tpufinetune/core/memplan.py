@@ -394,7 +394,7 @@ def smallest_fit(request: Request) -> str:
         batches.append(batches[-1] // 2)
     # Activations recomputed per block cost compute, not chips: tried on each topology
     # before the next larger one.
-    checkpointing = [request.activation_checkpointing] + [c for c in ("block",) if c != request.activation_checkpointing]
+    checkpointing = list(dict.fromkeys((request.activation_checkpointing, "block")))
     for batch in batches:
         for method in methods:
             for topology in [request.topology] + larger:
