@@ -5,7 +5,9 @@ its mixed-precision policy, the label-position loss head, AdamW as train.py buil
 Each configuration runs in a fresh process. The peak is the process's resident high-water
 mark (VmHWM) over the training steps, reset once the model is built (so a transient of
 initialisation does not count); the figure compared is that peak minus the resident size
-before the model existed, against the planner's per-device bytes for a CPU device (fp32
+before the model existed, after one step of the smallest model of the same code path
+(WARM_UP: the process's fixed first-step allocations, which a chip's runtime keeps in the
+planner's headroom, do not count; `--cold` counts them), against the planner's per-device bytes for a CPU device (fp32
 compute, sdpa attention: core/memplan.py's device_bytes).
 
     .venv/bin/python benchmarks/bench_memplan.py            # every configuration
@@ -57,10 +59,18 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def measure(name: str) -> dict:
-    """Run in a fresh process: build, shard, train `steps` steps; bytes of peak over baseline."""
+# The smallest model of the same code path: one step of it, before the baseline, takes the
+# process's fixed first-step allocations (gloo's buffers, lazily imported modules, the CPU
+# kernels' first-call workspaces: ~40 MiB that do not grow with the model) out of the figure.
+WARM_UP = (dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=4,
+                vocab_size=64), 32, 1, 1)
+
+
+def _train(text: dict, length: int, blocks: int, steps: int, attention: str, before_steps=None) -> dict:
+    """Build, shard and train `steps` steps as train.py does; `before_steps` runs once the
+    model is built (the peak's reset). Returns what `planned` needs of the configuration."""
     import torch
-    import torch.distributed as dist
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     from tpufinetune_trainer import loss as head
@@ -68,13 +78,6 @@ def measure(name: str) -> dict:
     from tpufinetune_trainer.parallelize import apply_fsdp, build_mesh
     from tpufinetune_trainer.train import param_groups
 
-    text, length, blocks, steps, *rest = CONFIGS[name]
-    attention = rest[0] if rest else "sdpa"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
-    baseline = _status_kib("VmRSS") * 1024
     config = Gemma4Config(text_config=dict(text, vocab_size_per_layer_input=text["vocab_size"],
                                            max_position_embeddings=4096, sliding_window=256, pad_token_id=0,
                                            eos_token_id=1, bos_token_id=2),
@@ -92,19 +95,45 @@ def measure(name: str) -> dict:
     positions = torch.arange(length).repeat(blocks, 1)
     segments = torch.ones(blocks, length, dtype=torch.int64)
     targets = torch.randint(3, vocab, (blocks, length))
-    _reset_peak()
-    started = time.perf_counter()
+    if before_steps:
+        before_steps()
     for _ in range(steps):
         summed = model.label_loss_sum(ids, positions, masks(segments), targets, blocks * length)
         (summed / targets.numel()).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    return {"eager": model.config.get_text_config()._attn_implementation == "eager", "length": length,
+            "blocks": blocks, "config": dict(text, vocab_size_per_layer_input=vocab)}
+
+
+def measure(name: str, warm_up: bool = True) -> dict:
+    """Run in a fresh process: build, shard, train `steps` steps; bytes of peak over baseline.
+    With `warm_up`, one step of the smallest model first (WARM_UP), outside the figure."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration  # noqa: F401 - before the baseline,
+
+    import tpufinetune_trainer.loss, tpufinetune_trainer.masks, tpufinetune_trainer.train  # noqa: E401,F401 - as _train's
+
+    text, length, blocks, steps, *rest = CONFIGS[name]
+    attention = rest[0] if rest else "sdpa"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    if warm_up:
+        _train(*WARM_UP, attention)
+        gc.collect()
+    baseline = _status_kib("VmRSS") * 1024
+    started = []
+    result = _train(text, length, blocks, steps, attention,
+                    before_steps=lambda: (_reset_peak(), started.append(time.perf_counter())))
     peak = _status_kib("VmHWM") * 1024
     dist.destroy_process_group()
-    return {"name": name, "measured": peak - baseline, "seconds": time.perf_counter() - started,
-            "eager": model.config.get_text_config()._attn_implementation == "eager",
-            "length": length, "blocks": blocks, "config": dict(text, vocab_size_per_layer_input=vocab)}
+    return {"name": name, "measured": peak - baseline, "seconds": time.perf_counter() - started[0], **result}
 
 
 def planned(result: dict) -> int:
@@ -144,19 +173,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(CONFIGS), action="append")
     parser.add_argument("--table", action="store_true", help="print the planner's Gemma 4 table and exit")
+    parser.add_argument("--cold", action="store_true",
+                        help="no warm-up: the first step's fixed allocations count in the measured peak")
     parser.add_argument("--child", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.table:
         print(planner_table())
         return 0
     if args.child:
-        print(json.dumps(measure(args.child)))
+        print(json.dumps(measure(args.child, warm_up=not args.cold)))
         return 0
     print(f"{'config':8} {'params':>10} {'L x b':>10} {'attention':>9} {'estimate':>12} {'measured':>12} "
           f"{'ratio':>6} {'s':>6}")
     within = []
     for name in args.only or CONFIGS:
-        out = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, __file__, "--child", name] + (["--cold"] if args.cold else []),
+                             capture_output=True, text=True,
                              check=True)
         result = json.loads(out.stdout.strip().splitlines()[-1])
         from tpufinetune.core.memplan import shape_from_config
