@@ -219,3 +219,24 @@ def test_a_model_the_table_does_not_know_is_checked_on_the_size_its_spec_states(
     assert memplan.status_of(bigger)["basis"] == "stated"
     lora = memplan.plan_spec(stated(path, 60_000_000_000, training={"method": "lora"}))
     assert lora.fits and lora.per_chip_bytes < bigger.per_chip_bytes / 7
+
+
+def test_every_block_stays_gathered_only_where_the_plan_holds_it_within_the_margin():
+    e2b = request("google/gemma-4-E2B-it")
+    kept = memplan.estimate(memplan.Request(**{**e2b.__dict__, "keep_gathered": True}))
+    resharded = memplan.estimate(e2b)
+    shape = memplan.known_shape("google/gemma-4-E2B-it")
+    # Every block's bf16 copy instead of two blocks' at a time.
+    assert kept.breakdown.gathered - resharded.breakdown.gathered == 2 * (shape.layers - 2) * shape.block_parameters
+    # v6e-16: it would fit, but beyond the margin that covers the estimate's error.
+    assert kept.fits and kept.per_chip_bytes > memplan.KEEP_GATHERED_SHARE * kept.limit_bytes
+    assert not memplan.keeps_gathered(e2b)
+    # v7x (96 GiB a device) holds it with room: one all-gather a block fewer per micro-batch.
+    assert memplan.keeps_gathered(request("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2"))
+    # Nothing to hold it to: a model the table does not know, the cpu stand-in; nor where it does not fit.
+    assert not memplan.keeps_gathered(request("/models/tiny-gemma", generation="v7x", topology="2x2x2"))
+    assert not memplan.keeps_gathered(request("google/gemma-4-E2B-it", generation="cpu", topology="2"))
+    assert not memplan.keeps_gathered(request("google/gemma-4-31B-it", generation="v7x", topology="2x2x2"))
+    # The worker pod's memory counts too.
+    assert not memplan.keeps_gathered(request("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2",
+                                              host_memory_bytes=8 * GIB))

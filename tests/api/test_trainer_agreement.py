@@ -51,6 +51,8 @@ NOT_PASSED = {
                                "knows no such flag)",
     "--num-slices": "passed only when tpu.slices is more than 1 (1 is the trainer's default; an older trainer "
                     "image knows no such flag)",
+    "--reshard-after-forward": "passed as false only where the memory plan holds every block's gathered copy "
+                               "within its margin (memplan.keeps_gathered); true is the trainer's default",
     "--compile-cache-dir": "its default is the head's TPUFT_COMPILE_CACHE_DIR, set in spec.head.env beside the "
                            "volume the user mounts (docs/gke.md, the compile cache across restarts)",
 }
@@ -281,3 +283,13 @@ def test_the_memory_settings_of_a_spec_reach_the_trainer():
     for training in ({}, {"activationCheckpointing": "none", "freezeEmbeddings": False}):
         passed = _passed_flags(trainer_argv(parse_spec(spec_with(training=training)), run_name="r"))
         assert not {"--activation-checkpointing", "--attention", "--freeze-embeddings"} & set(passed), training
+
+
+def test_the_trainer_keeps_blocks_gathered_where_the_plan_says_so():
+    on_v7x = spec_with(model={"id": "google/gemma-4-E2B-it"}, tpu={"generation": "v7x", "topology": "2x2x2"})
+    assert _trainer_config(trainer_argv(parse_spec(on_v7x), run_name="r")).reshard_after_forward is False
+    # Elsewhere no flag at all: the trainer's memory-safe default, and an older trainer image runs the spec.
+    on_v6e = spec_with(model={"id": "google/gemma-4-E2B-it"})
+    for spec in (on_v6e, base_spec()):
+        argv = trainer_argv(parse_spec(spec), run_name="r")
+        assert "--reshard-after-forward" not in _passed_flags(argv) and _trainer_config(argv).reshard_after_forward

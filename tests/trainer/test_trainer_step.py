@@ -13,7 +13,7 @@ from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.data import encode_rows, load_rows, pack
 from tpufinetune_trainer.masks import MaskBuilder
-from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
+from tpufinetune_trainer.model import decoder_blocks, load_causal_lm, load_tokenizer
 from tpufinetune_trainer.train import Trainer
 from trainer_helpers import BLOCK_LENGTH
 
@@ -384,3 +384,17 @@ def test_an_epoch_reaches_the_device_a_window_at_a_time_and_a_resumed_epoch_take
         index = whole.epoch_inputs[step, :-1]
         a, b = whole.train_blocks.gather(index), resumed.train_blocks.gather(resumed.epoch_inputs[step - 2, :-1])
         assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_blocks_kept_gathered_after_forward_train_the_same(trainer_assets, prepared, process_group, tmp_path):
+    """--reshard-after-forward false (what the operator passes where the plan holds it):
+    each block's FSDP group keeps its gathered parameters for the backward, and the steps'
+    losses are the default's, bit for bit (the same arithmetic, one all-gather fewer)."""
+    losses = {}
+    for reshard in (True, False):
+        trainer = make_trainer(trainer_assets, prepared, tmp_path / str(reshard), reshard_after_forward=reshard)
+        groups = [block._get_fsdp_state()._fsdp_param_group for block in decoder_blocks(trainer.model)]
+        # FSDP2 reshards after forward to its post-forward mesh; None keeps the gathered copy.
+        assert groups and all((group.post_forward_mesh_info is not None) == reshard for group in groups)
+        losses[reshard] = run_steps(trainer, 3)
+    assert losses[True] == losses[False]

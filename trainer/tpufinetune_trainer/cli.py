@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "or sdpa (torch's scaled_dot_product_attention); auto: eager on TPU, sdpa on GPU and CPU")
     ft.add_argument("--freeze-embeddings", default="false", choices=["true", "false"],
                     help="do not train the input embedding (nor a head tied to it): no gradient, no AdamW state")
+    ft.add_argument("--reshard-after-forward", default="true", choices=["true", "false"],
+                    help="free each block's gathered parameters after its forward and gather them again for its "
+                         "backward (true, memory-safe); false keeps them, one all-gather a block fewer per "
+                         "micro-batch for the whole model's copy in the compute dtype on every device")
     ft.add_argument("--fail-at-step", type=int, default=0,
                     help="fault injection for tests: fail once after this optimizer step (not after a restore)")
 
@@ -222,7 +226,8 @@ def _config(args: argparse.Namespace):
             lora_target_modules=args.lora_target_modules, lora_export_merged=args.lora_export_merged == "true",
             lora_train_embeddings=args.lora_train_embeddings == "true",
             activation_checkpointing=args.activation_checkpointing, attention=args.attention,
-            freeze_embeddings=args.freeze_embeddings == "true")
+            freeze_embeddings=args.freeze_embeddings == "true",
+            reshard_after_forward=args.reshard_after_forward == "true")
     return CollectivesConfig(topology=args.topology, accelerator_type=args.accelerator_type,
                              num_workers=args.num_workers, device=args.device, hidden_dim=args.hidden_dim,
                              batch_size=args.batch_size, placement_timeout_s=args.placement_timeout,

@@ -113,6 +113,9 @@ class FinetuneConfig(SliceConfig):
     activation_checkpointing: str = ACTIVATION_CHECKPOINTING[0]
     attention: str = ATTENTION[0]
     freeze_embeddings: bool = False
+    # parallelize.apply_fsdp: False keeps every block's gathered copy from forward to backward
+    # (one all-gather a block fewer per micro-batch), as the operator asks where the plan fits it.
+    reshard_after_forward: bool = True
 
     def attn_implementation(self, backend_default: str) -> str:
         """The transformers attention kernel: --attention, or the backend's own under auto."""

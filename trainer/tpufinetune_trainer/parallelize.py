@@ -15,12 +15,13 @@ prefetched while the previous block computes. The per-layer embedding table (Gem
 frozen, stored in the compute dtype and passed as `ignored_params`, so it stays a plain
 replicated lookup table: never all-gathered, reduced or stored in the optimizer.
 
-Resharding: every block frees its all-gathered parameters after its forward and gathers
-them again for its backward (`reshard_after_forward=True`, RESHARD_AFTER_FORWARD): the
-memory-safe choice on every TPU generation, at the cost of one more all-gather per block
-per micro-batch. Keeping them (False) only fits where HBM holds every block's compute-dtype
-copy beside the activations; docs/trainer.md has the choice per generation and what to
-measure before changing it. The root never reshards after forward (FSDP2 keeps the
+Resharding: by default every block frees its all-gathered parameters after its forward
+and gathers them again for its backward (`reshard_after_forward=True`,
+RESHARD_AFTER_FORWARD): the memory-safe choice, at the cost of one more all-gather per
+block per micro-batch. Keeping them (--reshard-after-forward false) needs every block's
+compute-dtype copy beside the activations; the operator asks for it only where its memory
+plan holds that within a margin (core/memplan.py, `keeps_gathered`; docs/trainer.md,
+"Resharding after forward"). The root never reshards after forward (FSDP2 keeps the
 embedding and the tied head gathered until its backward).
 
 Compile: each block's forward is compiled on its own (torch.compile), before sharding,
@@ -53,8 +54,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from .errors import ModelError
 from .model import decoder_blocks, freeze_per_layer_embeddings
 
-# One value for every generation until a slice measures otherwise (docs/trainer.md,
-# "Resharding after forward, per generation").
+# The default (--reshard-after-forward true): the memory-safe choice.
 RESHARD_AFTER_FORWARD = True
 
 
@@ -88,7 +88,8 @@ def compile_blocks(model: torch.nn.Module) -> None:
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, compile: bool = False,
-               device: torch.device | None = None) -> torch.nn.Module:
+               device: torch.device | None = None,
+               reshard_after_forward: bool = RESHARD_AFTER_FORWARD) -> torch.nn.Module:
     """Shard `model` (fp32, on the CPU or already on the device) in place; the frozen
     table, which FSDP does not manage, is moved to `device` afterwards. A model on the
     meta device is sharded without storage (sharded_load.py then materialises it: no `device`)."""
@@ -99,7 +100,7 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, compile
     if compile:
         compile_blocks(model)
     for block in decoder_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=RESHARD_AFTER_FORWARD)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # fully_shard moves what it manages to the mesh's device, one block at a time (so
     # the whole fp32 model never sits on one device); the frozen table follows by hand.
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored or None)

@@ -318,7 +318,8 @@ def initialise_unloaded_buffers(model) -> None:
 
 
 def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: torch.dtype,
-                 compile: bool = False, device: torch.device | None = None, full: bool = False, lora=None):
+                 compile: bool = False, device: torch.device | None = None, full: bool = False, lora=None,
+                 reshard_after_forward: bool = True):
     """The base model, FSDP2-sharded over `mesh`, each rank having read only its own slices.
     Returns (model, how): how it was loaded, for the log. `full` (--model-load full), or a
     checkpoint that cannot be read by name and shape, takes the full load (the same model).
@@ -345,12 +346,13 @@ def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: t
         model = load_causal_lm(model_id, torch.float32, attn_implementation)
         if lora is not None:
             adapters.inject(model, lora)
-        apply_fsdp(model, mesh, compute_dtype, compile=compile, device=device)
+        apply_fsdp(model, mesh, compute_dtype, compile=compile, device=device,
+                   reshard_after_forward=reshard_after_forward)
         if lora is not None:
             adapters.init_adapters(model, lora.seed)
         return model, (f"every rank loaded the whole model ({reason}) in {time.perf_counter() - start:.1f} s"
                        f"{peak_rss_words()}")
-    apply_fsdp(model, mesh, compute_dtype, compile=compile)
+    apply_fsdp(model, mesh, compute_dtype, compile=compile, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device if device is not None else torch.device("cpu"))
     read = fill_from_checkpoint(model, stored)
     initialise_unloaded_buffers(model)

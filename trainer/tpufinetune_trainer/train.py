@@ -148,7 +148,8 @@ class Trainer:
         self.model, loaded = load_sharded(cfg.model_id, self.attn_implementation,
                                           mesh, self.dtype, compile=self.compiled,
                                           device=self.device, full=cfg.model_load == "full",
-                                          lora=cfg if cfg.method == "lora" else None)
+                                          lora=cfg if cfg.method == "lora" else None,
+                                          reshard_after_forward=cfg.reshard_after_forward)
         if rank == 0:
             say(f"Model {cfg.model_id}: {loaded}")
         # Both before the parameter list and the optimizer (a frozen weight gets no state).

@@ -10,6 +10,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from .api import TPUFineTuneSpec
+from . import memplan
 from .apimodels import MemorySettings
 from .sizing import slice_shape, total_devices
 
@@ -152,6 +153,9 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         if lora.train_embeddings:  # only when on: an older trainer image knows no such flag
             argv.append("--lora-train-embeddings=true")
     argv += memory_flags(training)
+    request = memplan.request_of(spec)
+    if request is not None and memplan.keeps_gathered(request):  # only then: an older trainer knows no such flag
+        argv.append("--reshard-after-forward=false")
     if training.tokens_per_step is not None:  # only when set: an older trainer image knows no such flag
         argv.append(f"--tokens-per-step={training.tokens_per_step}")
     if training.loss_on is not None:

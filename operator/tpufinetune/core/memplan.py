@@ -54,6 +54,12 @@ SAVED_ATTENTION_MATRICES = 2
 # sliding masks (additive in the compute dtype for eager, boolean for sdpa) and about four
 # boolean L x L intermediates and constants (causal and window bands, same segment).
 MASK_BOOLEANS = 4
+# Keeping every block's gathered copy from forward to backward (the trainer's
+# --reshard-after-forward false) saves one all-gather per block per micro-batch and costs
+# the whole model's copy in the compute dtype. Asked for only where the plan with it stays
+# within this share of the usable memory: the margin covers the estimate's error (within
+# 25% of the measured peaks, docs/trainer.md "Memory plan").
+KEEP_GATHERED_SHARE = 0.75
 # LoRA's usual targets per decoder layer: q, k, v, o, gate, up, down.
 LORA_TARGETS = 7
 METHODS = ("full", "lora")
@@ -187,10 +193,12 @@ def activation_bytes(shape: ModelShape, tokens: int, scores: int, compute_bytes:
 def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int, batch_per_device: int,
                  compute_bytes: int = 2, eager_attention: bool = True, lora_rank: int = 16,
                  lora_targets: int = LORA_TARGETS, checkpointing: str = "none",
-                 freeze_embeddings: bool = False, lora_embeddings: bool = False) -> Breakdown:
+                 freeze_embeddings: bool = False, lora_embeddings: bool = False,
+                 keep_gathered: bool = False) -> Breakdown:
     """What one of `devices` devices holds at the peak of a training step. `lora_embeddings`
     (spec.training.lora.trainEmbeddings): LoRA also trains the embedding (and a head tied to
-    it) as full fine-tuning does: fp32 master, gradient, two AdamW moments."""
+    it) as full fine-tuning does: fp32 master, gradient, two AdamW moments. `keep_gathered`:
+    every block's gathered copy stays from forward to backward (not two blocks at a time)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     if checkpointing not in CHECKPOINTING:
@@ -216,7 +224,8 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
         grads=_ceil_div(4 * trainable, devices),
         optimizer=_ceil_div(8 * trainable, devices),
         frozen_tables=compute_bytes * shape.per_layer_embedding,
-        gathered=compute_bytes * (shape.embedding + 2 * shape.block_parameters) + block_grads,
+        gathered=(compute_bytes * (shape.embedding + (shape.layers if keep_gathered else 2) * shape.block_parameters)
+                  + block_grads),
         activations=activation_bytes(shape, tokens, scores, compute_bytes, checkpointing) + masks,
         loss_head=head_grad + 2 * CHUNK_ROWS * shape.vocab * 4 + 2 * tokens * shape.hidden * compute_bytes,
     )
@@ -244,6 +253,7 @@ class Request:
     lora_embeddings: bool = False  # spec.training.lora.trainEmbeddings
     stated_parameters: int | None = None  # spec.model.parameters, for a model not in the table
     slices: int = 1  # replicas of the slice (HSDP): named in the plan, never dividing the state
+    keep_gathered: bool = False  # every block's gathered copy kept from forward to backward
 
 
 @dataclass(frozen=True)
@@ -349,7 +359,8 @@ def _plan(request: Request) -> MemoryPlan:
     part = device_bytes(shape, request.method, devices, request.max_seq_len, request.batch_per_device,
                         compute_bytes=2 if gen.is_tpu else 4, eager_attention=eager,
                         lora_rank=request.lora_rank, checkpointing=request.activation_checkpointing,
-                        freeze_embeddings=request.freeze_embeddings, lora_embeddings=request.lora_embeddings)
+                        freeze_embeddings=request.freeze_embeddings, lora_embeddings=request.lora_embeddings,
+                        keep_gathered=request.keep_gathered)
     # Host: each device's process, and the host copy of its sharded state an asynchronous
     # checkpoint stages (weights and AdamW; train.py's HostStager). The cpu stand-in's
     # device is the host.
@@ -406,6 +417,19 @@ def smallest_fit(request: Request) -> str:
     return ""
 
 
+def keeps_gathered(request: Request) -> bool:
+    """Whether the trainer should keep every block's gathered copy from forward to backward:
+    a model of the table on a TPU slice whose plan with it fits, within KEEP_GATHERED_SHARE
+    of the usable HBM (and of the worker pod's memory). Never for a model the table does not
+    know, nor on the cpu stand-in: there is no figure to hold it to."""
+    if request.method not in METHODS or known_shape(request.model_id) is None \
+            or not g.generation(request.generation).is_tpu:
+        return False
+    plan = _plan(replace(request, keep_gathered=True))
+    host_ok = not plan.host_limit_bytes or plan.host_bytes <= KEEP_GATHERED_SHARE * plan.host_limit_bytes
+    return plan.per_chip_bytes <= KEEP_GATHERED_SHARE * plan.limit_bytes and host_ok
+
+
 def _describe(request: Request, candidate: Request) -> str:
     changes = []
     if candidate.method != request.method:
@@ -434,9 +458,15 @@ def status_of(plan: MemoryPlan) -> dict:
 
 
 def plan_spec(spec) -> MemoryPlan | None:
-    """The plan of a TPUFineTune spec (None for mode collectives: nothing is trained). The
-    method, LoRA rank and memory settings are read defensively: older specs have none
-    (full, no checkpointing, the device's attention, trained embeddings)."""
+    """The plan of a TPUFineTune spec (None for mode collectives: nothing is trained)."""
+    request = request_of(spec)
+    return estimate(request) if request is not None else None
+
+
+def request_of(spec) -> Request | None:
+    """What a TPUFineTune spec asks of the planner (None for mode collectives). The method,
+    LoRA rank and memory settings are read defensively: older specs have none (full, no
+    checkpointing, the device's attention, trained embeddings)."""
     if spec.mode != "finetune":
         return None
     from .quantity import parse_quantity
@@ -445,7 +475,7 @@ def plan_spec(spec) -> MemoryPlan | None:
     training = spec.training
     lora = getattr(training, "lora", None)
     memory = plan_resources(spec)["workers"][1].get("memory")
-    return estimate(Request(
+    return Request(
         model_id=spec.model.id, method=getattr(training, "method", "full") or "full",
         generation=spec.tpu.generation, topology=spec.tpu.topology, max_seq_len=training.max_seq_len,
         batch_per_device=training.batch_size_per_device,
@@ -455,4 +485,4 @@ def plan_spec(spec) -> MemoryPlan | None:
         attention=getattr(training, "attention", None),
         freeze_embeddings=bool(getattr(training, "freeze_embeddings", None)),
         lora_embeddings=bool(getattr(lora, "train_embeddings", None)),
-        stated_parameters=getattr(spec.model, "parameters", None), slices=spec.tpu.slices))
+        stated_parameters=getattr(spec.model, "parameters", None), slices=spec.tpu.slices)
