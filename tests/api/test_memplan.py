@@ -237,6 +237,12 @@ def test_every_block_stays_gathered_only_where_the_plan_holds_it_within_the_marg
     assert not memplan.keeps_gathered(request("/models/tiny-gemma", generation="v7x", topology="2x2x2"))
     assert not memplan.keeps_gathered(request("google/gemma-4-E2B-it", generation="cpu", topology="2"))
     assert not memplan.keeps_gathered(request("google/gemma-4-31B-it", generation="v7x", topology="2x2x2"))
+    # A spec's plan is what the trainer will run: kept where jobspec asks for it.
+    on_v7x = memplan.plan_spec(spec("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2"))
+    assert on_v7x.keep_gathered and "every block kept gathered" in on_v7x.summary()
+    assert on_v7x.per_chip_bytes == memplan.estimate(request("google/gemma-4-E2B-it", generation="v7x",
+                                                             topology="2x2x2", keep_gathered=True)).per_chip_bytes
+    assert not memplan.plan_spec(spec("google/gemma-4-E2B-it")).keep_gathered
     # The worker pod's memory counts too.
     assert not memplan.keeps_gathered(request("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2",
                                               host_memory_bytes=8 * GIB))

@@ -270,6 +270,7 @@ class MemoryPlan:
     breakdown: Breakdown | None = None
     smallest_fit: str = ""  # the smallest topology (or method) that fits, when this does not
     slices: int = 1
+    keep_gathered: bool = False  # planned with every block gathered from forward to backward
 
     @property
     def placement(self) -> str:
@@ -299,6 +300,8 @@ class MemoryPlan:
             parts.append(f"{_gib(self.host_bytes)} RAM per host of {_gib(self.host_limit_bytes)} usable")
         elif self.host_bytes:
             parts.append(f"{_gib(self.host_bytes)} RAM per host")
+        if self.keep_gathered:
+            parts.append("every block kept gathered from forward to backward")
         stated = " (its stated size: weights, gradients and optimizer state only)" if self.basis == "stated" else ""
         return f"{self.method} fine-tune of {self.model}{stated}: " + "; ".join(parts)
 
@@ -371,7 +374,7 @@ def _plan(request: Request) -> MemoryPlan:
         basis="table", **common,
         per_chip_bytes=part.total * gen.devices_per_chip if gen.is_tpu else 0,
         limit_bytes=int(gen.hbm_gib_per_chip * GIB * (1 - HEADROOM)) if gen.is_tpu else 0,
-        host_bytes=host, host_limit_bytes=host_limit, breakdown=part)
+        host_bytes=host, host_limit_bytes=host_limit, breakdown=part, keep_gathered=request.keep_gathered)
 
 
 def _stated_plan(request: Request, gen, common: dict) -> MemoryPlan:
@@ -458,9 +461,12 @@ def status_of(plan: MemoryPlan) -> dict:
 
 
 def plan_spec(spec) -> MemoryPlan | None:
-    """The plan of a TPUFineTune spec (None for mode collectives: nothing is trained)."""
+    """The plan of a TPUFineTune spec (None for mode collectives: nothing is trained), as
+    the trainer will run it: with every block kept gathered where `keeps_gathered`."""
     request = request_of(spec)
-    return estimate(request) if request is not None else None
+    if request is None:
+        return None
+    return estimate(replace(request, keep_gathered=True) if keeps_gathered(request) else request)
 
 
 def request_of(spec) -> Request | None:
