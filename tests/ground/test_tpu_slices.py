@@ -87,7 +87,13 @@ def check_slice(kube, ground, name: str, generation_label: str, topology: str, p
     """`chips_per_host`: google.com/tpu per pod; `tpu_per_host`: Ray's TPU resource per host
     (devices: two per chip on v7x); `head_kept`: the run has ttlSecondsAfterFinished, so
     the head's own job list can be read after the failure."""
-    cluster = kube.wait_for(lambda: kube.status(name).get("rayClusterName"), "rayClusterName")
+    def named():
+        status = kube.status(name)
+        if not status.get("rayClusterName") and status.get("phase") == "Failed":
+            raise AssertionError(f"the run failed before it had a RayCluster: {kube.run_state(name)}")
+        return status.get("rayClusterName")
+
+    cluster = kube.wait_for(named, "rayClusterName", details=lambda: kube.run_state(name))
 
     def scheduled():
         pods = kube.pods_of(cluster)

@@ -251,8 +251,15 @@ class Kube:
     def pods_of(self, cluster: str) -> list[dict]:
         return self.items("pods", "-l", f"ray.io/cluster={cluster}")
 
-    def wait_for(self, predicate, what: str, timeout: float = 120, interval: float = 0.5):
-        return wait_for(predicate, timeout, what, interval)
+    def wait_for(self, predicate, what: str, timeout: float = 120, interval: float = 0.5, details=None):
+        return wait_for(predicate, timeout, what, interval, details=details)
+
+    def run_state(self, name: str) -> str:
+        """A run's phase, its message and its conditions' reasons: what a failed wait says."""
+        status = self.status(name)
+        reasons = ", ".join(f"{c.get('type')}={c.get('status')} ({c.get('reason')})"
+                            for c in status.get("conditions") or [])
+        return f"run {name}: phase {status.get('phase')!r}, message {status.get('message')!r}; {reasons}"
 
     def status(self, name: str) -> dict:
         return (self.get("tpufinetune", name) or {}).get("status") or {}
