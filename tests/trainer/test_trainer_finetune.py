@@ -121,6 +121,7 @@ def test_the_plan_states_the_global_batch_and_the_schedule(trained):
     assert plan["steps_per_epoch"] == steps == 288 // 8 and plan["total_steps"] == EPOCHS * steps
     assert plan["lr_schedule"] == "cosine" and plan["warmup_steps"] >= 1
     assert plan["compute_dtype"] == "float32" and plan["compile"] is False  # CPU defaults
+    assert plan["reshard_after_forward"] is True and "; blocks resharded after forward; " in run.output
     assert (f"Plan: 2 devices x 4 examples x 1 accumulation = 8 examples per optimizer step, packed into "
             f"{blocks} blocks of 512 tokens per device per micro-batch ({2 * blocks * 512} tokens per step)"
             in run.output)

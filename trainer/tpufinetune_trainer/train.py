@@ -479,7 +479,9 @@ class Trainer:
             f"{self.epoch_steps} steps per epoch, {self.total_steps} in all; lr {cfg.learning_rate:g} "
             f"(warmup {self.warmup} steps, {self.schedule_words()}); "
             f"clip {cfg.max_grad_norm:g}; compute {str(self.dtype).removeprefix('torch.')}, master weights "
-            f"float32{self.method_words()}; compile {'on' if self.compiled else 'off'}"
+            f"float32{self.method_words()}; "
+            + ("blocks resharded after forward" if cfg.reshard_after_forward
+               else "blocks kept gathered from forward to backward") + f"; compile {'on' if self.compiled else 'off'}"
             + (f" (cache {cfg.compile_cache_dir})" if self.compile_cache else "") + "; loss head "
             + (f"at label positions ({self.train_cap} rows of {plan.blocks * cfg.max_seq_len} per micro-batch)"
                if self.label_head else "over every position (full logits)"))
@@ -488,7 +490,7 @@ class Trainer:
              global_batch_blocks=plan.global_blocks, global_batch_tokens=plan.global_blocks * cfg.max_seq_len,
              accumulation=plan.accum, steps_per_epoch=self.epoch_steps, total_steps=self.total_steps,
              warmup_steps=self.warmup, lr_schedule=cfg.lr_schedule, compute_dtype=str(self.dtype).split(".")[-1],
-             compile=self.compiled, resumed_step=self.global_step if self.resumed_from else None,
+             compile=self.compiled, reshard_after_forward=cfg.reshard_after_forward, resumed_step=self.global_step if self.resumed_from else None,
              resumed_from=self.resumed_from)
 
     def examples_per_step(self) -> float:
