@@ -13,6 +13,7 @@ from tpufinetune_trainer.data import (
     IGNORE_INDEX,
     BatchPlan,
     Examples,
+    Packed,
     Ragged,
     encode_rows,
     epoch_steps,
@@ -24,6 +25,7 @@ from tpufinetune_trainer.data import (
     plan_run,
     prepare,
     rank_blocks,
+    rank_eval_share,
     steps_per_epoch,
 )
 from tpufinetune_trainer.errors import DataError
@@ -237,6 +239,25 @@ def test_evaluation_covers_every_block_once_in_one_shape():
     covered = np.concatenate([eval_order(blocks, world, batch, r) for r in range(world)])
     assert len(covered) % (world * batch) == 0
     assert sorted(covered[covered >= 0].tolist()) == list(range(blocks))
+
+
+def test_each_rank_holds_only_its_share_of_the_held_out_blocks():
+    blocks, world, batch, length = 11, 4, 2, 8
+    rng = np.random.default_rng(0)
+    packed = Packed(*(rng.integers(0, 100, (blocks, length)) for _ in range(4)),
+                    real_tokens=rng.integers(1, length, blocks), label_tokens=rng.integers(0, length, blocks))
+    held = []
+    for rank in range(world):
+        share, local = rank_eval_share(packed, world, batch, rank)
+        order = eval_order(blocks, world, batch, rank)
+        # The same batches in the same shape as before, each index now into the share.
+        assert len(local) == len(order) and ((local < 0) == (order < 0)).all()
+        assert len(share) == int((order >= 0).sum()) <= -(-blocks // world)
+        for mine, whole in zip(local[local >= 0], order[order >= 0]):
+            assert (share.input_ids[mine] == packed.input_ids[whole]).all()
+            assert share.label_tokens[mine] == packed.label_tokens[whole]
+        held += order[order >= 0].tolist()
+    assert sorted(held) == list(range(blocks))  # every block on exactly one rank
 
 
 def test_each_packed_example_only_attends_to_itself(trainer_assets, rows, tokenizer):

@@ -806,3 +806,15 @@ def eval_order(num_blocks: int, world_size: int, batch_size: int, rank: int) -> 
     order = np.full(total, -1, dtype=np.int64)
     order[:num_blocks] = np.arange(num_blocks)
     return order[rank::world_size]
+
+
+def rank_eval_share(packed: Packed, world_size: int, batch_size: int, rank: int) -> tuple[Packed, np.ndarray]:
+    """This rank's held-out blocks (those eval_order gives it) and its order over them:
+    indices into the share, -1 for filler. A rank copies only its share to its device, a
+    world-th of the held-out set, not all of it."""
+    order = eval_order(len(packed), world_size, batch_size, rank)
+    mine = order[order >= 0]
+    share = Packed(**{name: getattr(packed, name)[mine] for name in Packed.__dataclass_fields__})
+    local = np.full(len(order), -1, dtype=np.int64)
+    local[order >= 0] = np.arange(len(mine))
+    return share, local

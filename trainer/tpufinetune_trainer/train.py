@@ -35,8 +35,8 @@ from . import storage
 from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .config import FinetuneConfig
 from .errors import ConfigError, Preempted, StorageError
-from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, epoch_step_count, eval_order, plan_epoch, \
-    plan_run, rank_blocks
+from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, epoch_step_count, plan_epoch, plan_run, \
+    rank_blocks, rank_eval_share
 from .events import emit
 from .masks import MaskBuilder
 from .model import base_directory, freeze_input_embeddings, load_tokenizer
@@ -184,7 +184,11 @@ class Trainer:
         start = [resume.new_start_id() if rank == 0 else None]
         dist.broadcast_object_list(start, src=0, group=self.cpu_group)
         self.start_id: str = start[0]
-        self.eval_blocks = DeviceBlocks(self.eval_data, self.device, self.pad_id) if self.eval_data else None
+        # This rank's share of the held-out blocks on its device, and its order over them.
+        self.eval_blocks, self.eval_order = None, None
+        if self.eval_data:
+            share, self.eval_order = rank_eval_share(self.eval_data, world, self.plan.blocks, rank)
+            self.eval_blocks = DeviceBlocks(share, self.device, self.pad_id)
         # Rows of the loss head's label buffer: the most label tokens of any micro-batch the
         # run takes (static for the whole run; loss.py).
         positions = self.plan.blocks * cfg.max_seq_len
@@ -625,8 +629,7 @@ class Trainer:
         if self.eval_blocks is None:
             return None
         per_device = self.plan.blocks
-        order = eval_order(len(self.eval_data), self.world, per_device, self.rank)
-        order = np.where(order < 0, self.eval_blocks.filler, order)
+        order = np.where(self.eval_order < 0, self.eval_blocks.filler, self.eval_order)
         self.model.eval()
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         indices = torch.from_numpy(order.astype(np.int64)).to(self.device)  # one copy per evaluation
