@@ -243,6 +243,6 @@ def test_every_block_stays_gathered_only_where_the_plan_holds_it_within_the_marg
     assert on_v7x.per_chip_bytes == memplan.estimate(request("google/gemma-4-E2B-it", generation="v7x",
                                                              topology="2x2x2", keep_gathered=True)).per_chip_bytes
     assert not memplan.plan_spec(spec("google/gemma-4-E2B-it")).keep_gathered
-    # The worker pod's memory counts too.
+    # Nor for a run that does not fit its worker pod's memory.
     assert not memplan.keeps_gathered(request("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2",
                                               host_memory_bytes=8 * GIB))

@@ -422,15 +422,15 @@ def smallest_fit(request: Request) -> str:
 
 def keeps_gathered(request: Request) -> bool:
     """Whether the trainer should keep every block's gathered copy from forward to backward:
-    a model of the table on a TPU slice whose plan with it fits, within KEEP_GATHERED_SHARE
-    of the usable HBM (and of the worker pod's memory). Never for a model the table does not
-    know, nor on the cpu stand-in: there is no figure to hold it to."""
+    a model of the table on a TPU slice whose plan with it fits (the worker pod's memory
+    included: the copy is in HBM, not on the host), within KEEP_GATHERED_SHARE of the usable
+    HBM. Never for a model the table does not know, nor on the cpu stand-in: there is no
+    figure to hold it to."""
     if request.method not in METHODS or known_shape(request.model_id) is None \
             or not g.generation(request.generation).is_tpu:
         return False
     plan = _plan(replace(request, keep_gathered=True))
-    host_ok = not plan.host_limit_bytes or plan.host_bytes <= KEEP_GATHERED_SHARE * plan.host_limit_bytes
-    return plan.per_chip_bytes <= KEEP_GATHERED_SHARE * plan.limit_bytes and host_ok
+    return bool(plan.fits) and plan.per_chip_bytes <= KEEP_GATHERED_SHARE * plan.limit_bytes
 
 
 def _describe(request: Request, candidate: Request) -> str:
