@@ -9,8 +9,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from .api import TPUFineTuneSpec
 from . import memplan
+from .api import TPUFineTuneSpec
 from .apimodels import MemorySettings
 from .sizing import slice_shape, total_devices
 
