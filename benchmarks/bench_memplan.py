@@ -61,15 +61,15 @@ def _reset_peak() -> None:
 
 # The smallest model of the same code path: one step of it, before the baseline, takes the
 # process's fixed first-step allocations (gloo's buffers, lazily imported modules, the CPU
-# kernels' first-call workspaces: ~40 MiB that do not grow with the model) out of the figure.
+# kernels' first-call workspaces: ~30 MiB here, whatever the model) out of the figure.
 WARM_UP = (dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=8, global_head_dim=8, hidden_size_per_layer_input=4,
-                vocab_size=64), 32, 1, 1)
+                vocab_size=64), 32, 1)
 
 
-def _train(text: dict, length: int, blocks: int, steps: int, attention: str, before_steps=None) -> dict:
-    """Build, shard and train `steps` steps as train.py does; `before_steps` runs once the
-    model is built (the peak's reset). Returns what `planned` needs of the configuration."""
+def _build(text: dict, length: int, blocks: int, attention: str):
+    """A model built and sharded, its loss head, AdamW and one batch, as train.py has them.
+    Returns (step: one training step, what `planned` needs of the configuration)."""
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
@@ -95,16 +95,16 @@ def _train(text: dict, length: int, blocks: int, steps: int, attention: str, bef
     positions = torch.arange(length).repeat(blocks, 1)
     segments = torch.ones(blocks, length, dtype=torch.int64)
     targets = torch.randint(3, vocab, (blocks, length))
-    if before_steps:
-        before_steps()
-    for _ in range(steps):
+
+    def step() -> None:
         summed = model.label_loss_sum(ids, positions, masks(segments), targets, blocks * length)
         (summed / targets.numel()).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return {"eager": model.config.get_text_config()._attn_implementation == "eager", "length": length,
-            "blocks": blocks, "config": dict(text, vocab_size_per_layer_input=vocab)}
+
+    return step, {"eager": model.config.get_text_config()._attn_implementation == "eager", "length": length,
+                  "blocks": blocks, "config": dict(text, vocab_size_per_layer_input=vocab)}
 
 
 def measure(name: str, warm_up: bool = True) -> dict:
@@ -114,9 +114,10 @@ def measure(name: str, warm_up: bool = True) -> dict:
 
     import torch
     import torch.distributed as dist
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration  # noqa: F401 - before the baseline,
+    # What _build imports, imported before the baseline (as before WARM_UP: --cold's figure).
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration  # noqa: F401
 
-    import tpufinetune_trainer.loss, tpufinetune_trainer.masks, tpufinetune_trainer.train  # noqa: E401,F401 - as _train's
+    import tpufinetune_trainer.loss, tpufinetune_trainer.masks, tpufinetune_trainer.train  # noqa: E401,F401
 
     text, length, blocks, steps, *rest = CONFIGS[name]
     attention = rest[0] if rest else "sdpa"
@@ -125,15 +126,17 @@ def measure(name: str, warm_up: bool = True) -> dict:
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
     if warm_up:
-        _train(*WARM_UP, attention)
+        _build(*WARM_UP, attention)[0]()
         gc.collect()
     baseline = _status_kib("VmRSS") * 1024
-    started = []
-    result = _train(text, length, blocks, steps, attention,
-                    before_steps=lambda: (_reset_peak(), started.append(time.perf_counter())))
+    step, result = _build(text, length, blocks, attention)
+    _reset_peak()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
     peak = _status_kib("VmHWM") * 1024
     dist.destroy_process_group()
-    return {"name": name, "measured": peak - baseline, "seconds": time.perf_counter() - started[0], **result}
+    return {"name": name, "measured": peak - baseline, "seconds": time.perf_counter() - started, **result}
 
 
 def planned(result: dict) -> int:

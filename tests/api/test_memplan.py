@@ -223,7 +223,7 @@ def test_a_model_the_table_does_not_know_is_checked_on_the_size_its_spec_states(
 
 def test_every_block_stays_gathered_only_where_the_plan_holds_it_within_the_margin():
     e2b = request("google/gemma-4-E2B-it")
-    kept = memplan.estimate(memplan.Request(**{**e2b.__dict__, "keep_gathered": True}))
+    kept = memplan.estimate(request("google/gemma-4-E2B-it", keep_gathered=True))
     resharded = memplan.estimate(e2b)
     shape = memplan.known_shape("google/gemma-4-E2B-it")
     # Every block's bf16 copy instead of two blocks' at a time.

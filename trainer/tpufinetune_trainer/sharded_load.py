@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from .errors import ModelError
+from .parallelize import RESHARD_AFTER_FORWARD
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -319,7 +320,7 @@ def initialise_unloaded_buffers(model) -> None:
 
 def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: torch.dtype,
                  compile: bool = False, device: torch.device | None = None, full: bool = False, lora=None,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = RESHARD_AFTER_FORWARD):
     """The base model, FSDP2-sharded over `mesh`, each rank having read only its own slices.
     Returns (model, how): how it was loaded, for the log. `full` (--model-load full), or a
     checkpoint that cannot be read by name and shape, takes the full load (the same model).

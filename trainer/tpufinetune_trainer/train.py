@@ -184,11 +184,13 @@ class Trainer:
         start = [resume.new_start_id() if rank == 0 else None]
         dist.broadcast_object_list(start, src=0, group=self.cpu_group)
         self.start_id: str = start[0]
-        # This rank's share of the held-out blocks on its device, and its order over them.
-        self.eval_blocks, self.eval_order = None, None
+        # This rank's share of the held-out blocks on its device, and its order over them
+        # (filler slots take the filler block), both copied once for every evaluation.
+        self.eval_blocks, self.eval_index = None, None
         if self.eval_data:
-            share, self.eval_order = rank_eval_share(self.eval_data, world, self.plan.blocks, rank)
+            share, order = rank_eval_share(self.eval_data, world, self.plan.blocks, rank)
             self.eval_blocks = DeviceBlocks(share, self.device, self.pad_id)
+            self.eval_index = torch.from_numpy(np.where(order < 0, self.eval_blocks.filler, order)).to(self.device)
         # Rows of the loss head's label buffer: the most label tokens of any micro-batch the
         # run takes (static for the whole run; loss.py).
         positions = self.plan.blocks * cfg.max_seq_len
@@ -628,12 +630,10 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.eval_blocks is None:
             return None
-        per_device = self.plan.blocks
-        order = np.where(self.eval_order < 0, self.eval_blocks.filler, self.eval_order)
+        per_device, indices = self.plan.blocks, self.eval_index
         self.model.eval()
         total = torch.zeros((), device=self.device, dtype=torch.float32)
-        indices = torch.from_numpy(order.astype(np.int64)).to(self.device)  # one copy per evaluation
-        for step in range(len(order) // per_device):
+        for step in range(len(indices) // per_device):
             total += self.token_loss_sum(self.eval_blocks.gather(indices[step * per_device:(step + 1) * per_device]),
                                          self.eval_cap)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)

@@ -153,8 +153,8 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         if lora.train_embeddings:  # only when on: an older trainer image knows no such flag
             argv.append("--lora-train-embeddings=true")
     argv += memory_flags(training)
-    request = memplan.request_of(spec)
-    if request is not None and memplan.keeps_gathered(request):  # only then: an older trainer knows no such flag
+    plan = memplan.plan_spec(spec)  # status.plan's: the flag and the figure shown are one decision
+    if plan is not None and plan.keep_gathered:  # only then: an older trainer knows no such flag
         argv.append("--reshard-after-forward=false")
     if training.tokens_per_step is not None:  # only when set: an older trainer image knows no such flag
         argv.append(f"--tokens-per-step={training.tokens_per_step}")

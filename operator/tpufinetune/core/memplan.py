@@ -462,17 +462,10 @@ def status_of(plan: MemoryPlan) -> dict:
 
 def plan_spec(spec) -> MemoryPlan | None:
     """The plan of a TPUFineTune spec (None for mode collectives: nothing is trained), as
-    the trainer will run it: with every block kept gathered where `keeps_gathered`."""
-    request = request_of(spec)
-    if request is None:
-        return None
-    return estimate(replace(request, keep_gathered=True) if keeps_gathered(request) else request)
-
-
-def request_of(spec) -> Request | None:
-    """What a TPUFineTune spec asks of the planner (None for mode collectives). The method,
-    LoRA rank and memory settings are read defensively: older specs have none (full, no
-    checkpointing, the device's attention, trained embeddings)."""
+    the trainer will run it: with every block kept gathered where `keeps_gathered` (jobspec
+    passes the trainer's flag from this plan). The method, LoRA rank and memory settings
+    are read defensively: older specs have none (full, no checkpointing, the device's
+    attention, trained embeddings)."""
     if spec.mode != "finetune":
         return None
     from .quantity import parse_quantity
@@ -481,7 +474,7 @@ def request_of(spec) -> Request | None:
     training = spec.training
     lora = getattr(training, "lora", None)
     memory = plan_resources(spec)["workers"][1].get("memory")
-    return Request(
+    request = Request(
         model_id=spec.model.id, method=getattr(training, "method", "full") or "full",
         generation=spec.tpu.generation, topology=spec.tpu.topology, max_seq_len=training.max_seq_len,
         batch_per_device=training.batch_size_per_device,
@@ -492,3 +485,4 @@ def request_of(spec) -> Request | None:
         freeze_embeddings=bool(getattr(training, "freeze_embeddings", None)),
         lora_embeddings=bool(getattr(lora, "train_embeddings", None)),
         stated_parameters=getattr(spec.model, "parameters", None), slices=spec.tpu.slices)
+    return estimate(replace(request, keep_gathered=True) if keeps_gathered(request) else request)
