@@ -15,26 +15,24 @@ from typing import Protocol
 from tpufinetune.adapters import metrics
 from tpufinetune.core import applied, attempts, conditions, notify, phases
 from tpufinetune.core.api import SpecError, parse_stored_spec
+from tpufinetune.adapters.lease import LeaseLost
 from tpufinetune.core.errors import CreateRefused, StatusConflict
 from tpufinetune.core.jobspec import job_submission, preflight_submission
-from tpufinetune.core.skew import report_ignored_fields, status_patch
+from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
 from tpufinetune.core.phasemodel import recorded_cluster_uid
 from tpufinetune.core.podstatus import SliceHealth
-from tpufinetune.core.progress import ProgressTracker, recovered
+from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.adapters.logfollow import LogFollower
 from tpufinetune.adapters.notify import RunNotices, notifier_for
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.runray import RayNotAnswering, RunRay, _one_line
+from tpufinetune.runstatus import RunStatus, conflict_backoff
 from tpufinetune.settings import Settings
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
-from tpufinetune.core.status import checked_status
 from tpufinetune.core.generations import generation
 
 log = logging.getLogger(__name__)
-# A refused status write (StatusConflict) is retried at once, after a re-read, this many
-# times in a row; then at the poll interval.
-CONFLICT_RETRIES = 3
 # A waiting run whose backend watches its cluster, pods and Workload looks again this often
 # with nothing changed (a resync, as an informer's): a change wakes it at once, and its own
 # timers (phases.next_timer) are kept to the second.
@@ -53,7 +51,7 @@ class ClusterBackend(Protocol):
     async def maintenance(self, ident: Identity, cluster: str) -> tuple[tuple[str, str], ...]: ...
 
 
-class Run(RunRay):
+class Run(RunRay, RunStatus):
     """One resource's run. Holds the last status it wrote and the resourceVersion that write
     produced: every status write is conditional on it, so a stale copy cannot win."""
 
@@ -177,7 +175,7 @@ class Run(RunRay):
                     # deletes its pods, so a cluster read after the job shows why it ended.
                     cluster = await self.backend.observe(self.ident, self.status["rayClusterName"])
             events = await self._new_events(address, job)
-            self.unwritten.extend(events)
+            self.keep_unwritten(events)
             preflight_job, preflight_events = await self._preflight(address, phase, lost)
         except RayNotAnswering as error:
             job = None
@@ -199,7 +197,7 @@ class Run(RunRay):
         if phase in (phases.SUBMITTING, phases.RUNNING) and address and self.status.get("jobId"):
             job = await self._ray_while_deleting("reading the evicted job", address, self.jobs.job, self.status["jobId"])
         if self.follower is not None:
-            self.unwritten.extend(self.follower.drain())
+            self.keep_unwritten(self.follower.drain())
             if phase == phases.QUEUED:
                 await self._close_follower()
         return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job,
@@ -233,7 +231,13 @@ class Run(RunRay):
     async def _step(self, deleting: bool) -> Decision:
         self._refresh_spec()
         if self.status_stale:
-            await self._reread_status()
+            try:
+                await self._reread_status()
+            except Exception as error:
+                if not deleting:
+                    raise
+                log.warning("%s/%s: deleting from the status last known (%s)", self.ident.namespace,
+                            self.ident.name, _one_line(error))
         obs = await self.observe(deleting)
         obs = self._without_malformed_events(obs)
         decision = phases.transition(self.ident, self.plan, self.status, obs)
@@ -251,7 +255,10 @@ class Run(RunRay):
         report_ignored_fields(decision, self.ignored_fields, obs.now, self.ident.generation)
         self._log_cursor(decision.status)
         # Status first: identities are persisted before the actions that depend on them.
+        # The head the actions address is the one this step observed: a retry's status no
+        # longer names it, and stopping its job comes before the cluster goes.
         before = self.status
+        address = before.get("dashboardURL") or (obs.cluster.dashboard_url if obs.cluster is not None else "")
         applied.record(decision.status, self.generation, self._spec_source, bool(self.spec_error),
                        self.applied[:2] if self.applied is not None else None)
         outcomes = self.notices.records()  # spec.notify's deliveries, recorded with this write
@@ -259,6 +266,17 @@ class Run(RunRay):
             decision.status["notifications"] = notify.with_records(decision.status, outcomes)
         try:
             await self._write(decision.status)
+        except Exception as error:
+            self.notices.put_back(outcomes)
+            if not deleting:
+                raise
+            # Releasing the slice (and so the finalizer) never waits on a status write: an
+            # admission policy refusing the status, a conflict, an API server that does
+            # not answer the write. Deleting's actions need no identity written first.
+            log.warning("%s/%s: deleting without writing the status (%s)", self.ident.namespace,
+                        self.ident.name, _one_line(error))
+            await self._perform(decision, obs, address)
+            return decision
         except BaseException:
             self.notices.put_back(outcomes)
             raise
@@ -270,7 +288,7 @@ class Run(RunRay):
         for entry in ended:
             metrics.attempt_ended(self.ident.namespace, generation(spec.tpu.generation).name if spec else "",
                                   entry.get("reason") or "", float((entry.get("usage") or {}).get("chipHours") or 0) * 3600)
-        await self._perform(decision, obs)
+        await self._perform(decision, obs, address)
         return decision
 
     def _offer_notices(self) -> None:
@@ -293,72 +311,8 @@ class Run(RunRay):
             log.warning("%s/%s: the slice's pods could not be read: %s", self.ident.namespace, self.ident.name, detail)
             return SliceHealth(False, "", f"the slice's pods could not be read: {detail}")
 
-    async def _reread_status(self) -> None:
-        """After a failed write our copy may not be what the object holds (the write may
-        even have landed): decide from what the API server says."""
-        try:
-            found = await self.backend.read_status(self.ident)
-        except Exception as error:
-            self._status_failed(error)
-            raise
-        self.progress.reached(time.monotonic())
-        if found is not None:
-            status, self.resource_version = found
-            self.status = {k: v for k, v in status.items() if k != "kopf"}
-        self.status_stale = False
-
-    async def _write(self, new: dict) -> None:
-        # A misspelt key fails here, not in silence at the API server; keys read back
-        # (a newer operator's) are carried, not checked.
-        failing = self.progress.failing.get(self.progress_key)
-        if failing is not None:  # written with the first write that lands (core/progress.py)
-            recovered(new, failing, datetime.now(timezone.utc), time.monotonic())
-        checked_status(new, self.status)
-        patch = status_patch(self.status, new)
-        if patch:
-            await self._space_writes(transition=new.get("phase") != self.status.get("phase"))
-            try:
-                self.resource_version = await self.backend.write_status(
-                    self.ident, patch, new, self.resource_version)
-                self.progress.reached(time.monotonic())
-            except BaseException as error:
-                self.status_stale = True
-                # A conflict is another writer's newer version, not a stall: re-read, go on.
-                if isinstance(error, Exception) and not isinstance(error, StatusConflict):
-                    self._status_failed(error)
-                raise
-        self.status = new
-        self.progress.written(self.progress_key)
-
-    @property
-    def progress_key(self) -> tuple[str, str, str]:
-        return (self.ident.namespace, self.ident.name, self.ident.uid)
-
-    def _status_failed(self, error: Exception) -> None:
-        code = getattr(error, "status", None)
-        # The API server answered and refused this object (admission, a rejected value,
-        # RBAC on its namespace): the run's own trouble. No answer, a 5xx, the operator's
-        # own credentials (401) or throttling are the operator's (core/progress.py).
-        own = isinstance(code, int) and 400 <= code < 500 and code not in (401, 408, 429)
-        message = _one_line(error)
-        if self.progress.failed(self.progress_key, time.monotonic(), message, own=own):
-            self.backend.record(self.ident, "Warning", "StatusWriteFailing",
-                                f"the operator cannot write this run's status ({message}); it keeps "
-                                "trying, and the run goes on")
-
-    async def _space_writes(self, transition: bool) -> None:
-        """At most one status write per TPUFT_STATUS_WRITE_INTERVAL for one run within a
-        phase: a chatty trainer's events wait a moment and go together (the API server and
-        etcd see each write). A write that changes the phase goes at once: a run has a
-        handful of transitions, and each one spaced would hold its RayCluster's creation
-        (New -> Pending -> Provisioning) a second or two."""
-        now = time.monotonic()
-        wait = self._last_write + self.settings.status_write_interval - now
-        if wait > 0 and not transition:
-            await asyncio.sleep(wait)
-        self._last_write = max(now, time.monotonic())
-
-    async def _perform(self, decision: Decision, obs: Observations | None = None) -> None:
+    async def _perform(self, decision: Decision, obs: Observations | None = None, address: str = "") -> None:
+        address = address or self.status.get("dashboardURL") or ""
         for action in decision.actions:
             if isinstance(action, phases.RecordEvent):
                 self.backend.record(self.ident, action.type, action.reason, action.message)
@@ -366,8 +320,13 @@ class Run(RunRay):
                 try:
                     await self.backend.create(self.ident, await self._keyed(raycluster_with_pod_settings(
                         self.ident.name, self.ident.namespace, self.ident.uid, self.spec)))
-                except CreateRefused as refusal:  # shown, and timed, by the next step
-                    self.create_refused = str(refusal) or "refused"
+                except LeaseLost:
+                    raise  # not this run's trouble: this operator may no longer act
+                except Exception as error:  # any failure to create is shown, and timed, by the next step
+                    self.create_refused = (str(error) if isinstance(error, CreateRefused) else _one_line(error)) \
+                        or type(error).__name__
+                    log.warning("%s/%s: creating the RayCluster failed: %s", self.ident.namespace,
+                                self.ident.name, self.create_refused)
                     continue
                 self.create_refused = ""
                 metrics.cluster_created(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
@@ -384,24 +343,27 @@ class Run(RunRay):
                 submission = job_submission(
                     self.ident.name, self.ident.namespace, self.ident.uid, self.spec, action.attempt, resume_from=resume
                 )
-                await self._ray(self.status["dashboardURL"], self.jobs.submit, action.submission_id,
+                await self._ray(address, self.jobs.submit, action.submission_id,
                                 submission.entrypoint, submission.runtime_env, submission.metadata)
                 if action.attempt == 1:
                     metrics.job_submitted(self.ident.uid, self.body["metadata"].get("creationTimestamp"))
             elif isinstance(action, phases.SubmitPreflight):
                 request = preflight_submission(self.ident.name, self.ident.namespace, self.ident.uid, self.spec,
                                                action.attempt)
-                await self._ray(self.status["dashboardURL"], self.jobs.submit, request.submission_id,
+                await self._ray(address, self.jobs.submit, request.submission_id,
                                 request.entrypoint, request.runtime_env, request.metadata)
             elif isinstance(action, phases.RequestCheckpoint):
                 await self._request_checkpoint(action)
-            elif isinstance(action, phases.StopJob) and decision.phase in (phases.DELETING, phases.QUEUED):
-                await self._ray_while_deleting(f"stopping job {action.submission_id}", self.status["dashboardURL"],
+            elif isinstance(action, phases.StopJob) and decision.phase in (phases.DELETING, phases.QUEUED,
+                                                                           phases.PENDING):
+                # The slice is going (a delete, an eviction, a retry on a new RayCluster):
+                # stopping its job first is a courtesy, best effort and bounded.
+                await self._ray_while_deleting(f"stopping job {action.submission_id}", address,
                                                self.jobs.stop, action.submission_id)
                 if decision.phase == phases.QUEUED and self.follower is not None:
                     await self._last_lines_of_evicted_job()
             elif isinstance(action, phases.StopJob):
-                await self._ray(self.status["dashboardURL"], self.jobs.stop, action.submission_id)
+                await self._ray(address, self.jobs.stop, action.submission_id)
         if decision.phase != phases.RUNNING:
             # An evicted attempt's last lines (its newest checkpoint) are applied on the
             # next step; any other stream's are not this run's any more.
@@ -428,9 +390,7 @@ class Run(RunRay):
                 # edit, another replica): the next step re-reads it and decides again.
                 conflicts += 1
                 log.info("%s/%s: %s; re-reading the status", self.ident.namespace, self.ident.name, error)
-                if conflicts > CONFLICT_RETRIES:
-                    conflicts = 0
-                    await self._sleep(stopped, self.settings.poll_interval)
+                await self._sleep(stopped, conflict_backoff(conflicts, self.settings.poll_interval))
                 continue
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():

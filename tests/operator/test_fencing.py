@@ -136,7 +136,7 @@ async def test_a_leader_past_its_renew_deadline_neither_creates_nor_deletes():
         with pytest.raises(lease.LeaseLost, match="deleting RayCluster ns/tft-demo"):
             await backend.delete(IDENT, "tft-demo", uid="rc-uid-1")
         with pytest.raises(lease.LeaseLost, match="creating RayCluster ns/tft-demo"):
-            backend._create_cluster("ns", manifest)
+            backend._create_cluster(IDENT, manifest)
     closed.close()
 
 

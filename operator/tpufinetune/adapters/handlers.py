@@ -29,6 +29,7 @@ from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.core.errors import StatusConflict
 from tpufinetune.driver import Run
+from tpufinetune.runstatus import conflict_backoff
 from tpufinetune.adapters.kube import MAINTENANCE_LABEL, RAY_PLURAL, KubeBackend, Watches
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.settings import Settings
@@ -215,15 +216,20 @@ async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     run = RUNS.get(key) or Run(dict(body), memo.backend, memo.jobs, memo.settings, memo.progress)
     # Wait here for the garbage collector (seconds, normally): kopf would post a retry
     # as an Error event, and a normal delete is not an error.
+    # A deleting step never waits on its status write (driver.Run._step): a refused or
+    # conflicting write neither holds the RayCluster nor keeps the finalizer.
     deadline = asyncio.get_running_loop().time() + RELEASE_WAIT_S
+    conflicts = 0
     while True:
         try:
             decision = await run.step(deleting=True)
         except StatusConflict:
-            # kopf's own status.kopf write (or another writer) came first: re-read and
-            # step again; a conflict is not a failure worth an Error event.
+            # Another writer came first (re-read, then step again): a conflict is not a
+            # failure worth an Error event, and a retry waits a little longer each time.
             if asyncio.get_running_loop().time() > deadline:
                 raise
+            conflicts += 1
+            await asyncio.sleep(conflict_backoff(conflicts, memo.settings.poll_interval))
             continue
         if not any(isinstance(a, phases.DeleteCluster) for a in decision.actions):
             memo.progress.forget(run.progress_key)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 import time
 from datetime import datetime, timezone
@@ -25,98 +24,15 @@ from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.phases import ClusterView, Identity, QueueView
 from tpufinetune.core.sizing import NAME_LABEL, POD_SELECTOR, QUEUE_NAME_LABEL
 from tpufinetune.adapters import informer, lease
+from tpufinetune.adapters.kubeviews import (  # noqa: F401  (re-exported: the handlers and tests use kube.X)
+    CLUSTER_LABEL, JOB_UID_LABEL, KUEUE_GROUP, KUEUE_VERSION, MAINTENANCE_LABEL, NO_KUEUE, RAY_GROUP, RAY_PLURAL,
+    RAY_VERSION, WORKLOADS, api_answer, cluster_view, queue_view, server_message,
+)
 from tpufinetune.adapters.pools import Pool
 from tpufinetune.adapters.raytokens import RayTokens, SigningKeyError
 from tpufinetune.settings import Settings
 
 log = logging.getLogger(__name__)
-
-RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
-KUEUE_GROUP, KUEUE_VERSION, WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
-# Kueue labels each Workload with the uid of the job (here the RayCluster) it stands for.
-JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
-# KubeRay labels each pod with its RayCluster's name.
-CLUSTER_LABEL = "ray.io/cluster"
-# GKE puts it on a node with maintenance scheduled (seconds since the epoch).
-MAINTENANCE_LABEL = "cloud.google.com/scheduled-maintenance-time"
-
-
-def cluster_view(body: dict | None, owner_uid: str, settings: Settings) -> ClusterView:
-    """What a RayCluster object says about readiness, as KubeRay reports it. Pure."""
-    if not body:
-        return ClusterView(exists=False)
-    meta = body.get("metadata") or {}
-    owned = any(ref.get("uid") == owner_uid for ref in meta.get("ownerReferences") or [])
-    status = body.get("status") or {}
-    conditions = {c.get("type"): c for c in status.get("conditions") or []}
-
-    def true(kind: str) -> bool:
-        return (conditions.get(kind) or {}).get("status") == "True"
-
-    ready = status.get("state") == "ready" or (true("HeadPodReady") and true("RayClusterProvisioned"))
-    problem = ""
-    if meta.get("deletionTimestamp"):
-        # Going away (a suspend, someone's delete): its head is no place for a job.
-        ready, problem = False, f"RayCluster {meta.get('name', '')} is being deleted"
-    elif true("RayClusterReplicaFailure"):
-        failure = conditions["RayClusterReplicaFailure"]
-        problem = failure.get("message") or failure.get("reason") or "a replica failed"
-    elif status.get("reason"):
-        problem = status["reason"]
-    name = meta.get("name", "")
-    service = (status.get("head") or {}).get("serviceName") or f"{name}-head-svc"
-    url = settings.dashboard_for(cluster=name, namespace=meta.get("namespace", ""), service=service)
-    suspended = (body.get("spec") or {}).get("suspend") is True
-    return ClusterView(exists=True, owned=owned, ready=ready, problem=problem, dashboard_url=url,
-                       suspended=suspended, deleting=bool(meta.get("deletionTimestamp")),
-                       uid=meta.get("uid", ""))
-
-
-NO_KUEUE = QueueView(reason="KueueNotInstalled",
-                     message="Kueue is not installed (no workloads.kueue.x-k8s.io API): "
-                             "nothing will admit the RayCluster")
-
-
-def queue_view(workloads: list[dict], cluster_uid: str) -> QueueView:
-    """What Kueue says about the RayCluster `cluster_uid` in its Workload's conditions. Pure.
-
-    Waiting: QuotaReserved False (reason Pending, or Inadmissible: no such LocalQueue, ...)
-    with Kueue's message. Evicted True: the reason (Preempted, ...) and message."""
-    owned = [w for w in workloads
-             if any(ref.get("uid") == cluster_uid for ref in (w.get("metadata") or {}).get("ownerReferences") or [])]
-    if not owned:
-        return QueueView()
-    conditions = {c.get("type"): c for c in (owned[0].get("status") or {}).get("conditions") or []}
-    evicted = ""
-    eviction = conditions.get("Evicted") or {}
-    if eviction.get("status") == "True":
-        evicted = f"{eviction.get('reason') or 'Evicted'}: {eviction.get('message') or ''}".rstrip(": ")
-    waiting = conditions.get("QuotaReserved") or {}
-    if waiting.get("status") == "False" and waiting.get("message"):
-        return QueueView(reason=waiting.get("reason") or "Pending", message=waiting["message"], evicted=evicted)
-    return QueueView(reason="Evicted" if evicted else "", message=evicted, evicted=evicted)
-
-
-# What the API server answers when it will not take an object as sent: a bad request,
-# a webhook, a quota or RBAC (403), a policy or a schema (422). Never transient.
-REFUSALS = frozenset({400, 403, 422})
-
-
-def server_message(error: Exception) -> str | None:
-    """The API server's own words in an error (the message of the Status object an
-    ApiException carries as its body); None when it has none."""
-    body = getattr(error, "body", None)
-    if not isinstance(body, (str, bytes)):
-        return None
-    try:
-        return json.loads(body).get("message") or None
-    except (ValueError, AttributeError):
-        return None
-
-
-def api_message(error: ApiException) -> str:
-    """The API server's own words from an error, else its reason or status code."""
-    return str(server_message(error) or error.reason or error.status)[:1000]
 
 
 # A cluster the operator created is looked up with a GET, not taken as missing, while the
@@ -392,11 +308,10 @@ class KubeBackend:
                                            "NetworkPolicy", self.tokens.create_for_run, ident)
         except SigningKeyError as error:  # shown, and timed, as a refused create
             raise CreateRefused(f"the run's Ray token could not be derived: {error}") from None
-        except ApiException as error:  # admission, RBAC or a quota: shown and timed, not retried blind
-            if error.status not in REFUSALS:
-                raise
-            raise CreateRefused(f"the run's token Secret or NetworkPolicy was refused: {api_message(error)}") from None
-        await self._call(self._create_cluster, ident.namespace, manifest)
+        except ApiException as error:  # any answer but a success: shown and timed, not retried blind
+            raise CreateRefused(f"the run's token Secret or NetworkPolicy could not be created: "
+                                f"{api_answer(error)}") from None
+        await self._call(self._create_cluster, ident, manifest)
         self._created[(ident.namespace, manifest["metadata"]["name"])] = time.monotonic()
 
     async def ray_token(self, ident: Identity) -> str | None:
@@ -411,17 +326,25 @@ class KubeBackend:
         lease.check_held(what)
         return call(*args)
 
-    def _create_cluster(self, namespace: str, manifest: dict) -> None:
-        lease.check_held(f"creating RayCluster {namespace}/{manifest['metadata']['name']}")
+    def _create_cluster(self, ident: Identity, manifest: dict) -> None:
+        """Create the RayCluster. Every answer but a success is a CreateRefused carrying
+        the API server's code and message: a webhook or a policy (400, 403, 422), the
+        KubeRay CRD missing (404), a webhook that fails (500): each is shown in status and
+        counted against the provisioning timeout. A 409 is a success only when the cluster
+        there is this run's (its owner uid): a namesake's (a TPUFineTune of the same name
+        deleted, its cluster not collected yet) is not."""
+        namespace, name = ident.namespace, manifest["metadata"]["name"]
+        lease.check_held(f"creating RayCluster {namespace}/{name}")
         try:
             self.objects.create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest,
                                                          _request_timeout=self._timeout)
         except ApiException as error:
-            if error.status == 409:  # exists: ownership is checked on the next observation
-                return
-            if error.status in REFUSALS:
-                raise CreateRefused(api_message(error)) from None
-            raise
+            if error.status != 409:
+                raise CreateRefused(api_answer(error)) from None
+            there = self._get_cluster(namespace, name)
+            if there is None or not cluster_view(there, ident.uid, self.settings).owned:
+                raise CreateRefused(f"{api_answer(error)}; it is not this TPUFineTune's (owner uid {ident.uid}): "
+                                    "waiting for it to go") from None
 
     async def delete(self, ident: Identity, name: str, uid: str = "") -> None:
         """Delete the run's RayCluster `uid`: the one the run recorded and decided on, never

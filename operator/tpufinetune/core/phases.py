@@ -269,8 +269,10 @@ def _provisioning(ident: Identity, plan: Plan, s: dict, obs: Observations, d: De
 
 
 def _refused(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
-    """The API server refused the RayCluster (a webhook, a quota, a policy): shown with its
-    words, asked again every step, and counted against the provisioning timeout."""
+    """Creating the RayCluster failed: the API server refused it (a webhook, a quota, a
+    policy), answered anything else (the KubeRay CRD missing: 404; a webhook failing: 500)
+    or did not answer. Shown with its answer (code and message), asked again every step,
+    and counted against the provisioning timeout: no failure to create waits for ever."""
     name = s["rayClusterName"]
     if _expired(_provisioning_deadline(plan, s), obs):
         minutes = int(plan.provision_timeout.total_seconds() // 60)
@@ -278,7 +280,7 @@ def _refused(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decisio
               f"RayCluster {name} could not be created in {minutes} min: {obs.create_refused}")
         return
     _note(s, d, obs, cond.CLUSTER_READY, "CreateRefused",
-          f"the API server refused RayCluster {name}: {obs.create_refused}", warn=True)
+          f"creating RayCluster {name} failed: {obs.create_refused}", warn=True)
     _create_cluster(ident, plan, s, d)
 
 
