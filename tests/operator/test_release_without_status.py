@@ -1,0 +1,46 @@
+"""Releasing a slice and removing the finalizer never wait on a status write: with every
+status write of a run refused (an admission policy on tpufinetunes/status in its
+namespace), kopf's on.delete handler still deletes the RayCluster and returns, so the
+finalizer goes. The refusal here is the Kubernetes client's own ApiException (422, as the
+API server answers a ValidatingAdmissionPolicy's denial); the ground run that shows it
+with the real policy is in test_status_write_faults.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kubernetes.client.rest import ApiException
+
+from tpufinetune.adapters import handlers
+from tpufinetune.adapters.rayjobs import RayJobs
+from tpufinetune.core import phases
+from tpufinetune.core.progress import ProgressTracker
+
+from run_helpers import MemoryCluster, body, in_loop, settings
+
+REFUSAL = "status writes are refused by the test's admission policy"
+
+
+class RefusingStatus(MemoryCluster):
+    """Every status write is refused as the API server refuses one that a policy denies."""
+
+    async def write_status(self, ident, patch, new, resource_version):
+        self.calls.append(f"refused:{new.get('phase')}")
+        error = ApiException(status=422, reason="Unprocessable Entity")
+        error.body = '{"kind": "Status", "message": "%s"}' % REFUSAL
+        raise error
+
+
+@in_loop
+async def test_a_delete_releases_the_raycluster_and_returns_while_every_status_write_is_refused():
+    cluster = RefusingStatus()
+    cluster.exists = True
+    live = body({"phase": phases.SUCCEEDED, "rayClusterName": "tft-demo", "attempt": 1, "jobId": "tft-uid-1-1"},
+                deletionTimestamp="2026-01-01T00:00:00Z")
+    memo = SimpleNamespace(backend=cluster, jobs=RayJobs(timeout=0.5), settings=settings(),
+                           progress=ProgressTracker())
+    await handlers.release(body=live, memo=memo)  # returns: kopf removes the finalizer
+    assert "delete" in cluster.calls and not cluster.exists
+    assert any(call.startswith("refused:") for call in cluster.calls)  # its writes were tried, and refused
+    assert "create" not in cluster.calls
