@@ -51,3 +51,15 @@ def test_plain_tensors_are_clipped_as_torch_clips_them():
     for p, t in zip(params[:2], twins[:2]):
         assert torch.allclose(p.grad, t.grad)
     assert params[2].grad is None
+
+
+def test_with_no_gradients_the_norm_is_a_zero_on_the_parameters_device():
+    """A step whose trained parameters got no gradient (all frozen in this micro-batch's
+    path) returns a zero norm on their device: progress stacks it with the device's loss sum,
+    and a CPU zero beside a TPU tensor fails there. The meta device stands in for the
+    accelerator: a real device other than the host's, with no storage."""
+    params = [torch.nn.Parameter(torch.empty(4, 3, device="meta")), torch.nn.Parameter(torch.empty(2, device="meta"))]
+    norm = clip_grad_norm(params, 1.0)
+    assert norm.device == params[0].device and norm.shape == () and norm.dtype == torch.float32
+    loss_sum = torch.zeros((), device="meta")
+    assert torch.stack([loss_sum, norm]).device.type == "meta"  # what emit_progress does

@@ -1,7 +1,8 @@
 """Loading the base model already sharded (sharded_load.py): built on the meta device,
 sharded by FSDP2, each rank reading only its own slices of the safetensors, gives the
 model the full load gives, tensor for tensor, on one rank and on two (gloo, two real
-processes on the CPU); checkpoints it cannot read by name fall back to the full load."""
+processes on the CPU); a checkpoint it cannot read by name or shape is refused, naming the
+mismatch, unless --model-load sharded-or-full lets it fall back to the full load."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from tpufinetune_trainer import sharded_load
 from tpufinetune_trainer.config import FinetuneConfig
-from tpufinetune_trainer.errors import ConfigError
+from tpufinetune_trainer.errors import ConfigError, ModelError
 from tpufinetune_trainer.model import load_causal_lm
 from tpufinetune_trainer.parallelize import apply_fsdp, build_mesh
 from trainer_helpers import load_differences, run_rank_processes, single_process_group
@@ -92,15 +93,38 @@ def test_any_causal_lm_with_safetensors_is_read_in_slices(tmp_path, process_grou
     assert load_differences(old, new) == [] and same_logits(old, new)
 
 
-def test_a_checkpoint_without_safetensors_takes_the_full_load(tmp_path, process_group):
+def test_a_checkpoint_without_safetensors_takes_the_full_load_only_when_allowed(tmp_path, process_group):
     directory = llama_directory(tmp_path / "llama")
     from safetensors.torch import load_file
 
     torch.save(load_file(directory / "model.safetensors"), directory / "pytorch_model.bin")
     (directory / "model.safetensors").unlink()
-    old, new, how = both_loads(directory)
+    with pytest.raises(ModelError, match=r"cannot read its checkpoint by name and shape \(no safetensors weights\)"):
+        both_loads(directory)
+    old, new, how = both_loads(directory, fallback=True)
     assert "every rank loaded the whole model (no safetensors weights)" in how
     assert load_differences(old, new) == []
+
+
+def test_a_renamed_tensor_fails_the_sharded_load_naming_it_and_the_full_loads_bytes(tmp_path, process_group):
+    """A weight the file holds under another name: the sharded load cannot place it, and
+    falling back silently would put the whole fp32 model in every worker (31B: 4 x 114 GiB
+    on a host). Refused, naming the weight, the bytes and the flag; the flag falls back."""
+    from safetensors.torch import load_file, save_file
+
+    directory = llama_directory(tmp_path / "llama")
+    tensors = load_file(directory / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors["model.layers.1.mlp.down_proj.renamed"] = tensors.pop(name)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    full_bytes = sum(t.numel() * 4 for t in tensors.values())
+    with pytest.raises(ModelError) as refused:
+        sharded_load.load_sharded(str(directory), "sdpa", build_mesh("cpu", 1), torch.float32)
+    message = str(refused.value)
+    assert f"(the checkpoint has no {name})" in message, message
+    assert f"{full_bytes / 2**30:.1f} GiB" in message and "--model-load sharded-or-full" in message, message
+    _, how = sharded_load.load_sharded(str(directory), "sdpa", build_mesh("cpu", 1), torch.float32, fallback=True)
+    assert f"every rank loaded the whole model (the checkpoint has no {name})" in how
 
 
 def test_model_load_full_takes_the_full_load(trainer_assets, process_group):

@@ -112,10 +112,26 @@ def _planner():
 
 def write_trainer_state(location: str, text: str) -> None:
     """Rank 0, after the DCP save completed on every rank: the file that makes the
-    checkpoint complete."""
+    checkpoint complete. Atomic: on a path (a shared file system) it is written under a
+    temporary name, synced and renamed into place, so a writer killed mid-write leaves no
+    `trainer_state.json` and the checkpoint is incomplete, never torn; a bucket's object
+    exists only once its upload completed."""
+    data = text.encode("utf-8")
+    if not storage.is_uri(location):
+        target = Path(location, STATE_FILE)
+        partial = Path(location, f".{STATE_FILE}.partial-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            with open(partial, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return
     fs, path = storage.filesystem(location)
     with fs.open_output_stream(f"{path.rstrip('/')}/{STATE_FILE}") as f:
-        f.write(text.encode("utf-8"))
+        f.write(data)
 
 
 def save_sharded(model, optimizer, location: str, trainer_state: dict, group=None) -> None:
@@ -274,6 +290,17 @@ def load_sharded(model, optimizer, location: str, group=None) -> dict:
     return read_trainer_state(location)
 
 
+def readable_state(location: str) -> dict | None:
+    """The checkpoint's trainer state, or None when it is missing or not a JSON object (a
+    torn file from a writer that was killed mid-write before writes were atomic, or a
+    file system that lost its tail): such a checkpoint is passed over, never resumed from."""
+    try:
+        state = read_trainer_state(location)
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+    return state if isinstance(state, dict) and state else None
+
+
 def read_trainer_state(location: str) -> dict:
     import pyarrow.fs as pafs
 
@@ -424,11 +451,12 @@ def _shards_present(shards: dict[str, int], present: dict[str, int], prefix: str
 
 def is_complete(location: str) -> bool:
     """Whether the checkpoint at `location` can be loaded: its trainer state (written last,
-    once every rank's shards and the DCP metadata are) and metadata are there, and every
-    shard file the metadata names exists with every byte the metadata places in it."""
+    once every rank's shards and the DCP metadata are) reads as JSON, its metadata is there,
+    and every shard file the metadata names exists with every byte the metadata places in it."""
     fs, path = storage.filesystem(location)
     present = _files_under(fs, path.rstrip("/"))
-    return STATE_FILE in present and _shards_present(_shard_files(location), present)
+    return STATE_FILE in present and _shards_present(_shard_files(location), present) \
+        and readable_state(location) is not None
 
 
 def resume_order(state: dict) -> tuple[int, str]:
@@ -456,9 +484,9 @@ def latest_complete(run_dir: str) -> str | None:
         location = storage.uri_of(fs, f"{root}/{checkpoint}")
         if not _shards_present(_shard_files(location), present, f"{checkpoint}/"):
             continue
-        state = read_trainer_state(location)
-        if state.get("step") is None:
-            continue
+        state = readable_state(location)
+        if state is None or state.get("step") is None:
+            continue  # torn or empty: the previous complete checkpoint is taken instead
         order = resume_order(state)
         if best is None or order > best[0]:
             best = (order, location)

@@ -108,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "logits at every position")
     ft.add_argument("--model-load", default=MODEL_LOADS[0], choices=list(MODEL_LOADS),
                     help="sharded: build the model on the meta device, shard it, each worker reads only its own "
-                         "slices of the safetensors; full: every worker loads the whole model, then shards it")
+                         "slices of the safetensors, and a checkpoint it cannot read by name and shape is an "
+                         "error naming the mismatch; full: every worker loads the whole model, then shards it; "
+                         "sharded-or-full: sharded, else full (only where a full fp32 copy per worker fits the host)")
     ft.add_argument("--compile", default="auto", choices=list(COMPILE_MODES),
                     help="torch.compile each decoder block (auto: on for CUDA, off for TPU until measured "
                          "on a slice, off for CPU)")

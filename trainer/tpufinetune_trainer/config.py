@@ -33,7 +33,7 @@ LOSS_HEADS = ("labels", "full")
 # How each worker gets the base model: `sharded` builds it on the meta device, shards it and
 # reads only its own slices of the safetensors (sharded_load.py); `full` loads the whole
 # model in every worker and shards it then (the fallback should the first misbehave).
-MODEL_LOADS = ("sharded", "full")
+MODEL_LOADS = ("sharded", "full", "sharded-or-full")
 # Activation checkpointing (parallelize.apply_activation_checkpointing): none; block, every
 # decoder block recomputed in the backward; selective, each block's self-attention only.
 ACTIVATION_CHECKPOINTING = ("none", "block", "selective")

@@ -169,7 +169,10 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
         else:
             groups.setdefault((None, ()), []).append(grad)
     if not groups:
-        return torch.zeros(())
+        # On the parameters' device (a DTensor's is its shard's): progress stacks the norm
+        # with the device's loss sum, and a host zero beside a device tensor fails there.
+        device = params[0].device if params else None
+        return torch.zeros((), dtype=torch.float32, device=device)
     total = None
     for (mesh, placements), local in groups.items():
         squared = torch.stack(torch._foreach_norm(local, 2.0)).float().square().sum()

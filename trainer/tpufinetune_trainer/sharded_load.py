@@ -30,9 +30,13 @@ equal the file's. The format is documented and small (an 8-byte header length, a
 header of dtype, shape and byte offsets, then the raw row-major data): reading the rows
 needs no collective, works with any torch, and reads each byte once.
 
-A checkpoint that cannot be read this way falls back to the full load, with the reason:
-no safetensors (a `.bin`-only repository), a weight the model has under a name or shape
-the file does not (transformers renames or converts keys for some models on load).
+A checkpoint that cannot be read this way (no safetensors, as a `.bin`-only repository; a
+weight the model has under a name or shape the file does not, as when transformers renames
+or converts keys on load) fails the run with a ModelError naming the mismatch and the
+bytes a full load would put in every worker: silently falling back would hold the whole
+fp32 model in each process (4 x 114 GiB on one host for 31B). Only `--model-load
+sharded-or-full`, for a run whose memory plan holds a full fp32 copy per worker, takes the
+full load instead, with the reason in the log line.
 """
 
 from __future__ import annotations
@@ -320,10 +324,12 @@ def initialise_unloaded_buffers(model) -> None:
 
 def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: torch.dtype,
                  compile: bool = False, device: torch.device | None = None, full: bool = False, lora=None,
-                 reshard_after_forward: bool = RESHARD_AFTER_FORWARD):
+                 reshard_after_forward: bool = RESHARD_AFTER_FORWARD, fallback: bool = False):
     """The base model, FSDP2-sharded over `mesh`, each rank having read only its own slices.
-    Returns (model, how): how it was loaded, for the log. `full` (--model-load full), or a
-    checkpoint that cannot be read by name and shape, takes the full load (the same model).
+    Returns (model, how): how it was loaded, for the log. `full` (--model-load full) takes
+    the full load (the same model). A checkpoint that cannot be read by name and shape is a
+    ModelError naming the mismatch (`refuse_full_load`) unless `fallback` (--model-load
+    sharded-or-full: the plan holds a full fp32 copy per worker), which takes the full load.
     `lora` (the run's config, --method lora): LoRA's adapters are added before sharding
     (lora.py) and made the same on every rank after it."""
     import time
@@ -343,6 +349,8 @@ def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: t
         directory = local_directory(model_source(model_id))
         stored = stored_tensors(directory) if directory is not None else {}
         reason = mismatch(model, stored)
+        if reason is not None and not fallback:
+            raise refuse_full_load(model_id, reason, model)
     if reason is not None:
         model = load_causal_lm(model_id, torch.float32, attn_implementation)
         if lora is not None:
@@ -361,6 +369,25 @@ def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: t
         adapters.init_adapters(model, lora.seed)
     return model, (f"each rank read its own slices ({read / 2**20:.0f} MiB) in {time.perf_counter() - start:.1f} s"
                    f"{peak_rss_words()}")
+
+
+def full_load_bytes(model) -> int:
+    """Host bytes of one full load: every parameter and buffer in fp32 (a tied weight once)."""
+    seen, total = set(), 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * max(tensor.element_size(), 4)
+    return total
+
+
+def refuse_full_load(model_id: str, reason: str, model) -> ModelError:
+    return ModelError(
+        f"--model-id {model_id}: the sharded load cannot read its checkpoint by name and shape ({reason}). The "
+        f"full load instead would hold the whole fp32 model, {full_load_bytes(model) / 2**30:.1f} GiB, in every "
+        "worker at once (a host's workers each hold one). Fix the checkpoint (safetensors named as the model "
+        "names its weights), or pass --model-load sharded-or-full (or full) only where the memory plan holds a "
+        "full fp32 copy per worker on the host")
 
 
 def peak_rss_words() -> str:

@@ -145,11 +145,11 @@ class Trainer:
         # the meta device and sharded there; each rank reads only its own slices (sharded_load.py).
         self.compiled = compile_enabled(backend, cfg.compile)
         self.attn_implementation = cfg.attn_implementation(backend.attn_implementation)
-        self.model, loaded = load_sharded(cfg.model_id, self.attn_implementation,
-                                          mesh, self.dtype, compile=self.compiled,
-                                          device=self.device, full=cfg.model_load == "full",
+        self.model, loaded = load_sharded(cfg.model_id, self.attn_implementation, mesh, self.dtype,
+                                          compile=self.compiled, device=self.device, full=cfg.model_load == "full",
                                           lora=cfg if cfg.method == "lora" else None,
-                                          reshard_after_forward=cfg.reshard_after_forward)
+                                          reshard_after_forward=cfg.reshard_after_forward,
+                                          fallback=cfg.model_load == "sharded-or-full")
         if rank == 0:
             say(f"Model {cfg.model_id}: {loaded}")
         # Both before the parameter list and the optimizer (a frozen weight gets no state).
