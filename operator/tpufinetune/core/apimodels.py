@@ -1,6 +1,9 @@
 """The API's shared model base and the Ray pods' own settings (spec.head, spec.workers:
 PodGroup and what it holds), part of the TPUFineTune API in api.py, which re-exports them.
-Like api.py, these models are the source of the CRD schema (crdgen).
+
+The models layer: pydantic types only, no rules and no sizing (validation.py checks them,
+celrules.py holds the schema's CEL rules, api.py composes the two). With specmodels.py,
+these models are the source of the CRD schema (crdgen).
 """
 from __future__ import annotations
 
@@ -9,11 +12,16 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
-from . import validation
 from .quantity import QUANTITY_PATTERN, normalize_quantity
 
 # DNS-1123 subdomain (object, Secret and ServiceAccount names).
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# Ids, URIs, names and paths hold no control character (C0, DEL, C1, the Unicode line and
+# paragraph separators): they reach logs, comments and command lines, where a line break
+# would start a line of its own. One class, in the syntax both pydantic's regex engine and
+# the apiserver's (RE2) read.
+CONTROL_CHARACTERS = r"\x00-\x1F\x7F-\x9F\x{2028}\x{2029}"
+PRINTABLE = rf"^[^{CONTROL_CHARACTERS}]*$"
 
 Quantity = Annotated[
     str,
@@ -37,9 +45,6 @@ class SecretKeyRef(_Model):
 
 
 class ResourceRequirements(_Model):
-    model_config = ConfigDict(json_schema_extra={
-        "x-kubernetes-validations": validation.resources_rules()})
-
     requests: ResourceMap | None = Field(
         None, description="Overrides the default requests key by key (e.g. cpu, memory).")
     limits: ResourceMap | None = Field(
@@ -66,9 +71,6 @@ class EnvSecretSource(_Model):
 
 
 class EnvVar(_Model):
-    model_config = ConfigDict(json_schema_extra={
-        "x-kubernetes-validations": validation.env_rules()})
-
     name: str = Field(min_length=1, max_length=256, pattern=ENV_NAME,
                       description="Variable name.")
     value: str | None = Field(None, max_length=4096, description="A plain value.")
@@ -119,16 +121,13 @@ class SecretSource(_Model):
 
 
 class NFSSource(_Model):
-    server: str = Field(min_length=1, max_length=253, description="NFS server address.")
-    path: str = Field(min_length=1, max_length=1024, pattern=r"^/",
+    server: str = Field(min_length=1, max_length=253, pattern=PRINTABLE, description="NFS server address.")
+    path: str = Field(min_length=1, max_length=1024, pattern=rf"^/[^{CONTROL_CHARACTERS}]*$",
                       description="Exported path.")
     read_only: bool = Field(False, description="Mount read-only.")
 
 
 class Volume(_Model):
-    model_config = ConfigDict(json_schema_extra={
-        "x-kubernetes-validations": validation.volume_rules()})
-
     name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL,
                       description="Volume name, referenced by volumeMounts.")
     persistent_volume_claim: PersistentVolumeClaimSource | None = Field(
@@ -142,15 +141,12 @@ class Volume(_Model):
 
 
 class VolumeMount(_Model):
-    model_config = ConfigDict(json_schema_extra={
-        "x-kubernetes-validations": validation.volume_mount_rules()})
-
     name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL,
                       description="One of this group's volumes.")
-    mount_path: str = Field(min_length=2, max_length=1024, pattern=r"^/",
+    mount_path: str = Field(min_length=2, max_length=1024, pattern=rf"^/[^{CONTROL_CHARACTERS}]*$",
                             description="Absolute path in the Ray container.")
     read_only: bool = Field(False, description="Mount read-only.")
-    sub_path: str | None = Field(None, max_length=1024, pattern=r"^[^/]",
+    sub_path: str | None = Field(None, max_length=1024, pattern=rf"^[^/{CONTROL_CHARACTERS}][^{CONTROL_CHARACTERS}]*$",
                                  description="Path within the volume (relative).")
 
 
@@ -158,9 +154,6 @@ class PodGroup(_Model):
     """One Ray pod group. Everything here is merged into the rendered RayCluster's pod
     template; what the slice decides (TPU resources, node selectors, /dev/shm) cannot be
     set here."""
-
-    model_config = ConfigDict(json_schema_extra={
-        "x-kubernetes-validations": validation.pod_group_rules()})
 
     resources: ResourceRequirements | None = Field(
         None, description="Resource overrides merged over the sized defaults. "

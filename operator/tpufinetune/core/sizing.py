@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 from . import generations as g
 from .names import API_VERSION, KIND
+from .specmodels import DEFAULT_TERMINATION_GRACE_SECONDS
 
-if TYPE_CHECKING:  # sizing reads the models, never imports them: api -> validation -> sizing
-    from .api import TPUFineTuneSpec
+if TYPE_CHECKING:  # sizing reads the models (the layer below), never the API above it
+    from .specmodels import SpecFields as TPUFineTuneSpec
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY = "tpufinetune"
@@ -243,9 +244,6 @@ def _common_env(spec: TPUFineTuneSpec, shape: SliceShape) -> list[dict]:
 # saved on notice. The kubelet runs this before it sends SIGTERM to the container's first
 # process (`ray start`, which would take every Ray process with it): it signals those
 # workers and waits, inside the grace period, until each has saved.
-# Seconds the Ray pods get to checkpoint on notice: a step and a sharded save of the
-# default model (each host writes its own shards) with room to spare.
-DEFAULT_TERMINATION_GRACE_SECONDS = 60
 NOTICE_DIR = "/tmp/tpufinetune-notice/$(TPUFT_POD_UID)"
 # A worker's file holds its start time (field 22 of /proc/<pid>/stat, as the trainer's
 # notice.py writes it): a pid whose process has since ended may name another process, and

@@ -1,11 +1,13 @@
-"""Cross-field rules, written twice from one table: as CEL for admission, as Python for
-the operator and `tpufinetune render`.
+"""The rules across a spec's fields, in Python, for the operator and `tpufinetune render`,
+and their messages.
 
-Each CEL rule below has a Python twin in `check_spec` with the same condition and the
-same message text (the CEL `messageExpression` rebuilds the Python f-string), so a spec is
-refused with the same words by `kubectl apply` and by `tpufinetune render`. Checks CEL
-cannot express (quantity arithmetic across merged defaults) exist only in Python and run
-in the operator before anything is created.
+Written twice from one set of messages: as CEL for admission (celrules.py) and here, in
+`check_spec`, with the same condition and the same message text (the CEL
+`messageExpression` rebuilds the Python f-string), so a spec is refused with the same
+words by `kubectl apply` and by `tpufinetune render`. Checks CEL cannot express (quantity
+arithmetic across merged defaults, the memory planner's table of models) exist only in
+Python and run in the operator before anything is created. The rules read the models
+(specmodels.py, apimodels.py), never define them.
 """
 from __future__ import annotations
 
@@ -14,11 +16,14 @@ from typing import TYPE_CHECKING
 
 from . import generations as g
 from .errors import SpecError
+from .memplan import KNOWN_MODELS, known_shape
 from .quantity import parse_quantity
 from .sizing import SLICE_INDEX_ENV, plan_resources, slice_shape
+from .specmodels import MIN_NO_PROGRESS_TIMEOUT
 
 if TYPE_CHECKING:
-    from .api import PodGroup, ResourceRequirements, TPUFineTuneSpec
+    from .apimodels import PodGroup, ResourceRequirements
+    from .specmodels import SpecFields
 
 SLICES_MESSAGE = (f"is more slices than one run can span ({g.multislice_ceilings()}); use fewer "
                   "slices or a smaller topology")
@@ -47,7 +52,6 @@ TOKENS_PER_STEP_MESSAGE = ("must be a multiple of every slice's devices (devices
                            "training.batchSizePerDevice (blocks per device per micro-batch) x "
                            "training.maxSeqLen, the factor being the accumulation steps, and is not "
                            "given with training.globalBatchBlocks")
-MIN_NO_PROGRESS_TIMEOUT = 60
 NO_PROGRESS_MESSAGE = (f"must be 0 (off) or at least {MIN_NO_PROGRESS_TIMEOUT} seconds: "
                        "the trainer reports progress about every 30 s")
 # Each run's head requires its own token (KubeRay authOptions, core/raytoken.py): Ray has
@@ -62,7 +66,7 @@ PRIORITY_QUEUE_MESSAGE = ("is a Kueue WorkloadPriorityClass and needs queueName:
 TPU_OVERRIDE_MESSAGE = ("google.com/tpu is set from the topology (chips per host); "
                         "remove it from the overrides")
 
-# The pod settings users may add to the Ray pods (api.PodGroup) never replace what the
+# The pod settings users may add to the Ray pods (apimodels.PodGroup) never replace what the
 # operator sets from the slice and the spec.
 # RAY_AUTH_*: KubeRay skips its own when the container already has one, and a user's
 # would replace the run's token (core/raytoken.py).
@@ -84,310 +88,22 @@ SHM_MOUNT_MESSAGE = ("/dev/shm is the workers' shared-memory volume, sized from 
 MOUNT_VOLUME_MESSAGE = ("every volumeMounts[].name must be one of this group's volumes; "
                         "add the volume or fix the name")
 LABEL_MESSAGE = "ray.io/ labels are KubeRay's; use another prefix"
+LORA_METHOD_MESSAGE = "applies to method lora only; set method: lora, or remove lora"
+EMBEDDINGS_CONTRADICT = "contradicts freezeEmbeddings: true; drop one of them"
 
 
-def _cel_list(values: list[str]) -> str:
-    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
-
-
-def cel_string(text: str) -> str:
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _is_generation(gen: g.Generation) -> str:
-    return f"self.generation in {_cel_list(list(gen.aliases))}"
-
-
-def _topology_rule(gen: g.Generation) -> dict:
-    valid = gen.valid_topologies()
-    reason = f" is not a valid {gen.name} topology; valid: {', '.join(valid)}"
-    return {
-        "rule": f"!({_is_generation(gen)}) || self.topology in {_cel_list(valid)}",
-        "messageExpression": "'\"' + self.topology + '\"' + " + cel_string(reason),
-        "message": reason.strip(),
-        "fieldPath": ".topology",
-        "reason": "FieldValueInvalid",
-    }
-
-
-def _cpu_topology_rule() -> dict:
-    reason = (f" is not a valid cpu topology; use a worker count from 1 to "
-              f"{g.MAX_CPU_WORKERS}")
-    return {
-        "rule": ("self.generation != 'cpu' || (self.topology.matches('^[0-9]{1,3}$') && "
-                 f"int(self.topology) >= 1 && int(self.topology) <= {g.MAX_CPU_WORKERS})"),
-        "messageExpression": "'\"' + self.topology + '\"' + " + cel_string(reason),
-        "message": reason.strip(),
-        "fieldPath": ".topology",
-        "reason": "FieldValueInvalid",
-    }
-
-
-# string(self.chipsPerHost) has no size bound for the apiserver's cost estimator (the
-# CRD is refused); indexing a list of literals does, and chipsPerHost is 1..8.
-_CHIPS_PER_HOST_TEXT = (f"{_cel_list([str(n) for n in range(1, g.MAX_CHIPS_PER_HOST + 1)])}"
-                        "[self.chipsPerHost - 1]")
-
-
-def _chips_per_host_rule(gen: g.Generation) -> dict:
-    fits = " || ".join(
-        f"(self.chipsPerHost == {m.chips_per_host} && "
-        f"self.topology in {_cel_list(sorted(m.topologies, key=g.topology_sort_key))})"
-        for m in gen.machines)
-    # The valid options depend on the topology: group topologies by their option list.
-    by_options: dict[str, list[str]] = {}
-    for topology in gen.valid_topologies():
-        options = ", ".join(str(o) for o in g.chips_per_host_options(gen, topology))
-        by_options.setdefault(options, []).append(topology)
-    *branches, (last_options, _) = by_options.items()
-    options_expr = cel_string(last_options)
-    for options, topologies in reversed(branches):
-        options_expr = (f"(self.topology in {_cel_list(topologies)} ? "
-                        f"{cel_string(options)} : {options_expr})")
-    return {
-        "rule": f"!({_is_generation(gen)}) || !has(self.chipsPerHost) || {fits}",
-        "messageExpression": (f"{_CHIPS_PER_HOST_TEXT} + ' does not fit a {gen.name} ' + "
-                              f"self.topology + ' slice; valid: ' + {options_expr}"),
-        "message": f"does not fit the {gen.name} slice shape; by machine: "
-                   f"{g.machines_summary(gen)}",
-        "fieldPath": ".chipsPerHost",
-        "reason": "FieldValueInvalid",
-    }
-
-
-def _slices_rule() -> dict:
-    """slices within what one run can span: a map of every alias/topology whose ceiling is
-    below MAX_SLICES (the schema's own bound), and the cpu stand-in's worker total."""
-    ceilings = "{" + ", ".join(
-        f"'{alias}/{topology}': {g.max_slices(gen, topology)}" for gen in g.GENERATIONS if gen.is_tpu
-        for alias in gen.aliases for topology in gen.valid_topologies()
-        if g.max_slices(gen, topology) < g.MAX_SLICES) + "}"
-    key = "self.generation + '/' + self.topology"
-    cpu = f"(!self.topology.matches('^[0-9]{{1,3}}$') || self.slices * int(self.topology) <= {g.MAX_CPU_WORKERS})"
-    return {"rule": (f"!has(self.slices) || self.slices == 1 || (self.generation == 'cpu' ? {cpu} : "
-                     f"(!({key} in {ceilings}) || self.slices <= {ceilings}[{key}]))"),
-            "message": SLICES_MESSAGE, "fieldPath": ".slices", "reason": "FieldValueInvalid"}
-
-
-def tpu_rules() -> list[dict]:
-    """CEL rules on `spec.tpu`."""
-    rules = [_topology_rule(gen) for gen in g.GENERATIONS if gen.is_tpu]
-    rules.append(_cpu_topology_rule())
-    rules.append(_slices_rule())
-    rules += [_chips_per_host_rule(gen) for gen in g.GENERATIONS if gen.is_tpu]
-    rules.append({
-        "rule": "self.generation != 'cpu' || !has(self.chipsPerHost)",
-        "message": "applies to TPU generations only; remove it for cpu",
-        "fieldPath": ".chipsPerHost",
-        "reason": "FieldValueForbidden",
-    })
-    return rules
-
-
-def _devices_per_slice_map() -> str:
-    """CEL map 'generation/topology' -> devices of one slice, every alias and valid
-    topology of every TPU generation (the trainer's world size, from the table)."""
-    entries = [f"'{alias}/{topology}': {g.chips_in(topology) * gen.devices_per_chip}"
-               for gen in g.GENERATIONS if gen.is_tpu
-               for alias in gen.aliases for topology in gen.valid_topologies()]
-    return "{" + ", ".join(entries) + "}"
-
-
-def _micro_batch_cel() -> tuple[str, str]:
-    """(whether the slice's devices are known, the examples or blocks of one micro-batch of
-    every device) as CEL over the spec, with the schema's defaults where a field is unset."""
-    from .api import Training  # api imports this module
-
-    key = "self.tpu.generation + '/' + self.tpu.topology"
-    devices_map = _devices_per_slice_map()
-    is_cpu = "(self.tpu.generation == 'cpu' && self.tpu.topology.matches('^[0-9]{1,3}$'))"
-    known = f"({is_cpu} || {key} in {devices_map})"
-    devices = f"({is_cpu} ? int(self.tpu.topology) : {devices_map}[{key}])"
-    default = Training.model_fields["batch_size_per_device"].default  # what defaulting fills in
-    per_device = ("(has(self.training.batchSizePerDevice) ? "
-                  f"self.training.batchSizePerDevice : {default})")
-    slices = "(has(self.tpu.slices) ? self.tpu.slices : 1)"
-    return known, f"({devices} * {slices} * {per_device})"
-
-
-def _global_batch_rule(is_collectives: str) -> dict:
-    known, micro = _micro_batch_cel()
-    return {
-        "rule": (f"{is_collectives} || !has(self.training) || "
-                 "!has(self.training.globalBatchBlocks) || self.training.globalBatchBlocks == 0 || "
-                 f"!{known} || self.training.globalBatchBlocks % {micro} == 0"),
-        # No messageExpression: string(<int>) is unbounded for the CRD cost estimator.
-        "message": GLOBAL_BATCH_MESSAGE,
-        "fieldPath": ".training.globalBatchBlocks",
-        "reason": "FieldValueInvalid",
-    }
-
-
-def _tokens_per_step_rule(is_collectives: str) -> dict:
-    from .api import Training  # api imports this module
-
-    known, micro = _micro_batch_cel()
-    length = (f"(has(self.training.maxSeqLen) ? self.training.maxSeqLen : "
-              f"{Training.model_fields['max_seq_len'].default})")
-    return {
-        "rule": (f"{is_collectives} || !has(self.training) || !has(self.training.tokensPerStep) || "
-                 "((!has(self.training.globalBatchBlocks) || self.training.globalBatchBlocks == 0) && "
-                 f"(!{known} || self.training.tokensPerStep % ({micro} * {length}) == 0))"),
-        "message": TOKENS_PER_STEP_MESSAGE,
-        "fieldPath": ".training.tokensPerStep",
-        "reason": "FieldValueInvalid",
-    }
-
-
-def _shared_storage_rule(is_collectives: str) -> dict:
-    path = "self.checkpoint.storagePath"
-    local = f"(!{path}.matches('^[a-zA-Z][a-zA-Z0-9+.-]*://') || {path}.startsWith('file://'))"
-    # The path with any file:// scheme removed, so a mountPath prefix compares.
-    bare = f"({path}.startsWith('file://') ? {path}.substring(7) : {path})"
-    under = (f"({bare} == m.mountPath || {bare}.startsWith(m.mountPath.endsWith('/') ? "
-             "m.mountPath : m.mountPath + '/'))")
-    same_source = " || ".join([
-        "(has(h.persistentVolumeClaim) && has(v.persistentVolumeClaim) && "
-        "h.persistentVolumeClaim.claimName == v.persistentVolumeClaim.claimName)",
-        "(has(h.nfs) && has(v.nfs) && h.nfs.server == v.nfs.server && h.nfs.path == v.nfs.path)",
-        # CSI: the same driver (comparing volumeAttributes, e.g. GCS FUSE's bucketName, is
-        # beyond the apiserver's CEL cost budget for this rule).
-        "(has(h.csi) && has(v.csi) && h.csi.driver == v.csi.driver)",
-    ])
-    # Matched by volume name (head and workers are distinct schema types, and one loop per
-    # list keeps the rule inside the apiserver's cost budget).
-    workers_mount = ("self.workers.volumeMounts.exists(w, w.name == m.name && w.mountPath == m.mountPath "
-                     "&& !(has(w.readOnly) && w.readOnly) && has(w.subPath) == has(m.subPath) && "
-                     "(!has(m.subPath) || w.subPath == m.subPath))")
-    one_volume = ("self.head.volumes.exists(h, h.name == m.name && "
-                  f"self.workers.volumes.exists(v, v.name == m.name && ({same_source})))")
-    shared = ("has(self.head.volumeMounts) && has(self.head.volumes) && "
-              "has(self.workers.volumeMounts) && has(self.workers.volumes) && "
-              f"self.head.volumeMounts.exists(m, {under} && !(has(m.readOnly) && m.readOnly) && "
-              f"{workers_mount} && {one_volume})")
-    return {
-        "rule": (f"{is_collectives} || !has(self.checkpoint) || "
-                 f"!has(self.checkpoint.storagePath) || !{local} || ({shared})"),
-        "message": SHARED_STORAGE_MESSAGE,
-        "fieldPath": ".checkpoint.storagePath",
-        "reason": "FieldValueInvalid",
-    }
-
-
-def spec_rules() -> list[dict]:
-    """CEL rules on `spec` (cross-object: mode against tpu and checkpoint)."""
-    is_collectives = "(has(self.mode) && self.mode == 'collectives')"
-    return [
-        {
-            "rule": (f"{is_collectives} || (has(self.checkpoint) && "
-                     "has(self.checkpoint.storagePath) && self.checkpoint.storagePath != '')"),
-            "message": STORAGE_MESSAGE,
-            "fieldPath": ".checkpoint.storagePath",
-            "reason": "FieldValueRequired",
-        },
-        _shared_storage_rule(is_collectives),
-        {
-            # evalFraction is a number, so CEL sees a double: compare with 0.0.
-            "rule": (f"{is_collectives} || !has(self.checkpoint) || "
-                     "!has(self.checkpoint.scoreAttribute) || "
-                     "self.checkpoint.scoreAttribute != 'eval_loss' || "
-                     "!has(self.training) || !has(self.training.evalFraction) || "
-                     "self.training.evalFraction > 0.0"),
-            "message": EVAL_SCORE_MESSAGE,
-            "fieldPath": ".checkpoint.scoreAttribute",
-            "reason": "FieldValueInvalid",
-        },
-        *[{
-            "rule": (f"{is_collectives} || !has(self.training) || !has(self.training.{name}) || "
-                     "!has(self.training.evalFraction) || self.training.evalFraction > 0.0"),
-            "message": EARLY_STOP_MESSAGE,
-            "fieldPath": f".training.{name}",
-            "reason": "FieldValueInvalid",
-        } for name in EARLY_STOP_FIELDS],
-        _global_batch_rule(is_collectives),
-        _tokens_per_step_rule(is_collectives),
-        {
-            "rule": ("!has(self.noProgressTimeoutSeconds) || self.noProgressTimeoutSeconds == 0 "
-                     f"|| self.noProgressTimeoutSeconds >= {MIN_NO_PROGRESS_TIMEOUT}"),
-            "message": NO_PROGRESS_MESSAGE,
-            "fieldPath": ".noProgressTimeoutSeconds",
-            "reason": "FieldValueInvalid",
-        },
-        {
-            "rule": f"!has(self.rayVersion) || self.rayVersion.matches('{RAY_VERSION_AT_LEAST}')",
-            "message": RAY_VERSION_MESSAGE,
-            "fieldPath": ".rayVersion",
-            "reason": "FieldValueInvalid",
-        },
-        {
-            "rule": "!has(self.workloadPriorityClassName) || has(self.queueName)",
-            "message": PRIORITY_QUEUE_MESSAGE,
-            "fieldPath": ".workloadPriorityClassName",
-            "reason": "FieldValueRequired",
-        },
-    ]
-
-
-def resources_rules() -> list[dict]:
-    """CEL rules on a head/workers `resources` override."""
-    return [{
-        "rule": f"!has(self.{side}) || !('{g.TPU_RESOURCE}' in self.{side})",
-        "message": TPU_OVERRIDE_MESSAGE,
-        "fieldPath": f".{side}",
-        "reason": "FieldValueForbidden",
-    } for side in ("requests", "limits")]
-
-
-def env_rules() -> list[dict]:
-    """CEL rules on one extra environment variable of a pod group."""
-    return [
-        {"rule": "has(self.value) != has(self.valueFrom)", "message": ENV_VALUE_MESSAGE,
-         "reason": "FieldValueInvalid"},
-        {"rule": (f"!(self.name in {_cel_list(list(RESERVED_ENV))}) && "
-                  f"!self.name.startsWith('{RESERVED_ENV_PREFIX}')"),
-         "message": ENV_RESERVED_MESSAGE, "fieldPath": ".name",
-         "reason": "FieldValueForbidden"},
-    ]
-
-
-def volume_rules() -> list[dict]:
-    """CEL rules on one extra volume of a pod group."""
-    count = " + ".join(f"(has(self.{source}) ? 1 : 0)" for source in VOLUME_SOURCES)
-    return [
-        {"rule": f"{count} == 1", "message": VOLUME_SOURCE_MESSAGE,
-         "reason": "FieldValueInvalid"},
-        {"rule": f"self.name != '{SHM_VOLUME}'", "message": SHM_VOLUME_MESSAGE,
-         "fieldPath": ".name", "reason": "FieldValueForbidden"},
-    ]
-
-
-def volume_mount_rules() -> list[dict]:
-    """CEL rules on one extra volume mount of a pod group."""
-    return [{
-        "rule": (f"self.mountPath != '{SHM_PATH}' && "
-                 f"!self.mountPath.startsWith('{SHM_PATH}/')"),
-        "message": SHM_MOUNT_MESSAGE, "fieldPath": ".mountPath",
-        "reason": "FieldValueForbidden",
-    }]
-
-
-def pod_group_rules() -> list[dict]:
-    """CEL rules across the fields of one pod group (head or workers)."""
-    return [
-        {"rule": ("!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) "
-                  "&& self.volumes.exists(v, v.name == m.name))"),
-         "message": MOUNT_VOLUME_MESSAGE, "fieldPath": ".volumeMounts",
-         "reason": "FieldValueInvalid"},
-        {"rule": (f"!has(self.labels) || "
-                  f"self.labels.all(k, !k.startsWith('{RESERVED_LABEL_PREFIX}'))"),
-         "message": LABEL_MESSAGE, "fieldPath": ".labels", "reason": "FieldValueForbidden"},
-    ]
-
-
-def check_spec(spec: TPUFineTuneSpec, one_machine: bool = False) -> None:
+def check_spec(spec: SpecFields, one_machine: bool = False) -> None:
     """Raise SpecError for the first rule `spec` breaks (CEL twins first, then the rest).
     `one_machine`: every Ray process shares one filesystem (a local Ray head), so the
     shared-storage rule does not apply."""
+    refusal = mixture_of_experts_refusal(spec.model.id)
+    if refusal:
+        raise SpecError("spec.model.id", refusal)
+    training = spec.training
+    if training.lora is not None and training.method != "lora":
+        raise SpecError("spec.training.lora", LORA_METHOD_MESSAGE)
+    if training.lora is not None and training.lora.train_embeddings and training.freeze_embeddings:
+        raise SpecError("spec.training.lora.trainEmbeddings", EMBEDDINGS_CONTRADICT)
     tpu = spec.tpu
     gen = g.generation(tpu.generation)
     problem = g.topology_error(gen, tpu.topology)
@@ -425,7 +141,21 @@ def check_spec(spec: TPUFineTuneSpec, one_machine: bool = False) -> None:
     _check_merged_resources(spec)
 
 
-def storage_is_shared(spec: TPUFineTuneSpec) -> bool:
+def mixture_of_experts_refusal(model_id: str) -> str:
+    """Why a model the planner's table knows as mixture-of-experts is refused; '' otherwise.
+    The trainer runs experts as the transformers implementation does, one expert after
+    another, which wastes most of a TPU; until a grouped-experts path exists a MoE run is
+    refused by name rather than run badly. (The trainer refuses one it reads the config of.)"""
+    shape = known_shape(model_id)
+    if shape is None or not shape.experts:
+        return ""
+    dense = sorted({s.name for s in KNOWN_MODELS.values() if not s.experts})
+    return (f'"{model_id}" is a mixture-of-experts model ({shape.experts} experts), which the trainer '
+            f"cannot run well yet (no grouped-experts path): use a dense Gemma 4 model instead, e.g. "
+            + ", ".join(f"google/{name}-it" for name in dense))
+
+
+def storage_is_shared(spec: SpecFields) -> bool:
     """Whether every Ray pod sees the same checkpoint storage: a URI (gs://, s3://, ...) or a
     local path under one shared volume, of the same name, mounted writable at the same place
     on the head and the workers."""
@@ -460,7 +190,7 @@ def _shared_source(volume) -> tuple | None:
     return None
 
 
-def _check_global_batch(spec: TPUFineTuneSpec) -> None:
+def _check_global_batch(spec: SpecFields) -> None:
     """The trainer's batch plan: global batch = devices of every slice x batch size x
     accumulation (each slice a data-parallel replica of the others)."""
     wanted, devices, slices = spec.training.global_batch_blocks, slice_shape(spec).devices_per_slice, spec.tpu.slices
@@ -472,7 +202,7 @@ def _check_global_batch(spec: TPUFineTuneSpec) -> None:
                         f"{per_slice} x {spec.training.batch_size_per_device} = {micro}")
 
 
-def _check_tokens_per_step(spec: TPUFineTuneSpec) -> None:
+def _check_tokens_per_step(spec: SpecFields) -> None:
     """The trainer's step of tokens: devices of every slice x blocks per device x block
     length x accumulation (--tokens-per-step)."""
     training, wanted = spec.training, spec.training.tokens_per_step
@@ -533,7 +263,7 @@ def _check_overrides(path: str, resources: ResourceRequirements) -> None:
         raise SpecError(f"{path}.{side}", TPU_OVERRIDE_MESSAGE)
 
 
-def _check_merged_resources(spec: TPUFineTuneSpec) -> None:
+def _check_merged_resources(spec: SpecFields) -> None:
     """Python-only: pods whose request exceeds their limit, or whose memory limit cannot
     hold the /dev/shm volume, would be created and then never run."""
     for group, (requests, limits, shm) in plan_resources(spec).items():
