@@ -7,8 +7,10 @@ is a real closed port."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import timedelta
+from pathlib import Path
 
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.core import conditions as cond
@@ -126,3 +128,36 @@ def test_usage_already_spent_is_not_rescaled_by_an_edit():
     after = step(first.status, plan=in_force, cluster=READY, job=phases.JobView("RUNNING"), events=event, now=hour)
     assert after.status["usage"]["chipHours"] == 8.0
     assert PLAN.chips == 0  # (the shared plan is a cpu one; this test sizes its own)
+
+
+def test_a_valid_edit_holds_only_the_attempts_slice_until_the_next_attempt():
+    """Every field of the plan but HELD_UNTIL_NEXT_ATTEMPT comes from a valid edit at once
+    (docs/api.md, "An edit to a running run", says which and why); those come from the
+    applied generation."""
+    applied = phases.Plan(cluster_name="a", epochs=1)
+    latest_values = {"cluster_name": "b", "epochs": 2, "max_retries": 3, "provision_timeout": timedelta(1),
+                     "submit_timeout": timedelta(2), "suspended": True, "cluster_hash": "h", "hosts": 4, "chips": 16,
+                     "active_deadline": timedelta(3), "ttl_after_finished": timedelta(4),
+                     "no_progress_timeout": timedelta(5), "queue": "q", "preflight": True, "memory": {"m": 1},
+                     "does_not_fit": "no", "logs_root": "gs://l"}
+    assert set(latest_values) == {f.name for f in dataclasses.fields(phases.Plan)}  # a new field is decided here
+    in_force = phases.plan_in_force(phases.Plan(**latest_values), applied, refused=False)
+    held = {name for name in latest_values if getattr(in_force, name) == getattr(applied, name)}
+    assert held == set(phases.HELD_UNTIL_NEXT_ATTEMPT) == {"chips", "hosts", "queue"}
+    documented = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    assert "### An edit to a running run" in documented and "HELD_UNTIL_NEXT_ATTEMPT" in documented
+    for spec_field in ("suspend", "activeDeadlineSeconds", "noProgressTimeoutSeconds", "ttlSecondsAfterFinished",
+                       "maxRetries", "preflight", "queueName"):
+        assert f"`{spec_field}`" in documented.split("### An edit to a running run")[1].split("\n## ")[0], spec_field
+
+
+@in_loop
+async def test_a_queue_name_added_mid_attempt_waits_while_the_deadline_and_retries_act_at_once():
+    closed, cluster, live, run = watched_run()
+    live["metadata"]["generation"] = 2
+    live["spec"] = {**WATCHED, "queueName": "team-a", "maxRetries": 2, "activeDeadlineSeconds": 60}
+    await run.step()
+    closed.close()
+    assert run.plan.queue == ""  # the running attempt's cluster is not Kueue's
+    assert run.plan.max_retries == 2 and run.plan.active_deadline == timedelta(seconds=60)
+    assert run.latest_plan.queue == "team-a"

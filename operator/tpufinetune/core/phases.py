@@ -79,18 +79,29 @@ def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: t
     )
 
 
+# What a valid edit not yet applied leaves as it was until the next attempt: the RayCluster
+# the attempt holds (its size, which its usage is counted at, and whether Kueue manages
+# it). Everything else in the plan acts at once, each for its reason (docs/api.md, "An edit
+# to a running run"): spec.suspend (the way to stop a run now), the deadline, the watchdog,
+# the TTL and spec.maxRetries (bounds on the run as a whole, which an edit is made to
+# change now), preflight and the fit check (they act before the next submit anyway), and
+# what a new attempt or cluster is made from (the fingerprint a retry compares, the
+# epochs, the logs).
+HELD_UNTIL_NEXT_ATTEMPT = ("chips", "hosts", "queue")
+
+
 def plan_in_force(latest: Plan, applied: Plan | None, refused: bool) -> Plan:
     """The plan a step goes by. An edit the operator's checks refuse (`refused`: the latest
     generation's spec is invalid) changes nothing: the applied generation's plan stays in
-    force whole (watchdog, deadline, TTL, retries). A valid edit not yet applied (a running
-    attempt takes it at the next one) is in force at once, except for the size of the slice
-    the attempt holds: its usage goes on at the applied generation's chips and hosts, and
-    what it already cost is never rescaled. `applied` None: not known, the latest goes."""
+    force whole (watchdog, deadline, TTL, retries). A valid edit not yet applied is in
+    force at once except HELD_UNTIL_NEXT_ATTEMPT: the attempt's usage goes on at the
+    applied generation's chips and hosts (what it already cost is never rescaled), and its
+    cluster stays Kueue's or not as it was created. `applied` None: not known, the latest."""
     if applied is None:
         return latest
     if refused:
         return applied
-    return replace(latest, chips=applied.chips, hosts=applied.hosts)
+    return replace(latest, **{name: getattr(applied, name) for name in HELD_UNTIL_NEXT_ATTEMPT})
 
 
 def _seconds(value: int | None) -> timedelta | None:
