@@ -21,7 +21,7 @@ ENDED = {
          "reason": "Succeeded", "usage": {"chipHours": 2.5}, "logsURI": "gs://b/run/logs/attempt-2/"},
     ],
 }
-WEBHOOK = notify.Sink(name="team", type="webhook", url="http://hooks.example/x")
+WEBHOOK = notify.Sink(name="team", type="webhook", url="http://hooks.example/x", namespaces=["ml"])
 
 
 def test_notify_names_sinks_and_events_with_no_default_written():
@@ -43,17 +43,28 @@ def test_a_bad_notify_entry_is_refused_naming_the_field(notify_field, words):
 
 def test_the_sinks_file_is_parsed_and_its_mistakes_named():
     sinks = notify.parse_sinks("sinks:\n- {name: team, type: webhook, url: 'https://h.example/x', "
-                               "tokenFile: /var/run/t}\n- {name: bus, type: cloudevents, "
-                               "url: 'http://broker.ns.svc', mode: structured}\n")
+                               "tokenFile: /var/run/t, namespaces: [team-a, team-a-dev]}\n"
+                               "- {name: bus, type: cloudevents, url: 'http://broker.ns.svc', "
+                               "mode: structured, namespaces: ['*']}\n")
     assert sinks["team"].token_file == "/var/run/t" and sinks["bus"].mode == "structured"
+    assert [sinks["team"].allows(ns) for ns in ("team-a", "team-a-dev", "team-b")] == [True, True, False]
+    assert sinks["bus"].allows("anyone")
     assert notify.parse_sinks("") == {}
     with pytest.raises(notify.SinksError, match=r"sinks.0.url: .*http:// or https://"):
-        notify.parse_sinks('{"sinks": [{"name": "a", "type": "webhook", "url": "file:///etc/passwd"}]}')
+        notify.parse_sinks('{"sinks": [{"name": "a", "type": "webhook", "url": "file:///etc/passwd", '
+                           '"namespaces": ["*"]}]}')
     with pytest.raises(notify.SinksError, match="named twice"):
-        notify.parse_sinks("sinks: [{name: a, type: webhook, url: 'http://x'}, "
-                           "{name: a, type: webhook, url: 'http://y'}]")
+        notify.parse_sinks("sinks: [{name: a, type: webhook, url: 'http://x', namespaces: [ml]}, "
+                           "{name: a, type: webhook, url: 'http://y', namespaces: [ml]}]")
     with pytest.raises(notify.SinksError, match="sinks.0.type"):
-        notify.parse_sinks("sinks: [{name: a, type: slack, url: 'http://x'}]")
+        notify.parse_sinks("sinks: [{name: a, type: slack, url: 'http://x', namespaces: [ml]}]")
+    # Every sink says which namespaces may use it.
+    with pytest.raises(notify.SinksError, match=r"sinks.0.namespaces: Field required .*namespaces: \[team-a\]"):
+        notify.parse_sinks("sinks: [{name: a, type: webhook, url: 'http://x'}]")
+    with pytest.raises(notify.SinksError, match=r"sinks.0.namespaces: .*at least 1"):
+        notify.parse_sinks("sinks: [{name: a, type: webhook, url: 'http://x', namespaces: []}]")
+    with pytest.raises(notify.SinksError, match=r"sinks.0.namespaces: .*'Team A' is not a namespace name"):
+        notify.parse_sinks("sinks: [{name: a, type: webhook, url: 'http://x', namespaces: [Team A]}]")
 
 
 def test_due_notices_follow_the_status_and_skip_what_was_delivered():
@@ -106,3 +117,48 @@ def test_records_replace_their_notice_keep_final_states_and_stay_bounded():
     many = [{**pending, "attempt": n} for n in range(1, 80)]
     kept = notify.with_records({}, many)
     assert len(kept) == notify.NOTIFICATIONS_LIMIT and kept[-1]["attempt"] == 79
+
+
+def test_each_sink_is_sent_one_notice_at_a_time_in_order():
+    subscriptions = [("team", ["AttemptEnded", "Succeeded"]), ("ops", ["AttemptEnded"])]
+    due = notify.due_notices(subscriptions, ENDED)
+    assert [n.key for n in due] == [("team", "AttemptEnded", 1), ("team", "AttemptEnded", 2),
+                                    ("team", "Succeeded", 2), ("ops", "AttemptEnded", 1), ("ops", "AttemptEnded", 2)]
+    assert [n.key for n in notify.next_per_sink(due, set())] == [("team", "AttemptEnded", 1), ("ops", "AttemptEnded", 1)]
+    # A sink whose notice is being sent (or whose outcome waits for its write) gets nothing more.
+    assert [n.key for n in notify.next_per_sink(due, {("team", "AttemptEnded", 1)})] == [("ops", "AttemptEnded", 1)]
+
+
+def test_many_sinks_and_attempts_keep_a_bounded_record_that_sends_nothing_twice():
+    """8 sinks x (20 AttemptEnded + Failed) = 168 notices, delivered as the operator sends
+    them: each round, each sink's next one. status.notifications stays within its bound and,
+    once all are settled, nothing is due, round after round."""
+    status = {"phase": "Failed", "attempt": 20, "attempts": [
+        {"attempt": n, "endTime": "2026-12-05T01:00:00Z"} for n in range(1, 21)]}
+    subscriptions = [(f"s{i}", ["AttemptEnded", "Failed"]) for i in range(8)]
+    sent = []
+    for _ in range(40):
+        due = notify.next_per_sink(notify.due_notices(subscriptions, status), set())
+        sent += [n.key for n in due]
+        status["notifications"] = notify.with_records(status, [
+            {"sink": n.sink, "event": n.event, "attempt": n.attempt, "id": "x", "state": "Delivered",
+             "tries": 1, "time": "2026-12-05T01:00:00Z"} for n in due])
+        assert len(status["notifications"]) <= notify.NOTIFICATIONS_LIMIT
+    assert len(sent) == len(set(sent)) == 8 * 21
+    assert notify.due_notices(subscriptions, status) == []
+    checked_status({"notifications": status["notifications"]})
+    # Each (sink, event)'s high-water mark is kept, however old.
+    assert {(r["sink"], r["event"], r["attempt"]) for r in status["notifications"]} >= {
+        (sink, event, 20) for sink, _ in subscriptions for event in ("AttemptEnded", "Failed")}
+
+
+def test_a_sinks_mark_outlives_newer_records_of_other_sinks():
+    mark = {"sink": "quiet", "event": "Succeeded", "attempt": 1, "id": "x", "state": "Delivered", "tries": 1,
+            "time": "2026-12-05T01:00:00Z"}
+    noisy = [{**mark, "sink": "noisy", "event": "AttemptEnded", "attempt": n} for n in range(1, 80)]
+    kept = notify.with_records({"notifications": [mark]}, noisy)
+    assert len(kept) == notify.NOTIFICATIONS_LIMIT and kept[0] == mark and kept[-1]["attempt"] == 79
+    assert notify.due_notices([("quiet", None)], {"phase": "Succeeded", "attempt": 1, "notifications": kept}) == []
+    # A stale report of a notice below its sink's mark is not recorded.
+    stale = {**mark, "sink": "noisy", "event": "AttemptEnded", "attempt": 3, "state": "Pending"}
+    assert notify.with_records({"notifications": kept}, [stale]) == kept

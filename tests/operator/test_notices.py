@@ -65,6 +65,11 @@ def no_proxy(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+def sink_for_ml(**fields) -> notify.Sink:
+    """A sink the admin opened to namespace ml (IDENT's)."""
+    return notify.Sink(namespaces=["ml"], **fields)
+
+
 def fast_notifier(sinks, **kwargs) -> Notifier:
     return Notifier({s.name: s for s in sinks}, retry_base=0.05, retry_cap=0.2, **kwargs)
 
@@ -104,7 +109,7 @@ def notices_offered(notices: RunNotices, subscriptions, record) -> dict:
 @pytest.mark.timeout(30)
 def test_a_receiver_that_refuses_twice_gets_the_event_on_the_third_try(receiver):
     hook = receiver([503, 503])
-    sink = notify.Sink(name="bus", type="cloudevents", url=hook.url, mode="binary")
+    sink = sink_for_ml(name="bus", type="cloudevents", url=hook.url, mode="binary")
     notifier = fast_notifier([sink])
     events = []
     tries = {outcome: tried("bus", outcome) for outcome in ("Pending", "Delivered", "Failed")}
@@ -142,7 +147,7 @@ def test_a_refusal_that_will_not_change_fails_at_once_and_the_token_is_sent(rece
     hook = receiver([401])
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    sink = notify.Sink(name="team", type="webhook", url=hook.url, token_file=str(token))
+    sink = sink_for_ml(name="team", type="webhook", url=hook.url, token_file=str(token))
     status = delivered(fast_notifier([sink]), [("team", None)])
     (record,) = status["notifications"]
     assert (record["state"], record["tries"], record["lastError"]) == ("Failed", 1, "HTTP 401 Unauthorized")
@@ -154,7 +159,7 @@ def test_a_refusal_that_will_not_change_fails_at_once_and_the_token_is_sent(rece
 @pytest.mark.timeout(30)
 def test_out_of_tries_the_notice_fails_with_the_last_error(receiver):
     hook = receiver([503] * 10)
-    notifier = fast_notifier([notify.Sink(name="bus", type="cloudevents", url=hook.url)], max_tries=3)
+    notifier = fast_notifier([sink_for_ml(name="bus", type="cloudevents", url=hook.url)], max_tries=3)
     status = delivered(notifier, [("bus", None)])
     (record,) = status["notifications"]
     assert (record["state"], record["tries"]) == ("Failed", 3) and "503" in record["lastError"]
@@ -173,23 +178,68 @@ def test_a_sink_not_configured_is_failed_in_status_with_an_event_and_never_calle
 @pytest.mark.timeout(30)
 def test_the_queue_is_bounded_and_a_refused_notice_stays_due():
     # A port nothing listens on, retried only after a minute: each notice stays held.
-    sink = notify.Sink(name="down", type="webhook", url="http://127.0.0.1:9/x")
-    notifier = Notifier({"down": sink}, limit=2, senders=1, retry_base=60.0)
+    sinks = {name: sink_for_ml(name=name, type="webhook", url="http://127.0.0.1:9/x") for name in ("a", "b", "c")}
+    notifier = Notifier(sinks, limit=2, senders=1, retry_base=60.0)
 
     async def scenario():
         notices = RunNotices(notifier, asyncio.Event())
-        status = {**SUCCEEDED, "attempts": SUCCEEDED["attempts"] + [
-            {"attempt": 2, "startTime": "2026-12-05T01:00:00Z", "endTime": "2026-12-05T01:10:00Z"}]}
-        subscriptions = [("down", ["Succeeded", "AttemptEnded"])]
-        notices.offer_due(IDENT, subscriptions, status, lambda *a: None)  # 3 due, room for 2
+        subscriptions = [(name, ["Succeeded"]) for name in sinks]
+        notices.offer_due(IDENT, subscriptions, SUCCEEDED, lambda *a: None)  # 3 due, room for 2
         assert notifier.held == 2
         assert notices.waiting()  # the third is still owed: the run keeps stepping
-        notices.offer_due(IDENT, subscriptions, status, lambda *a: None)  # queued ones are not offered twice
+        notices.offer_due(IDENT, subscriptions, SUCCEEDED, lambda *a: None)  # queued ones are not offered twice
         assert notifier.held == 2
     try:
         asyncio.run(scenario())
     finally:
         notifier.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_sink_is_sent_its_next_notice_only_once_the_last_is_settled_and_written(receiver):
+    hook = receiver([503])
+    notifier = fast_notifier([sink_for_ml(name="team", type="webhook", url=hook.url)])
+    status = {**SUCCEEDED, "attempts": [{"attempt": 1, "endTime": "2026-12-05T00:30:00Z"},
+                                        {"attempt": 2, "endTime": "2026-12-05T01:00:00Z"}], "attempt": 2}
+    subscriptions = [("team", ["AttemptEnded", "Succeeded"])]
+
+    async def scenario():
+        notices = RunNotices(notifier, asyncio.Event())
+        for _ in range(3):  # as the driver does: offer after each write
+            notices.offer_due(IDENT, subscriptions, status, lambda *a: None)
+            assert notifier.held == 1  # one at a time, however many are due
+            await settle(notices, status)
+        notices.offer_due(IDENT, subscriptions, status, lambda *a: None)
+        assert not notices.waiting()
+    try:
+        asyncio.run(scenario())
+    finally:
+        notifier.close()
+    assert [json.loads(body)["id"] for _, body in hook.got] == [
+        f"{IDENT.uid}.AttemptEnded.1", f"{IDENT.uid}.AttemptEnded.1", f"{IDENT.uid}.AttemptEnded.2",
+        f"{IDENT.uid}.Succeeded.2"]  # in order; the first refused once
+
+
+@pytest.mark.timeout(30)
+def test_a_sink_not_open_to_the_runs_namespace_is_refused_and_no_event_names_another_sink(receiver):
+    """A sink of another namespace is never called, and what the run is told about it is
+    what it is told about a name that does not exist: no sink's name but its own."""
+    theirs, ours = receiver(), receiver()
+    notifier = fast_notifier([notify.Sink(name="team-a", type="webhook", url=theirs.url, namespaces=["other"]),
+                              sink_for_ml(name="team-b", type="webhook", url=ours.url)])
+    events = []
+    status = delivered(notifier, [("team-a", None), ("nosuch", None), ("team-b", None)],
+                       lambda *a: events.append(a))
+    states = {r["sink"]: (r["state"], r["tries"], r.get("lastError", "")) for r in status["notifications"]}
+    assert states["team-b"][:2] == ("Delivered", 1) and len(ours.got) == 1
+    assert theirs.got == []
+    assert states["team-a"][:2] == states["nosuch"][:2] == ("Failed", 0)
+    assert states["team-a"][2] == states["nosuch"][2].replace("'nosuch'", "'team-a'")
+    assert "namespace 'ml'" in states["team-a"][2]
+    assert [(e[1], e[2]) for e in events] == [("Warning", "NotifySinkUnknown")] * 2
+    for (_, _, _, message), named in zip(events, ("team-a", "nosuch")):
+        others = {"team-a", "team-b", "nosuch", "other"} - {named}
+        assert f"'{named}'" in message and not any(other in message for other in others), message
 
 
 @pytest.mark.timeout(60)
@@ -203,7 +253,7 @@ def test_the_driver_sends_a_finished_runs_notice_once_and_records_it_before_it_r
 
     hook = receiver([503, 503])
     sinks = tmp_path / "sinks.yaml"
-    sinks.write_text(f"sinks: [{{name: team, type: cloudevents, url: '{hook.url}'}}]\n")
+    sinks.write_text(f"sinks: [{{name: team, type: cloudevents, url: '{hook.url}', namespaces: [ns]}}]\n")
     finished = {**SUCCEEDED, "conditions": [{"type": "Succeeded", "status": "True", "reason": "JobSucceeded",
                                              "lastTransitionTime": "2026-12-05T01:00:00Z"}]}
     cluster = MemoryCluster()
@@ -229,7 +279,7 @@ def test_a_sinks_file_that_is_not_valid_fails_each_notice_with_its_error(tmp_pat
     from tpufinetune.adapters.notify import notifier_for
 
     bad = tmp_path / "sinks.yaml"
-    bad.write_text("sinks: [{name: team, type: webhook, url: 'ftp://x'}]\n")
+    bad.write_text("sinks: [{name: team, type: webhook, url: 'ftp://x', namespaces: [ml]}]\n")
     assert notifier_for(str(tmp_path / "absent.yaml")).sinks == {}  # nothing mounted: no sinks
     notifier = notifier_for(str(bad))
     assert "sinks.0.url" in notifier.sinks_error
@@ -253,8 +303,8 @@ ENDED = {"phase": "Succeeded", "attempt": 2, "loss": 1.25, "completionTime": "20
 
 
 @pytest.mark.parametrize("sink", [
-    notify.Sink(name="b", type="cloudevents", url="http://x", mode="binary"),
-    notify.Sink(name="s", type="cloudevents", url="http://x", mode="structured"),
+    sink_for_ml(name="b", type="cloudevents", url="http://x", mode="binary"),
+    sink_for_ml(name="s", type="cloudevents", url="http://x", mode="structured"),
 ])
 def test_both_cloudevents_modes_read_back_with_the_sdk(sink):
     event = notify.cloud_event(notify.Notice("b", "Succeeded", 2), "tiny", "ml", "0b7c5c1e", ENDED)
@@ -269,6 +319,52 @@ def test_both_cloudevents_modes_read_back_with_the_sdk(sink):
 def test_a_webhook_gets_the_whole_event_as_plain_json():
     event = notify.cloud_event(notify.Notice("team", "Failed", 1), "tiny", "ml", "0b7c5c1e",
                                {**ENDED, "phase": "Failed", "attempt": 1})
-    headers, body = http_message(event, notify.Sink(name="team", type="webhook", url="http://hooks.example/x"))
+    headers, body = http_message(event, sink_for_ml(name="team", type="webhook", url="http://hooks.example/x"))
     assert headers == {"Content-Type": "application/json"}
     assert json.loads(body)["type"] == "tpufinetune.dev.run.failed"
+
+
+# ---- many attempts and sinks: each notice once, a bounded record, a loop that ends --------
+
+def ended_attempts(count: int) -> dict:
+    """A run that failed after `count` attempts, each ended (status.attempts keeps 20)."""
+    attempts = [{"attempt": n, "startTime": f"2026-12-05T{n:02d}:00:00Z", "endTime": f"2026-12-05T{n:02d}:30:00Z",
+                 "reason": "Preempted"} for n in range(1, count + 1)]
+    return {"phase": "Failed", "attempt": count, "attempts": attempts, "completionTime": attempts[-1]["endTime"],
+            "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                            "lastTransitionTime": attempts[-1]["endTime"]}]}
+
+
+@pytest.mark.timeout(120)
+def test_eight_sinks_and_twenty_attempts_get_each_notice_once_and_the_run_rests(receiver, tmp_path):
+    """8 sinks x (20 AttemptEnded + Failed) = 168 notices, more than status.notifications
+    holds: each sink is sent each of its 21 once, in order, the record stays within its
+    bound, the run's loop returns once they are settled, and the next operator sends none."""
+    from run_helpers import MemoryCluster, body, settings
+
+    from tpufinetune.adapters.rayjobs import RayJobs
+    from tpufinetune.core.status import checked_status
+    from tpufinetune.driver import Run
+
+    hooks = {f"s{i}": receiver([503] if i == 0 else ()) for i in range(8)}  # one refuses once
+    sinks = tmp_path / "sinks.yaml"
+    sinks.write_text(json.dumps({"sinks": [{"name": name, "type": "webhook", "url": hook.url, "namespaces": ["ns"]}
+                                           for name, hook in hooks.items()]}))
+    cluster = MemoryCluster()
+
+    async def operator_pass(status):
+        live = body(status)
+        live["spec"]["notify"] = [{"sink": name, "events": ["AttemptEnded", "Failed"]} for name in hooks]
+        run = Run(live, cluster, RayJobs(), settings(notify_sinks_file=str(sinks), status_write_interval=0))
+        await asyncio.wait_for(run.run(asyncio.Event()), 40)  # returns: nothing left to send
+    asyncio.run(operator_pass(ended_attempts(20)))
+    wanted = [f"uid-1.AttemptEnded.{n}" for n in range(1, 21)] + ["uid-1.Failed.20"]
+    for name, hook in hooks.items():
+        ids = [json.loads(got)["id"] for _, got in hook.got]
+        assert ids == (wanted[:1] if name == "s0" else []) + wanted, name  # each once (s0: a retry), in order
+    records = cluster.status["notifications"]
+    assert len(records) <= notify.NOTIFICATIONS_LIMIT and all(r["state"] == "Delivered" for r in records)
+    checked_status({"notifications": records})
+    assert notify.due_notices([(name, ["AttemptEnded", "Failed"]) for name in hooks], cluster.status) == []
+    asyncio.run(operator_pass(dict(cluster.status)))  # a restart, or the next leader
+    assert sum(len(hook.got) for hook in hooks.values()) == 8 * 21 + 1

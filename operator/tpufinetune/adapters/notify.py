@@ -223,26 +223,30 @@ class RunNotices:
             return bool(self._in_flight or self._outcomes or self._unoffered)
 
     def offer_due(self, ident, subscriptions, status: dict, record_event) -> None:
-        """Queue each due notice not already queued; a sink the admin has not configured
-        (or a sinks file that is not valid) fails its notice at once, with a Warning Event."""
+        """Queue each sink's next due notice (core/notify.next_per_sink: one at a time per
+        sink, in order). A sink not configured for the run's namespace (or a sinks file that
+        is not valid) fails its due notices at once, with one Warning Event that names no
+        other sink."""
         with self._lock:  # an outcome not yet written is not due again
             busy = self._in_flight | self._outcomes.keys()
-        due = [n for n in notify.due_notices(subscriptions, status) if n.key not in busy]
+        due = notify.due_notices(subscriptions, status)
+        refused = [n for n in due if n.key not in busy and self._refusal(n.sink, ident.namespace)]
+        sendable = notify.next_per_sink([n for n in due if not self._refusal(n.sink, ident.namespace)], busy)
         self._unoffered = False
-        if not due:
+        if not (refused or sendable):
             return
         self._loop = asyncio.get_running_loop()
-        for notice in due:
+        told = set()
+        for notice in refused:
+            why = self._refusal(notice.sink, ident.namespace)
             event = notify.cloud_event(notice, ident.name, ident.namespace, ident.uid, status)
-            if self.notifier.sinks_error or notice.sink not in self.notifier.sinks:
-                why = self.notifier.sinks_error or (
-                    f"sink {notice.sink!r} is not configured in the operator's TPUFT_NOTIFY_SINKS_FILE "
-                    f"(configured: {', '.join(sorted(self.notifier.sinks)) or 'none'}); ask the cluster "
-                    "admin to add it, or name one of those in spec.notify")
-                self._report(_record(notice, event, "Failed", 0, why))
+            self._report(_record(notice, event, "Failed", 0, why))
+            if notice.sink not in told:
+                told.add(notice.sink)
                 record_event(ident, "Warning", "NotifySinksInvalid" if self.notifier.sinks_error
                              else "NotifySinkUnknown", why[:1024])
-                continue
+        for notice in sendable:
+            event = notify.cloud_event(notice, ident.name, ident.namespace, ident.uid, status)
             with self._lock:
                 self._in_flight.add(notice.key)
             if not self.notifier.offer(notice, event, self._report):
@@ -251,6 +255,20 @@ class RunNotices:
                 self._unoffered = True
                 log.warning("%s/%s: the notice queue is full (%d); notice %s waits for the next step",
                             ident.namespace, ident.name, self.notifier.limit, event["id"])
+
+    def _refusal(self, sink: str, namespace: str) -> str:
+        """Why a run in `namespace` may not send to `sink` ('' if it may). The same words
+        whether the sink does not exist or is another namespace's: a tenant learns no
+        other sink's name."""
+        if self.notifier.sinks_error:
+            return ("the operator's sinks file (TPUFT_NOTIFY_SINKS_FILE) is not valid, so no notice "
+                    "can be sent; the cluster admin finds why in the operator's log")
+        configured = self.notifier.sinks.get(sink)
+        if configured is not None and configured.allows(namespace):
+            return ""
+        return (f"sink {sink!r} is not configured for namespace {namespace!r} in the operator's "
+                "TPUFT_NOTIFY_SINKS_FILE; ask the cluster admin to add it, or to list this "
+                "namespace in its namespaces, or remove it from spec.notify")
 
     def _report(self, record: dict) -> None:
         key = (record["sink"], record["event"], record["attempt"])

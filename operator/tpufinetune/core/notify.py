@@ -6,9 +6,16 @@ Only sinks the cluster admin configured (TPUFT_NOTIFY_SINKS_FILE) are ever calle
 names a sink, never a URL, so its spec cannot make the operator request an address of the
 user's choice.
 
+Each sink says which namespaces may use it (`namespaces`); a run in any other namespace
+is told the sink is not configured for it, never which sinks are.
+
 A notice is (sink, event, attempt). Its CloudEvent id is derived from the run's uid, the
-event and the attempt, so a receiver can drop a repeat; status.notifications is the record
-of what was delivered, so an operator restart or a new leader does not send it again.
+event and the attempt, so a receiver can drop a repeat. A sink is sent its notices one at a
+time, in order (each attempt's end, then the run's end), so what it has been sent is a
+high-water mark: per sink and event, the highest attempt whose notice is Delivered or
+Failed. status.notifications always keeps each mark's record (and fills the rest of its 50
+with the newest others), so an operator restart or a new leader sends nothing again, and
+the record stays bounded whatever the number of attempts and sinks.
 """
 from __future__ import annotations
 
@@ -35,9 +42,11 @@ EVENT_TYPES = {"Succeeded": f"{GROUP}.run.succeeded", "Failed": f"{GROUP}.run.fa
 RETRY_BASE_S = 1.0
 RETRY_CAP_S = 60.0
 MAX_DELIVERY_TRIES = 8
-# status.notifications keeps the newest this many records.
+# status.notifications keeps at most this many records: every (sink, event)'s high-water
+# mark (at most 8 sinks x 3 events from one spec), then the newest others.
 NOTIFICATIONS_LIMIT = 50
 SINK_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+ALL_NAMESPACES = "*"  # a sink's `namespaces` entry that opens it to every namespace
 # A status record's final states: such a notice is never sent again.
 FINAL_STATES = ("Delivered", "Failed")
 
@@ -48,9 +57,9 @@ class NotifySubscription(_Model):
 
     sink: str = Field(min_length=1, max_length=63, pattern=SINK_NAME,
                       description="Name of a sink configured in the operator's settings "
-                                  "(TPUFT_NOTIFY_SINKS_FILE, Helm value notify.sinks); never a URL. "
-                                  "A name not configured is shown in status.notifications and a "
-                                  "Warning Event.")
+                                  "(TPUFT_NOTIFY_SINKS_FILE, Helm value notify.sinks) for this "
+                                  "namespace; never a URL. A name not configured for the namespace "
+                                  "is shown in status.notifications and a Warning Event.")
     # No schema default: the default (DEFAULT_NOTICE_EVENTS) is applied where it is read.
     events: list[NoticeEvent] | None = Field(  # type: ignore[valid-type]
         None, min_length=1, max_length=len(NOTICE_EVENTS),
@@ -90,6 +99,22 @@ class Sink(BaseModel):
     # A file holding a bearer token (a Secret of the operator's namespace, mounted): read
     # at each delivery, so a rotated Secret is used without a restart.
     token_file: str = ""
+    # The namespaces whose runs may name it; "*": every namespace. Required: the sink's
+    # token and the text a run puts in its notices reach only the teams the admin chose.
+    namespaces: tuple[str, ...] = Field(min_length=1, max_length=256)
+
+    @field_validator("namespaces")
+    @classmethod
+    def _namespace_names(cls, namespaces: tuple[str, ...]) -> tuple[str, ...]:
+        for name in namespaces:
+            if name != ALL_NAMESPACES and not re.match(SINK_NAME, name):
+                raise ValueError(f"{name!r} is not a namespace name; list namespaces by name, "
+                                 f"or {ALL_NAMESPACES!r} for every namespace")
+        return namespaces
+
+    def allows(self, namespace: str) -> bool:
+        """Whether a run in `namespace` may name this sink."""
+        return ALL_NAMESPACES in self.namespaces or namespace in self.namespaces
 
     @field_validator("url")
     @classmethod
@@ -105,8 +130,9 @@ class _SinksFile(BaseModel):
 
 
 def parse_sinks(text: str, source: str = "the sinks file") -> dict[str, Sink]:
-    """The sinks of a YAML or JSON document `{sinks: [{name, type, url, mode, tokenFile}]}`,
-    by name; SinksError naming the field if it is not valid."""
+    """The sinks of a YAML or JSON document
+    `{sinks: [{name, type, url, mode, tokenFile, namespaces}]}`, by name; SinksError naming
+    the field if it is not valid."""
     try:
         document = yaml.safe_load(text) if text.strip() else {}
     except yaml.YAMLError as error:
@@ -117,7 +143,7 @@ def parse_sinks(text: str, source: str = "the sinks file") -> dict[str, Sink]:
         first = error.errors()[0]
         path = ".".join(str(part) for part in first["loc"])
         raise SinksError(f"{source}: {path}: {first['msg']} (write e.g. sinks: [{{name: team, "
-                         f"type: webhook, url: https://hooks.example.com/x}}])") from None
+                         f"type: webhook, url: https://hooks.example.com/x, namespaces: [team-a]}}])") from None
     by_name: dict[str, Sink] = {}
     for sink in sinks:
         if sink.name in by_name:
@@ -143,17 +169,37 @@ def event_id(uid: str, event: str, attempt: int) -> str:
 
 
 def due_notices(subscriptions, status: dict) -> list[Notice]:
-    """The notices the run's status calls for and status.notifications does not hold as
-    Delivered or Failed. `subscriptions`: (sink, events or None) pairs from spec.notify."""
-    wanted = happened(status)
-    done = {_record_key(r) for r in status.get("notifications") or () if r.get("state") in FINAL_STATES}
-    due = []
-    for sink, events in subscriptions:
-        for event, attempt in wanted:
-            notice = Notice(sink, event, attempt)
-            if event in (events or DEFAULT_NOTICE_EVENTS) and notice.key not in done:
-                due.append(notice)
-    return due
+    """The notices the run's status calls for and its sink has not settled: above the sink's
+    high-water mark for the event (`marks`). `subscriptions`: (sink, events or None) pairs
+    from spec.notify. Each sink's in the order it is sent: by attempt, an attempt's end
+    before the run's."""
+    wanted = sorted(happened(status), key=lambda found: (found[1], found[0] != "AttemptEnded"))
+    settled = marks(status.get("notifications") or ())
+    return [Notice(sink, event, attempt) for sink, events in subscriptions for event, attempt in wanted
+            if event in (events or DEFAULT_NOTICE_EVENTS) and attempt > settled.get((sink, event), -1)]
+
+
+def next_per_sink(due: list[Notice], busy) -> list[Notice]:
+    """What may be sent now: each sink's first due notice, unless a notice of that sink is
+    being sent or its outcome is not yet written (`busy`: notice keys). One at a time per
+    sink, so a notice settled is always its sink's high-water mark for its event."""
+    blocked = {key[0] for key in busy}
+    sendable = []
+    for notice in due:
+        if notice.sink not in blocked:
+            sendable.append(notice)
+            blocked.add(notice.sink)
+    return sendable
+
+
+def marks(records) -> dict[tuple[str, str], int]:
+    """Per (sink, event): the highest attempt whose notice is Delivered or Failed."""
+    found: dict[tuple[str, str], int] = {}
+    for record in records:
+        if record.get("state") in FINAL_STATES:
+            sink, event, attempt = _record_key(record)
+            found[(sink, event)] = max(found.get((sink, event), -1), attempt)
+    return found
 
 
 def happened(status: dict) -> list[tuple[str, int]]:
@@ -230,13 +276,30 @@ def _record_key(record: dict) -> tuple[str, str, int]:
 
 def with_records(status: dict, records) -> list[dict]:
     """status.notifications with `records` (each one notice's latest state) put in place of
-    the same notice's, newest last, bounded to NOTIFICATIONS_LIMIT. A final record is never
-    replaced by a later non-final one (a stale try's report)."""
+    the same notice's, newest last. A final record is never replaced by a later non-final
+    one (a stale try's report), nor is a non-final one added at or below its mark. Bounded
+    to NOTIFICATIONS_LIMIT: the oldest records go first, each (sink, event)'s mark last."""
     kept = {_record_key(r): r for r in status.get("notifications") or ()}
     for record in records:
-        old = kept.get(_record_key(record))
-        if old is not None and old.get("state") in FINAL_STATES:
+        key = _record_key(record)
+        old = kept.get(key)
+        if record.get("state") not in FINAL_STATES and (
+                (old is not None and old.get("state") in FINAL_STATES)
+                or key[2] <= marks(kept.values()).get(key[:2], -1)):
             continue
-        kept.pop(_record_key(record), None)
-        kept[_record_key(record)] = record
-    return list(kept.values())[-NOTIFICATIONS_LIMIT:]
+        kept.pop(key, None)
+        kept[key] = record
+    ordered = list(kept.values())
+    excess = len(ordered) - NOTIFICATIONS_LIMIT
+    if excess <= 0:
+        return ordered
+    settled = marks(ordered)
+    is_mark = [r.get("state") in FINAL_STATES and _record_key(r)[2] == settled[_record_key(r)[:2]]
+               for r in ordered]
+    dropped = set()
+    for keep_marks in (True, False):
+        for index, record in enumerate(ordered):
+            if excess and index not in dropped and not (keep_marks and is_mark[index]):
+                dropped.add(index)
+                excess -= 1
+    return [r for index, r in enumerate(ordered) if index not in dropped]
