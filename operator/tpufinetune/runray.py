@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 
 from tpufinetune.adapters.jobapi import AuthenticationError
 from tpufinetune.adapters.kube import server_message
-from tpufinetune.adapters.lease import check_held
+from tpufinetune.adapters.lease import LeaseLost
 from tpufinetune.adapters.logfollow import LogFollower
 from tpufinetune.adapters.raytokens import SigningKeyError
 from tpufinetune.adapters import metrics
@@ -64,8 +64,8 @@ class RunRay:
         answer stops it (a 404 is an answer: a job lost). A refused token is tried again
         with the keyring's other keys, then raises RayAuthRefused."""
         while True:
-            if call in (self.jobs.submit, self.jobs.stop):  # a side effect: fenced by the Lease
-                check_held(f"{call.__name__} on the Ray head at {address} for {self.ident.namespace}/{self.ident.name}")
+            # A side effect (submit, stop) is fenced by the Lease in its Ray thread, just
+            # before its request (RayJobs): LeaseLost is no unanswered head.
             try:
                 await self._authorize(address)
             except Exception as error:
@@ -73,6 +73,8 @@ class RunRay:
                     from error
             try:
                 result = await self.jobs.call(call, address, *args)
+            except LeaseLost:
+                raise
             except AuthenticationError as error:
                 if await self._another_key(address, error):
                     continue

@@ -20,6 +20,7 @@ import contextlib
 import json
 import threading
 import time
+from unittest import mock
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -57,11 +58,14 @@ def leading(api: client.ApiClient, renewed_ago: float = 0.0, lost: list | None =
                                  **TIMING)
     elector.holder = "me"
     elector.last_renewed = time.monotonic() - renewed_ago
-    elector.start_renewing()
-    try:
-        yield elector
-    finally:
-        elector.stop(release=False)
+    # The process's registered leader is this one's for the test only: a stopped elector
+    # stays registered (and fenced), as it must in the process that stopped it.
+    with mock.patch.object(lease, "_leader", None):
+        elector.start_renewing()
+        try:
+            yield elector
+        finally:
+            elector.stop(release=False)
 
 
 # ---- the rules -------------------------------------------------------------------------
@@ -154,6 +158,43 @@ async def test_a_leader_that_lost_its_lease_submits_and_stops_nothing():
         with pytest.raises(Exception) as read:
             await run._ray(address, run.jobs.job, "tft-uid-1-1")
         assert not isinstance(read.value, lease.LeaseLost)
+    closed.close()
+
+
+@in_loop
+async def test_after_the_lease_is_handed_back_nothing_is_allowed():
+    closed, address = closed_address()
+    with leading(api_at(address)) as leader:
+        lease.check_held("a create")
+        leader.stop(release=False)  # as serve.py hands the Lease back at shutdown
+        with pytest.raises(lease.LeaseLost, match="the operator is stopping"):
+            lease.check_held("a create")
+    closed.close()
+
+
+@in_loop
+async def test_a_submit_queued_for_a_ray_thread_is_fenced_when_it_gets_one():
+    """The check is made in the Ray thread just before the request: a submit that waited
+    for a thread (or for its token) while the Lease was lost is refused, not sent."""
+    closed, address = closed_address()
+    jobs = RayJobs(timeout=0.3, threads=1)
+    run = Run(body(running(address)), MemoryCluster(address), jobs, settings())
+    busy, free = threading.Event(), threading.Event()
+
+    def hold_the_thread():
+        busy.set()
+        free.wait(10)
+
+    with leading(api_at(address)) as leader:
+        holding = asyncio.ensure_future(jobs.call(hold_the_thread))
+        await asyncio.to_thread(busy.wait, 5)
+        submit = asyncio.ensure_future(run._ray(address, jobs.submit, "tft-uid-1-2", "python -c pass", {}, {}))
+        await asyncio.sleep(0.2)  # the submit is queued behind the held thread
+        leader.lost = "Lease ns/leader is now held by 'b'"
+        free.set()
+        await holding
+        with pytest.raises(lease.LeaseLost, match="submit on the Ray head"):
+            await submit
     closed.close()
 
 

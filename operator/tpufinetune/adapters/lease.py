@@ -216,13 +216,12 @@ class LeaseElector:
     def stop(self, release: bool = True) -> None:
         """Stop renewing; with `release`, hand the Lease back so a standby takes over on
         its next try (best effort: if this fails, the standby waits out the lease)."""
-        global _leader
         self._stopping.set()
         self.lost = self.lost or "the operator is stopping"  # no side effect after the hand-back
         if self._renewer is not None:
             self._renewer.join(self.renew_deadline + 1)
-        if _leader is self:
-            _leader = None
+        # It stays the registered leader, lost: work already queued (a create in a pool
+        # thread) is refused by check_held after the hand-back, never let through.
         if not release or self.lease is None or self.holder != self.me:
             return
         body = lease_body(self.name, self.namespace, rules.released(record_of(self.lease), datetime.now(timezone.utc)),

@@ -16,7 +16,7 @@ import os
 
 import aiohttp
 
-from tpufinetune.adapters import metrics
+from tpufinetune.adapters import lease, metrics
 from tpufinetune.adapters.jobapi import JobApiClient
 from tpufinetune.adapters.logresume import as_logged, stream_decoder
 from tpufinetune.adapters.pools import Pool
@@ -248,7 +248,10 @@ class RayJobs:
 
     def submit(self, address: str, submission_id: str, entrypoint: str, runtime_env: dict, metadata: dict) -> None:
         """Submit once. Ray refuses a second job with the same submission id; that refusal
-        means an earlier submit (before a crash) went through, which is what we want."""
+        means an earlier submit (before a crash) went through, which is what we want.
+        Fenced by the Lease here, in the Ray thread, just before the request: not before
+        the token was derived or the call waited for a thread."""
+        lease.check_held(f"submit on the Ray head at {address} ({submission_id})")
         try:
             self.client(address).submit_job(
                 entrypoint=entrypoint,
@@ -268,7 +271,9 @@ class RayJobs:
         return self.client(address).leftovers(submission_id)
 
     def stop(self, address: str, submission_id: str) -> None:
-        """Ask the job to stop; a job the head does not know (404) is already stopped."""
+        """Ask the job to stop; a job the head does not know (404) is already stopped.
+        Fenced by the Lease here, just before the request (as `submit`)."""
+        lease.check_held(f"stop on the Ray head at {address} ({submission_id})")
         self.client(address).stop_if_exists(submission_id)
 
     def events(self, address: str, submission_id: str) -> list[dict]:
