@@ -43,11 +43,12 @@ def test_a_bad_notify_entry_is_refused_naming_the_field(notify_field, words):
 
 def test_the_sinks_file_is_parsed_and_its_mistakes_named():
     sinks = notify.parse_sinks("sinks:\n- {name: team, type: webhook, url: 'https://h.example/x', "
-                               "tokenFile: /var/run/t, namespaces: [team-a, team-a-dev]}\n"
+                               "tokenFile: /var/run/t, namespaces: [team-a, team-a-*]}\n"
                                "- {name: bus, type: cloudevents, url: 'http://broker.ns.svc', "
                                "mode: structured, namespaces: ['*']}\n")
     assert sinks["team"].token_file == "/var/run/t" and sinks["bus"].mode == "structured"
-    assert [sinks["team"].allows(ns) for ns in ("team-a", "team-a-dev", "team-b")] == [True, True, False]
+    assert [sinks["team"].allows(ns) for ns in ("team-a", "team-a-dev", "team-b", "team-ab")] == [
+        True, True, False, False]
     assert sinks["bus"].allows("anyone")
     assert notify.parse_sinks("") == {}
     with pytest.raises(notify.SinksError, match=r"sinks.0.url: .*http:// or https://"):
@@ -63,7 +64,7 @@ def test_the_sinks_file_is_parsed_and_its_mistakes_named():
         notify.parse_sinks("sinks: [{name: a, type: webhook, url: 'http://x'}]")
     with pytest.raises(notify.SinksError, match=r"sinks.0.namespaces: .*at least 1"):
         notify.parse_sinks("sinks: [{name: a, type: webhook, url: 'http://x', namespaces: []}]")
-    with pytest.raises(notify.SinksError, match=r"sinks.0.namespaces: .*'Team A' is not a namespace name"):
+    with pytest.raises(notify.SinksError, match=r"sinks.0.namespaces: .*'Team A' is not a namespace name or glob"):
         notify.parse_sinks("sinks: [{name: a, type: webhook, url: 'http://x', namespaces: [Team A]}]")
 
 

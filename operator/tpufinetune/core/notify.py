@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Literal
 
 import yaml
@@ -47,6 +48,7 @@ MAX_DELIVERY_TRIES = 8
 NOTIFICATIONS_LIMIT = 50
 SINK_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 ALL_NAMESPACES = "*"  # a sink's `namespaces` entry that opens it to every namespace
+NAMESPACE_GLOB = r"^[a-z0-9*?]([-a-z0-9*?]{0,61}[a-z0-9*?])?$"  # a namespace name, or one with * and ?
 # A status record's final states: such a notice is never sent again.
 FINAL_STATES = ("Delivered", "Failed")
 
@@ -99,22 +101,23 @@ class Sink(BaseModel):
     # A file holding a bearer token (a Secret of the operator's namespace, mounted): read
     # at each delivery, so a rotated Secret is used without a restart.
     token_file: str = ""
-    # The namespaces whose runs may name it; "*": every namespace. Required: the sink's
-    # token and the text a run puts in its notices reach only the teams the admin chose.
+    # The namespaces whose runs may name it: names or globs (`team-*`; "*": every
+    # namespace). Required: the sink's token and the text a run puts in its notices reach
+    # only the teams the admin chose.
     namespaces: tuple[str, ...] = Field(min_length=1, max_length=256)
 
     @field_validator("namespaces")
     @classmethod
     def _namespace_names(cls, namespaces: tuple[str, ...]) -> tuple[str, ...]:
         for name in namespaces:
-            if name != ALL_NAMESPACES and not re.match(SINK_NAME, name):
-                raise ValueError(f"{name!r} is not a namespace name; list namespaces by name, "
-                                 f"or {ALL_NAMESPACES!r} for every namespace")
+            if not re.match(NAMESPACE_GLOB, name):
+                raise ValueError(f"{name!r} is not a namespace name or glob; list namespaces by name "
+                                 f"(team-a), by glob (team-*), or {ALL_NAMESPACES!r} for every namespace")
         return namespaces
 
     def allows(self, namespace: str) -> bool:
         """Whether a run in `namespace` may name this sink."""
-        return ALL_NAMESPACES in self.namespaces or namespace in self.namespaces
+        return any(fnmatchcase(namespace, pattern) for pattern in self.namespaces)
 
     @field_validator("url")
     @classmethod
