@@ -88,6 +88,7 @@ class Run(RunRay, RunStatus):
         self.ray_down_since: tuple[tuple, datetime] | None = None
         self.ray_answered = False  # a Ray call of this step got an answer
         self.retry_waiting_since: tuple[int, datetime] | None = None  # (attempt, since)
+        self.log_unreadable_since: tuple[str, datetime] | None = None  # (job id, since): runray._finish_log
         self.create_refused = ""  # the API server's words when it last refused the RayCluster
         self._last_write = float("-inf")  # time.monotonic() of the last status write
         # The kopf daemon and on.delete share this Run; one step at a time.

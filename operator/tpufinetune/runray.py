@@ -10,8 +10,8 @@ events it drains (malformed ones dropped), its log tail and the checks before a 
 submitted.
 
 A mixin: Run provides `status`, `ident`, `settings`, `backend`, `jobs`, `follower`, `wake`,
-`unwritten`, `ray_down_since`, `ray_answered`, `retry_waiting_since` and
-`authorized_address`.
+`unwritten`, `ray_down_since`, `ray_answered`, `retry_waiting_since`, `log_unreadable_since`
+and `authorized_address`.
 """
 
 from __future__ import annotations
@@ -184,8 +184,31 @@ class RunRay:
         if job.status not in phases.JOB_ACTIVE:
             # Decide the outcome only once the whole log is parsed: the last lines
             # (result, failure) may still be in flight when Ray reports the job ended.
-            await self.follower.finish()
+            await self._finish_log(address, job_id)
         return tuple(self.follower.drain())
+
+    async def _finish_log(self, address: str, job_id: str) -> None:
+        """The ended job's last lines, under the one Ray-call policy: a log the head does
+        not give is a head not answering (RayNotAnswering: shown, on the clock) for up to
+        TPUFT_RAY_UNREACHABLE_TIMEOUT, counted from the first failure for this job; then
+        the outcome is decided from what was read, never left open with no clock."""
+        try:
+            await self.follower.finish()
+            self.log_unreadable_since = None
+            return
+        except Exception as error:
+            now = datetime.now(timezone.utc)
+            if self.log_unreadable_since is None or self.log_unreadable_since[0] != job_id:
+                self.log_unreadable_since = (job_id, now)
+            waited = (now - self.log_unreadable_since[1]).total_seconds()
+            detail = f"the log of job {job_id} could not be read to its end: {_one_line(error)}"
+            if waited < self.settings.ray_unreachable_timeout:
+                # Shown as the head not answering; this clock, not the head's (which its
+                # answer about the job stopped), says when to go on without the rest.
+                raise RayNotAnswering(f"the Ray head at {address} does not answer: {detail}") from error
+        log.warning("%s/%s: %s for %d s; deciding from the lines read", self.ident.namespace, self.ident.name,
+                    detail, waited)
+        self.follower.give_up()
 
     def _log_cursor(self, status: dict) -> None:
         """Where the drained events end in the log (bytes, and the anchor naming the lines

@@ -256,6 +256,11 @@ class LogFollower:
         self._feed(text, final=True)
         self._finished = True
 
+    def give_up(self) -> None:
+        """The rest of the log cannot be had (its head does not give it): what was read is
+        all there is, and `finish` does not try again."""
+        self._finished = True
+
     async def close(self) -> None:
         """Stop following. Waits for the stream task without swallowing a cancellation of
         the caller itself."""
