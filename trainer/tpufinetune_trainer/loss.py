@@ -43,8 +43,22 @@ from .data import IGNORE_INDEX, Packed, eval_order
 from .errors import ModelError
 
 # Rows of one chunk: its fp32 logits are CHUNK_ROWS x vocab x 4 bytes (256 MiB for Gemma's
-# 262144 tokens); two such buffers and the head weight's gradient are what the head adds.
+# 262144 tokens); two such buffers and the head weight's gradient are what the head adds
+# (the gradient is summed in fp32: HEAD_GRAD_ACCUMULATOR_BYTES).
 CHUNK_ROWS = 256
+# Bytes per element of the head weight's gradient while the forward sums it over the chunks
+# (fp32, whatever the compute dtype), and, at the end of the sum, the compute dtype's copy
+# beside it: vocab x hidden x (4 + 2) bytes at once in bf16, where a bf16 sum held 2.
+HEAD_GRAD_ACCUMULATOR_BYTES = 4
+
+
+def head_gradient_peak_bytes(vocab: int, hidden: int, compute_bytes: int = 2) -> int:
+    """The head weight's gradient at its largest in the forward (the memory plan's figure):
+    the fp32 sum and, as it is rounded, its copy in the compute dtype (none in fp32)."""
+    copy = compute_bytes if compute_bytes < HEAD_GRAD_ACCUMULATOR_BYTES else 0
+    return vocab * hidden * (HEAD_GRAD_ACCUMULATOR_BYTES + copy)
+
+
 # The cap is a multiple of this (TPU tiles are 8 or 16 rows), and at least this.
 ROW_ALIGN = 16
 # Model types whose transformers forward is exactly `lm_head`, then the optional final
@@ -93,12 +107,13 @@ def label_rows(targets: torch.Tensor, cap: int) -> torch.Tensor:
 
 
 def chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None,
-                        with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Summed cross-entropy of one chunk and, with `with_grad`, the gradient of that sum
-    with respect to the chunk's logits (before the softcap) in the compute dtype. The
-    logits are fp32 (or wider) from the head's output on; the [rows, vocab] buffers are
-    reused in place, so at most two fp32 ones exist at once (and the loop drops them
-    before the next chunk)."""
+    with respect to the chunk's logits (before the softcap), in fp32 and in the compute
+    dtype (the weight's gradient is accumulated from the first, the rows' computed from the
+    second). The logits are fp32 (or wider) from the head's output on; the [rows, vocab]
+    buffers are reused in place, so at most two fp32 ones exist at once (and the loop drops
+    them before the next chunk)."""
     logits = F.linear(rows, weight)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if softcap is not None:
@@ -114,7 +129,7 @@ def chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch
     exp_sum = z.sub_(top).exp_().sum(dim=1, keepdim=True)
     summed = ((exp_sum.log() + top).squeeze(1) - picked).mul(valid).sum()
     if not with_grad:
-        return summed, None
+        return summed, None, None
     # d(sum)/dz = softmax(z) - onehot(target) on labelled rows (0 elsewhere), and through
     # the softcap dz/dlogits = 1 - tanh^2.
     dz = z.div_(exp_sum)
@@ -122,7 +137,7 @@ def chunk_loss_and_grad(rows: torch.Tensor, weight: torch.Tensor, targets: torch
     dz.mul_(valid.unsqueeze(1))
     if capped is not None:
         dz.mul_(capped.mul_(capped).neg_().add_(1))
-    return summed, dz.to(rows.dtype)
+    return summed, dz, dz.to(rows.dtype)
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
@@ -141,18 +156,25 @@ class ChunkedHeadLoss(torch.autograd.Function):
         weight_grad = with_grad and ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=rows.device)
         grad_rows = torch.empty_like(rows) if rows_grad else None
-        grad_weight = torch.zeros_like(weight) if weight_grad else None
+        # The weight's gradient is a sum over every chunk: accumulated in fp32 (from each
+        # chunk's fp32 logit gradient), then rounded to the weight's dtype once. In bf16 the
+        # sum would be rounded after every chunk, and a small chunk's part lost beside a
+        # large sum.
+        wide = torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if weight_grad else None
         for start in range(0, rows.shape[0], chunk):
             end = start + chunk
             part = rows[start:end]
-            summed, dlogits = chunk_loss_and_grad(part, weight, targets[start:end], softcap,
-                                                  rows_grad or weight_grad)
+            summed, dlogits_wide, dlogits = chunk_loss_and_grad(part, weight, targets[start:end], softcap,
+                                                                rows_grad or weight_grad)
             total = total + summed
             if rows_grad:
                 torch.mm(dlogits, weight, out=grad_rows[start:end])
             if weight_grad:
-                grad_weight.addmm_(dlogits.t(), part)
-            del dlogits  # before the next chunk allocates its own
+                grad_weight.addmm_(dlogits_wide.t(), part.to(wide))
+            del dlogits, dlogits_wide  # before the next chunk allocates its own
+        if grad_weight is not None and grad_weight.dtype != weight.dtype:
+            grad_weight = grad_weight.to(weight.dtype)  # the fp32 sum goes here, before the backward
         # Kept on ctx, not save_for_backward: the backward takes them away (below).
         ctx.grads = (grad_rows, grad_weight)
         return total
