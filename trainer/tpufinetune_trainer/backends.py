@@ -12,11 +12,13 @@ from __future__ import annotations
 import glob
 import importlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from typing import Mapping
 
 from .errors import ConfigError, UsageError
+from .slices import Place, layout, place
 
 DEVICES = ("auto", "tpu", "cuda", "cpu")
 
@@ -128,11 +130,85 @@ def scaling_config(backend: Backend, num_workers: int, topology: str, accelerato
     return ScalingConfig(num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": 1})
 
 
-def torch_config(backend: Backend, compile_cache_dir: str = ""):
+# What libtpu reads to join several slices over the data-centre network (the operator's
+# core/megascale.py sets them on the worker pods; tests/api/test_megascale.py holds the two
+# to the same names and port).
+MEGASCALE_COORDINATOR_ENV = "MEGASCALE_COORDINATOR_ADDRESS"
+MEGASCALE_NUM_SLICES_ENV = "MEGASCALE_NUM_SLICES"
+MEGASCALE_SLICE_ID_ENV = "MEGASCALE_SLICE_ID"
+MEGASCALE_PORT_ENV = "MEGASCALE_PORT"
+MEGASCALE_ENV = (MEGASCALE_COORDINATOR_ENV, MEGASCALE_NUM_SLICES_ENV, MEGASCALE_SLICE_ID_ENV, MEGASCALE_PORT_ENV)
+DEFAULT_MEGASCALE_PORT = 8081  # Ray's and GKE's TPU webhook's (Ray's metrics take 8080)
+# The line each worker-group start prints with every rank's values, as its process holds them.
+MEGASCALE_LOG_PREFIX = "MEGASCALE by rank "
+
+
+@dataclass(frozen=True)
+class WorkerHost:
+    """What a worker reports for the MEGASCALE variables: its place (slice, host in the
+    slice, Ray Train rank), its node's address and its pod's base MEGASCALE_PORT."""
+
+    place: Place
+    address: str
+    base_port: int
+
+
+def megascale_env(workers: list[WorkerHost], num_slices: int) -> list[dict[str, str]]:
+    """Each rank's MEGASCALE variables (pure), from the live worker group: its own slice;
+    the coordinator at slice 0's first host (the first rank of the mesh's slice-0 row,
+    slices.layout: lowest TPU_WORKER_ID, then rank); each process's port the base plus its
+    index among the ranks on its node, as several processes of one host each listen. Raises
+    ConfigError (slices.layout's) when the ranks do not form `num_slices` slices."""
+    rows = layout([w.place for w in workers], num_slices)
+    by_rank = {w.place.rank: w for w in workers}
+    port = {}
+    for address in {w.address for w in workers}:
+        on_node = sorted(w.place.rank for w in workers if w.address == address)
+        port |= {rank: by_rank[rank].base_port + index for index, rank in enumerate(on_node)}
+    first = rows[0][0]
+    host = by_rank[first].address
+    coordinator = f"[{host}]:{port[first]}" if ":" in host else f"{host}:{port[first]}"
+    return [{MEGASCALE_COORDINATOR_ENV: coordinator, MEGASCALE_NUM_SLICES_ENV: str(num_slices),
+             MEGASCALE_SLICE_ID_ENV: str(w.place.slice), MEGASCALE_PORT_ENV: str(port[w.place.rank])}
+            for w in sorted(workers, key=lambda w: w.place.rank)]
+
+
+def worker_host(rank: int) -> WorkerHost:
+    """This worker's WorkerHost (in the worker, before megascale_env's values are set)."""
+    import ray
+
+    base = os.environ.get(MEGASCALE_PORT_ENV, "")
+    return WorkerHost(place(rank), ray.util.get_node_ip_address(),
+                      int(base) if base.isdigit() else DEFAULT_MEGASCALE_PORT)
+
+
+def use_megascale_env(env: dict[str, str]) -> dict[str, str]:
+    """Set this worker's MEGASCALE variables; returns them as this process now holds them."""
+    os.environ.update(env)
+    return {name: os.environ[name] for name in MEGASCALE_ENV}
+
+
+def renew_megascale_env(worker_group, num_slices: int) -> list[dict[str, str]]:
+    """Every worker's MEGASCALE variables from the group as it is now (each start of the
+    worker group: a rebuilt slice's new hosts, a new coordinator), before torch_tpu is
+    imported and tpu_dist starts; prints them, one line, as each process holds them."""
+    import ray
+
+    size = len(worker_group)
+    hosts = ray.get([worker_group.execute_single_async(i, worker_host, i) for i in range(size)])
+    env = megascale_env(hosts, num_slices)
+    held = ray.get([worker_group.execute_single_async(i, use_megascale_env, env[i]) for i in range(size)])
+    report = [{"rank": i, "address": hosts[i].address, **held[i]} for i in range(size)]
+    print(MEGASCALE_LOG_PREFIX + json.dumps(report, separators=(",", ":")), flush=True)
+    return held
+
+
+def torch_config(backend: Backend, compile_cache_dir: str = "", num_slices: int = 1):
     """Ray Train's TorchConfig, whose backend first runs on every worker (an actor call, so
-    on the worker's main thread): the SIGTERM handler of checkpoint on notice (notice.py),
-    and on TPU the device check (tpu_guard.py) and torch_tpu's import (load_tpu_runtime)
-    before tpu_dist starts."""
+    on the worker's main thread): with several slices the MEGASCALE variables, renewed from
+    the live group (renew_megascale_env); the SIGTERM handler of checkpoint on notice
+    (notice.py); and on TPU the device check (tpu_guard.py) and torch_tpu's import
+    (load_tpu_runtime) before tpu_dist starts."""
     from ray.train.torch import TorchConfig
     from ray.train.torch.config import _TorchBackend
 
@@ -146,6 +222,8 @@ def torch_config(backend: Backend, compile_cache_dir: str = ""):
             import ray
 
             size = len(worker_group)
+            if num_slices > 1:
+                renew_megascale_env(worker_group, num_slices)
             if is_tpu:
                 ray.get([worker_group.execute_single_async(i, require_tpu_device, worker_rank=i, world_size=size)
                          for i in range(size)])
@@ -154,6 +232,11 @@ def torch_config(backend: Backend, compile_cache_dir: str = ""):
                          for i in range(size)])
             ray.get([worker_group.execute_single_async(i, install_sigterm_handler) for i in range(size)])
             super().on_start(worker_group, backend_config)
+
+        def _setup_tpu_multislice(self, worker_group, master_addr, num_slices):
+            """Ray's own (super().on_start, tpu_dist) would set the MEGASCALE variables again
+            with each rank's slice from its rank and rank 0 as the coordinator; the ones set
+            above, from each pod's slice, stand."""
 
     class WorkerSetupTorchConfig(TorchConfig):
         @property

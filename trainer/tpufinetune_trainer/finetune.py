@@ -154,7 +154,7 @@ def build_trainer(cfg: FinetuneConfig, data: PreparedData, pad_id: int):
         train_loop_per_worker=train_func,
         train_loop_config={"cfg": cfg.to_dict(), "backend": backend.name, "data": data_ref,
                            "prompt_format": data.prompt_format, "dataset_format": data.dataset_format},
-        torch_config=backends.torch_config(backend, cfg.compile_cache_dir),
+        torch_config=backends.torch_config(backend, cfg.compile_cache_dir, cfg.num_slices),
         scaling_config=scaling,
         run_config=RunConfig(
             name=cfg.run_name,

@@ -1,5 +1,5 @@
 """The users' pod settings (`spec.head`, `spec.workers`) merged into a rendered RayCluster
-(pure).
+(pure), after the TPU runtime's multi-slice variables (core/megascale.py).
 
 Only additions and the fields the slice does not decide: service account, priority class,
 pod metadata, tolerations, volumes, mounts and env. Resources, node selectors, the
@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING
 
+from .megascale import with_megascale_env
 from .sizing import render_raycluster
 
 if TYPE_CHECKING:
@@ -19,8 +20,10 @@ if TYPE_CHECKING:
 
 def raycluster_with_pod_settings(name: str, namespace: str, uid: str,
                                  spec: TPUFineTuneSpec) -> dict:
-    """The RayCluster the operator creates: the sized one plus the pod settings."""
-    return apply_pod_settings(render_raycluster(name, namespace, uid, spec), spec)
+    """The RayCluster the operator creates: the sized one, its workers' MEGASCALE variables
+    (several slices), then the pod settings."""
+    sized = render_raycluster(name, namespace, uid, spec)
+    return apply_pod_settings(with_megascale_env(sized, name, spec), spec)
 
 
 def apply_pod_settings(raycluster: dict, spec: TPUFineTuneSpec) -> dict:
