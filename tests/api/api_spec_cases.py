@@ -6,6 +6,7 @@ import copy
 from dataclasses import dataclass, field
 
 from tpufinetune.core import validation
+from tpufinetune.core.api import CONTROL_MESSAGE, PRINTABLE
 
 IMAGE = "us-docker.pkg.dev/my-project/ray-torchtpu/ray-torchtpu:latest"
 V6E_VALID = "1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16"
@@ -319,3 +320,26 @@ MEMORY_INVALID: list[Invalid] = [
             admission="must be of type boolean", python_exact=False),
 ]
 INVALID += MEMORY_INVALID
+
+# Ids, URIs and paths with a control character: a line break in one would become a line of
+# its own wherever it is printed (`tpufinetune render`'s comments, logs, command lines).
+CONTROL_ADMISSION = f"should match '{PRINTABLE}'"
+
+
+def control_case(case_id: str, field: str, spec: dict, admission: str = CONTROL_ADMISSION) -> Invalid:
+    return Invalid(case_id, spec, field, CONTROL_MESSAGE, admission=admission, python_exact=False)
+
+
+CONTROL_INVALID: list[Invalid] = [
+    control_case("model-id-newline", "spec.model.id",
+                 spec_with(model__id="google/gemma-4-E2B-it\ninjected: true")),
+    control_case("dataset-id-carriage-return", "spec.dataset.id", spec_with(dataset__id="org/data\rinjected: true")),
+    control_case("dataset-split-tab", "spec.dataset.split", spec_with(dataset__split="train\t[:10]")),
+    control_case("storage-path-line-separator", "spec.checkpoint.storagePath",
+                 spec_with(checkpoint__storagePath="gs://b/ckpt\u2028injected: true")),
+    control_case("image-escape", "spec.image", spec_with(image=IMAGE + "\x1b[2J")),
+    control_case("nfs-path-next-line", "spec.workers.volumes[0].nfs.path",
+                 spec_with(workers__volumes=[{"name": "n", "nfs": {"server": "10.0.0.2", "path": "/export\x85x"}}]),
+                 admission="should match '^/[^"),
+]
+INVALID += CONTROL_INVALID

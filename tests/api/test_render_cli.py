@@ -11,6 +11,7 @@ from api_spec_cases import INVALID, base_spec, spec_with
 
 import tpufinetune
 from tpufinetune import cli
+from tpufinetune.core import render as render_module
 from tpufinetune.core.render import PLACEHOLDER_UID
 
 UID = "6f1c2a7e-0b1d-4c55-9a57-3c1e0d2b8f10"
@@ -151,3 +152,33 @@ def test_a_run_that_fits_shows_its_memory_plan_as_a_comment(tmp_path, capsys):
     assert (code, err) == (0, "")
     assert "# TPUFineTune default/small: memory plan: full fine-tune of google/gemma-4-E2B-it:" in out
     assert [d["kind"] for d in yaml.safe_load_all(out)] == ["RayCluster"]
+
+
+INJECTED = "\ninjected: true #"  # the rest of the line, if any, a comment
+
+
+@pytest.mark.parametrize("where, field", [("model", "spec.model.id"), ("dataset", "spec.dataset.id"),
+                                          ("namespace", "metadata.namespace")])
+@pytest.mark.parametrize("flags", [(), ("--jobs",)], ids=["clusters", "jobs"])
+def test_a_line_break_in_a_user_string_never_becomes_a_line_of_yaml(tmp_path, capsys, where, field, flags):
+    """`render x.yaml | kubectl apply -f -`: text after a line break in a spec's string must
+    not become a key of what is applied (it is refused, and would be escaped)."""
+    spec, metadata = spec_with(), {"namespace": "team"}
+    if where == "namespace":
+        metadata["namespace"] = "team" + INJECTED
+    else:
+        spec = spec_with(**{f"{where}__id": "org/own-one" + INJECTED})
+    code, out, err = run(tmp_path, capsys, resource("run", spec, **metadata), flags=flags)
+    documents = [d for d in yaml.safe_load_all(out) if d]
+    assert not [d for d in documents if "injected" in d], out
+    assert not [line for line in out.splitlines() if not line.startswith("#") and "injected" in line], out
+    assert (code, out) == (2, "") and err.count("\n") == 1 and field in err, err
+
+
+def test_a_comment_escapes_what_would_end_it():
+    text = "plan of org/m\nkind: Secret\rb\x85c\u2028d\u2029e\x0bf\x1b[2J\tg"
+    commented = render_module.comment(text)
+    assert all(line.startswith("# ") for line in commented.splitlines())
+    assert commented.count("\n") == len(commented.splitlines())
+    assert yaml.safe_load(commented) is None and yaml.safe_load("a: 1\n" + commented + "b: 2\n") == {"a": 1, "b": 2}
+    assert "\\x1b[2J\\tg" in commented  # what stays on a line is escaped, not dropped

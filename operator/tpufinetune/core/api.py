@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import re
+import unicodedata
 from typing import Callable
 
 from pydantic import BaseModel, ValidationError, ValidationInfo, model_validator
@@ -123,11 +124,22 @@ def _spec_error(exc: ValidationError) -> SpecError:
         return SpecError(path, "unknown field")
     if kind == "literal_error":
         return SpecError(path, f'"{given}" is not valid; expected {first["ctx"]["expected"]}')
+    if kind == "string_pattern_mismatch" and CONTROL_CHARACTERS in first["ctx"]["pattern"] and _has_control(given):
+        return SpecError(path, f"{CONTROL_MESSAGE}; got {given!r}")
     message = re.sub(r"^(Input|String|Dictionary|List) should", "must",
                      first["msg"].removeprefix("Value error, "))
     if given is not None and kind != "value_error" and not isinstance(given, (dict, list)):
         message += f" (got {given!r})"
     return SpecError(path, message)
+
+
+CONTROL_MESSAGE = "must hold no control character (a line break, tab, ...): remove it"
+
+
+def _has_control(text: object) -> bool:
+    """Whether `text` holds a character of apimodels.CONTROL_CHARACTERS (Unicode's Cc, and
+    the line and paragraph separators)."""
+    return isinstance(text, str) and any(unicodedata.category(c) == "Cc" or c in "\u2028\u2029" for c in text)
 
 
 def _field_path(loc: tuple) -> str:

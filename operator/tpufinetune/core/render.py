@@ -8,10 +8,14 @@ Validation is `parse_spec`, the operator's own, so a spec that renders is one th
 accepts; documents are rendered only after every input document validated. The memory
 plan (core/memplan.py) is a comment under each header, and a run that cannot fit its slice
 is refused as the operator would fail it (DoesNotFit), offline: known models are a table.
+
+Every comment goes through `comment`: a user's string (a model id, a namespace) is printed
+with its control characters escaped, so no text of the spec's becomes a line of YAML.
 """
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import asdict
 
 import yaml
@@ -25,6 +29,7 @@ from .podtemplate import raycluster_with_pod_settings
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 FIRST_ATTEMPT = 1
 _DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN)
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a namespace's name
 
 
 class RenderError(Exception):
@@ -63,7 +68,10 @@ def _check_document(document: object, index: int, source: str) -> tuple[str, str
     name = metadata.get("name") if isinstance(metadata, dict) else None
     if not isinstance(name, str) or not _DNS_SUBDOMAIN.match(name) or len(name) > 253:
         raise RenderError(f"{where}: metadata.name: must be a DNS subdomain name, got {name!r}")
-    namespace = str(metadata.get("namespace") or "default")
+    namespace = metadata.get("namespace") or "default"
+    if not isinstance(namespace, str) or not _DNS_LABEL.match(namespace) or len(namespace) > 63:
+        raise RenderError(f"{where}: metadata.namespace: must be a DNS label name (lowercase letters, "
+                          f"digits and '-', at most 63), got {namespace!r}")
     uid = str(metadata.get("uid") or "")
     return name, namespace, uid, document.get("spec")
 
@@ -87,13 +95,13 @@ def render(documents: list[dict], source: str, jobs: bool = False) -> str:
 
     out = []
     for name, namespace, uid, spec in validated:
-        header = f"# TPUFineTune {namespace}/{name}"
+        header = f"TPUFineTune {namespace}/{name}"
         memory = plan_spec(spec)
-        planned = f"{header}: memory plan: {memory.summary()}\n" if memory is not None else ""
+        planned = comment(f"{header}: memory plan: {memory.summary()}") if memory is not None else ""
         job = _job_document(name, namespace, uid or PLACEHOLDER_UID, spec)
         if jobs:
-            out.append(f"---\n{header}: the Ray job the operator submits (attempt "
-                       f"{FIRST_ATTEMPT}).\n" + planned + _dump(job))
+            out.append("---\n" + comment(f"{header}: the Ray job the operator submits (attempt "
+                                          f"{FIRST_ATTEMPT}).") + planned + _dump(job))
             continue
         cluster = raycluster_with_pod_settings(name, namespace, uid or PLACEHOLDER_UID, spec)
         note = ""
@@ -101,13 +109,13 @@ def render(documents: list[dict], source: str, jobs: bool = False) -> str:
             # A placeholder owner would have the garbage collector delete the RayCluster
             # as soon as it is applied; without metadata.uid it is applied unowned.
             del cluster["metadata"]["ownerReferences"]
-            note = ("# metadata.uid is absent: no ownerReferences (the operator sets the "
-                    f"resource's own); job ids use the placeholder {PLACEHOLDER_UID}.\n")
-        out.append(f"---\n{header}: the RayCluster the operator creates.\n{planned}{note}"
+            note = comment("metadata.uid is absent: no ownerReferences (the operator sets the "
+                           f"resource's own); job ids use the placeholder {PLACEHOLDER_UID}.")
+        out.append("---\n" + comment(f"{header}: the RayCluster the operator creates.") + planned + note
                    + _dump(cluster)
-                   + f"{header}: the Ray job the operator submits once it is ready "
-                     f"(attempt {FIRST_ATTEMPT}; --jobs prints it as YAML):\n"
-                   + _comment(_dump(job)))
+                   + comment(f"{header}: the Ray job the operator submits once it is ready "
+                             f"(attempt {FIRST_ATTEMPT}; --jobs prints it as YAML):")
+                   + comment(_dump(job), indent="#   "))
     return "".join(out)
 
 
@@ -124,5 +132,13 @@ def _job_document(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec) ->
     }}
 
 
-def _comment(text: str) -> str:
-    return "".join(f"#   {line}\n" for line in text.splitlines())
+def comment(text: str, indent: str = "# ") -> str:
+    """`text` as YAML comment lines: each of its lines (str.splitlines, which breaks at
+    every character YAML takes for a line break, and more) after `indent`, with any control
+    character left in a line escaped, so nothing in `text` can end the comment."""
+    return "".join(f"{indent}{_escaped(line)}\n" for line in text.splitlines())
+
+
+def _escaped(line: str) -> str:
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in ("Cc", "Zl", "Zp")
+                   else c for c in line)
