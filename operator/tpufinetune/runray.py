@@ -96,7 +96,7 @@ class RunRay:
         if tokens is None:
             return False
         try:
-            next_key = await asyncio.to_thread(tokens.refused, self.ident)
+            next_key = await self._in_kube_pool(tokens.refused, self.ident)
         except SigningKeyError as unreadable:
             raise RayNotAnswering(f"the Ray token for {address} could not be derived: {unreadable}") from error
         self.authorized_address = ""  # the next call derives the token again, of that key
@@ -107,6 +107,12 @@ class RunRay:
                                                     f"({_one_line(error)}); the next attempt runs on a new "
                                                     f"RayCluster with a token of key {current}")) from error
 
+    async def _in_kube_pool(self, fn, *args):
+        """A blocking keyring call in the backend's Kubernetes pool (its Secret read is a
+        Kubernetes call), never the default executor that serves the event loop's lookups."""
+        pool = getattr(self.backend, "pool", None)
+        return await (pool.call(fn, *args) if pool is not None else asyncio.to_thread(fn, *args))
+
     async def _keyed(self, manifest: dict) -> dict:
         """The new RayCluster, made with the keyring's current key: its token Secret and
         label name the key's id. An unreadable keyring refuses the create (shown, timed)."""
@@ -114,7 +120,7 @@ class RunRay:
         if tokens is None:
             return manifest
         try:
-            key_id = await asyncio.to_thread(tokens.key_for_new_cluster, self.ident)
+            key_id = await self._in_kube_pool(tokens.key_for_new_cluster, self.ident)
         except SigningKeyError as error:
             raise CreateRefused(f"the run's Ray token could not be derived: {error}") from None
         self.authorized_address = ""  # the new head (same address) takes the new token

@@ -33,7 +33,7 @@ from tpufinetune.core.phases import Identity
 from tpufinetune.driver import Run
 from tpufinetune.settings import Settings
 
-from run_helpers import MemoryCluster, body, settings
+from run_helpers import MemoryCluster, body, running, settings
 
 OLD, NEW = secrets.token_bytes(32), secrets.token_bytes(32)
 OLD_ID, NEW_ID = raytoken.key_id(OLD), raytoken.key_id(NEW)
@@ -41,6 +41,13 @@ OLD_ID, NEW_ID = raytoken.key_id(OLD), raytoken.key_id(NEW)
 
 def b64(key: bytes) -> str:
     return base64.b64encode(key).decode()
+
+
+def spoken_with(tokens: RayTokens) -> str:
+    """The id of the key whose token the run's head is given now."""
+    token = tokens.token(IDENT)
+    return next(k for k, key in ((OLD_ID, OLD), (NEW_ID, NEW))
+                if raytoken.derive_token(key, IDENT.namespace, IDENT.name, IDENT.uid) == token)
 
 
 # ---- the real kube-apiserver: Secrets, labels, names ------------------------------------
@@ -173,11 +180,6 @@ def old_key_head():
     head.stop()
 
 
-def running(address: str) -> dict:
-    return {"phase": phases.RUNNING, "rayClusterName": "tft-demo", "jobId": "tft-uid-1-1", "attempt": 1,
-            "dashboardURL": address, "epochs": 1, "startTime": "2026-01-01T00:00:00Z"}
-
-
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_a_restarted_operator_keeps_the_old_key_for_its_head_and_a_removed_key_rebuilds_once_for_free(
@@ -189,7 +191,7 @@ def test_a_restarted_operator_keeps_the_old_key_for_its_head_and_a_removed_key_r
 
     async def steps():
         first = await run.step()  # the current key's token is refused, the old key's taken
-        first_key, first_events = cluster.tokens.key_id(IDENT), list(cluster.events)
+        first_key, first_events = spoken_with(cluster.tokens), list(cluster.events)
         await run.close()  # its log stream
         keyring.pop("key.2026-12")  # removed too early: the head takes no key now
         restarted = Run(body(first.status), cluster, RayJobs(timeout=5), settings(ray_unreachable_timeout=600))
@@ -227,3 +229,16 @@ def test_a_restarted_operator_keeps_the_old_key_for_its_head_and_a_removed_key_r
     assert failed.phase == phases.FAILED
     condition = cond.find(failed.status, cond.FAILED)
     assert condition["reason"] == "RayUnreachable" and "no retries left" in condition["message"]
+
+
+def test_many_refused_tokens_read_the_keyring_once_not_once_each():
+    """A hundred heads refusing at once (a key removed too early) cost one read of the
+    signing key Secret within REFUSED_REREAD_S, not a hundred under the keyring's lock. The
+    Secret read is replaced by a count: the fault is in how often it is asked."""
+    reads = []
+    tokens = RayTokens(client.ApiClient(), "tpufinetune-system")
+    tokens._read_or_create = lambda: reads.append(1) or {"key": b64(NEW), "key.2026-12": b64(OLD)}
+    tokens.keyring()
+    for i in range(100):
+        assert tokens.refused(Identity(f"run-{i}", "ns", f"uid-{i}")) == OLD_ID  # the other key, to try
+    assert len(reads) == 1

@@ -32,7 +32,7 @@ def test_events_split_across_chunks_are_parsed_once_complete():
     assert f.drain() == []
     f._feed(LOG[cut:])
     assert [e["epoch"] for e in f.drain()] == [1, 2]
-    assert f.parsed_bytes == len(LOG.encode())
+    assert f.cursor == len(LOG.encode())
     assert f.drain() == []
 
 
@@ -40,7 +40,7 @@ def test_cursor_stays_on_a_line_boundary_and_restart_skips_parsed_lines():
     first = follower()
     first._feed(LOG[: LOG.index("(RayTrainWorker pid=7) " + EPOCH2) + 10])
     assert [e["epoch"] for e in first.drain()] == [1]
-    saved = first.parsed_bytes
+    saved = first.cursor
     assert LOG.encode()[:saved].endswith(b"\n")
     # after a restart the websocket replays the log from the start
     second = follower(skip=saved)

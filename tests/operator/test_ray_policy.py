@@ -62,7 +62,7 @@ async def test_a_run_is_deleted_without_its_token_or_its_head():
     closed.close()
     assert decision.phase == phases.DELETING
     assert cluster.calls[-1] == "delete" and not cluster.exists
-    assert phases.deletion_complete(await run.observe(deleting=True))
+    assert not (await run.observe(deleting=True)).cluster.exists  # the finalizer may go
 
 
 @in_loop

@@ -213,10 +213,6 @@ class LogFollower:
         """Bytes of the log read up to the last complete line."""
         return self._stream.offset
 
-    @property
-    def parsed_bytes(self) -> int:
-        return self.cursor
-
     def drain(self) -> list[dict]:
         """The events parsed since the last drain; `drained` moves to where they end."""
         events, self._pending = self._pending, []

@@ -3,8 +3,9 @@
 - The signing keyring: one Secret in the operator's namespace, read (get, by name: the only
   Secret the operator may read) or, at first use, created with one 32-byte key. Two
   operators racing to create it both end up with the one that won (409, then read). It is
-  read again for every new RayCluster, when a head refuses a token, and at most
-  KEYRING_TTL_S after the last read otherwise: a rotation needs no restart.
+  read again for every new RayCluster, when a head refuses a token (at most every
+  REFUSED_REREAD_S), and at most KEYRING_TTL_S after the last read otherwise: a rotation
+  needs no restart.
 - Each RayCluster's token Secret (named and labelled with its key's id) and the run's
   NetworkPolicy are created just before the RayCluster, never read back (create only: 409
   means they are already there, from an earlier step).
@@ -31,6 +32,10 @@ from tpufinetune.core.phases import Identity
 
 log = logging.getLogger(__name__)
 KEYRING_TTL_S = 60.0
+# A head that refuses a token has the keyring read again (a rotation may have added the key
+# it takes), but at most once in this many seconds for all refusals together: a hundred
+# heads refusing at once cost one read of the Secret, not a hundred under one lock.
+REFUSED_REREAD_S = 5.0
 
 
 class SigningKeyError(RuntimeError):
@@ -53,13 +58,13 @@ class RayTokens:
     def where(self) -> str:
         return f"{self.operator_namespace}/{raytoken.SIGNING_KEY_SECRET}"
 
-    def keyring(self, fresh: bool = False) -> raytoken.Keyring:
+    def keyring(self, fresh: bool = False, max_age: float = KEYRING_TTL_S) -> raytoken.Keyring:
         """The keyring (blocking: run in a thread), read again when `fresh` or older than
-        KEYRING_TTL_S. One that cannot be read (refused, no data.key, an entry not base64)
+        `max_age` seconds. One that cannot be read (refused, no data.key, an entry not base64)
         raises SigningKeyError naming the Secret, the entry and the fix; the last good one
         is not used then: a key removed on purpose must stop being used."""
         with self._lock:
-            if fresh or self._keyring is None or time.monotonic() - self._read_at > KEYRING_TTL_S:
+            if fresh or self._keyring is None or time.monotonic() - self._read_at > max_age:
                 try:
                     data = self._read_or_create()
                 except ApiException as error:
@@ -119,15 +124,11 @@ class RayTokens:
                 self._run_keys[ident.uid] = key_id
         return raytoken.derive_token(keyring.key(key_id), ident.namespace, ident.name, ident.uid)
 
-    def key_id(self, ident: Identity) -> str:
-        """The key id the run's head is spoken to with now ('' when not known yet)."""
-        return self._run_keys.get(ident.uid) or (self._keyring.current if self._keyring else "")
-
     def refused(self, ident: Identity) -> str:
         """The run's head refused the token of its present key: the next key of the
-        keyring (read afresh) to try, its id; '' when the head refused every key, and the
-        run's cluster must be rebuilt."""
-        keyring = self.keyring(fresh=True)
+        keyring (read again if older than REFUSED_REREAD_S) to try, its id; '' when the
+        head refused every key, and the run's cluster must be rebuilt."""
+        keyring = self.keyring(max_age=REFUSED_REREAD_S)
         with self._lock:
             tried = self._refused.setdefault(ident.uid, set())
             tried.add(self._run_keys.get(ident.uid, keyring.current))

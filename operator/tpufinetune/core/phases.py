@@ -459,12 +459,6 @@ def _deleting(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
         d.actions.append(DeleteCluster(s["rayClusterName"]))
 
 
-def deletion_complete(obs: Observations) -> bool:
-    """The finalizer may go once no owned RayCluster remains (its head, and every job on
-    it, went with it). Ray is never asked: a dead head must not keep the finalizer."""
-    return obs.cluster is None or not obs.cluster.exists or not obs.cluster.owned
-
-
 def _create_cluster(ident: Identity, plan: Plan, s: dict, d: Decision) -> None:
     """The RayCluster is built from the current spec: that generation is now applied."""
     _applied(s, ident)
