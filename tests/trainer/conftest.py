@@ -17,3 +17,11 @@ def process_group():
 @pytest.fixture(scope="module")
 def prepared(trainer_assets):
     return prepared_data(trainer_assets, BLOCK_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(trainer_assets):
+    """The tiny test model's tokenizer."""
+    from tpufinetune_trainer.model import load_tokenizer
+
+    return load_tokenizer(str(trainer_assets.model))

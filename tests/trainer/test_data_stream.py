@@ -29,13 +29,6 @@ pytestmark = pytest.mark.timeout(120)
 MAX_SEQ_LEN = 96
 
 
-@pytest.fixture(scope="module")
-def tokenizer(trainer_assets):
-    from tpufinetune_trainer.model import load_tokenizer
-
-    return load_tokenizer(str(trainer_assets.model))
-
-
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks that end inside the data, held-out copies a few rows at a time."""

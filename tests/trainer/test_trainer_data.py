@@ -29,14 +29,9 @@ from tpufinetune_trainer.data import (
     steps_per_epoch,
 )
 from tpufinetune_trainer.errors import DataError
-from tpufinetune_trainer.model import load_causal_lm, load_tokenizer
+from tpufinetune_trainer.model import load_causal_lm
 
 from trainer_helpers import write_jsonl
-
-
-@pytest.fixture(scope="module")
-def tokenizer(trainer_assets):
-    return load_tokenizer(str(trainer_assets.model))
 
 
 @pytest.fixture(scope="module")

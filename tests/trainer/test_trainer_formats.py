@@ -12,15 +12,9 @@ from tpufinetune_trainer.cli import build_parser
 from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.data import IGNORE_INDEX, detect_format, encode_rows, pack, prepare, resolve_prompt_format
 from tpufinetune_trainer.errors import ConfigError, DataError
-from tpufinetune_trainer.model import load_tokenizer
 from tpufinetune_trainer.schedule import decay_steps, lr_table, warmup_steps
 
 from trainer_helpers import write_jsonl
-
-
-@pytest.fixture(scope="module")
-def tokenizer(trainer_assets):
-    return load_tokenizer(str(trainer_assets.model))
 
 
 def labelled_text(tokenizer, ids, labels) -> str:

@@ -16,12 +16,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpufinetune_trainer import loss
-from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.data import IGNORE_INDEX, BatchPlan, plan_epoch, plan_run, rank_blocks
 from tpufinetune_trainer.errors import ConfigError
 from tpufinetune_trainer.train import Trainer
-from trainer_helpers import BLOCK_LENGTH
+from trainer_helpers import BLOCK_LENGTH, make_trainer
 
 LENGTH = BLOCK_LENGTH
 # A cap that bites on the tiny random model, whose logits are ~0.1: omitting it changes the
@@ -38,13 +37,6 @@ def softcapped(trainer_assets, tmp_path_factory):
     config["text_config"]["final_logit_softcapping"] = SOFTCAP
     (model / "config.json").write_text(json.dumps(config))
     return model
-
-
-def make_trainer(model, data, tmp_path, **overrides) -> Trainer:
-    settings = dict(model_id=str(model), storage_path=str(tmp_path), num_workers=1, device="cpu",
-                    max_seq_len=LENGTH, batch_size_per_device=2, num_epochs=2)
-    cfg = FinetuneConfig(**{**settings, **overrides}).validate()
-    return Trainer(cfg, BACKENDS["cpu"], data, rank=0, world=1, local_rank=0)
 
 
 def loss_and_grads(trainer: Trainer, batch: dict, head: bool) -> tuple[float, list[torch.Tensor]]:

@@ -13,15 +13,7 @@ from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.errors import ConfigError
 from tpufinetune_trainer.model import decoder_blocks
 from tpufinetune_trainer.train import Trainer
-from trainer_helpers import BLOCK_LENGTH
-
-
-def make_trainer(assets, data, tmp_path, **overrides) -> Trainer:
-    settings = dict(model_id=str(assets.model), storage_path=str(tmp_path), num_workers=1, device="cpu",
-                    max_seq_len=BLOCK_LENGTH, learning_rate=3e-3, batch_size_per_device=2, num_epochs=1,
-                    max_grad_norm=0)
-    cfg = FinetuneConfig(**{**settings, **overrides}).validate()
-    return Trainer(cfg, BACKENDS["cpu"], data, rank=0, world=1, local_rank=0)
+from trainer_helpers import make_trainer
 
 
 def first_step(trainer: Trainer) -> tuple[float, dict[str, torch.Tensor], int]:
@@ -44,8 +36,8 @@ def first_step(trainer: Trainer) -> tuple[float, dict[str, torch.Tensor], int]:
 @pytest.mark.parametrize("mode", ["block", "selective"])
 def test_checkpointed_activations_give_the_same_loss_and_gradients(mode, trainer_assets, prepared, process_group,
                                                                    tmp_path):
-    keeping = make_trainer(trainer_assets, prepared, tmp_path)
-    checkpointing = make_trainer(trainer_assets, prepared, tmp_path, activation_checkpointing=mode)
+    keeping = make_trainer(trainer_assets.model, prepared, tmp_path, max_grad_norm=0)
+    checkpointing = make_trainer(trainer_assets.model, prepared, tmp_path, max_grad_norm=0, activation_checkpointing=mode)
     # Evaluation (no gradients) runs the checkpointed modules as plain forwards.
     assert checkpointing.evaluate() == pytest.approx(keeping.evaluate(), rel=1e-6)
     kept_loss, kept, kept_calls = first_step(keeping)
@@ -60,7 +52,7 @@ def test_checkpointed_activations_give_the_same_loss_and_gradients(mode, trainer
 
 @pytest.mark.timeout(300)
 def test_frozen_embeddings_get_no_gradient_and_no_optimizer_state(trainer_assets, prepared, process_group, tmp_path):
-    trainer = make_trainer(trainer_assets, prepared, tmp_path, freeze_embeddings=True, max_steps=2)
+    trainer = make_trainer(trainer_assets.model, prepared, tmp_path, max_grad_norm=0, freeze_embeddings=True, max_steps=2)
     embedding = trainer.model.get_input_embeddings().weight
     head = trainer.model.get_output_embeddings().weight
     assert head is embedding  # Gemma ties its head: frozen with the embedding
@@ -79,9 +71,9 @@ def test_frozen_embeddings_get_no_gradient_and_no_optimizer_state(trainer_assets
 
 @pytest.mark.timeout(300)
 def test_the_attention_kernel_is_the_one_asked_for(trainer_assets, prepared, process_group, tmp_path):
-    trainer = make_trainer(trainer_assets, prepared, tmp_path, attention="eager")
+    trainer = make_trainer(trainer_assets.model, prepared, tmp_path, max_grad_norm=0, attention="eager")
     assert trainer.model.config.get_text_config()._attn_implementation == "eager" and trainer.masks.additive
-    default = make_trainer(trainer_assets, prepared, tmp_path)
+    default = make_trainer(trainer_assets.model, prepared, tmp_path, max_grad_norm=0)
     assert default.attn_implementation == BACKENDS["cpu"].attn_implementation == "sdpa"
     assert not default.masks.additive
     eager_loss, eager_grads, _ = first_step(trainer)

@@ -9,22 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from tpufinetune_trainer.backends import BACKENDS
-from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.data import encode_rows, load_rows, pack
 from tpufinetune_trainer.masks import MaskBuilder
 from tpufinetune_trainer.model import decoder_blocks, load_causal_lm, load_tokenizer
 from tpufinetune_trainer.train import Trainer
-from trainer_helpers import BLOCK_LENGTH
+from trainer_helpers import BLOCK_LENGTH, make_trainer
 
 LENGTH = BLOCK_LENGTH
-
-
-def make_trainer(assets, data, tmp_path, **overrides) -> Trainer:
-    settings = dict(model_id=str(assets.model), storage_path=str(tmp_path), num_workers=1, device="cpu",
-                    max_seq_len=LENGTH, learning_rate=3e-3, batch_size_per_device=2, num_epochs=1)
-    cfg = FinetuneConfig(**{**settings, **overrides}).validate()
-    return Trainer(cfg, BACKENDS["cpu"], data, rank=0, world=1, local_rank=0)
 
 
 def run_steps(trainer: Trainer, steps: int) -> list[float]:
@@ -45,7 +36,7 @@ def test_the_tpu_dtype_policy_on_cpu(trainer_assets, prepared, process_group, tm
     the numerics a TPU runs, here on the CPU suite."""
     from torch.distributed.tensor import DTensor
 
-    trainer = make_trainer(trainer_assets, prepared, tmp_path, compute_dtype="bfloat16")
+    trainer = make_trainer(trainer_assets.model, prepared, tmp_path, compute_dtype="bfloat16")
     model = trainer.model
     table = model.model.language_model.embed_tokens_per_layer.weight
     assert table.dtype == torch.bfloat16 and not table.requires_grad and not isinstance(table, DTensor)
@@ -79,8 +70,8 @@ def test_every_label_token_weighs_the_same_however_the_batch_is_split(trainer_as
     the same gradient, because the loss is the global token sum over the global token
     count, not a mean of per-batch means (the examples hold different numbers of label
     tokens, so a mean of means would weigh their tokens differently)."""
-    whole = make_trainer(trainer_assets, prepared, tmp_path, batch_size_per_device=4, max_grad_norm=0)
-    split = make_trainer(trainer_assets, prepared, tmp_path, batch_size_per_device=1, global_batch_examples=4,
+    whole = make_trainer(trainer_assets.model, prepared, tmp_path, batch_size_per_device=4, max_grad_norm=0)
+    split = make_trainer(trainer_assets.model, prepared, tmp_path, batch_size_per_device=1, global_batch_examples=4,
                          max_grad_norm=0)
     assert (whole.plan.accum, split.plan.accum) == (1, 4)
     examples = [e for b in whole.epoch_plan.slots[0].reshape(-1) if b >= 0 for e in whole.epoch_plan.blocks[b]]
@@ -91,7 +82,7 @@ def test_every_label_token_weighs_the_same_however_the_batch_is_split(trainer_as
 
 def test_the_learning_rate_follows_the_schedule_from_the_device_table(trainer_assets, prepared, process_group,
                                                                       tmp_path):
-    trainer = make_trainer(trainer_assets, prepared, tmp_path, warmup_ratio=0.25, num_epochs=2)
+    trainer = make_trainer(trainer_assets.model, prepared, tmp_path, warmup_ratio=0.25, num_epochs=2)
     seen = []
     for _ in range(4):
         trainer.train_step(torch.zeros(()))
@@ -121,7 +112,7 @@ def test_forward_and_backward_never_read_a_tensor_on_the_host(trainer_assets, pr
     """transformers reads a device value to detect packing when it builds masks itself;
     with our masks passed in, the step's forward and backward read nothing (the loss head
     gathers its label rows on the device, too)."""
-    trainer = make_trainer(trainer_assets, prepared, tmp_path)
+    trainer = make_trainer(trainer_assets.model, prepared, tmp_path)
     trainer.load_window()
     index = torch.arange(trainer.plan.blocks)  # step 0's micro-batch
     batch = trainer.train_blocks.gather(index)
@@ -181,8 +172,8 @@ def test_compiled_blocks_match_eager_and_stay_compiled_in_evaluation(trainer_ass
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    eager = run_steps(make_trainer(trainer_assets, prepared, tmp_path, compile="off"), 3)
-    eager_eval = make_trainer(trainer_assets, prepared, tmp_path, compile="off")
+    eager = run_steps(make_trainer(trainer_assets.model, prepared, tmp_path, compile="off"), 3)
+    eager_eval = make_trainer(trainer_assets.model, prepared, tmp_path, compile="off")
     run_steps(eager_eval, 3)
     torch._dynamo.reset()
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
@@ -196,7 +187,7 @@ def test_compiled_blocks_match_eager_and_stay_compiled_in_evaluation(trainer_ass
     watch = Watch()
     logging.getLogger("torch._dynamo").addHandler(watch)
     try:
-        compiled_trainer = make_trainer(trainer_assets, prepared, tmp_path, compile="on")
+        compiled_trainer = make_trainer(trainer_assets.model, prepared, tmp_path, compile="on")
         assert compiled_trainer.compiled
         compiled = run_steps(compiled_trainer, 3)
         trained_graphs = counters["stats"]["unique_graphs"]
@@ -214,7 +205,7 @@ def test_a_checkpoint_loads_in_place_from_a_uri(trainer_assets, prepared, proces
     shard byte ranges in place, never downloaded as a whole directory first."""
     from tpufinetune_trainer import checkpoint as ckpt
 
-    trainer = make_trainer(trainer_assets, prepared, tmp_path)
+    trainer = make_trainer(trainer_assets.model, prepared, tmp_path)
     run_steps(trainer, 2)
     saved = [p.detach().full_tensor().clone() for p in trainer.params]
     ckpt.save_sharded(trainer.model, trainer.optimizer, str(tmp_path / "ckpt"), {"epoch": 1, "epoch_step": 2},
@@ -230,7 +221,7 @@ def test_a_checkpoint_loads_in_place_from_a_uri(trainer_assets, prepared, proces
 
 def test_early_stopping_counts_evaluations_without_a_lower_eval_loss(trainer_assets, prepared, process_group,
                                                                      tmp_path):
-    trainer = make_trainer(trainer_assets, prepared, tmp_path, early_stopping_patience=3)
+    trainer = make_trainer(trainer_assets.model, prepared, tmp_path, early_stopping_patience=3)
     for step, eval_loss in enumerate([3.0, 2.5, 2.6, 2.5], start=1):
         trainer.global_step = step
         trainer.early_stop_check(eval_loss)
@@ -244,7 +235,7 @@ def test_early_stopping_counts_evaluations_without_a_lower_eval_loss(trainer_ass
 
 def test_a_target_eval_loss_stops_at_the_first_evaluation_that_reaches_it(trainer_assets, prepared, process_group,
                                                                           tmp_path):
-    trainer = make_trainer(trainer_assets, prepared, tmp_path, target_eval_loss=2.0)
+    trainer = make_trainer(trainer_assets.model, prepared, tmp_path, target_eval_loss=2.0)
     trainer.training_s_before = 100.0  # earlier attempts' training, as a resumed run reads it
     trainer.global_step, trainer.epoch = 7, 1
     trainer.early_stop_check(2.01)
@@ -280,7 +271,7 @@ def test_the_export_is_in_the_bases_dtype_with_its_other_files_from_a_checkpoint
     config["dtype"] = "bfloat16"  # as google/gemma-4-*-it ship
     (base / "config.json").write_text(json.dumps(config))
     (base / "processor_config.json").write_text('{"processor_class": "Gemma4Processor"}')
-    trainer = make_trainer(trainer_assets, prepared, tmp_path / "storage", model_id=str(base), run_name="resumed")
+    trainer = make_trainer(trainer_assets.model, prepared, tmp_path / "storage", model_id=str(base), run_name="resumed")
     run_steps(trainer, 2)
     newest = tmp_path / "storage" / "resumed" / "step_0000002"
     gone = {"epoch": 1, "step": 1, "loss": 1.0, "eval_loss": 1.0, "uri": str(tmp_path / "storage" / "first" / "x")}
@@ -321,7 +312,7 @@ def test_the_export_is_in_the_bases_dtype_with_its_other_files_from_a_checkpoint
 
 
 def test_no_weight_decay_on_norm_scales_and_biases(trainer_assets, prepared, process_group, tmp_path):
-    trainer = make_trainer(trainer_assets, prepared, tmp_path, weight_decay=0.05)
+    trainer = make_trainer(trainer_assets.model, prepared, tmp_path, weight_decay=0.05)
     groups = trainer.optimizer.param_groups
     names = {id(p): name for name, p in trainer.model.named_parameters()}
     grouped = [(names[id(p)], p.ndim, g["weight_decay"]) for g in groups for p in g["params"]]
@@ -333,7 +324,7 @@ def test_no_weight_decay_on_norm_scales_and_biases(trainer_assets, prepared, pro
 
 
 def test_token_ids_reach_the_device_as_int32(trainer_assets, prepared, process_group, tmp_path):
-    trainer = make_trainer(trainer_assets, prepared, tmp_path)
+    trainer = make_trainer(trainer_assets.model, prepared, tmp_path)
     trainer.load_window()
     batch = trainer.train_blocks.gather(torch.tensor([0, 1]))
     assert {name: t.dtype for name, t in batch.items()} == dict.fromkeys(
@@ -349,8 +340,8 @@ def test_an_epoch_reaches_the_device_a_window_at_a_time_and_a_resumed_epoch_take
     across a window's end); an epoch resumed at step 2 takes exactly the uninterrupted
     epoch's steps 2, 3, …"""
     steps, window = 5, 2
-    table = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
-    per_step = make_trainer(trainer_assets, prepared, tmp_path, max_steps=steps)
+    table = make_trainer(trainer_assets.model, prepared, tmp_path, max_steps=steps)
+    per_step = make_trainer(trainer_assets.model, prepared, tmp_path, max_steps=steps)
     table.window_steps = window
     copies, from_numpy = [], torch.from_numpy
     monkeypatch.setattr(torch, "from_numpy", lambda array: copies.append(array.shape) or from_numpy(array))
@@ -373,9 +364,9 @@ def test_an_epoch_reaches_the_device_a_window_at_a_time_and_a_resumed_epoch_take
     for a, b in zip(table.params, per_step.params):
         assert torch.equal(a.detach().full_tensor(), b.detach().full_tensor())
     assert table.evaluate() == per_step.evaluate()
-    whole = make_trainer(trainer_assets, prepared, tmp_path)
+    whole = make_trainer(trainer_assets.model, prepared, tmp_path)
     whole.load_window()
-    resumed = make_trainer(trainer_assets, prepared, tmp_path)
+    resumed = make_trainer(trainer_assets.model, prepared, tmp_path)
     resumed.epoch_step = 2
     resumed.load_window()
     assert int(resumed.epoch_row) == 0 and resumed.window == (resumed.epoch, 2, whole.epoch_steps)
@@ -392,7 +383,7 @@ def test_blocks_kept_gathered_after_forward_train_the_same(trainer_assets, prepa
     losses are the default's, bit for bit (the same arithmetic, one all-gather fewer)."""
     losses = {}
     for reshard in (True, False):
-        trainer = make_trainer(trainer_assets, prepared, tmp_path / str(reshard), reshard_after_forward=reshard)
+        trainer = make_trainer(trainer_assets.model, prepared, tmp_path / str(reshard), reshard_after_forward=reshard)
         groups = [block._get_fsdp_state()._fsdp_param_group for block in decoder_blocks(trainer.model)]
         # FSDP2 reshards after forward to its post-forward mesh; None keeps the gathered copy.
         assert groups and all((group.post_forward_mesh_info is not None) == reshard for group in groups)

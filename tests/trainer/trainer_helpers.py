@@ -91,6 +91,20 @@ def single_process_group():
 BLOCK_LENGTH = 256
 
 
+def make_trainer(model, data: dict, storage, **overrides):
+    """A one-process cpu Trainer (rank 0 of 1) of the model at `model` on `data` (the
+    `prepared` fixture), saving under `storage`: one epoch of micro-batches of 2 blocks of
+    BLOCK_LENGTH at a learning rate of 3e-3, `overrides` (FinetuneConfig's fields) on top."""
+    from tpufinetune_trainer.backends import BACKENDS
+    from tpufinetune_trainer.config import FinetuneConfig
+    from tpufinetune_trainer.train import Trainer
+
+    settings = dict(model_id=str(model), storage_path=str(storage), num_workers=1, device="cpu",
+                    max_seq_len=BLOCK_LENGTH, learning_rate=3e-3, batch_size_per_device=2, num_epochs=1)
+    cfg = FinetuneConfig(**{**settings, **overrides}).validate()
+    return Trainer(cfg, BACKENDS["cpu"], data, rank=0, world=1, local_rank=0)
+
+
 def prepared_data(assets, length: int) -> dict:
     """160 rows of the tiny assets tokenized and packed in `length`-token blocks (10% held
     out), as the step and loss tests train on them."""
