@@ -1,10 +1,11 @@
 """Shared inputs of the pure state-machine tests (test_phases*.py, test_capabilities*.py):
-one identity, plan, ready cluster and clock, and `step`, one transition from them."""
+one identity, plan, ready cluster and clock, a spec, `step`, one transition from them, and
+`running_status`, a run stepped into Running."""
 
 from datetime import datetime, timedelta, timezone
 
 from tpufinetune.core import phases
-from tpufinetune.core.phases import ClusterView, Identity, Observations, Plan
+from tpufinetune.core.phases import ClusterView, Identity, JobView, Observations, Plan
 from tpufinetune.core.podstatus import HEALTHY
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
@@ -15,9 +16,29 @@ READY = ClusterView(exists=True, owned=True, ready=True, dashboard_url="http://h
 ENDED = {"log_tail": "worker 0: RuntimeError: boom", "slice_health": HEALTHY}
 
 
+# A v6e 4x4 spec as a user writes it (parse it with tpufinetune.core.api.parse_spec).
+SPEC = {"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "example.com/trainer:1",
+        "checkpoint": {"storagePath": "gs://bucket/ckpt"}}
+
+
+def spec_with(**changes) -> dict:
+    """SPEC with its top-level fields replaced by `changes`."""
+    return {**SPEC, **changes}
+
+
 def step(status, plan=PLAN, **obs):
     obs.setdefault("now", T0)
     return phases.transition(IDENT, plan, status, Observations(**obs))
+
+
+def running_status(plan=PLAN, now=T0, job: str = "PENDING") -> dict:
+    """The status of a run stepped from nothing into Running, its job `job` on Ray."""
+    d = step({}, plan=plan, now=now)
+    d = step(d.status, plan=plan, now=now)
+    d = step(d.status, plan=plan, now=now, cluster=READY)
+    d = step(d.status, plan=plan, now=now, cluster=READY, job=JobView(job))
+    assert d.phase == phases.RUNNING
+    return d.status
 
 
 def kinds(decision):

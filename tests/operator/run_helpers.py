@@ -14,6 +14,7 @@ from pathlib import Path
 
 from harness.waiting import wait_for
 from tpufinetune.core import phases
+from tpufinetune.core.api import GROUP, VERSION
 from tpufinetune.core.phases import ClusterView
 from tpufinetune_trainer.events import format_event
 from tpufinetune.core.podstatus import HEALTHY
@@ -30,6 +31,16 @@ def in_loop(test):
 
 SPEC = {"tpu": {"generation": "cpu", "topology": "1"}, "image": "registry.example/t:1",
         "checkpoint": {"storagePath": "gs://tpufinetune-ground/unused"}}
+
+
+# A v6e 4x4 run, for the tests of the operator process on the bare control plane.
+V6E_SPEC = {"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "registry.example/t:1",
+            "checkpoint": {"storagePath": "gs://bench/ckpt"}}
+
+
+def tpufinetune(name: str, spec: dict = V6E_SPEC) -> dict:
+    """A TPUFineTune manifest named `name`."""
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TPUFineTune", "metadata": {"name": name}, "spec": spec}
 
 
 class MemoryCluster:

@@ -4,7 +4,7 @@ in the pure state machine, and the Plan the driver derives from a spec."""
 from datetime import timedelta
 
 import pytest
-from phase_helpers import ENDED, IDENT, READY, T0, step
+from phase_helpers import ENDED, IDENT, READY, T0, running_status, spec_with, step
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
@@ -14,24 +14,7 @@ from tpufinetune.core.phases import ClusterView, JobView, Plan
 DEADLINE = Plan(cluster_name="demo-rc", epochs=2, active_deadline=timedelta(hours=2))
 TTL = Plan(cluster_name="demo-rc", epochs=2, ttl_after_finished=timedelta(minutes=10))
 WATCHDOG = Plan(cluster_name="demo-rc", epochs=2, no_progress_timeout=timedelta(minutes=30))
-SPEC = {"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "example.com/trainer:1",
-        "checkpoint": {"storagePath": "gs://bucket/ckpt"}}
-
-
-def spec_with(**changes):
-    return {**SPEC, **changes}
-
-
 PROGRESS = ({"event": "progress", "epoch": 1, "epochs": 2, "step": 5, "total_steps": 20},)
-
-
-def running(plan, now=T0):
-    d = step({}, plan=plan, now=now)
-    d = step(d.status, plan=plan, now=now)
-    d = step(d.status, plan=plan, now=now, cluster=READY)
-    d = step(d.status, plan=plan, now=now, cluster=READY, job=JobView("RUNNING"))
-    assert d.phase == phases.RUNNING
-    return d.status
 
 
 def failed_reason(d):
@@ -42,7 +25,7 @@ def failed_reason(d):
 
 
 def test_the_deadline_stops_the_job_fails_and_releases_the_slice():
-    status = running(DEADLINE)
+    status = running_status(DEADLINE, job="RUNNING")
     assert step(status, plan=DEADLINE, now=T0 + timedelta(hours=2), cluster=READY,
                 job=JobView("RUNNING")).phase == phases.RUNNING
     d = step(status, plan=DEADLINE, now=T0 + timedelta(hours=2, seconds=1), cluster=READY, job=JobView("RUNNING"))
@@ -65,7 +48,7 @@ def test_the_deadline_also_bounds_a_cluster_that_never_gets_ready():
 
 def test_a_suspend_stops_the_deadlines_clock_and_a_resume_restarts_it():
     suspended = Plan(cluster_name="demo-rc", epochs=2, active_deadline=timedelta(hours=2), suspended=True)
-    d = step(running(DEADLINE), plan=suspended, now=T0 + timedelta(hours=1), cluster=READY, job=JobView("RUNNING"))
+    d = step(running_status(DEADLINE, job="RUNNING"), plan=suspended, now=T0 + timedelta(hours=1), cluster=READY, job=JobView("RUNNING"))
     d = step(d.status, plan=suspended, now=T0 + timedelta(hours=5), cluster=ClusterView(exists=False))
     assert d.phase == phases.PENDING  # no deadline while suspended
     resumed = T0 + timedelta(hours=6)
@@ -76,13 +59,13 @@ def test_a_suspend_stops_the_deadlines_clock_and_a_resume_restarts_it():
 
 
 def test_a_job_that_succeeded_before_the_deadline_was_seen_keeps_its_result():
-    d = step(running(DEADLINE), plan=DEADLINE, now=T0 + timedelta(hours=3), cluster=READY, job=JobView("SUCCEEDED"))
+    d = step(running_status(DEADLINE, job="RUNNING"), plan=DEADLINE, now=T0 + timedelta(hours=3), cluster=READY, job=JobView("SUCCEEDED"))
     assert d.phase == phases.SUCCEEDED
 
 
 def test_no_deadline_by_default():
     plan = Plan(cluster_name="demo-rc", epochs=2)
-    d = step(running(plan), plan=plan, now=T0 + timedelta(days=30), cluster=READY, job=JobView("RUNNING"))
+    d = step(running_status(plan, job="RUNNING"), plan=plan, now=T0 + timedelta(days=30), cluster=READY, job=JobView("RUNNING"))
     assert d.phase == phases.RUNNING
 
 
@@ -91,7 +74,7 @@ def test_no_deadline_by_default():
 
 def test_by_default_the_cluster_is_released_at_once():
     plan = Plan(cluster_name="demo-rc", epochs=2)
-    d = step(running(plan), plan=plan, cluster=READY, job=JobView("SUCCEEDED"))
+    d = step(running_status(plan, job="RUNNING"), plan=plan, cluster=READY, job=JobView("SUCCEEDED"))
     assert phases.DeleteCluster("demo-rc") in d.actions
     assert d.wake_at is None and "rayClusterReleaseTime" not in d.status
 
@@ -99,7 +82,7 @@ def test_by_default_the_cluster_is_released_at_once():
 @pytest.mark.parametrize("end", ["SUCCEEDED", "FAILED"])
 def test_the_ttl_keeps_the_cluster_then_releases_it(end):
     events = ({"event": "failure", "type": "RuntimeError", "message": "boom"},) if end == "FAILED" else ()
-    d = step(running(TTL), plan=TTL, cluster=READY, job=JobView(end), events=events, **ENDED)
+    d = step(running_status(TTL, job="RUNNING"), plan=TTL, cluster=READY, job=JobView(end), events=events, **ENDED)
     assert d.phase in phases.TERMINAL
     assert not any(isinstance(a, phases.DeleteCluster) for a in d.actions)
     release = T0 + timedelta(minutes=10)
@@ -114,7 +97,7 @@ def test_the_ttl_keeps_the_cluster_then_releases_it(end):
 
 
 def test_deleting_the_resource_releases_a_kept_cluster_at_once():
-    done = step(running(TTL), plan=TTL, cluster=READY, job=JobView("SUCCEEDED")).status
+    done = step(running_status(TTL, job="RUNNING"), plan=TTL, cluster=READY, job=JobView("SUCCEEDED")).status
     d = step(done, plan=TTL, cluster=READY, deleting=True)
     assert phases.DeleteCluster("demo-rc") in d.actions
 
@@ -123,7 +106,7 @@ def test_deleting_the_resource_releases_a_kept_cluster_at_once():
 
 
 def test_no_trainer_event_for_the_timeout_stops_the_job_and_fails_with_no_progress():
-    status = running(WATCHDOG)
+    status = running_status(WATCHDOG, job="RUNNING")
     d = step(status, plan=WATCHDOG, now=T0 + timedelta(minutes=20), cluster=READY, job=JobView("RUNNING"), events=PROGRESS)
     assert d.status["lastEventTime"] == cond.timestamp(T0 + timedelta(minutes=20))
     # 30 min after the last event, not after entering Running
@@ -136,14 +119,14 @@ def test_no_trainer_event_for_the_timeout_stops_the_job_and_fails_with_no_progre
 
 
 def test_the_watchdog_counts_from_entering_running_before_the_first_event():
-    d = step(running(WATCHDOG), plan=WATCHDOG, now=T0 + timedelta(minutes=31), cluster=READY, job=JobView("PENDING"))
+    d = step(running_status(WATCHDOG, job="RUNNING"), plan=WATCHDOG, now=T0 + timedelta(minutes=31), cluster=READY, job=JobView("PENDING"))
     assert failed_reason(d) == "NoProgress"
 
 
 def test_each_attempt_gets_its_own_watchdog_time():
     plan = Plan(cluster_name="demo-rc", epochs=2, max_retries=1, no_progress_timeout=timedelta(minutes=30))
     late = T0 + timedelta(minutes=29)
-    d = step(running(plan), plan=plan, now=late, cluster=READY, job=JobView("FAILED"),
+    d = step(running_status(plan, job="RUNNING"), plan=plan, now=late, cluster=READY, job=JobView("FAILED"),
              events=({"event": "failure", "type": "RuntimeError", "message": "x"},), **ENDED)
     d = step(d.status, plan=plan, now=late, cluster=READY, job=None)
     d = step(d.status, plan=plan, now=late + timedelta(minutes=5), cluster=READY, job=JobView("RUNNING"))
@@ -153,7 +136,7 @@ def test_each_attempt_gets_its_own_watchdog_time():
 
 def test_the_watchdog_is_off_when_unset():
     plan = Plan(cluster_name="demo-rc", epochs=2)
-    d = step(running(plan), plan=plan, now=T0 + timedelta(days=3), cluster=READY, job=JobView("RUNNING"))
+    d = step(running_status(plan, job="RUNNING"), plan=plan, now=T0 + timedelta(days=3), cluster=READY, job=JobView("RUNNING"))
     assert d.phase == phases.RUNNING
 
 

@@ -20,14 +20,10 @@ from tpufinetune.core.api import parse_spec
 from tpufinetune_trainer import cli as trainer_cli
 from tpufinetune_trainer import logship
 
+from phase_helpers import spec_with
+
 REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 12, 5, 10, 0, tzinfo=timezone.utc)
-SPEC = {"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "example.com/trainer:1",
-        "checkpoint": {"storagePath": "gs://bucket/ckpt"}}
-
-
-def spec_with(**changes) -> dict:
-    return {**SPEC, **changes}
 
 
 def test_the_trainer_writes_an_attempts_logs_where_the_operator_says_they_are(monkeypatch):

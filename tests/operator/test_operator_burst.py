@@ -35,6 +35,8 @@ from tpufinetune.adapters.handlers import kopf_connection_limit
 from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.settings import Settings
 
+from run_helpers import tpufinetune
+
 RUNS = 120
 # The informer's watches (RayClusters, pods, Workloads) and its lists hold one each, and the
 # Ray token Secret's reads go through the client's pool; kopf's session is bounded by its own
@@ -43,14 +45,8 @@ WATCH_STREAMS = 3
 SLACK = 5
 # Poll intervals the runs are watched at rest: each would be RUNS steps for runs that polled.
 REST_POLLS = 10
-SPEC = {"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "registry.example/t:1",
-        "checkpoint": {"storagePath": "gs://bench/ckpt"}}
 
 pytestmark = pytest.mark.cluster
-
-
-def tpufinetune(name: str) -> dict:
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TPUFineTune", "metadata": {"name": name}, "spec": SPEC}
 
 
 def connections_to(pid: int, port: int) -> int:

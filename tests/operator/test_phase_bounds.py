@@ -9,7 +9,7 @@ from tpufinetune.core import phases
 from tpufinetune.core.phases import JobView, Plan
 from tpufinetune.core.status import checked_status
 
-from phase_helpers import IDENT, PLAN, READY, T0, step
+from phase_helpers import IDENT, PLAN, READY, T0, running_status, step
 
 BOUND = timedelta(minutes=15)
 PREFLIGHT = Plan(**{**PLAN.__dict__, "preflight": True, "submit_timeout": BOUND})
@@ -85,13 +85,8 @@ def test_plan_for_carries_the_submit_timeout_setting():
     assert phases.plan_for(IDENT, None, timedelta(minutes=30), BOUND).submit_timeout == BOUND
 
 
-def running_status():
-    d = step(step(step({}).status).status, cluster=READY)
-    return step(d.status, cluster=READY, job=JobView("RUNNING")).status
-
-
 def test_an_unreachable_head_is_said_in_the_status_once_per_reason_and_decides_nothing():
-    status = running_status()
+    status = running_status(job="RUNNING")
     why = "Ray unreachable: the Ray token for http://head:8265 could not be derived: Secret x/y has no data.key"
     d = step(status, cluster=READY, ray_down=why)
     assert d.phase == phases.RUNNING and d.status["message"] == why
@@ -109,7 +104,7 @@ def test_an_unreachable_head_is_said_in_the_status_once_per_reason_and_decides_n
 def test_ray_unreachable_is_retried_on_a_new_cluster_under_max_retries():
     plan = Plan(**{**PLAN.__dict__, "max_retries": 1})
     why = "the Ray head at http://head:8265 does not answer: refused; it has not answered for 600 s"
-    d = step(running_status(), plan=plan, cluster=READY, ray_unreachable=why)
+    d = step(running_status(job="RUNNING"), plan=plan, cluster=READY, ray_unreachable=why)
     assert d.phase == phases.PENDING and not cond.find(d.status, cond.FAILED)
     assert d.status["attempt"] == 2 and d.status["retries"] == 1
     assert phases.DeleteCluster("demo-rc") in d.actions

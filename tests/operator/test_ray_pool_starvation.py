@@ -35,11 +35,11 @@ from harness.waiting import wait_for
 from tpufinetune.core.api import GROUP, PLURAL, VERSION, parse_spec
 from tpufinetune.core.sizing import render_raycluster
 
+from run_helpers import V6E_SPEC, tpufinetune
+
 RAY_THREADS = 4
 STUCK = 10
 PROVISIONING_S = 10.0  # apply -> Provisioning with its RayCluster; the product's figure is well under 1 s
-SPEC = {"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "registry.example/t:1",
-        "checkpoint": {"storagePath": "gs://bench/ckpt"}}
 
 pytestmark = pytest.mark.cluster
 
@@ -99,10 +99,6 @@ class BlackHoles:
         self.selector.close()
 
 
-def tpufinetune(name: str) -> dict:
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TPUFineTune", "metadata": {"name": name}, "spec": SPEC}
-
-
 def running_on(objects: client.CustomObjectsApi, namespace: str, name: str, url: str) -> None:
     """A TPUFineTune Running on the head at `url`, with its RayCluster ready (what KubeRay
     would say), as an operator restarting finds a run."""
@@ -112,7 +108,7 @@ def running_on(objects: client.CustomObjectsApi, namespace: str, name: str, url:
         "phase": "Running", "attempt": 1, "rayClusterName": f"tft-{name}", "jobId": f"tft-{uid}-1",
         "dashboardURL": url, "message": "training"}})
     objects.create_namespaced_custom_object("ray.io", "v1", namespace, "rayclusters",
-                                            render_raycluster(name, namespace, uid, parse_spec(SPEC)))
+                                            render_raycluster(name, namespace, uid, parse_spec(V6E_SPEC)))
     objects.patch_namespaced_custom_object_status("ray.io", "v1", namespace, "rayclusters", f"tft-{name}",
                                                   {"status": {"state": "ready"}})
 
