@@ -359,15 +359,6 @@ SUSPENDED_RETRY_ONCE = Plan(cluster_name="demo-rc", epochs=2, max_retries=1, clu
 FAILURE = ({"event": "failure", "type": "RuntimeError", "message": "preempted"},)
 
 
-def running_with(plan):
-    d = step({}, plan=plan)
-    d = step(d.status, plan=plan)
-    d = step(d.status, plan=plan, cluster=READY)
-    d = step(d.status, plan=plan, cluster=READY, job=JobView("PENDING"))
-    assert d.phase == phases.RUNNING
-    return d.status
-
-
 def resume(status, plan):
     """Suspend mid-run, resume, and run the next attempt."""
     d = step(status, plan=SUSPENDED_RETRY_ONCE, cluster=READY, job=JobView("RUNNING"))
@@ -379,7 +370,7 @@ def resume(status, plan):
 
 
 def test_a_suspend_uses_up_no_retry():
-    status = resume(running_with(RETRY_ONCE), RETRY_ONCE)
+    status = resume(running_status(RETRY_ONCE), RETRY_ONCE)
     assert status["attempt"] == 2
     d = step(status, plan=RETRY_ONCE, cluster=READY, job=JobView("FAILED"), events=FAILURE, **ENDED)
     assert d.phase == phases.SUBMITTING, d.status["message"]
@@ -387,7 +378,7 @@ def test_a_suspend_uses_up_no_retry():
 
 
 def test_a_suspend_clears_the_stopped_attempts_trainer_failure():
-    status = running_with(RETRY_ONCE)
+    status = running_status(RETRY_ONCE)
     # The trainer reported a failure as the suspend's stop reached it.
     d = step(status, plan=SUSPENDED_RETRY_ONCE, cluster=READY, job=JobView("RUNNING"),
              events=({"event": "failure", "type": "KeyboardInterrupt", "message": "stopped"},))
@@ -401,7 +392,7 @@ def test_a_suspend_clears_the_stopped_attempts_trainer_failure():
 
 
 def test_a_retry_after_an_edit_that_changes_the_slice_rebuilds_the_cluster():
-    status = running_with(RETRY_ONCE)
+    status = running_status(RETRY_ONCE)
     assert status["clusterHash"] == "slice-a"
     edited = Plan(cluster_name="demo-rc", epochs=2, max_retries=1, cluster_hash="slice-b")
     d = step(status, plan=edited, cluster=READY, job=JobView("FAILED"), events=FAILURE, **ENDED)
@@ -423,14 +414,14 @@ def test_a_retry_after_an_edit_that_changes_the_slice_rebuilds_the_cluster():
 
 
 def test_a_retry_after_an_edit_that_keeps_the_slice_reuses_the_cluster():
-    status = running_with(RETRY_ONCE)
+    status = running_status(RETRY_ONCE)
     d = step(status, plan=RETRY_ONCE, cluster=READY, job=JobView("FAILED"), events=FAILURE, **ENDED)
     d = step(d.status, plan=RETRY_ONCE, cluster=READY, job=None)
     assert d.actions == [phases.SubmitJob("tft-uid-1-2", 2)]
 
 
 def test_observed_generation_names_only_an_applied_generation():
-    status = running_with(RETRY_ONCE)
+    status = running_status(RETRY_ONCE)
     assert status["observedGeneration"] == 3
     edited = Identity("demo", "ns", "uid-1", generation=4)
     # An edit while the job runs applies to the next attempt: not observed yet.
@@ -445,7 +436,7 @@ def test_observed_generation_names_only_an_applied_generation():
     assert d.actions == [phases.SubmitJob("tft-uid-1-2", 2)]
     assert d.status["observedGeneration"] == 4
     # a suspend is applied at once
-    d = phases.transition(Identity("demo", "ns", "uid-1", generation=5), SUSPENDED_RETRY_ONCE, running_with(RETRY_ONCE),
+    d = phases.transition(Identity("demo", "ns", "uid-1", generation=5), SUSPENDED_RETRY_ONCE, running_status(RETRY_ONCE),
                           Observations(now=T0, cluster=READY, job=JobView("RUNNING")))
     assert d.status["observedGeneration"] == 5
 
