@@ -299,14 +299,37 @@ def load_tpu_runtime(compile_cache_dir: str = "") -> None:
 
 def setup_device(backend: Backend, local_rank: int = 0):
     """Bring up this process's device. Call inside a worker, never in the driver.
-    `local_rank` is the CUDA device index as this process sees it."""
+    `local_rank` is the CUDA device index as this process sees it; on TPU, the worker's
+    rank on its host (tpu_device_index)."""
     import torch
 
     if backend.name == "tpu":
         load_tpu_runtime()  # only on TPU hosts
-        return torch.device("tpu")
+        return select_tpu_device(local_rank)
     if backend.name == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
+
+def tpu_device_index(local_rank: int, visible: int) -> int:
+    """This worker's TPU as its process numbers it: 0 where the process sees one chip (Ray
+    gives each worker its own, TPU_VISIBLE_CHIPS), else its rank on the host; never one the
+    process cannot see (ConfigError, naming both)."""
+    index = 0 if visible == 1 else local_rank
+    if not 0 <= index < visible:
+        raise ConfigError(f"worker with local rank {local_rank} sees {visible} TPU device(s) on its host: no device "
+                          "of its own (check TPU_VISIBLE_CHIPS and the workers per host, one per chip)")
+    return index
+
+
+def select_tpu_device(local_rank: int):
+    """Make this worker's TPU the process's current device before anything picks one (the
+    device mesh otherwise sets one itself: LOCAL_RANK's, else `global rank % devices`),
+    through torch's accelerator API, which torch_tpu backs (it refuses an index other than
+    the one its process is bound to)."""
+    import torch
+
+    index = tpu_device_index(local_rank, torch.accelerator.device_count())
+    torch.accelerator.set_device_index(index)
+    return torch.device("tpu", index)
