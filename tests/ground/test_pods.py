@@ -25,7 +25,7 @@ import pytest
 from harness import images, podbind, podcgroup
 from harness.nodeagent import (
     CONTAINER_CREATING, PODS_DIR, POD_INITIALIZING, ContainerState, NodeAgent, PodRun, health_check_to_gcs,
-    plain_command, probe_command, ray_port_map, service_endpoints, waiting)
+    plain_command, pod_log_path, probe_command, ray_port_map, service_endpoints, waiting, waiting_states)
 from harness.ports import free_ports
 from harness.processes import tail
 from harness.podprobes import (
@@ -425,12 +425,6 @@ def test_a_container_waits_pulling_while_its_images_environment_is_prepared(tmp_
     assert state["reason"] == "ErrImagePull" and str(env) in state["message"] and "make images" in state["message"]
 
 
-def waiting_states(status: dict) -> list[dict]:
-    """Each waiting container's state ({"reason", "message"}), init containers first."""
-    return [c["state"]["waiting"] for c in [*status.get("initContainerStatuses", []), *status["containerStatuses"]]
-            if "waiting" in c["state"]]
-
-
 def an_agent(**fields) -> NodeAgent:
     """The agent's pure parts, with events and status writes kept (_Core)."""
     agent = NodeAgent.__new__(NodeAgent)
@@ -593,7 +587,7 @@ def phase(kube, name: str) -> str:
 
 
 def pod_log(ground, kube, name: str) -> str:
-    path = ground.workdir / "pods" / f"{kube.ns}_{name}.log"
+    path = pod_log_path(ground.workdir, kube.ns, name)
     return path.read_text() if path.exists() else ""
 
 

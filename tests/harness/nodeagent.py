@@ -85,7 +85,7 @@ import podcgroup  # noqa: E402
 from images import dockerfile_command  # noqa: E402
 import podprobes  # noqa: E402
 from kubernetes.utils import parse_quantity  # noqa: E402
-from gke_shapes import family_by_ray_type, tpu_pod_environment  # noqa: E402
+from gke_shapes import ACCELERATOR_LABEL, TOPOLOGY_LABEL, chips_in, family_by_label, tpu_pod_environment  # noqa: E402
 from listwatch import list_and_watch  # noqa: E402
 from nodelife import NodeLife  # noqa: E402
 from nodepools import SIMULATED_LABEL, tpu_host  # noqa: E402
@@ -95,7 +95,6 @@ from podspec import (  # noqa: E402
     service_env, volume_plan)
 from ports import free_ports  # noqa: E402
 from provisioner import Provisioner  # noqa: E402
-from tpufinetune.core.generations import ACCELERATOR_LABEL, GENERATIONS, TOPOLOGY_LABEL, chips_in  # noqa: E402
 
 log = logging.getLogger("nodeagent")
 
@@ -133,6 +132,13 @@ RAY_TEMP_DIR = "/tmp/ray"  # `ray start --temp-dir`, inside the pod's own /tmp
 def pod_log_path(workdir: Path, namespace: str, name: str) -> Path:
     """The pod's log (each container's output in turn); it stays after the pod is gone."""
     return workdir / "pods" / f"{namespace}_{name}.log"
+
+
+def waiting_states(status: dict) -> list[dict]:
+    """Each waiting container's state ({"reason", "message"}) in a pod's status, init
+    containers first."""
+    containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    return [c["state"]["waiting"] for c in containers if "waiting" in (c.get("state") or {})]
 
 
 def ray_session_logs(workdir: Path, pod_uid: str) -> list[Path]:
@@ -230,17 +236,13 @@ def rewrite_ray_start(args: list[str], *, head: bool, ip: str, temp_dir: str,
 
 
 def tpu_environment(topology: str, worker_id: int, slice_name: str, hostnames: list[str],
-                    ray_accelerator: str) -> dict[str, str]:
+                    accelerator_label: str) -> dict[str, str]:
     """What GKE gives a pod on a TPU slice node (the node's variables and the KubeRay TPU
     webhook's), from GKE's published facts in gke_shapes.py, never from the product's table:
     TPU_ACCELERATOR_TYPE is GKE's name for the slice (v6e-16, tpu7x-16), which Ray's TPU code
-    reads. ValueError (the pod's CreateContainerError) for a Ray accelerator type no GKE
-    TPU has, or a topology of the wrong shape for it."""
-    return tpu_pod_environment(family_by_ray_type(ray_accelerator), topology, worker_id, slice_name, hostnames)
-
-
-# The node label GKE puts on a slice's nodes -> Ray's accelerator type, from the one TPU table.
-RAY_ACCELERATOR_BY_LABEL = {g.accelerator_label: g.ray_accelerator_type for g in GENERATIONS if g.is_tpu}
+    reads. ValueError (the pod's CreateContainerError) for a node label no GKE TPU carries,
+    or a topology of the wrong shape for it."""
+    return tpu_pod_environment(family_by_label(accelerator_label), topology, worker_id, slice_name, hostnames)
 
 
 def image_repository(image: str) -> str:
@@ -859,8 +861,7 @@ class NodeAgent:
             topology = node_labels.get(TOPOLOGY_LABEL, "")
             hosts = max(1, chips_in(topology) // max(1, (self.node(run.node) or ({}, 1))[1]))
             host = tpu_host(pod.metadata.labels or {}, hosts)  # as GKE's TPU webhook: from KubeRay's labels
-            env.update(tpu_environment(topology, host.worker_id, host.slice_name, list(host.hostnames),
-                                       RAY_ACCELERATOR_BY_LABEL.get(accelerator, "")))
+            env.update(tpu_environment(topology, host.worker_id, host.slice_name, list(host.hostnames), accelerator))
         return env
 
     @staticmethod

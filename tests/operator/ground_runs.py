@@ -49,6 +49,11 @@ def jobs_of(kube, cluster: str, uid: str) -> list:
     return [job for job in client.list_jobs() if (job.submission_id or "").startswith(f"tft-{uid}-")]
 
 
+def workers(kube, cluster: str) -> list[dict]:
+    """The worker pods of a RayCluster (KubeRay's label ray.io/node-type)."""
+    return [p for p in kube.pods_of(cluster) if p["metadata"]["labels"].get("ray.io/node-type") == "worker"]
+
+
 def start_run(kube, manifest) -> tuple[str, str]:
     kube.apply(manifest)
     name = manifest["metadata"]["name"]
@@ -98,8 +103,10 @@ def operator_with(operator, setup=None, **env):
         operator.start()
 
 
-def running(kube, name: str, timeout: float = 300) -> None:
-    kube.wait_for(lambda: kube.status(name).get("phase") == "Running", f"{name} Running", timeout=timeout)
+def running(kube, name: str, timeout: float = 300) -> dict:
+    """Waits for `name` Running; its status then."""
+    return kube.wait_for(lambda: (s := kube.status(name)).get("phase") == "Running" and s, f"{name} Running",
+                         timeout=timeout)
 
 
 CAPTURE_DIR = Path(__file__).resolve().parents[1] / "deploy" / "testdata" / "argocd"

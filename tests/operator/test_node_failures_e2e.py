@@ -29,6 +29,7 @@ import time
 import pytest
 
 from harness.kubewatch import KubeWatch
+from harness.nodeagent import pod_log_path
 from harness.nodelife import POD_SHUTDOWN_SECONDS, PREEMPTION_NOTICE_SECONDS, SHUTDOWN_MESSAGE, shutdown_status
 from harness.nodepools import MAINTENANCE_LABEL, SPOT_TAINT, cpu_pool, node_manifest, tpu_host
 from ground_runs import resource, running, start_run
@@ -262,7 +263,7 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
         # handler answered: it stopped the pod's Ray processes and exited 1, well inside the
         # pod's share of the notice (no Serve drain: sizing.SHUTDOWN_ENV). A SIGKILL at the
         # end of that share would read 137.
-        log = (ground.workdir / "pods" / f"{kube.ns}_{worker['metadata']['name']}.log").read_text()
+        log = pod_log_path(ground.workdir, kube.ns, worker["metadata"]["name"]).read_text()
         assert ": preStop " in log, log[-2000:]
         code = pods.most["shutdown"]
         assert code == 1 and shut_down_after < POD_SHUTDOWN_SECONDS, (code, shut_down_after)

@@ -26,7 +26,7 @@ import pytest
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.sizing import REPLICA_INDEX_LABEL
 from tpufinetune_trainer.events import parse_text
-from ground_runs import jobs_of, released, resource, start_run
+from ground_runs import jobs_of, released, resource, start_run, workers
 from harness.controlplane import TEST_USER
 from harness.timing import within
 
@@ -44,10 +44,6 @@ def training(kube, cluster: str, uid: str, attempt: int) -> None:
     """The attempt's workers are stepping (its plan is out)."""
     kube.wait_for(lambda: any(e.kind == "plan" for e in events_of_attempt(kube, cluster, uid, attempt)),
                   f"attempt {attempt}'s plan", timeout=300, interval=1)
-
-
-def workers(kube, cluster: str) -> list[dict]:
-    return [p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "worker"]
 
 
 def head_pod(kube, cluster: str) -> dict:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from ground_runs import jobs_of, resource, start_run
+from ground_runs import jobs_of, resource, running, start_run
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import sizing
 
@@ -192,12 +192,6 @@ def operators(ground, previous_release):
         if session is not None:
             session.start()
             ground.operator = session
-
-
-def running(kube, name: str) -> dict:
-    status = kube.wait_for(lambda: (s := kube.status(name)).get("phase") == "Running" and s,
-                           f"{name} Running", timeout=300)
-    return status
 
 
 def finished(kube, name: str) -> dict:
