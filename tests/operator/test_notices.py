@@ -228,9 +228,11 @@ def test_a_sink_not_open_to_the_runs_namespace_is_refused_and_no_event_names_ano
     notifier = fast_notifier([notify.Sink(name="team-a", type="webhook", url=theirs.url, namespaces=["other"]),
                               sink_for_ml(name="team-b", type="webhook", url=ours.url)])
     events = []
-    status = delivered(notifier, [("team-a", None), ("nosuch", None), ("team-b", None)],
+    status = delivered(notifier, [("team-a", ["AttemptEnded", "Succeeded"]), ("nosuch", None), ("team-b", None)],
                        lambda *a: events.append(a))
     states = {r["sink"]: (r["state"], r["tries"], r.get("lastError", "")) for r in status["notifications"]}
+    assert [(r["event"], r["state"]) for r in status["notifications"] if r["sink"] == "team-a"] == [
+        ("AttemptEnded", "Failed"), ("Succeeded", "Failed")]  # both refused; one Event says so
     assert states["team-b"][:2] == ("Delivered", 1) and len(ours.got) == 1
     assert theirs.got == []
     assert states["team-a"][:2] == states["nosuch"][:2] == ("Failed", 0)
