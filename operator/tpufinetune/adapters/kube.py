@@ -56,7 +56,7 @@ class Watches:
     set on every pod template), and Kueue's Workloads. RBAC: list and watch on each."""
 
     def __init__(self, api: client.ApiClient, settings: Settings, on_change):
-        objects, core, namespace = client.CustomObjectsApi(api), client.CoreV1Api(api), settings.namespace
+        objects, core, namespace = client.CustomObjectsApi(api), client.CoreV1Api(api), settings.one_namespace
         self.clusters = informer.Store(informer.project_raycluster)
         self.pods = informer.Store(informer.project_pod, index=lambda pod: _labels(pod).get(CLUSTER_LABEL))
         self.workloads = informer.Store(informer.project_workload,
@@ -136,6 +136,9 @@ class KubeBackend:
         self.throttle_budget = retryafter.BUDGET_S  # seconds one call may wait out 429s
         self._checks: dict[tuple[str, str], tuple] = {}  # (kind, cluster uid) -> (version, when, value)
         self._created: dict[tuple[str, str], float] = {}  # (namespace, name) -> when we created it
+        # RayClusters a create found there and not ours (409): looked up with a GET while
+        # they stay, since the watch sees only labelled ones (a foreign one may have none).
+        self._foreign: set[tuple[str, str]] = set()
         # Every call, connect and answer: an API server that never answers holds one
         # worker thread for this long, never a run for ever.
         self._timeout = (settings.kube_timeout, settings.kube_timeout)
@@ -185,9 +188,12 @@ class KubeBackend:
         if await self._synced(store):
             body = store.get(namespace, name)
             created = self._created.get((namespace, name))
-            if body is not None or created is None or time.monotonic() - created > CREATED_GRACE_S:
+            foreign = (namespace, name) in self._foreign
+            if body is not None or not foreign and (created is None or time.monotonic() - created > CREATED_GRACE_S):
                 return body
         body = await self._call(self._get_cluster, namespace, name)
+        if body is None:
+            self._foreign.discard((namespace, name))
         return informer.project_raycluster(body) if body is not None else None
 
     async def _pods(self, namespace: str, cluster: dict) -> list[dict]:
@@ -270,6 +276,7 @@ class KubeBackend:
     def forget(self, namespace: str, name: str, cluster_uid: str) -> None:
         """A RayCluster is gone: drop what was kept for it."""
         self._created.pop((namespace, name), None)
+        self._foreign.discard((namespace, name))
         for kind in ("pods", "workloads"):
             self._checks.pop((kind, cluster_uid), None)
 
@@ -343,6 +350,7 @@ class KubeBackend:
                 raise CreateRefused(api_answer(error)) from None
             there = self._get_cluster(namespace, name)
             if there is None or not cluster_view(there, ident.uid, self.settings).owned:
+                self._foreign.add((namespace, name))
                 raise CreateRefused(f"{api_answer(error)}; it is not this TPUFineTune's (owner uid {ident.uid}): "
                                     "waiting for it to go") from None
 
