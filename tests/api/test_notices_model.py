@@ -163,3 +163,17 @@ def test_a_sinks_mark_outlives_newer_records_of_other_sinks():
     # A stale report of a notice below its sink's mark is not recorded.
     stale = {**mark, "sink": "noisy", "event": "AttemptEnded", "attempt": 3, "state": "Pending"}
     assert notify.with_records({"notifications": kept}, [stale]) == kept
+
+
+def test_the_charts_sinks_schema_asks_what_the_operator_asks():
+    """values.schema.json refuses at `helm install` what parse_sinks would refuse at the
+    operator's start: every sink names its namespaces, each a name or glob."""
+    import json
+    from pathlib import Path
+
+    chart = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tpufinetune" / "values.schema.json"
+    sink = json.loads(chart.read_text())["properties"]["notify"]["properties"]["sinks"]["items"]
+    assert "namespaces" in sink["required"]
+    assert sink["properties"]["namespaces"]["items"]["pattern"] == notify.NAMESPACE_GLOB
+    assert sink["properties"]["namespaces"]["minItems"] == 1
+    assert sink["properties"]["name"]["pattern"] == notify.SINK_NAME
