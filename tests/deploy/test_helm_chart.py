@@ -26,11 +26,11 @@ EVERY_OPTION = [
 ]
 NOTIFY_SINKS = [
     "--set", "notify.sinks[0].name=team", "--set", "notify.sinks[0].type=webhook",
-    "--set", "notify.sinks[0].url=https://hooks.example.com/tpufinetune",
+    "--set", "notify.sinks[0].url=https://hooks.example.com/tpufinetune", "--set", "notify.sinks[0].namespaces={ml,ml-*}",
     "--set", "notify.sinks[0].tokenSecret.name=team-hook", "--set", "notify.sinks[0].tokenSecret.key=token",
     "--set", "notify.sinks[1].name=bus", "--set", "notify.sinks[1].type=cloudevents",
     "--set", "notify.sinks[1].url=http://broker-ingress.knative-eventing.svc/ml/default",
-    "--set", "notify.sinks[1].mode=structured",
+    "--set", "notify.sinks[1].mode=structured", "--set", "notify.sinks[1].namespaces={*}",
 ]
 EVERY_OPTION += NOTIFY_SINKS
 
@@ -202,6 +202,7 @@ def test_notify_sinks_reach_the_operator_as_its_sinks_file_with_their_tokens_mou
         "team": ("webhook", "https://hooks.example.com/tpufinetune", "binary"),
         "bus": ("cloudevents", "http://broker-ingress.knative-eventing.svc/ml/default", "structured")}
     assert sinks["bus"].token_file == ""
+    assert (sinks["team"].namespaces, sinks["bus"].namespaces) == (("ml", "ml-*"), ("*",))
     pod = find(objects, "Deployment")["spec"]["template"]["spec"]
     mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -213,3 +214,7 @@ def test_notify_sinks_reach_the_operator_as_its_sinks_file_with_their_tokens_mou
                   "--set", "notify.sinks[0].type=webhook", "--set", "notify.sinks[0].url=file:///etc/passwd",
                   check=False)
     assert "/notify/sinks/0/url" in refused, refused
+    unsaid = run(helm, "template", "tpufinetune", CHART, "--set", "notify.sinks[0].name=x",
+                 "--set", "notify.sinks[0].type=webhook", "--set", "notify.sinks[0].url=https://h.example/x",
+                 check=False)
+    assert "namespaces" in unsaid and "required" in unsaid, unsaid  # each sink says who may use it

@@ -231,7 +231,7 @@ def _start_receiver(ground, kube, tmp_path: Path) -> Path:
     ip = kube.get("pod", "notice-receiver")["status"]["podIP"]
     sinks = tmp_path / "sinks.yaml"
     sinks.write_text(json.dumps({"sinks": [{"name": "receiver", "type": "cloudevents",
-                                            "url": f"http://{ip}:{port}/events"}]}))
+                                            "url": f"http://{ip}:{port}/events", "namespaces": [kube.ns]}]}))
     return sinks
 
 
