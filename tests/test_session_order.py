@@ -3,6 +3,10 @@ and a part stopped only once its last user's module is torn down."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 from harness import session_order as order
@@ -50,3 +54,74 @@ def test_with_lanes_a_part_stops_after_the_last_user_of_the_lane_that_runs_it():
     one_lane.hold(order.CONTROL_PLANE, lambda: stopped.append("too early"))
     one_lane.torn_down(local_items[1], ground_items[0])
     assert stopped == ["control plane"]
+
+
+LANES_CONFTEST = '''
+import os
+
+import pytest
+
+from harness.session_order import ground_lane_refusal, pytest_collection_modifyitems  # noqa: F401 (the hook)
+
+
+@pytest.fixture(scope="session")
+def ground(request):
+    refusal = ground_lane_refusal(request.config, request._pyfuncitem.nodeid)
+    if refusal:
+        pytest.fail(refusal, pytrace=False)
+
+
+@pytest.fixture
+def record(request):
+    yield
+    with open(os.environ["LANES_OUT"], "a") as out:
+        out.write(f"{request.node.nodeid} {os.environ.get('PYTEST_XDIST_WORKER', '-')}\\n")
+'''
+
+LANES_TESTS = '''
+import pytest
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_local(record, i):
+    pass
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_on_the_ground(ground, record, i):
+    pass
+'''
+
+
+def test_under_make_tests_xdist_every_ground_test_is_named_into_one_worker(tmp_path):
+    """_name_lane against the pinned pytest and xdist, as `make test` runs them: each test's
+    id ends in its lane, the ground's tests all run in one worker, and the ground's guard
+    lets them start it."""
+    (tmp_path / "conftest.py").write_text(LANES_CONFTEST)
+    (tmp_path / "test_lanes.py").write_text(LANES_TESTS)
+    out = tmp_path / "ran.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not this session's worker
+    env.update(LANES_OUT=str(out), PYTHONPATH=str(Path(__file__).parent))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                          "--dist", "loadgroup", "-o", "addopts=", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ran = [line.split() for line in out.read_text().splitlines()]
+    assert len(ran) == 8, ran
+    lanes = {nodeid.rsplit("@", 1)[-1] if "@" in nodeid else "" for nodeid, _ in ran}
+    assert lanes == {order.LOCAL_LANE, order.GROUND_LANE}, ran
+    ground_workers = {worker for nodeid, worker in ran if "test_on_the_ground" in nodeid}
+    assert len(ground_workers) == 1 and ground_workers != {"-"}, ran
+    assert all(nodeid.endswith(f"@{order.GROUND_LANE}") == ("test_on_the_ground" in nodeid) for nodeid, _ in ran), ran
+
+
+def test_the_ground_refuses_a_worker_outside_its_lane():
+    worker = SimpleNamespace(workerinput={}, pluginmanager=SimpleNamespace(hasplugin=lambda name: True),
+                             getoption=lambda name, default=None: "no", option=SimpleNamespace(loadgroup=True))
+    assert order.ground_lane_refusal(worker, "tests/x.py::test_a@ground") == ""
+    assert "not in the ground lane" in order.ground_lane_refusal(worker, "tests/x.py::test_a@local")
+    assert "not in the ground lane" in order.ground_lane_refusal(worker, "tests/x.py::test_a")
+    worker.option.loadgroup = False
+    assert "--dist loadgroup" in order.ground_lane_refusal(worker, "tests/x.py::test_a@ground")
+    one_process = SimpleNamespace(pluginmanager=SimpleNamespace(hasplugin=lambda name: False))
+    assert order.ground_lane_refusal(one_process, "tests/x.py::test_a") == ""

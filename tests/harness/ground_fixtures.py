@@ -47,10 +47,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def ground(request):
     # One ground at a time on this machine: under xdist only the "ground" lane (one worker,
-    # session_order.py) may start it.
-    if hasattr(request.config, "workerinput") and not session_order.lanes_on(request.config):
-        pytest.fail("the ground's tests run in one xdist worker: run with `--dist loadgroup` (make test does)",
-                    pytrace=False)
+    # session_order.py) may start it; the test that starts it must be of that lane.
+    refusal = session_order.ground_lane_refusal(request.config, request._pyfuncitem.nodeid)
+    if refusal:
+        pytest.fail(refusal, pytrace=False)
     g = Ground()
     g.start(timeout=180)
     try:

@@ -103,6 +103,21 @@ def lanes_on(config) -> bool:
         config.getoption("dist", "no") == "loadgroup" or bool(getattr(config.option, "loadgroup", False)))
 
 
+def ground_lane_refusal(config, nodeid: str) -> str:
+    """Why the test `nodeid` may not start the ground in this process ("" when it may):
+    under xdist only the ground lane's one worker starts it, so lanes must be on and the
+    test's id must carry the ground lane's suffix (without it, loadgroup spreads the
+    ground's tests over both workers: two grounds on two cores)."""
+    if not hasattr(config, "workerinput"):
+        return ""  # one process: one ground
+    if not lanes_on(config):
+        return "the ground's tests run in one xdist worker: run with `--dist loadgroup` (make test does)"
+    if not nodeid.endswith(f"@{GROUND_LANE}"):
+        return (f"{nodeid} needs the ground but is not in the ground lane (its id lacks @{GROUND_LANE}): "
+                "session_order._name_lane did not name its lane")
+    return ""
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: group(getattr(item, "fixturenames", ())))  # stable: collection order within
     if lanes_on(config):
