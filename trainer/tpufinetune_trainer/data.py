@@ -798,6 +798,18 @@ def rank_blocks(examples: Examples, epoch: EpochPlan, rank: int, max_seq_len: in
                        max_seq_len, pad_id)
 
 
+def window_rows(index: np.ndarray, label_tokens: np.ndarray, size: int) -> np.ndarray:
+    """A window's device table, [size, blocks per step + 1]: each step's block indices
+    (`index`, [steps, blocks per step]), then its global label count; rows past the window's
+    steps (a short last window, padded so that every window has one shape) index the filler
+    block and count no labels, and no step takes them."""
+    steps, per_step = index.shape
+    rows = np.zeros((size, per_step + 1), dtype=np.int64)
+    rows[steps:, :per_step] = steps * per_step  # the filler block's index
+    rows[:steps, :per_step], rows[:steps, per_step] = index, label_tokens
+    return rows
+
+
 def eval_order(num_blocks: int, world_size: int, batch_size: int, rank: int) -> np.ndarray:
     """Every eval block exactly once; -1 marks filler so every rank runs the same number
     of same-shaped batches (filler blocks carry no labels)."""

@@ -36,7 +36,7 @@ from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_d
 from .config import FinetuneConfig
 from .errors import ConfigError, Preempted, StorageError
 from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, epoch_step_count, plan_epoch, plan_run, \
-    rank_blocks, rank_eval_share
+    rank_blocks, rank_eval_share, window_rows
 from .events import emit
 from .masks import MaskBuilder
 from .model import base_directory, freeze_input_embeddings, load_tokenizer
@@ -92,19 +92,20 @@ def param_groups(params: list, weight_decay: float) -> list[dict]:
 
 
 class DeviceBlocks:
-    """Packed blocks copied to the device in one transfer (the evaluation's once, an
-    epoch's training blocks at the epoch's start). A micro-batch is gathered
-    there by indices; index `len(packed)` is an all-padding filler block (no labels).
+    """Packed blocks copied to the device in one transfer (the evaluation's once, a
+    window's training blocks). A micro-batch is gathered there by indices; from index `len(packed)`
+    on, to `rows`, all-padding filler blocks (no labels; every window one shape: no recompile).
 
     Token ids, position ids and segment ids are int32 (the embedding lookup, the rotary
     positions and the masks take them; half of int64's device memory and bandwidth); the
     targets are int32 too and become int64 only per micro-batch, for cross_entropy."""
 
-    def __init__(self, packed: Packed, device, pad_id: int):
-        length = packed.input_ids.shape[1]
+    def __init__(self, packed: Packed, device, pad_id: int, rows: int = 0):
+        length, fillers = packed.input_ids.shape[1], max(rows - len(packed), 0) + 1  # padded to `rows` + 1
 
         def with_filler(array: np.ndarray, fill: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.concatenate([array, fill[None, :]]).astype(np.int32)).to(device)
+            filled = np.concatenate([array, np.repeat(fill[None, :], fillers, axis=0)])
+            return torch.from_numpy(filled.astype(np.int32)).to(device)
 
         self.input_ids = with_filler(packed.input_ids, np.full(length, pad_id, np.int64))
         # targets[t] = labels[t + 1]: what position t predicts, so the loss needs no slicing.
@@ -408,21 +409,20 @@ class Trainer:
 
     def load_window(self) -> None:
         """This rank's packed blocks of the next `window_steps` steps of the current epoch
-        (from self.epoch_step) and each step's input, [steps, accum * blocks + 1] (its block
-        indices, then the global batch's label count), copied to the device in one copy
-        each; the loop then takes a step's row by the device step counter. Host and device
-        hold one window, not the epoch, whatever the dataset's size. Every micro-batch is
-        checked against the loss head's cap first."""
+        (from self.epoch_step) and each step's input (data.window_rows), copied to the device
+        in one copy each, a short last window padded to the others' shape; the loop takes a
+        step's row by the device step counter. Host and device hold one window, not the
+        epoch. Every micro-batch is checked against the loss head's cap first."""
         plan, epoch, first = self.plan, self.epoch_plan, self.epoch_step
-        end = min(len(epoch), first + self.window_steps)
+        size, end = min(self.window_steps, len(epoch)), min(len(epoch), first + self.window_steps)
         self.drop_window()  # the previous window's memory goes first
         self.epoch_blocks = rank_blocks(self.examples, epoch, self.rank, self.cfg.max_seq_len, self.pad_id,
                                         steps=slice(first, end))
         per_step = plan.accum * plan.blocks
         index = np.arange((end - first) * per_step, dtype=np.int64).reshape(end - first, plan.accum, plan.blocks)
         head.check_cap(self.epoch_blocks, index, self.train_cap, f"epoch {self.epoch} steps {first + 1} to {end}")
-        self.train_blocks = DeviceBlocks(self.epoch_blocks, self.device, self.pad_id)
-        rows = np.concatenate([index.reshape(end - first, per_step), epoch.label_tokens[first:end, None]], axis=1)
+        self.train_blocks = DeviceBlocks(self.epoch_blocks, self.device, self.pad_id, rows=size * per_step)
+        rows = window_rows(index.reshape(end - first, per_step), epoch.label_tokens[first:end], size)
         self.epoch_inputs = torch.from_numpy(rows).to(self.device)
         self.epoch_row = torch.zeros((1,), dtype=torch.int64, device=self.device)
         self.window = (self.epoch, first, end)
