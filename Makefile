@@ -3,17 +3,31 @@ SHELL := /bin/bash
 VENV := .venv
 PYTHON := $(VENV)/bin/python
 PIP_STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+# The suite runs on Python 3.11 (its locks, the images, CI): python3.11 on PATH, else
+# pyenv's newest 3.11, never whatever python3 happens to be.
+PYTHON311 := $(or $(shell command -v python3.11 2>/dev/null),$(lastword $(sort $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.11*/bin/python3.11))))
+NO_PYTHON311 := make: the suite runs on Python 3.11, and there is none here (no python3.11 on PATH, no pyenv 3.11): install it (pyenv install 3.11, or the python3.11 package of the distribution), then run make again
 
-.PHONY: venv controlplane kuberay kueue gcs prometheus images ground helm go-tools prepare test test-fast crds dashboards demo cluster cluster-down bench lint clean
+.PHONY: venv python311 previous-release controlplane kuberay kueue gcs prometheus images ground helm go-tools prepare test test-fast crds dashboards demo cluster cluster-down bench lint clean
 
 ## Python environment: pinned stack from pyproject.toml (pip's cache keeps re-runs fast).
-$(PIP_STAMP): pyproject.toml
-	test -x $(PYTHON) || python3 -m venv $(VENV)
+$(PIP_STAMP): pyproject.toml | python311
+	@if [ -x $(PYTHON) ] && ! $(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then \
+		echo "$(VENV) is not Python 3.11: making it anew with $(PYTHON311)"; rm -rf $(VENV); fi
+	test -x $(PYTHON) || $(PYTHON311) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --upgrade pip
 	$(PYTHON) -m pip install --quiet -e '.[operator,train,test]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(PIP_STAMP)
+
+python311:
+	@test -n "$(PYTHON311)" || { echo '$(NO_PYTHON311)' >&2; exit 1; }
+
+## The previous release's commit, for the upgrade test: a shallow clone (CI's) lacks it, so
+## it is fetched from the clone's remote, that commit alone (tests/harness/previous_release.py).
+previous-release: python311
+	@$(PYTHON311) tests/harness/previous_release.py
 
 ## Real kube-apiserver, etcd and kubectl built from Go modules (rebuilt only when the pin changes).
 controlplane:
@@ -77,7 +91,7 @@ go-tools:
 
 ## What the suite needs, with pip's side (the venv, then the trainer and operator images'
 ## environments) beside the Go builds: on a fresh machine both wait on downloads for minutes.
-prepare:
+prepare: previous-release
 	@$(MAKE) --no-print-directory -j2 images go-tools
 
 ## Pure-core tests only (milliseconds; no control plane, no Ray).
