@@ -5,6 +5,7 @@ base."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -86,6 +87,20 @@ def test_notes_point_at_no_sample_with_a_placeholder_image():
 # Set elsewhere than the settings ConfigMap: the namespace from the downward API, and a fixed
 # head's token (only with a fixed dashboard URL) from a Secret.
 NOT_IN_THE_CONFIGMAP = {"operator_namespace", "ray_token"}
+# Shipped otherwise than the operator's default, on purpose: the installs watch one
+# namespace (the operator alone watches every namespace).
+SHIPPED_OTHERWISE = {"namespace": "ml-team"}
+
+
+def chart_setting(template: str, variable: str) -> str | None:
+    """The value the chart's configmap template gives `variable` with the shipped values
+    (None for templating other than a value or a joined list)."""
+    value = next(line for line in template.splitlines() if line.startswith(f"  {variable}: ")).split(": ", 1)[1]
+    if found := re.fullmatch(r'\{\{ \.Values\.settings\.(\w+) \| quote \}\}', value):
+        return str(VALUES["settings"][found[1]])
+    if found := re.fullmatch(r'\{\{ join " " \.Values\.settings\.(\w+) \| quote \}\}', value):
+        return " ".join(VALUES["settings"][found[1]])
+    return None if "{{" in value else value.strip('"')
 
 
 def test_every_operator_setting_is_shipped_with_its_default_in_both_configmaps():
