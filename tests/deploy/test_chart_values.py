@@ -121,3 +121,6 @@ def test_every_operator_setting_is_shipped_with_its_default_in_both_configmaps()
             assert shipped == str(default).lower(), (variable, shipped, default)
         elif isinstance(default, (int, float)):
             assert float(shipped) == float(default), (variable, shipped, default)
+        else:  # a string: the same in kustomize's ConfigMap and the chart's
+            assert shipped == SHIPPED_OTHERWISE.get(name, default), (variable, shipped, default)
+            assert chart_setting(template, variable) in (shipped, None), (variable, chart_setting(template, variable))
