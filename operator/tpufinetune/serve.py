@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     memory.bound_arenas()  # before any worker thread allocates
     from tpufinetune.settings import Settings, SettingsError
 
-    namespaces = args.namespace or ([os.environ["TPUFT_NAMESPACE"]] if os.environ.get("TPUFT_NAMESPACE") else [])
+    namespaces = args.namespace or os.environ.get("TPUFT_NAMESPACE", "").replace(",", " ").split()
     kopf.configure(
         verbose=args.verbose,
         log_format=kopf.LogFormat.JSON if args.json_logs else kopf.LogFormat.FULL,
@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
             standalone=not args.peering,
             peering_name=args.peering or None,
             liveness_endpoint=args.liveness or None,
-            memo=kopf.Memo(watched_namespaces=len(namespaces)),  # sizes kopf's connections (handlers.login)
+            # sizes kopf's connections (handlers.login): a stream per namespace, a glob's up to 64
+            memo=kopf.Memo(watched_namespaces=sum(64 if set(n) & set("*?[") else 1 for n in namespaces)),
         ))
     finally:
         if elector is not None:

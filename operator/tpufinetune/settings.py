@@ -16,7 +16,7 @@
 | TPUFT_STATUS_WRITE_INTERVAL | 1 | least seconds between two status writes of one run within a phase: a chatty trainer's events are gathered into fewer writes; a write that changes the phase goes at once |
 | TPUFT_RAY_THREADS | 32 | threads for calls to Ray heads (the Job API client blocks): as many heads that never answer can each hold one for TPUFT_RAY_TIMEOUT before other runs' Ray calls wait; Kubernetes calls never wait on them (a pool of their own) |
 | TPUFT_KUBE_THREADS | 32 | threads for Kubernetes API calls (status writes, RayCluster and pod reads, creates), and the client's connections kept to the API server |
-| TPUFT_NAMESPACE | (all) | watch only this namespace |
+| TPUFT_NAMESPACE | (all) | watch only these namespaces: names or globs (`team-*`), separated by spaces or commas. One name: the operator's caches watch that namespace; several, or a glob: one cluster-wide watch each (RBAC: deploy/overlays/several-namespaces). The shipped installs set it (ml-team) |
 | TPUFT_NOTIFY_SINKS_FILE | /etc/tpufinetune/notify/sinks.yaml | YAML or JSON file (a ConfigMap's key, mounted; no file: no sinks) naming the sinks spec.notify may send notices to: `sinks: [{name, type: webhook or cloudevents, url, mode: binary or structured, tokenFile, namespaces}]` (core/notify.py; docs/api.md, "Notices"); `namespaces` (required): the namespaces whose runs may name the sink (names, globs such as `team-*`, `"*"` for all). Only these URLs are ever called; read once at start |
 | TPUFT_RUN_METRICS | true | export each run's own series on /metrics (tpufinetune_run_*: phase, loss, progress, throughput, cost; up to 12 series per run, see adapters/metrics.py); false keeps only the operator's own, whose series do not grow with the number of runs |
 | TPUFT_LEADER_ELECTION | true | run kopf's handlers only while holding a Lease, so several replicas can run with one active; false for a single operator outside a cluster |
@@ -106,6 +106,17 @@ class Settings(BaseModel):
         """One dashboard for every run (no `{...}` placeholder): a port-forward or a local
         head, reached with TPUFT_RAY_TOKEN; otherwise each run's own head and token."""
         return not any(f"{{{key}}}" in self.dashboard_url for key in ("service", "namespace", "cluster"))
+
+    @property
+    def namespaces(self) -> list[str]:
+        """TPUFT_NAMESPACE's names and globs; [] is every namespace."""
+        return self.namespace.replace(",", " ").split()
+
+    @property
+    def one_namespace(self) -> str:
+        """The one namespace watched, when TPUFT_NAMESPACE names exactly one; else ""."""
+        names = self.namespaces
+        return names[0] if len(names) == 1 and not any(c in names[0] for c in "*?[") else ""
 
     def ray_headers(self) -> dict:
         return {"Authorization": f"Bearer {self.ray_token}"} if self.ray_token else {}

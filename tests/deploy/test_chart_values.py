@@ -124,3 +124,20 @@ def test_every_operator_setting_is_shipped_with_its_default_in_both_configmaps()
         else:  # a string: the same in kustomize's ConfigMap and the chart's
             assert shipped == SHIPPED_OTHERWISE.get(name, default), (variable, shipped, default)
             assert chart_setting(template, variable) in (shipped, None), (variable, chart_setting(template, variable))
+
+
+def test_the_shipped_namespaces_are_what_the_operator_watches():
+    """deploy/base watches one namespace (its caches watch there only, as its RBAC allows);
+    the several-namespaces overlay a name and a glob (its caches watch cluster-wide, which
+    that overlay's ClusterRole reads)."""
+    def watched(path) -> Settings:
+        data = next(d for d in documents(path.read_text()) if d["kind"] == "ConfigMap")["data"]
+        return Settings.from_env({"TPUFT_NAMESPACE": data["TPUFT_NAMESPACE"]})
+
+    base = watched(DEPLOY / "base" / "configmap.yaml")
+    assert base.namespaces == ["ml-team"] and base.one_namespace == "ml-team"
+    several = watched(DEPLOY / "overlays" / "several-namespaces" / "configmap.yaml")
+    assert several.namespaces == ["ml-team", "team-*"] and several.one_namespace == ""
+    assert Settings.from_env({"TPUFT_NAMESPACE": "team-*"}).one_namespace == ""
+    assert Settings.from_env({"TPUFT_NAMESPACE": " a, b "}).namespaces == ["a", "b"]
+    assert Settings().namespaces == [] and Settings().one_namespace == ""

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cluster
 
 HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance")
 EVERY_OPTION = [
-    "--set", "rayToken.secretName=ray-token", "--set", "settings.namespace=ml-team",
+    "--set", "rayToken.secretName=ray-token", "--set", "settings.namespaces={ml-team,team-b}",
     "--set", "metrics.service.enabled=true", "--set", "metrics.scrapeAnnotations=true",
     "--set", "metrics.grafanaDashboard.enabled=true", "--set", "settings.runMetrics=false",
     "--set", "image.pullPolicy=Always", "--set", "podAnnotations.team=ml",
@@ -67,6 +67,8 @@ def test_helm_lint_is_clean(helm):
 @pytest.mark.parametrize("values", [[], EVERY_OPTION], ids=["defaults", "every-option"])
 def test_rendered_chart_passes_a_server_side_dry_run(helm, control_plane, kuberay_crd, namespace, values):
     rendered = template(helm, namespace, *values)
+    for watched in ("ml-team", "team-b"):  # the watched namespaces exist before the install
+        control_plane.kubectl("create", "namespace", watched, check=False)
     applied = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered).stdout
     kinds = {line.split("/")[0].split(".")[0] for line in applied.splitlines()}
     assert {"customresourcedefinition", "serviceaccount", "clusterrole", "clusterrolebinding",
@@ -95,7 +97,7 @@ def test_chart_metrics_values_render_exactly_the_prometheus_overlay(helm, contro
 def test_chart_values_reach_the_operator(helm):
     objects = documents(template(helm, "ops", *EVERY_OPTION))
     settings = find(objects, "ConfigMap", "tpufinetune-operator-settings")["data"]
-    assert settings["TPUFT_NAMESPACE"] == "ml-team" and settings["TPUFT_POLL_INTERVAL"] == "2"
+    assert settings["TPUFT_NAMESPACE"] == "ml-team team-b" and settings["TPUFT_POLL_INTERVAL"] == "2"
     assert settings["TPUFT_RUN_METRICS"] == "false"
     pod = find(objects, "Deployment")["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -104,11 +106,14 @@ def test_chart_values_reach_the_operator(helm):
     volume = next(v for v in pod["volumes"] if v["name"] == "ray-token")
     assert token_file == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
     assert volume["secret"]["secretName"] == "ray-token"
-    # Watching one namespace, kopf lists namespaces: granted only then; on Secrets still
-    # only create (each run's Ray token Secret), never a read.
-    rules = find(objects, "ClusterRole", "tpufinetune-operator")["rules"]
-    assert {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]} in rules
+    # Two namespaces: a RoleBinding of the runs' rules in each (on Secrets only create, each
+    # run's Ray token Secret, never a read), and cluster-wide only reads.
+    rules = find(objects, "ClusterRole", "tpufinetune-operator-runs")["rules"]
     assert [rule["verbs"] for rule in rules if "secrets" in rule["resources"]] == [["create"]]
+    bindings = [o for o in objects if o["kind"] == "RoleBinding" and o["roleRef"]["name"] == "tpufinetune-operator-runs"]
+    assert sorted(o["metadata"]["namespace"] for o in bindings) == ["ml-team", "team-b"]
+    assert {verb for rule in find(objects, "ClusterRole", "tpufinetune-operator")["rules"]
+            for verb in rule["verbs"]} == {"get", "list", "watch"}
     # The signing key's Role lives in the release namespace, bound to the operator.
     # So do the leader election's.
     for name in ("tpufinetune-operator-ray-token-key", "tpufinetune-operator-leader-election"):

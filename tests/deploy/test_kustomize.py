@@ -17,26 +17,40 @@ from tpufinetune.settings import Settings
 
 pytestmark = pytest.mark.cluster
 
-# Each rule has one caller (deploy/base/clusterrole.yaml says which). Widening this is a
-# decision: the end-to-end suite shows these are enough (zero Forbidden responses).
-EXPECTED_RULES = [
+# Each rule has one caller (deploy/base/clusterrole.yaml and clusterrole-runs.yaml say
+# which). Widening this is a decision: the end-to-end suite shows these are enough (zero
+# Forbidden responses). Cluster-wide, reads of cluster-scoped things only:
+EXPECTED_CLUSTER_RULES = [
+    # get: KubeBackend.slice_health; list, watch: handlers.node_maintenance.
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
+    # kopf resolves TPUFT_NAMESPACE against the namespaces there are.
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+]
+# In each watched namespace (a RoleBinding to tpufinetune-operator-runs):
+EXPECTED_RUN_RULES = [
     # get: driver.Run._reread_status (KubeBackend.read_status), after a refused status write.
     {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes/status"], "verbs": ["patch"]},
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
-    # get: KubeBackend.slice_health; list, watch: handlers.node_maintenance.
-    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["create"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
 ]
+WATCHED = "ml-team"  # deploy/base's TPUFT_NAMESPACE
+
+
+def apply_base(control_plane):
+    """`kubectl apply -k deploy/base` after creating the namespace it watches (docs/gke.md
+    creates it first: the base never creates, so never deletes, a tenant's namespace)."""
+    control_plane.kubectl("create", "namespace", WATCHED, check=False)
+    return control_plane.kubectl("apply", "-k", DEPLOY / "base")
 
 
 def test_base_applies_to_the_real_api_server_and_meets_the_restricted_pod_standard(control_plane):
-    result = control_plane.kubectl("apply", "-k", DEPLOY / "base")
+    result = apply_base(control_plane)
     for ref in ("namespace/tpufinetune-system",
                 "customresourcedefinition.apiextensions.k8s.io/tpufinetunes.tpufinetune.dev",
                 "serviceaccount/tpufinetune-operator",
@@ -93,12 +107,19 @@ def test_prometheus_overlay_ships_the_grafana_dashboard_for_grafanas_sidecar(con
 
 
 def test_cluster_role_is_exactly_what_the_operator_calls(control_plane):
-    role = find(kustomize(control_plane, DEPLOY / "base"), "ClusterRole", "tpufinetune-operator")
-    assert role["rules"] == EXPECTED_RULES
+    objects = kustomize(control_plane, DEPLOY / "base")
+    assert find(objects, "ClusterRole", "tpufinetune-operator")["rules"] == EXPECTED_CLUSTER_RULES
+    assert find(objects, "ClusterRole", "tpufinetune-operator-runs")["rules"] == EXPECTED_RUN_RULES
+    # The runs' rules are bound in the watched namespace only, never cluster-wide.
+    bindings = [o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")
+                and o["roleRef"]["name"] == "tpufinetune-operator-runs"]
+    assert [(o["kind"], o["metadata"]["namespace"]) for o in bindings] == [("RoleBinding", WATCHED)]
+    data = find(objects, "ConfigMap", "tpufinetune-operator-settings")["data"]
+    assert data["TPUFT_NAMESPACE"] == WATCHED
 
 
 def test_the_service_account_creates_secrets_but_reads_only_its_signing_key(control_plane, kuberay_crd):
-    control_plane.kubectl("apply", "-k", DEPLOY / "base")
+    apply_base(control_plane)
 
     def can(*args) -> bool:
         result = control_plane.kubectl("auth", "can-i", *args, f"--as={OPERATOR_SA}", check=False)
@@ -106,13 +127,19 @@ def test_the_service_account_creates_secrets_but_reads_only_its_signing_key(cont
         return result.stdout.strip() == "yes"
 
     # The binding is live (so the refusals below are RBAC's answer, not a missing subject).
-    assert can("create", "rayclusters.ray.io", "-n", "default")
-    assert can("patch", "tpufinetunes.tpufinetune.dev", "--subresource=status", "-n", "default")
+    assert can("create", "rayclusters.ray.io", "-n", WATCHED)
+    assert can("patch", "tpufinetunes.tpufinetune.dev", "--subresource=status", "-n", WATCHED)
     # Each run's Ray token Secret is created, never read back: no tenant's Secret is readable.
-    assert can("create", "secrets", "-n", "default")
+    assert can("create", "secrets", "-n", WATCHED)
     for verb in ("get", "list", "watch", "update", "patch", "delete"):
         assert not can(verb, "secrets", "--all-namespaces"), verb
-        assert not can(verb, "secrets", "-n", "default"), verb
+        assert not can(verb, "secrets", "-n", WATCHED), verb
+    # Nothing is created, nor a run's object read, in a namespace it does not watch.
+    for resource in ("rayclusters.ray.io", "secrets", "networkpolicies.networking.k8s.io", "events"):
+        assert not can("create", resource, "-n", "default"), resource
+        assert not can("create", resource, "--all-namespaces"), resource
+    for resource in ("tpufinetunes.tpufinetune.dev", "rayclusters.ray.io", "pods"):
+        assert not can("list", resource, "--all-namespaces"), resource
     # In its own namespace: get on the signing key only, by name (core/raytoken.py names it).
     assert can("get", f"secrets/{raytoken.SIGNING_KEY_SECRET}", "-n", OPERATOR_NS)
     assert not can("get", "secrets/another", "-n", OPERATOR_NS)
@@ -121,6 +148,7 @@ def test_the_service_account_creates_secrets_but_reads_only_its_signing_key(cont
     # Nothing wider either: no wildcard anywhere in the rules.
     objects = kustomize(control_plane, DEPLOY / "base")
     for role in (find(objects, "ClusterRole", "tpufinetune-operator"),
+                 find(objects, "ClusterRole", "tpufinetune-operator-runs"),
                  find(objects, "Role", "tpufinetune-operator-ray-token-key"),
                  find(objects, "Role", "tpufinetune-operator-leader-election")):
         for rule in role["rules"]:
@@ -162,11 +190,14 @@ def test_the_settings_config_map_holds_only_settings_the_operator_reads(control_
     documented = set(re.findall(r"^\| (TPUFT_\w+) \|", settings_doc, re.MULTILINE))
     assert set(data) <= documented
     settings = Settings.from_env(data)
-    assert settings == Settings()  # the shipped values are the documented defaults
+    # The shipped values are the documented defaults, but for the namespace watched: the
+    # operator's default is every namespace, the install's one namespace.
+    assert settings == Settings(namespace=WATCHED)
 
 
 def test_kubectl_apply_k_deploy_installs_the_base(control_plane):
     assert kustomize(control_plane, DEPLOY) == kustomize(control_plane, DEPLOY / "base")
+    control_plane.kubectl("create", "namespace", WATCHED, check=False)
     result = control_plane.kubectl("apply", "--dry-run=server", "-k", DEPLOY)
     assert "deployment.apps/tpufinetune-operator" in result.stdout, result.stdout
     assert "clusterrole.rbac.authorization.k8s.io/tpufinetune-edit" in result.stdout
@@ -185,7 +216,7 @@ def test_leader_election_is_granted_on_leases_in_the_operators_namespace_only(co
     # The ClusterRole grants nothing on Leases: no replica can touch another namespace's.
     cluster_role = find(objects, "ClusterRole", "tpufinetune-operator")
     assert not any("leases" in rule["resources"] for rule in cluster_role["rules"])
-    control_plane.kubectl("apply", "-k", DEPLOY / "base")
+    apply_base(control_plane)
 
     def can(*args) -> bool:
         return control_plane.kubectl("auth", "can-i", *args, f"--as={OPERATOR_SA}",

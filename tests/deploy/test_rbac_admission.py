@@ -14,7 +14,7 @@ import pytest
 import yaml
 from manifests import DEPLOY, OPERATOR_SA, kustomize
 
-from harness.service_account import rbac_objects
+from harness.service_account import rbac_objects, watch_binding
 from tpufinetune.core import raytoken
 from tpufinetune.core.api import parse_spec
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
@@ -28,10 +28,16 @@ POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 
 
 @pytest.fixture
-def admission(control_plane, kuberay_crd):
-    """deploy/base's RBAC and admission policy on the API server (the policy removed after)."""
-    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rbac_objects(control_plane)))
-    policy = [o for o in kustomize(control_plane, DEPLOY / "base") if o["kind"] in POLICY_KINDS]
+def admission(control_plane, kuberay_crd, namespace):
+    """deploy/base's RBAC and admission policy on the API server (the policy removed after),
+    watching `namespace`: its RoleBinding, and the settings ConfigMap (the policy's
+    parameter) naming it."""
+    objects = kustomize(control_plane, DEPLOY / "base")
+    settings = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "tpufinetune-operator-settings"]
+    settings[0]["data"]["TPUFT_NAMESPACE"] = namespace
+    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(
+        rbac_objects(control_plane) + [watch_binding(control_plane, namespace)] + settings))
+    policy = [o for o in objects if o["kind"] in POLICY_KINDS]
     assert len(policy) == 2
     text = yaml.safe_dump_all(policy)
     control_plane.kubectl("apply", "-f", "-", input=text)

@@ -421,10 +421,11 @@ class Ground:
         leader election on (the pod name and namespace a Deployment's downward API gives).
         Starts as the leader unless another replica holds the Lease (`start_replica`)."""
         from operator_process import OperatorProcess
-        from service_account import service_account_kubeconfig
+        from service_account import WATCHED, service_account_kubeconfig
 
         kubeconfig = kubeconfig or service_account_kubeconfig(self.cp, self.workdir / "operator-kubeconfig")
         env = self.operator_environment(kubeconfig)
+        env.setdefault("TPUFT_NAMESPACE", WATCHED)  # each namespace bound when made (ground_fixtures)
         env.update(POD_NAME=OPERATOR_PODS[0], TPUFT_OPERATOR_NAMESPACE=OPERATOR_NAMESPACE)
         env.update(extra_env or {})
         self.operator = OperatorProcess(env, self.workdir / "operator.log", hosts_file=self.hosts_file)

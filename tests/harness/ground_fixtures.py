@@ -5,8 +5,9 @@ kube-controller-manager, KubeRay and GKE-shaped nodes whose pods are real Ray pr
 - `operator` (session): the operator on the ground, as deploy/'s ServiceAccount, reaching
   each Ray head by its Service name through the ground's cluster DNS; metrics on. At the end
   of the session it fails if the ServiceAccount was ever refused (a missing RBAC rule).
-- `ground_namespace` (function): a fresh namespace on the ground, deleted afterwards (the
-  real namespace controller empties it; `delete_namespace`).
+- `ground_namespace` (function): a fresh namespace on the ground, where the operator is
+  bound as in any namespace it watches (service_account.bind_namespace), deleted afterwards
+  (the real namespace controller empties it; `delete_namespace`).
 - `kube` (function): kubectl helpers bound to that namespace.
 - `ground_assets` (session): the trainer's offline assets (`trainer_assets`) uploaded to the
   ground's bucket: `.model`, `.data` and `.root` are gs:// URIs (pods never read host paths).
@@ -32,7 +33,7 @@ from harness.processes import tail
 from harness.waiting import wait_for
 from harness.ground import Ground, event_time
 from harness.k8s_fixtures import namespace_name
-from harness.service_account import refusals
+from harness.service_account import bind_namespace, refusals
 
 _GROUND_FIXTURES = {"ground", "operator", "ground_namespace", "kube", "ground_assets", "storage"}
 
@@ -127,7 +128,7 @@ def delete_namespace(ground, name: str) -> None:
 @pytest.fixture
 def ground_namespace(request, ground):
     name = namespace_name(request)
-    ground.kubectl("create", "namespace", name)
+    bind_namespace(ground.cp, name, create=True)  # the operator watches t-* and acts where it is bound
     yield name
     delete_namespace(ground, name)
 

@@ -1,4 +1,5 @@
-"""The operator as deploy/'s Deployment on the ground: `kubectl apply -k deploy/base` less the
+"""The operator as deploy/'s Deployment on the ground: deploy/overlays/several-namespaces (deploy/base
+watching the ground's namespaces, service_account.WATCHED, each bound when it is made) less the
 CRD (the ground installs the same file), so its two pods run the image Dockerfile.operator
 builds (images.ensure_operator), from its entrypoint, with the ConfigMap's settings, the
 ServiceAccount's bound token (in-cluster config, the ServiceAccount admission plugin and the
@@ -11,7 +12,7 @@ import json
 
 import yaml
 
-from service_account import DEPLOY_BASE
+from service_account import SEVERAL_NAMESPACES, WATCHED, is_watch_binding, watch_binding
 from waiting import wait_for
 
 NAMESPACE = "tpufinetune-system"
@@ -24,8 +25,16 @@ ADDED_KINDS = ("Deployment", "PodDisruptionBudget", "NetworkPolicy", "Validating
 
 
 def rendered(cp) -> list[dict]:
-    return [obj for obj in yaml.safe_load_all(cp.kubectl("kustomize", str(DEPLOY_BASE)).stdout)
-            if obj and obj["kind"] != "CustomResourceDefinition"]
+    """The overlay with TPUFT_NAMESPACE set to the ground's namespaces, as its user would set
+    it: its example namespace's RoleBinding replaced by one in each namespace WATCHED names
+    (`default`; a glob's are bound as they are made)."""
+    objects = [obj for obj in yaml.safe_load_all(cp.kubectl("kustomize", str(SEVERAL_NAMESPACES)).stdout)
+               if obj and obj["kind"] != "CustomResourceDefinition" and not is_watch_binding(obj)]
+    objects += [watch_binding(cp, name) for name in WATCHED.split() if "*" not in name]
+    for obj in objects:
+        if obj["kind"] == "ConfigMap" and "TPUFT_NAMESPACE" in obj.get("data", {}):
+            obj["data"]["TPUFT_NAMESPACE"] = WATCHED
+    return objects
 
 
 def apply(cp) -> list[dict]:

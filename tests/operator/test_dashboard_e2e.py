@@ -24,6 +24,7 @@ import pytest
 from ground_runs import resource
 from harness import dashboard_check
 from harness.ground_fixtures import Kube, delete_namespace
+from harness.service_account import bind_namespace
 from harness.k8s_fixtures import namespace_name
 from harness.prometheus import Prometheus
 
@@ -70,6 +71,7 @@ def finished_run(request, ground, operator, prometheus, ground_assets) -> Finish
     in a namespace of its own, scraped all along."""
     namespace = namespace_name(request)
     ground.kubectl("create", "namespace", namespace)
+    bind_namespace(ground.cp, namespace)  # watched (t-*), and bound as the operator's namespaces are
     kube = Kube(ground, namespace)
     try:
         prometheus.wait_scraped()  # what the operator served before the run is in the TSDB at `start`

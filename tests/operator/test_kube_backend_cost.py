@@ -81,7 +81,7 @@ def test_waiting_queued_and_suspended_runs_cost_no_request_per_tick_and_changes_
     apply_cluster(control_plane, namespace, "queued", queued_uid, queue="team-a")
     control_plane.kubectl("-n", namespace, "apply", "-f", "-",
                           input=yaml.safe_dump(pending_pod("tft-cost-worker-0", waiting)))
-    api = config.new_client_from_config(config_file=str(service_account_kubeconfig(control_plane, tmp_path / "kubeconfig")))
+    api = config.new_client_from_config(config_file=str(service_account_kubeconfig(control_plane, tmp_path / "kubeconfig", namespaces=[namespace])))
     settings = Settings()
     changes = Changes()
     watches = Watches(api, settings, changes)
@@ -132,7 +132,7 @@ def test_a_cluster_created_moments_ago_is_read_once_when_the_watch_has_not_deliv
     """The watch lags our own create by milliseconds: a miss right after a create is a GET,
     never taken for a deleted cluster."""
     uid = "00000000-0000-0000-0000-00000000c059"
-    api = config.new_client_from_config(config_file=str(service_account_kubeconfig(control_plane, tmp_path / "kubeconfig")))
+    api = config.new_client_from_config(config_file=str(service_account_kubeconfig(control_plane, tmp_path / "kubeconfig", namespaces=[namespace])))
     settings = Settings()
     watches = Watches(api, settings, lambda *_: None)
     backend = KubeBackend(api, settings, watches)

@@ -124,7 +124,7 @@ def throttled_run(control_plane, namespace, tmp_path):
     webhook = HoldingWebhook(tmp_path)
     rbac = rbac_objects(control_plane)
     account = next(o["metadata"] for o in rbac if o["kind"] == "ServiceAccount")
-    api = config.new_client_from_config(config_file=str(service_account_kubeconfig(control_plane, tmp_path / "kc", rbac)))
+    api = config.new_client_from_config(config_file=str(service_account_kubeconfig(control_plane, tmp_path / "kc", rbac, [namespace])))
     objects = client.CustomObjectsApi(api)
     apply_run(control_plane, namespace, "slow")
     apply_run(control_plane, namespace, "holder", {HOLDER_LABEL: "true"})

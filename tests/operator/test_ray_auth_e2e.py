@@ -35,6 +35,7 @@ from datetime import datetime, timezone
 import pytest
 
 from harness.ground_fixtures import Kube, delete_namespace
+from harness.service_account import bind_namespace
 from harness.kubewatch import KubeWatch
 from tpufinetune.core import raytoken
 from tpufinetune.core.conditions import parse_time
@@ -93,6 +94,7 @@ def test_collectives_runs_take_only_their_own_token_carry_the_pod_settings_and_k
         operator, ground, kube, ground_assets, storage):
     other_ns = kube.ns + "-b"
     ground.kubectl("create", "namespace", other_ns)
+    bind_namespace(ground.cp, other_ns)  # watched (t-*), and bound as the operator's namespaces are
     try:
         kubes = {"a": kube, "b": Kube(ground, other_ns)}
         runs, key_ids = {}, {}

@@ -21,40 +21,9 @@ false and its name). */}}
 {{- .Values.serviceAccount.name | default (include "tpufinetune.name" .) -}}
 {{- end -}}
 
-{{/* The operator's rules on the runs' namespaced objects: in the ClusterRole when it
-watches every namespace, else in a Role of the watched namespace (rbac.namespaced,
-role-watched.yaml). Two parts, to keep the ClusterRole's order that of deploy/base. */}}
-{{- define "tpufinetune.runRules1" }}
-  - apiGroups: [tpufinetune.dev]
-    resources: [tpufinetunes]
-    verbs: [get, list, watch, patch]
-  - apiGroups: [tpufinetune.dev]
-    resources: [tpufinetunes/status]
-    verbs: [patch]
-  - apiGroups: [ray.io]
-    resources: [rayclusters]
-    verbs: [get, list, watch, create, delete]
-  - apiGroups: [""]
-    resources: [pods]
-    verbs: [list, watch]
-{{- end -}}
-
-{{- define "tpufinetune.runRules2" }}
-  - apiGroups: [kueue.x-k8s.io]
-    resources: [workloads]
-    verbs: [list, watch]
-  - apiGroups: [""]
-    resources: [secrets]
-    verbs: [create]
-  - apiGroups: [networking.k8s.io]
-    resources: [networkpolicies]
-    verbs: [create]
-  - apiGroups: [""]
-    resources: [events]
-    verbs: [create]
-{{- end -}}
-
-{{/* true: the runs' rules go in a Role of settings.namespace, not the ClusterRole. */}}
-{{- define "tpufinetune.namespacedRBAC" -}}
-{{- if and .Values.settings.namespace .Values.rbac.namespaced }}true{{ end -}}
+{{/* true: more than one watched namespace, or a glob: the operator's caches watch
+RayClusters, pods and Workloads cluster-wide (read only; deploy/overlays/several-namespaces). */}}
+{{- define "tpufinetune.severalNamespaces" -}}
+{{- $n := default (list) .Values.settings.namespaces -}}
+{{- if or (gt (len $n) 1) (and (eq (len $n) 1) (regexMatch "[*?]" (first $n))) }}true{{ end -}}
 {{- end -}}
