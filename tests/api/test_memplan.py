@@ -76,8 +76,9 @@ def test_lora_with_trained_embeddings_counts_their_master_gradient_and_moments()
     assert embeddings.per_chip_bytes > adapters.per_chip_bytes
     # From the spec: spec.training.lora.trainEmbeddings reaches the plan.
     on = memplan.plan_spec(spec("google/gemma-4-31B-it", training={"method": "lora", "batchSizePerDevice": 1,
-                                                                    "lora": {"trainEmbeddings": True}}))
-    off = memplan.plan_spec(spec("google/gemma-4-31B-it", training={"method": "lora", "batchSizePerDevice": 1}))
+                                                                    "lora": {"trainEmbeddings": True, "dropout": 0}}))
+    off = memplan.plan_spec(spec("google/gemma-4-31B-it", training={"method": "lora", "batchSizePerDevice": 1,
+                                                                     "lora": {"dropout": 0}}))
     assert on.breakdown == embeddings.breakdown and off.breakdown == adapters.breakdown
 
 
@@ -246,3 +247,58 @@ def test_every_block_stays_gathered_only_where_the_plan_holds_it_within_the_marg
     # Nor for a run that does not fit its worker pod's memory.
     assert not memplan.keeps_gathered(request("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2",
                                               host_memory_bytes=8 * GIB))
+
+
+def test_lora_dropout_counts_each_adapted_layers_dropped_input_and_mask():
+    """spec.training.lora.dropout > 0 keeps, per adapted layer, a dropped copy of its input
+    (compute dtype) and its boolean mask; the default LoRA (no lora block) has dropout 0.05."""
+    shape = memplan.known_shape("google/gemma-4-E2B-it")
+    at = dict(shape=shape, method="lora", devices=16, max_seq_len=512, batch_per_device=4)
+    without = memplan.device_bytes(**at)
+    dropped = memplan.device_bytes(**at, lora_dropout=0.05)
+    inputs = 3 * shape.hidden + shape.attention_width + 2 * shape.hidden + shape.intermediate  # q k v o gate up down
+    assert dropped.activations - without.activations == shape.layers * 512 * 4 * inputs * (2 + 1)
+    default = memplan.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora"}))
+    off = memplan.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora", "lora": {"dropout": 0}}))
+    assert default.breakdown.activations - off.breakdown.activations == dropped.activations - without.activations
+
+
+def test_lora_counts_the_target_modules_the_spec_names():
+    shape = memplan.known_shape("google/gemma-4-31B-it")
+    seven = memplan.device_bytes(shape, "lora", 16, 512, 1)
+    two = memplan.device_bytes(shape, "lora", 16, 512, 1, lora_targets=("q_proj", "v_proj"))
+    rank, widths = 16, shape.module_widths()
+    defaults = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert seven.optimizer * 16 == pytest.approx(8 * shape.layers * rank * sum(sum(widths[n]) for n in defaults),
+                                                 abs=16)
+    assert two.optimizer * 16 == pytest.approx(8 * shape.layers * rank * (sum(widths["q_proj"])
+                                                                          + sum(widths["v_proj"])), abs=16)
+    named = memplan.plan_spec(spec("google/gemma-4-31B-it", training={
+        "method": "lora", "batchSizePerDevice": 1, "lora": {"targetModules": ["q_proj", "v_proj"], "dropout": 0}}))
+    assert named.breakdown.optimizer == two.optimizer
+
+
+def test_gemma_4_full_attention_layers_are_wider_and_a_config_wins_over_the_table():
+    shape = memplan.known_shape("google/gemma-4-E2B-it")
+    assert shape.full_head_dim == 512 and shape.full_layers == 6  # every sixth of 35, and the last
+    assert shape.attention_width > shape.heads * shape.head_dim
+    config = {"text_config": {"hidden_size": 4096, "num_hidden_layers": 48, "intermediate_size": 16384,
+                              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                              "global_head_dim": 256, "vocab_size": 262144, "model_type": "gemma4_text"}}
+    table = memplan.estimate(request("google/gemma-4-31B-it", generation="v7x", topology="2x2x4"))
+    own = memplan.estimate(request("google/gemma-4-31B-it", generation="v7x", topology="2x2x4", model_config=config))
+    assert own.per_chip_bytes != table.per_chip_bytes
+    assert own.breakdown.weights * 32 == pytest.approx(4 * memplan.shape_from_config(config).parameters, abs=64)
+    assert "widths: gemma-4-31B's config.json" in memplan.status_of(own)["message"]
+    assert "Gemma 3 27B's" in memplan.status_of(table)["message"]  # the table names its stand-in
+    assert len(memplan.status_of(table)["message"]) <= 1024
+
+
+def test_the_full_loss_head_is_planned_with_every_positions_logits():
+    shape = memplan.known_shape("google/gemma-4-E2B-it")
+    labels = memplan.device_bytes(shape, "full", 16, 512, 4)
+    full = memplan.device_bytes(shape, "full", 16, 512, 4, loss_head="full")
+    assert full.loss_head - labels.loss_head == 4 * shape.vocab * (memplan.FULL_LOGITS * 512 * 4
+                                                                   - 2 * memplan.CHUNK_ROWS)
+    with pytest.raises(ValueError, match="loss head 'all'"):
+        memplan.device_bytes(shape, "full", 16, 512, 4, loss_head="all")

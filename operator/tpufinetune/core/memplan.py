@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from . import generations as g
+from .memplan_shapes import DEFAULT_LORA_TARGETS, KNOWN_MODELS, ModelShape, known_shape, shape_for, \
+    shape_from_config  # noqa: F401  (re-exported: validation, the benchmarks)
 
 GIB = 2**30
 # Share of a chip's HBM (and of a worker pod's memory) the plan leaves unused.
@@ -44,12 +46,30 @@ RUNTIME_BYTES_PER_DEVICE = 2 * GIB
 CHUNK_ROWS = 256
 # Elements saved for the backward per token and layer, in the compute dtype, as multiples
 # of the widths (a Gemma block: norms, q/k/v/o, gate/up/act/product, residuals); fitted to
-# the measured peaks of benchmarks/bench_memplan.py.
+# the FITTED configurations of benchmarks/bench_memplan.py (its HELD_OUT ones check them).
 SAVED_PER_HIDDEN = 16
 SAVED_PER_INTERMEDIATE = 4
 SAVED_PER_ATTENTION_WIDTH = 4
 # Eager attention keeps the scores and the probabilities of every block.
 SAVED_ATTENTION_MATRICES = 2
+# In bfloat16 the block also keeps fp32 copies (4 B an element) the fp32 fit never saw:
+# Gemma 4's RMSNorm upcasts its input and keeps the normed fp32 tensor (five hidden-wide
+# norms, the q/k/v norms), and eager softmax runs in fp32 and keeps its fp32 output beside
+# the bf16 probabilities. Measured (bench_memplan.py b1, bf16 sdpa: 642 MiB against 462
+# planned without these terms, 630 with 10, 4 and 1) but not yet switched on here: with them
+# E2B full at the spec's defaults plans 30.5 GiB of a v6e chip's 28.8, which refuses the
+# default spec (docs/trainer.md, "Memory plan"); until that default is changed they are 0.
+UPCAST_PER_HIDDEN = 0  # measured: 10
+UPCAST_PER_ATTENTION_WIDTH = 0  # measured: 4
+UPCAST_ATTENTION_MATRICES = 0  # from the kernel: 1 (eager bf16 not yet measured here)
+# LoRA's dropout (spec.training.lora.dropout > 0): each adapted layer's input gets its own
+# dropped copy (compute dtype), kept for the adapter's backward, and its boolean mask.
+LORA_DROPOUT_MASK_BYTES = 1
+# Long sequences: what the constants do not follow past their fitted lengths (the CPU's sdpa
+# with a mask, kernel workspaces growing with L^2) is added as the margin measured on the
+# held-out configurations: activations x LONG_MARGIN from LONG_FROM tokens a block.
+LONG_FROM = 4096
+LONG_MARGIN = 0.0
 # The attention masks of a micro-batch (masks.py), bytes per block and L^2: the full and
 # sliding masks (additive in the compute dtype for eager, boolean for sdpa) and about four
 # boolean L x L intermediates and constants (causal and window bands, same segment).
@@ -60,103 +80,13 @@ MASK_BOOLEANS = 4
 # within this share of the usable memory: the margin covers the estimate's error (within
 # 25% of the measured peaks, docs/trainer.md "Memory plan").
 KEEP_GATHERED_SHARE = 0.75
-# LoRA's usual targets per decoder layer: q, k, v, o, gate, up, down.
-LORA_TARGETS = 7
+LOSS_HEADS = ("labels", "full")  # the trainer's --loss-head
+# --loss-head full: fp32 [tokens, vocab] tensors transformers' head and cross-entropy hold
+# (docs/trainer.md, "Loss head": five, measured).
+FULL_LOGITS = 5
 METHODS = ("full", "lora")
 CHECKED = ("table", "stated")  # the bases a plan is checked on
 CHECKPOINTING = ("none", "block", "selective")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the planner needs of a model's text decoder."""
-
-    name: str
-    parameters: int  # the text model's, tied embedding included; PLE and towers excluded
-    layers: int
-    hidden: int
-    intermediate: int  # the MLP width a token passes through (MoE: shared + active experts)
-    heads: int
-    head_dim: int
-    vocab: int
-    per_layer_embedding: int = 0  # Gemma's PLE table: frozen, replicated
-    experts: int = 0  # 0: dense
-    active_parameters: int | None = None  # MoE: per token
-    source: str = ""
-
-    @property
-    def embedding(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def block_parameters(self) -> int:
-        return max(self.parameters - self.embedding, 0) // max(self.layers, 1)
-
-    def lora_parameters(self, rank: int, targets: int = LORA_TARGETS) -> int:
-        """Adapter parameters: rank x (in + out) for each adapted linear layer."""
-        attention = self.heads * self.head_dim
-        widths = [(self.hidden, attention), (self.hidden, attention // 2), (self.hidden, attention // 2),
-                  (attention, self.hidden), (self.hidden, self.intermediate), (self.hidden, self.intermediate),
-                  (self.intermediate, self.hidden)]
-        per_layer = sum(a + b for a, b in widths) * targets / len(widths)
-        return int(self.layers * rank * per_layer)
-
-
-# Sources of the table's figures. Google's model card gives the parameter counts (E2B 5.1B
-# total / 2.3B effective, E4B 8B / 4.5B, 31B 30.7B dense, 26B A4B 25.2B total / 3.8B
-# active, 128 experts, vocabulary 262144); the layer and width figures come from the
-# implementations that load the checkpoints.
-_CARD = "https://ai.google.dev/gemma/docs/core/model_card_4"
-_E2B = "gemma.cpp configs (github.com/google/gemma.cpp pull 919): 35 layers, width 1536, FFN 6144/12288"
-_E4B = ("NeMo Megatron-Bridge gemma4 recipe (docs.nvidia.com/nemo/megatron-bridge): 42 layers, "
-        "hidden 2560, FFN 10240, 8 heads")
-# Not found for 31B: its width, MLP width and heads; Gemma 3 27B's (5376, 21504, 32), which it
-# widens, are used. 60 layers: the model's published summaries.
-_31B = "60 layers (model summaries); width, MLP and heads not published: Gemma 3 27B's used"
-_26B = ("Ollama's gemma4 26B-A4B GGUF metadata (ollama.com/library/gemma4): 30 blocks, width 2816, "
-        "16 heads, FFN 2112 shared + 8 of 128 experts x 704")
-_VOCAB = 262144
-_PLE_WIDTH = 256  # per layer (hidden_size_per_layer_input)
-
-_SHAPES = (
-    ModelShape("gemma-4-E2B", 2_300_000_000, 35, 1536, 12288, 8, 256, _VOCAB,
-               per_layer_embedding=35 * _PLE_WIDTH * _VOCAB, source=f"{_CARD}; {_E2B}"),
-    ModelShape("gemma-4-E4B", 4_500_000_000, 42, 2560, 10240, 8, 256, _VOCAB,
-               per_layer_embedding=42 * _PLE_WIDTH * _VOCAB, source=f"{_CARD}; {_E4B}"),
-    ModelShape("gemma-4-31B", 30_700_000_000, 60, 5376, 21504, 32, 256, _VOCAB,
-               source=f"{_CARD}; {_31B}"),
-    ModelShape("gemma-4-26B-A4B", 25_200_000_000, 30, 2816, 2112 + 8 * 704, 16, 256, _VOCAB,
-               experts=128, active_parameters=3_800_000_000, source=f"{_CARD}; {_26B}"),
-)
-# Hub ids (base and instruction-tuned), compared case-insensitively.
-KNOWN_MODELS: dict[str, ModelShape] = {
-    f"google/{shape.name}{suffix}".lower(): shape for shape in _SHAPES for suffix in ("", "-it")}
-
-
-def known_shape(model_id: str) -> ModelShape | None:
-    return KNOWN_MODELS.get(model_id.strip().lower())
-
-
-def shape_from_config(config: dict, name: str = "config") -> ModelShape:
-    """A ModelShape from a transformers config.json (a Gemma 4 one nests `text_config`),
-    counting the parameters of its text decoder as transformers builds it."""
-    text = config.get("text_config") or config
-    hidden, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
-    intermediate = int(text.get("intermediate_size") or 4 * hidden)
-    heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or hidden // heads)
-    kv_heads = int(text.get("num_key_value_heads") or heads)
-    vocab = int(text["vocab_size"])
-    ple_width = int(text.get("hidden_size_per_layer_input") or 0)
-    ple_vocab = int(text.get("vocab_size_per_layer_input") or vocab)
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    mlp = 3 * hidden * intermediate
-    per_layer_inputs = 2 * hidden * ple_width if ple_width else 0
-    block = attention + mlp + per_layer_inputs + 6 * hidden
-    ple_projection = hidden * layers * ple_width if ple_width else 0
-    parameters = vocab * hidden + layers * block + ple_projection + hidden
-    return ModelShape(name, parameters, layers, hidden, intermediate, heads, head_dim, vocab,
-                      per_layer_embedding=layers * ple_width * ple_vocab, source="config")
 
 
 @dataclass(frozen=True)
@@ -170,18 +100,26 @@ class Breakdown:
     gathered: int  # all-gathered compute-dtype copies and one block's unsharded gradients
     activations: int
     loss_head: int
+    margin: int = 0  # added past LONG_FROM tokens: the error measured there (LONG_MARGIN)
 
     @property
     def total(self) -> int:
         return (self.weights + self.grads + self.optimizer + self.frozen_tables + self.gathered
-                + self.activations + self.loss_head)
+                + self.activations + self.loss_head + self.margin)
 
 
-def activation_bytes(shape: ModelShape, tokens: int, scores: int, compute_bytes: int, checkpointing: str) -> int:
+def activation_bytes(shape: ModelShape, tokens: int, scores: int, compute_bytes: int, checkpointing: str,
+                     lora_inputs: int = 0) -> int:
     """Activations saved for the backward at its start, and the one block recomputed in it.
-    `scores`: one block's eager attention matrices (0 with sdpa)."""
-    attention = tokens * compute_bytes * SAVED_PER_ATTENTION_WIDTH * shape.heads * shape.head_dim + scores
-    rest = tokens * compute_bytes * (SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate)
+    `scores`: one block's eager attention matrices (0 with sdpa); `lora_inputs`: input
+    elements per token and layer of the adapters whose dropout keeps a copy."""
+    upcast = 4 if compute_bytes < 4 else 0  # fp32 copies a lower-precision step keeps
+    width = shape.attention_width
+    attention = tokens * (compute_bytes * SAVED_PER_ATTENTION_WIDTH + upcast * UPCAST_PER_ATTENTION_WIDTH) * width \
+        + scores
+    rest = tokens * (compute_bytes * (SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate)
+                     + upcast * UPCAST_PER_HIDDEN * shape.hidden
+                     + (compute_bytes + LORA_DROPOUT_MASK_BYTES) * lora_inputs)
     block_input = tokens * compute_bytes * shape.hidden
     if checkpointing == "block":
         return shape.layers * block_input + rest + attention
@@ -192,33 +130,43 @@ def activation_bytes(shape: ModelShape, tokens: int, scores: int, compute_bytes:
 
 def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int, batch_per_device: int,
                  compute_bytes: int = 2, eager_attention: bool = True, lora_rank: int = 16,
-                 lora_targets: int = LORA_TARGETS, checkpointing: str = "none",
+                 lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS, checkpointing: str = "none",
                  freeze_embeddings: bool = False, lora_embeddings: bool = False,
-                 keep_gathered: bool = False) -> Breakdown:
+                 keep_gathered: bool = False, lora_dropout: float = 0.0, loss_head: str = "labels") -> Breakdown:
     """What one of `devices` devices holds at the peak of a training step. `lora_embeddings`
     (spec.training.lora.trainEmbeddings): LoRA also trains the embedding (and a head tied to
     it) as full fine-tuning does: fp32 master, gradient, two AdamW moments. `keep_gathered`:
-    every block's gathered copy stays from forward to backward (not two blocks at a time)."""
+    every block's gathered copy stays from forward to backward (not two blocks at a time).
+    `loss_head` full: transformers' logits of every position (the trainer's --loss-head full)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"unknown activation checkpointing {checkpointing!r}; expected one of "
                          f"{', '.join(CHECKPOINTING)}")
+    if loss_head not in LOSS_HEADS:
+        raise ValueError(f"unknown loss head {loss_head!r}; expected one of {', '.join(LOSS_HEADS)}")
     full = method == "full"
     # Frozen embeddings (tied to the head) keep their fp32 master copy but no gradient or AdamW state.
     embedding_trains = not freeze_embeddings if full else lora_embeddings
     trainable = ((shape.parameters - (shape.embedding if freeze_embeddings else 0)) if full
                  else shape.lora_parameters(lora_rank, lora_targets) + (shape.embedding if lora_embeddings else 0))
-    # LoRA: the frozen base in the compute dtype (a trained embedding is fp32, counted in trainable).
+    # LoRA: the frozen base in bf16 whatever the compute dtype (lora.inject; a trained
+    # embedding is fp32, counted in trainable).
     frozen = shape.parameters - (shape.embedding if lora_embeddings else 0)
-    base = 4 * shape.parameters if full else compute_bytes * frozen + 4 * trainable
+    base = 4 * shape.parameters if full else 2 * frozen + 4 * trainable
     tokens = max_seq_len * batch_per_device
-    scores = (SAVED_ATTENTION_MATRICES * compute_bytes * shape.heads * batch_per_device * max_seq_len ** 2
-              if eager_attention else 0)
+    upcast = 4 if compute_bytes < 4 else 0
+    scores = ((SAVED_ATTENTION_MATRICES * compute_bytes + UPCAST_ATTENTION_MATRICES * upcast) * shape.heads
+              * batch_per_device * max_seq_len ** 2 if eager_attention else 0)
     masks = batch_per_device * max_seq_len ** 2 * (2 * (compute_bytes if eager_attention else 1) + MASK_BOOLEANS)
     block_grads = (compute_bytes + 4) * shape.block_parameters if full else 0
     # The head weight's gradient in the compute dtype (scaled in place) and its fp32 reduce copy.
     head_grad = (compute_bytes + 4) * shape.embedding if embedding_trains else 0
+    # Labels: two fp32 chunk buffers; full: transformers' logits of every position, about five
+    # fp32 [tokens, vocab] tensors (logits, the softcap's, log-softmax, their gradients).
+    logits = 2 * CHUNK_ROWS * shape.vocab * 4 if loss_head == "labels" else FULL_LOGITS * tokens * shape.vocab * 4
+    lora_inputs = shape.lora_inputs(lora_targets) if not full and lora_dropout > 0 else 0
+    activations = activation_bytes(shape, tokens, scores, compute_bytes, checkpointing, lora_inputs) + masks
     return Breakdown(
         weights=_ceil_div(base, devices),
         grads=_ceil_div(4 * trainable, devices),
@@ -226,8 +174,9 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
         frozen_tables=compute_bytes * shape.per_layer_embedding,
         gathered=(compute_bytes * (shape.embedding + (shape.layers if keep_gathered else 2) * shape.block_parameters)
                   + block_grads),
-        activations=activation_bytes(shape, tokens, scores, compute_bytes, checkpointing) + masks,
-        loss_head=head_grad + 2 * CHUNK_ROWS * shape.vocab * 4 + 2 * tokens * shape.hidden * compute_bytes,
+        activations=activations,
+        loss_head=head_grad + logits + 2 * tokens * shape.hidden * compute_bytes,
+        margin=int(activations * LONG_MARGIN) if max_seq_len >= LONG_FROM else 0,
     )
 
 
@@ -254,6 +203,10 @@ class Request:
     stated_parameters: int | None = None  # spec.model.parameters, for a model not in the table
     slices: int = 1  # replicas of the slice (HSDP): named in the plan, never dividing the state
     keep_gathered: bool = False  # every block's gathered copy kept from forward to backward
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS  # spec.training.lora.targetModules
+    lora_dropout: float = 0.0  # spec.training.lora.dropout
+    loss_head: str = "labels"  # the trainer's --loss-head
+    model_config: dict | None = None  # the model's config.json where at hand: its widths win over the table's
 
 
 @dataclass(frozen=True)
@@ -271,6 +224,7 @@ class MemoryPlan:
     smallest_fit: str = ""  # the smallest topology (or method) that fits, when this does not
     slices: int = 1
     keep_gathered: bool = False  # planned with every block gathered from forward to backward
+    widths_from: str = ""  # where the model's widths come from (the table's source or its config.json)
 
     @property
     def placement(self) -> str:
@@ -302,6 +256,10 @@ class MemoryPlan:
             parts.append(f"{_gib(self.host_bytes)} RAM per host")
         if self.keep_gathered:
             parts.append("every block kept gathered from forward to backward")
+        if self.breakdown is not None and self.breakdown.margin:
+            parts.append(f"{_gib(self.breakdown.margin)} of it the margin measured past {LONG_FROM} tokens")
+        if self.widths_from:
+            parts.append(f"widths: {self.widths_from}")
         stated = " (its stated size: weights, gradients and optimizer state only)" if self.basis == "stated" else ""
         return f"{self.method} fine-tune of {self.model}{stated}: " + "; ".join(parts)
 
@@ -342,7 +300,7 @@ def refuses(plan: MemoryPlan) -> bool:
 
 def _plan(request: Request) -> MemoryPlan:
     gen = g.generation(request.generation)
-    shape = known_shape(request.model_id)
+    shape = shape_for(request.model_id, request.model_config)
     common = dict(method=request.method, generation=gen.name, topology=request.topology, model=request.model_id,
                   slices=request.slices)
     if request.method not in METHODS:  # a method this planner does not know: not checked
@@ -363,7 +321,8 @@ def _plan(request: Request) -> MemoryPlan:
                         compute_bytes=2 if gen.is_tpu else 4, eager_attention=eager,
                         lora_rank=request.lora_rank, checkpointing=request.activation_checkpointing,
                         freeze_embeddings=request.freeze_embeddings, lora_embeddings=request.lora_embeddings,
-                        keep_gathered=request.keep_gathered)
+                        keep_gathered=request.keep_gathered, lora_targets=request.lora_targets,
+                        lora_dropout=request.lora_dropout, loss_head=request.loss_head)
     # Host: each device's process, and the host copy of its sharded state an asynchronous
     # checkpoint stages (weights and AdamW; train.py's HostStager). The cpu stand-in's
     # device is the host.
@@ -374,7 +333,8 @@ def _plan(request: Request) -> MemoryPlan:
         basis="table", **common,
         per_chip_bytes=part.total * gen.devices_per_chip if gen.is_tpu else 0,
         limit_bytes=int(gen.hbm_gib_per_chip * GIB * (1 - HEADROOM)) if gen.is_tpu else 0,
-        host_bytes=host, host_limit_bytes=host_limit, breakdown=part, keep_gathered=request.keep_gathered)
+        host_bytes=host, host_limit_bytes=host_limit, breakdown=part, keep_gathered=request.keep_gathered,
+        widths_from=shape.widths_from)
 
 
 def _stated_plan(request: Request, gen, common: dict) -> MemoryPlan:
@@ -426,7 +386,7 @@ def keeps_gathered(request: Request) -> bool:
     included: the copy is in HBM, not on the host), within KEEP_GATHERED_SHARE of the usable
     HBM. Never for a model the table does not know, nor on the cpu stand-in: there is no
     figure to hold it to."""
-    if request.method not in METHODS or known_shape(request.model_id) is None \
+    if request.method not in METHODS or shape_for(request.model_id, request.model_config) is None \
             or not g.generation(request.generation).is_tpu:
         return False
     plan = _plan(replace(request, keep_gathered=True))
@@ -472,7 +432,10 @@ def plan_spec(spec) -> MemoryPlan | None:
     from .sizing import plan_resources
 
     training = spec.training
-    lora = getattr(training, "lora", None)
+    # The LoRA settings the run uses: the defaults (dropout 0.05, seven targets) when method
+    # lora leaves spec.training.lora unset.
+    settings = getattr(training, "lora_settings", None)
+    lora = settings() if settings is not None else getattr(training, "lora", None)
     memory = plan_resources(spec)["workers"][1].get("memory")
     request = Request(
         model_id=spec.model.id, method=getattr(training, "method", "full") or "full",
@@ -484,5 +447,7 @@ def plan_spec(spec) -> MemoryPlan | None:
         attention=getattr(training, "attention", None),
         freeze_embeddings=bool(getattr(training, "freeze_embeddings", None)),
         lora_embeddings=bool(getattr(lora, "train_embeddings", None)),
-        stated_parameters=getattr(spec.model, "parameters", None), slices=spec.tpu.slices)
+        stated_parameters=getattr(spec.model, "parameters", None), slices=spec.tpu.slices,
+        lora_targets=tuple(getattr(lora, "target_modules", None) or DEFAULT_LORA_TARGETS),
+        lora_dropout=float(getattr(lora, "dropout", 0.0) or 0.0) if lora is not None else 0.0)
     return estimate(replace(request, keep_gathered=True) if keeps_gathered(request) else request)
