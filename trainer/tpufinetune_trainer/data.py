@@ -388,10 +388,13 @@ class Ragged:
 class Examples:
     """Tokenized training examples, not yet packed: packing happens per optimizer step,
     from the epoch's seeded order (`plan_epoch`). Token ids and labels as `Ragged` rows
-    (lists of rows are converted)."""
+    (lists of rows are converted). `digest`: their `examples_digest`, computed once where
+    they are prepared (data.prepare; a streamed cache entry keeps it in its meta.json) and
+    carried with them to the workers, which then never read every token to learn it."""
 
     input_ids: Ragged
     labels: Ragged
+    digest: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.input_ids, Ragged):
@@ -424,6 +427,32 @@ class Examples:
 
 # Tokens whose labels Examples.label_tokens counts at a time.
 LABEL_COUNT_TOKENS = 1 << 20
+
+
+def hash_examples(examples: Examples) -> str:
+    """The tokenized training examples, as a short digest (the resume fingerprint's
+    `train_examples`): another dataset, split, tokenizer or prompt rendering gives another.
+    Reads every token (as int64: the bytes runs hashed when the rows were lists), a part at
+    a time; `examples_digest` reads it from the examples once computed."""
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(examples.lengths.tobytes())
+    for rows in (examples.input_ids, examples.labels):
+        for part in (rows.parts() if len(rows) else ()):
+            digest.update(part.astype(np.int64).tobytes())
+    return f"{len(examples)} examples, digest {digest.hexdigest()}"
+
+
+def examples_digest(examples: Examples) -> str:
+    """The examples' digest: the one computed where they were prepared, else hashed now."""
+    return examples.digest or hash_examples(examples)
+
+
+def with_digest(examples: Examples, digest: str | None = None) -> Examples:
+    """`examples` carrying their digest (`digest` when known, else hashed now, once)."""
+    examples.digest = digest or hash_examples(examples)
+    return examples
 
 
 @dataclass
@@ -504,7 +533,7 @@ def prepare(dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction
 
     # Training examples are packed per step, from each epoch's order (plan_epoch); the
     # evaluation's once, here.
-    train = Examples([enc.input_ids[i] for i in train_idx], [enc.labels[i] for i in train_idx])
+    train = with_digest(Examples([enc.input_ids[i] for i in train_idx], [enc.labels[i] for i in train_idx]))
     return PreparedData(train=train, eval=pack_subset(eval_idx) if eval_idx else None,
                         examples=len(train_idx), eval_examples=len(eval_idx),
                         skipped_long_prompts=len(enc.skipped_long_prompts), truncated=enc.truncated,

@@ -341,8 +341,13 @@ def build(rows, directory: Path, fp: str, tokenizer, max_seq_len: int, eval_frac
         for field in FILES:
             os.rename(directory / f"all.{field}", directory / f"train.{field}")
         parts = {"train": {"rows": written["rows"], "tokens": written["tokens"]}}
+    train = data.Examples(*(data.Ragged(_map(directory / f"train.{field}", np.int32, parts["train"]["tokens"]),
+                                        _map(directory / "train.offsets", np.int64, parts["train"]["rows"] + 1))
+                            for field in ("tokens", "labels")))
     meta = {"version": FORMAT_VERSION, "fingerprint": fp, "parts": parts, "skipped_long_prompts": written["skipped"],
-            "truncated": written["truncated"], "dataset_format": dataset_format, "prompt_format": prompt_format}
+            "truncated": written["truncated"], "dataset_format": dataset_format, "prompt_format": prompt_format,
+            "train_digest": data.hash_examples(train)}  # the resume fingerprint's, hashed once here
+    del train
     with open(directory / META, "w") as f:
         json.dump(meta, f)
         f.flush()
@@ -401,7 +406,7 @@ def opened(entry: Path, meta: dict, name: str) -> data.Examples:
     def part(field: str) -> Part:
         return Part(str(entry.resolve()), meta["fingerprint"], name, field, counts["rows"], counts["tokens"])
 
-    return data.Examples(MappedRagged(part("tokens")), MappedRagged(part("labels")))
+    return data.Examples(MappedRagged(part("tokens")), MappedRagged(part("labels")), meta.get(f"{name}_digest"))
 
 
 def prepare(rows, dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction: float, seed: int,
@@ -412,6 +417,8 @@ def prepare(rows, dataset: str, split: str, tokenizer, max_seq_len: int, eval_fr
     entry, meta = ensure(rows, dataset, split, tokenizer, max_seq_len, eval_fraction, seed, long_prompts,
                          prompt_format, dataset_format, loss_on, cache_dir)
     train = opened(entry, meta, "train")
+    if train.digest is None:  # an entry written before meta.json kept it: hashed once, here on the driver
+        data.with_digest(train)
     packed = None
     if "eval" in meta["parts"] and meta["parts"]["eval"]["rows"]:
         held = opened(entry, meta, "eval")
@@ -444,7 +451,7 @@ def publish(examples: data.Examples, storage_path: str, run_name: str) -> data.E
         with fs.open_output_stream(f"{path}/{META}") as dst:
             dst.write((local / META).read_bytes())
     return data.Examples(*(MappedRagged(replace(rows.part, mirror=uri)) for rows in
-                           (examples.input_ids, examples.labels)))
+                           (examples.input_ids, examples.labels)), examples.digest)
 
 
 def _published(fs, path: str, fp: str) -> bool:

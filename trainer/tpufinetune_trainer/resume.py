@@ -19,14 +19,11 @@ deletes a checkpoint by its path, can only delete the one it registered.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import time
 
-import numpy as np
-
-from . import lora
+from . import data, lora
 from .data import Examples, epoch_step_count
 from .errors import ResumeMismatch
 
@@ -48,16 +45,9 @@ LABELS = {"world_size": "world size (--num-workers)", "num_slices": "slices (--n
 
 
 def examples_digest(examples: Examples) -> str:
-    """The tokenized training examples, as a short digest: another dataset, split, tokenizer
-    or prompt rendering gives another."""
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(examples.lengths.tobytes())
-    for rows in (examples.input_ids, examples.labels):  # the same bytes as when they were lists
-        # A slice at a time: a whole int64 copy would be 8 bytes a token of a dataset that
-        # may not fit in memory (data_stream).
-        for part in (rows.parts() if len(rows) else ()):
-            digest.update(part.astype(np.int64).tobytes())
-    return f"{len(examples)} examples, digest {digest.hexdigest()}"
+    """The tokenized training examples, as a short digest (data.examples_digest): carried
+    with them from where they were prepared, so a worker's start hashes nothing."""
+    return data.examples_digest(examples)
 
 
 def fingerprint(cfg, world: int, examples: Examples) -> dict:
