@@ -20,8 +20,13 @@ by any rank makes all ranks save after the same step. That all_reduce locks ever
 together, so it is not made after every step: each agreement also fixes the step of the
 next one (`Agreements`), about AGREE_EVERY_S of steps later as rank 0 measures them. A
 notice then waits at most that long plus a step; a step of 50 ms (a slice dispatch-bound
-at a few hundred tokens a chip) agrees once every 20 steps instead of every step. The
-background checkpoint's completion is agreed in the same all_reduce (train.py).
+at a few hundred tokens a chip) agrees once every 20 steps instead of every step. Steps are
+timed as the device completes them, not as the host dispatches them: on an asynchronous
+device the host runs ahead (about 10 ms a step), and timing its dispatch would put the next
+agreement 100 steps of 100 ms away, past a Spot notice's 30 s. So each agreement leaves a
+value its step produced on the device, and the next one reads it (waiting, if the device is
+behind, which also keeps the host at most one interval ahead). The background
+checkpoint's completion is agreed in the same all_reduce (train.py).
 """
 
 from __future__ import annotations
@@ -173,30 +178,51 @@ class Agreements:
     rank knows in advance, since every agreement carries the next one's distance, proposed
     by rank 0 (the others propose 0 and the all_reduce takes the largest). The first
     agreement comes after the first step; each later one about `every_s` of steps on, as
-    rank 0 timed the steps since the last, at least one step on."""
+    rank 0 timed the steps the device completed, at least one step on.
+
+    Completed steps: an agreement is handed a value its step produced on the device
+    (`agreed(..., produced)`, the trainer's step counter), and the next agreement's proposal
+    reads it (`item()`, which returns once the device has produced it): the time it returns
+    is when that step was complete, or later. The rate is the steps between two such reads
+    over the time between them. Without a value (a host that is its own device, the CPU),
+    a step is complete when the proposal is made."""
 
     def __init__(self, rank: int, every_s: float = AGREE_EVERY_S, clock=time.monotonic):
         self.rank, self.every_s, self.clock = rank, every_s, clock
         self.next_step = 0  # the global step after which the next agreement comes
-        self._last = (0, clock())  # (step, time) of the last agreement
+        self._produced = None  # (step, a device value that step produced) left by the last agreement
+        self._done: tuple[int, float] | None = None  # (step, time) a step was last seen complete
 
     def due(self, step: int) -> bool:
         return step >= self.next_step
+
+    def _completed(self, step: int) -> tuple[int, float]:
+        """(a step known complete, when it was seen so): the last agreement's step once its
+        device value is read, else (synchronous) this one's."""
+        if self._produced is None:
+            return step, self.clock()
+        done, value = self._produced
+        self._produced = None
+        value.item()  # waits until the device has produced it
+        return done, self.clock()
 
     def proposal(self, step: int) -> int:
         """This rank's proposal of steps to the next agreement (rank 0's decides)."""
         if self.rank != 0:
             return 0
-        last_step, last_time = self._last
-        steps = step - last_step
-        if steps <= 0:
+        done, now = self._completed(step)
+        last, self._done = self._done, (done, now)
+        if last is None or done <= last[0]:
             return 1
-        per_step = (self.clock() - last_time) / steps
+        per_step = (now - last[1]) / (done - last[0])
         return max(1, int(self.every_s / per_step)) if per_step > 0 else 1
 
-    def agreed(self, step: int, steps_to_next: int) -> None:
+    def agreed(self, step: int, steps_to_next: int, produced=None) -> None:
+        """Every rank: the agreement after `step` fixed the next one's distance. `produced`:
+        a device value step `step` produced (rank 0 keeps a copy for the next proposal)."""
         self.next_step = step + max(1, steps_to_next)
-        self._last = (step, self.clock())
+        if self.rank == 0 and produced is not None:
+            self._produced = (step, produced.clone())
 
 
 def ray_kv_watch(rank: int, run_name: str) -> NoticeWatch:

@@ -554,7 +554,7 @@ class Trainer:
             if self.agreements.due(self.global_step):
                 code, not_done, failed, steps_to_next = self.notice.agreed(
                     self.cpu_group, *self.save_flags(), self.agreements.proposal(self.global_step))
-                self.agreements.agreed(self.global_step, steps_to_next)
+                self.agreements.agreed(self.global_step, steps_to_next, self.step_counter)  # a device value
                 if code:
                     self.on_notice(code, lambda: self.epoch_metrics(loss_sum, label_tokens, real_tokens,
                                                                     time.perf_counter() - start, steps))
