@@ -68,7 +68,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def make_trainer(storage_uri: str, rank: int, world: int):
+def stub_trainer(storage_uri: str, rank: int, world: int):
     trainer = train.Trainer.__new__(train.Trainer)
     trainer.cfg = SimpleNamespace(storage_path=storage_uri, run_name="run", checkpoint_score_attribute="loss",
                                   checkpoint_score_order="min")
@@ -104,7 +104,7 @@ def main(storage_uri: str, out_prefix: str, port: int, rank: int, world: int) ->
         return start_save(model, optimizer, location, state, group, stager)
 
     ray.train.report, train.emit, ckpt.async_save_sharded = report, emit, logged_start
-    trainer = make_trainer(storage_uri, rank, world)
+    trainer = stub_trainer(storage_uri, rank, world)
     model, optimizer = trainer.model, trainer.optimizer
     checks: dict = {}
     snapshots: dict[int, list[torch.Tensor]] = {}

@@ -37,7 +37,7 @@ from tpufinetune_trainer.model import load_tokenizer
 LENGTH = 256
 
 
-def make_trainer(settings: dict, rank: int, world: int) -> train.Trainer:
+def rank_trainer(settings: dict, rank: int, world: int) -> train.Trainer:
     cfg = FinetuneConfig(model_id=settings["model"], dataset=settings["dataset"], dataset_split=settings["split"],
                          storage_path=settings["storage"], run_name=settings["run_name"], num_workers=world,
                          device="cpu", max_seq_len=LENGTH, batch_size_per_device=settings["batch"], num_epochs=1,
@@ -102,7 +102,7 @@ def main(mode: str, out: str, port: int, rank: int, world: int, settings: dict) 
     reports: list[str] = []
     ray.train.report = lambda metrics, checkpoint=None, **kwargs: reports.append(checkpoint.path)
     train.emit = lambda kind, **fields: None
-    trainer = make_trainer(settings, rank, world)
+    trainer = rank_trainer(settings, rank, world)
     result: dict = {"start_id": trainer.start_id}
     if mode == "resume":
         try:
