@@ -8,7 +8,9 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
   16 B per trainable parameter sharded over every device of the slice (with several slices,
   HSDP: sharded within each slice, replicated across slices, so a device holds what it holds
   in a single slice of the topology, whatever spec.tpu.slices);
-- LoRA: the frozen base in the compute dtype, sharded; the 16 B only for adapter parameters;
+- LoRA: the frozen base in bf16 (lora.inject), sharded; the 16 B only for the adapters of
+  the layers spec.training.lora.targetModules names; with dropout, each adapted layer's
+  dropped input and its mask;
 - Gemma's per-layer embedding table (PLE): frozen, in the compute dtype, replicated on
   every device (kept out of FSDP);
 - the all-gathered compute-dtype copies: the root unit (the embedding, tied to the head)
@@ -16,7 +18,8 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
   prefetched), plus one block's unsharded gradients on their way to the reduce-scatter;
 - activations saved for the backward: per layer and token a few hidden- and MLP-wide
   tensors, and with eager attention (the TPU's default) the scores and probabilities,
-  heads x L^2 per block; sdpa keeps none of the L^2. Activation checkpointing
+  heads x L^2 per block; sdpa keeps none of the L^2. The attention width is averaged over
+  the layers (Gemma 4's full-attention layers have wider heads). Activation checkpointing
   (spec.training.activationCheckpointing) keeps less: `block`, each block's input plus
   one block's activations while it is recomputed; `selective`, everything but the
   attention's (its width and its scores), plus one block's attention while recomputed;
@@ -62,9 +65,14 @@ SAVED_ATTENTION_MATRICES = 2
 UPCAST_PER_HIDDEN = 0  # measured: 10
 UPCAST_PER_ATTENTION_WIDTH = 0  # measured: 4
 UPCAST_ATTENTION_MATRICES = 0  # from the kernel: 1 (eager bf16 not yet measured here)
-# LoRA's dropout (spec.training.lora.dropout > 0): each adapted layer's input gets its own
-# dropped copy (compute dtype), kept for the adapter's backward, and its boolean mask.
-LORA_DROPOUT_MASK_BYTES = 1
+# LoRA, per token and layer and per input element of each adapted layer, in the compute
+# dtype: what a LoRA step keeps beyond a full one's activations, fitted to bench_memplan's l1
+# and l2 (fp32, 247 MiB over the full step's count on both: about twice the adapted inputs;
+# not traced to a tensor); and with dropout (spec.training.lora.dropout > 0) each adapted
+# layer's own dropped copy and the noise it was multiplied by (torch's dropout outside the
+# fused CUDA kernel keeps the noise in the input's dtype; l1 - l2: 7.5 B an element in fp32).
+LORA_SAVED_PER_INPUT = 2
+LORA_DROPOUT_COPIES = 2
 # Long sequences: what the constants do not follow past their fitted lengths (the CPU's sdpa
 # with a mask, kernel workspaces growing with L^2) is added as the margin measured on the
 # held-out configurations: activations x LONG_MARGIN from LONG_FROM tokens a block.
@@ -111,15 +119,15 @@ class Breakdown:
 def activation_bytes(shape: ModelShape, tokens: int, scores: int, compute_bytes: int, checkpointing: str,
                      lora_inputs: int = 0) -> int:
     """Activations saved for the backward at its start, and the one block recomputed in it.
-    `scores`: one block's eager attention matrices (0 with sdpa); `lora_inputs`: input
-    elements per token and layer of the adapters whose dropout keeps a copy."""
+    `scores`: one block's eager attention matrices (0 with sdpa); `lora_inputs`: elements
+    per token and layer LoRA keeps beyond full fine-tuning (its adapters and their dropout)."""
     upcast = 4 if compute_bytes < 4 else 0  # fp32 copies a lower-precision step keeps
     width = shape.attention_width
     attention = tokens * (compute_bytes * SAVED_PER_ATTENTION_WIDTH + upcast * UPCAST_PER_ATTENTION_WIDTH) * width \
         + scores
     rest = tokens * (compute_bytes * (SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate)
                      + upcast * UPCAST_PER_HIDDEN * shape.hidden
-                     + (compute_bytes + LORA_DROPOUT_MASK_BYTES) * lora_inputs)
+                     + compute_bytes * lora_inputs)
     block_input = tokens * compute_bytes * shape.hidden
     if checkpointing == "block":
         return shape.layers * block_input + rest + attention
@@ -165,7 +173,8 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
     # Labels: two fp32 chunk buffers; full: transformers' logits of every position, about five
     # fp32 [tokens, vocab] tensors (logits, the softcap's, log-softmax, their gradients).
     logits = 2 * CHUNK_ROWS * shape.vocab * 4 if loss_head == "labels" else FULL_LOGITS * tokens * shape.vocab * 4
-    lora_inputs = shape.lora_inputs(lora_targets) if not full and lora_dropout > 0 else 0
+    lora_inputs = 0 if full else shape.lora_inputs(lora_targets) * (
+        LORA_SAVED_PER_INPUT + (LORA_DROPOUT_COPIES if lora_dropout > 0 else 0))
     activations = activation_bytes(shape, tokens, scores, compute_bytes, checkpointing, lora_inputs) + masks
     return Breakdown(
         weights=_ceil_div(base, devices),
