@@ -138,6 +138,18 @@ def master_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
     return {p.dtype for p in model.parameters() if p.requires_grad}
 
 
+def micro_batch_backward(model: torch.nn.Module, loss: torch.Tensor, micro: int, accum: int) -> None:
+    """The backward of micro-batch `micro` of a step's `accum`. With HSDP (several slices)
+    the micro-batches before the last are reduce-scattered within their slice and summed
+    there (FSDP2's set_requires_all_reduce(False)); the last one's backward all-reduces that
+    sum across the slices: one data-centre all-reduce per FSDP unit a step, not one per
+    micro-batch. The sum held between them is one more fp32 copy of the unit's gradient shard.
+    On one slice there is no all-reduce and this is a plain backward."""
+    if accum > 1 and micro in (0, accum - 1) and hasattr(model, "set_requires_all_reduce"):
+        model.set_requires_all_reduce(micro == accum - 1)
+    loss.backward()
+
+
 @torch.no_grad()
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Scale the gradients of `params` so that their global L2 norm is at most `max_norm`;

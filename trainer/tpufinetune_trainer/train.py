@@ -40,7 +40,7 @@ from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, epoch_st
 from .events import emit
 from .masks import MaskBuilder
 from .model import base_directory, freeze_input_embeddings, load_tokenizer
-from .parallelize import apply_activation_checkpointing, build_mesh, clip_grad_norm
+from .parallelize import apply_activation_checkpointing, build_mesh, clip_grad_norm, micro_batch_backward
 from .schedule import decay_steps, lr_table, warmup_steps
 from .sharded_load import load_sharded
 
@@ -445,7 +445,7 @@ class Trainer:
         scale = self.world / step_input[-1].clamp(min=1).to(torch.float32)
         for micro in range(self.plan.accum):
             summed = self.token_loss_sum(self.train_blocks.gather(index[micro]), self.train_cap)
-            (summed * scale).backward()
+            micro_batch_backward(self.model, summed * scale, micro, self.plan.accum)  # HSDP: all-reduce at the last
             loss_sum += summed.detach()
         if self.cfg.max_grad_norm > 0:
             self.grad_norm = clip_grad_norm(self.params, self.cfg.max_grad_norm)  # stays on the device
