@@ -56,15 +56,18 @@ SAVED_PER_ATTENTION_WIDTH = 4
 # Eager attention keeps the scores and the probabilities of every block.
 SAVED_ATTENTION_MATRICES = 2
 # In bfloat16 the block also keeps fp32 copies (4 B an element) the fp32 fit never saw:
-# Gemma 4's RMSNorm upcasts its input and keeps the normed fp32 tensor (five hidden-wide
-# norms, the q/k/v norms), and eager softmax runs in fp32 and keeps its fp32 output beside
-# the bf16 probabilities. Measured (bench_memplan.py b1, bf16 sdpa: 642 MiB against 462
-# planned without these terms, 630 with 10, 4 and 1) but not yet switched on here: with them
-# E2B full at the spec's defaults plans 30.5 GiB of a v6e chip's 28.8, which refuses the
-# default spec (docs/trainer.md, "Memory plan"); until that default is changed they are 0.
-UPCAST_PER_HIDDEN = 0  # measured: 10
-UPCAST_PER_ATTENTION_WIDTH = 0  # measured: 4
-UPCAST_ATTENTION_MATRICES = 0  # from the kernel: 1 (eager bf16 not yet measured here)
+# Gemma 4's RMSNorm upcasts its input and keeps it and the normed fp32 tensor, two fp32
+# copies per element of every norm (five hidden-wide a layer; q's over the attention width,
+# k's and v's over the kv width), and eager softmax runs in fp32 and keeps its fp32 output
+# beside the bf16 probabilities. Measured (bench_memplan.py b1, bf16 sdpa: 642 MiB against
+# 462 planned without these terms, 630 with them: 10 x hidden + 2 x (attention + 2 x kv
+# width)) but not yet switched on here: with them E2B full at the spec's defaults plans
+# 30.5 GiB of a v6e chip's 28.8, which refuses the default spec (docs/trainer.md, "Memory
+# plan"); until that default is changed they are 0.
+UPCAST_MEASURED = (10, 2, 1)  # per hidden, per normed attention width, attention matrices
+UPCAST_PER_HIDDEN = 0
+UPCAST_PER_ATTENTION_WIDTH = 0
+UPCAST_ATTENTION_MATRICES = 0
 # LoRA, per token and layer and per input element of each adapted layer, in the compute
 # dtype: what a LoRA step keeps beyond a full one's activations, fitted to bench_memplan's l1
 # and l2 (fp32, 247 MiB over the full step's count on both: about twice the adapted inputs;
@@ -123,8 +126,9 @@ def activation_bytes(shape: ModelShape, tokens: int, scores: int, compute_bytes:
     per token and layer LoRA keeps beyond full fine-tuning (its adapters and their dropout)."""
     upcast = 4 if compute_bytes < 4 else 0  # fp32 copies a lower-precision step keeps
     width = shape.attention_width
-    attention = tokens * (compute_bytes * SAVED_PER_ATTENTION_WIDTH + upcast * UPCAST_PER_ATTENTION_WIDTH) * width \
-        + scores
+    normed = width + 2 * shape.module_widths()["k_proj"][1]  # q, k and v norms
+    attention = tokens * (compute_bytes * SAVED_PER_ATTENTION_WIDTH * width
+                          + upcast * UPCAST_PER_ATTENTION_WIDTH * normed) + scores
     rest = tokens * (compute_bytes * (SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate)
                      + upcast * UPCAST_PER_HIDDEN * shape.hidden
                      + compute_bytes * lora_inputs)
