@@ -1,9 +1,10 @@
 """The Hugging Face export: its weights streamed to the store, and its proof.
 
-Weights (`write_weights`, called by checkpoint.export_hf): gathered one tensor at a time
-(DTensor.full_tensor), cast to the export dtype on rank 0 and written straight to the
-destination (a path or URI, through the trainer's storage code) as safetensors files of
-bounded size. Rank 0 never holds the whole model, and nothing is copied locally first.
+Weights (`write_weights`, called by checkpoint.export_hf): cast to the export dtype on each
+rank's shard, gathered one tensor at a time (DTensor.full_tensor), copied to the host on rank
+0 only and written straight to the destination (a path or URI, through the trainer's storage
+code) as safetensors files of bounded size. Rank 0 never holds the whole model, no other
+rank's host holds any of it, and nothing is copied locally first.
 
 Proof (`prove_collective`): before a run may succeed, rank 0 loads what it exported back
 from where it was written and generates a few tokens for a few held-out prompts. The model
@@ -292,10 +293,16 @@ def _header(shard: list[Entry]) -> bytes:
     return struct.pack("<Q", len(encoded)) + encoded
 
 
-def _full(value):
-    """Collective for a sharded parameter: the whole tensor, on the host."""
+def _full(value, rank: int, dtype=None):
+    """Collective for a sharded parameter: the whole tensor on rank 0's host, None on every
+    other rank. A floating tensor is cast to `dtype` (the export's) on each rank's shard
+    first, so the all-gather moves and lands that dtype's bytes (half of fp32's in bf16); the
+    gathered copy every rank gets is dropped at once except on rank 0, the only one to copy
+    it to its host (E4B's 2.7 GB fp32 embedding used to land on every worker's host)."""
+    if dtype is not None and value.is_floating_point():
+        value = value.to(dtype)
     full = value.full_tensor() if hasattr(value, "full_tensor") else value
-    return full.detach().to("cpu")
+    return full.detach().to("cpu") if rank == 0 else None
 
 
 def _tensor_of(entry: Entry, state: dict, lora_scaling: float | None, rank: int):
@@ -307,13 +314,15 @@ def _tensor_of(entry: Entry, state: dict, lora_scaling: float | None, rank: int)
     if entry.source != "model":
         with safe_open(entry.source, "pt") as f:
             return f.get_tensor(entry.name).to(getattr(torch, _TORCH_OF_SAFETENSORS[entry.dtype]))
-    parts = [_full(state[key]) for key in entry.parts]
+    target = getattr(torch, _TORCH_OF_SAFETENSORS[entry.dtype])
+    # A merged LoRA layer is summed in fp32 from its parts as they are; any other in the export's dtype.
+    parts = [_full(state[key], rank, target if len(entry.parts) == 1 else None) for key in entry.parts]
     if rank != 0:
         return None
     tensor = parts[0]
     if len(parts) == 3:  # W + scaling x B A, summed in fp32
         tensor = tensor.float() + lora_scaling * (parts[2].float() @ parts[1].float())
-    return tensor.to(getattr(torch, _TORCH_OF_SAFETENSORS[entry.dtype]))
+    return tensor.to(target)
 
 
 def write_weights(model, destination: str, dtype, rank: int, base_dir=None, base_config: dict | None = None,
@@ -322,8 +331,10 @@ def write_weights(model, destination: str, dtype, rank: int, base_dir=None, base
     """Collective: the model's weights in `dtype` (and a multimodal base's towers) as
     safetensors files of at most `shard_bytes`, written by rank 0 straight to `destination`
     (a path or URI: an output stream of the trainer's storage code, no local copy), one
-    tensor gathered (DTensor.full_tensor) at a time. Rank 0 holds at most one full tensor
-    in fp32 and its cast copy. Returns, on rank 0, {"files", "towers", "bytes"}; else {}."""
+    tensor gathered (DTensor.full_tensor) at a time, in the export's dtype, and copied to
+    the host on rank 0 only. Rank 0's host holds at most one full tensor in that dtype (a
+    merged LoRA layer: its fp32 sum and the cast copy). Returns, on rank 0, {"files",
+    "towers", "bytes"}; else {}."""
     import json
 
     import torch
