@@ -15,6 +15,17 @@ two proofs of the same export give the same text. For --method lora the adapter 
 loaded with peft onto the base and generates for the same prompts. A proof that fails ends
 the run with ExportUnloadable; the checkpoints are left as they are (the export can be
 written again from them).
+
+Sized to rank 0's host: loading the export holds all of it in rank 0's process
+(`proof_host_bytes`: 31B's bf16 weights are 57 GiB, in no plan's pod), beside the trainer's
+own memory. When the need exceeds what the host can still give (`host_memory_free`: the
+pod's cgroup limit less its usage, the host's MemAvailable), the proof is streamed instead
+(`prove_streamed`): the export's config builds the model (on the meta device), every weight
+it names is in the files with its shape and a dtype transformers reads (the check the sharded
+load makes), and every byte of every tensor is read back a block at a time and is finite; the
+adapter's config loads with peft and each of its layers is one of the base's. That holds at
+most a block in memory; it generates nothing, and the `export_proof` event says which proof
+ran and why (`mode`, `need_bytes`, `free_bytes`).
 """
 
 from __future__ import annotations
@@ -140,13 +151,201 @@ def prove(model_uri: str | None, adapter_uri: str | None, base_model_id: str, to
             "tokens": tokens, "load_s": round(loaded, 3), "sample": sample}
 
 
+# Rank 0's host bytes a proof needs beyond the weights it loads: transformers' and peft's
+# objects and the generation of a few short prompts (its cache and logits). An allowance
+# (the tiny model's proof adds about 0.3 GiB to its process), not a measurement of a large one.
+PROOF_OVERHEAD_BYTES = 1 << 30
+
+
+def proof_host_bytes(params: int, dtype_bytes: int = 2, adapter_params: int = 0) -> int:
+    """Rank 0's host bytes at the proof's peak (what the memory plan adds to rank 0's pod):
+    the model's `params` (every weight of the export, per-layer tables included) in the
+    export's dtype (`dtype_bytes`: 2 for bf16), with a LoRA adapter's `adapter_params` on its
+    base (the merged model is dropped before the adapter is proved: never both), plus
+    PROOF_OVERHEAD_BYTES. Gemma 4 31B: 57 GiB of weights in bf16."""
+    return (params + adapter_params) * dtype_bytes + PROOF_OVERHEAD_BYTES
+
+
+def host_memory_free() -> int | None:
+    """Bytes this process can still allocate on its host: the smaller of its cgroup's (the
+    pod's memory limit less what the pod uses; cgroup v2, else v1) and the host's
+    MemAvailable; None where neither is known."""
+    from pathlib import Path
+
+    def number(path: str) -> int | None:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else None
+
+    found = []
+    v1 = "/sys/fs/cgroup/memory/memory."
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         (f"{v1}limit_in_bytes", f"{v1}usage_in_bytes")):
+        cap, used = number(limit), number(usage)
+        if cap is not None and used is not None and cap < 1 << 60:  # v1 says "no limit" with a huge number
+            found.append(max(cap - used, 0))
+            break
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    return min(found) if found else None
+
+
+def _export_bytes(directory, dtype) -> int:
+    """Bytes of a model directory's weights in `dtype` (its safetensors headers only)."""
+    from .sharded_load import stored_tensors
+
+    size = 0
+    for stored in stored_tensors(directory).values():
+        elements = 1
+        for dim in stored.shape:
+            elements *= dim
+        itemsize = dtype.itemsize if stored.dtype is not None and stored.dtype.is_floating_point else \
+            (stored.dtype.itemsize if stored.dtype is not None else 0)
+        size += elements * itemsize
+    return size
+
+
+def proof_need(model_dir, adapter_dir, base_dir, dtype) -> int:
+    """What `prove` would hold on this host for these directories (proof_host_bytes's sum)."""
+    from pathlib import Path
+
+    model = _export_bytes(Path(model_dir), dtype) if model_dir is not None else 0
+    adapter = 0
+    if adapter_dir is not None:
+        adapter = sum(f.stat().st_size for f in Path(adapter_dir).glob("*.safetensors"))
+        adapter += _export_bytes(Path(base_dir), dtype) if base_dir is not None else model
+    return max(model, adapter) + PROOF_OVERHEAD_BYTES
+
+
+def _local(location: str):
+    from pathlib import Path
+
+    from . import storage
+
+    return storage.local_copy(location) if storage.is_uri(location) else Path(location)
+
+
+def _read_every_byte(stored: dict, where: str) -> tuple[int, int]:
+    """Read each stored tensor a block of rows at a time (sharded_load.read_rows) and check
+    that its floating values are finite; (tensors, bytes) read. ExportUnloadable otherwise."""
+    import torch
+
+    from .errors import ModelError
+    from .sharded_load import READ_CHUNK_BYTES, read_rows
+
+    files: dict = {}
+    count = read = 0
+    try:
+        for name, tensor in stored.items():
+            if tensor.dtype is None:
+                raise ExportUnloadable(f"the exported {where}'s {name} is in a dtype transformers does not read")
+            block = max(1, READ_CHUNK_BYTES // max(tensor.row_bytes, 1))
+            if tensor.file not in files:
+                files[tensor.file] = open(tensor.file, "rb", buffering=0)
+            for start in range(0, tensor.rows, block):
+                stop = min(tensor.rows, start + block)
+                buffer = torch.empty((stop - start, *tensor.shape[1:]), dtype=tensor.dtype)
+                try:
+                    read_rows(tensor, start, stop, buffer, files[tensor.file])
+                except ModelError as exc:  # a torn file
+                    raise ExportUnloadable(f"the exported {where} does not load: {exc}") from exc
+                if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()):
+                    raise ExportUnloadable(f"the exported {where}'s {name} holds values that are not finite")
+                read += buffer.numel() * buffer.element_size()
+            count += 1
+    finally:
+        for f in files.values():
+            f.close()
+    return count, read
+
+
+def prove_streamed(model_uri: str | None, adapter_uri: str | None, base_model_id: str, dtype) -> dict:
+    """The proof in bounded memory (see the module's docstring): every weight there by name,
+    shape and dtype, every byte readable and finite. Returns the event's fields; raises
+    ExportUnloadable naming what is wrong."""
+    from .errors import ModelError
+    from .sharded_load import build_on_meta, mismatch, read_header, stored_tensors
+
+    start, checked, read = time.perf_counter(), 0, 0
+    if model_uri:
+        try:
+            directory = _local(model_uri)
+            model = build_on_meta(str(directory), "sdpa")
+            stored = stored_tensors(directory)
+        except (ModelError, OSError, ValueError) as exc:
+            raise ExportUnloadable(f"the exported model at {model_uri} does not load: {type(exc).__name__}: "
+                                   f"{_first_line(exc)}") from exc
+        reason = mismatch(model, stored)
+        if reason is not None:
+            raise ExportUnloadable(f"the exported model at {model_uri} does not load: {reason}")
+        tensors, size = _read_every_byte(stored, "model")
+        checked, read = checked + tensors, read + size
+    if adapter_uri:
+        from peft import PeftConfig
+
+        try:
+            directory = _local(adapter_uri)
+            PeftConfig.from_pretrained(str(directory))
+            stored = {}
+            for file in sorted(directory.glob("*.safetensors")):
+                stored.update(read_header(file))
+            base = build_on_meta(base_model_id, "sdpa")
+        except (ModelError, OSError, ValueError) as exc:
+            raise ExportUnloadable(f"the exported adapter at {adapter_uri} does not load: {type(exc).__name__}: "
+                                   f"{_first_line(exc)}") from exc
+        modules = dict(base.named_modules())
+        for name in stored:
+            if ".lora_" in name:
+                layer = name.removeprefix("base_model.model.").split(".lora_")[0]
+                if layer not in modules:
+                    raise ExportUnloadable(f"the exported adapter at {adapter_uri} does not load: its {name} "
+                                           f"adapts {layer}, which {base_model_id} does not have")
+        tensors, size = _read_every_byte(stored, "adapter")
+        checked, read = checked + tensors, read + size
+    return {"model_uri": model_uri, "adapter_uri": adapter_uri, "dtype": str(dtype).removeprefix("torch."),
+            "tokens": 0, "load_s": round(time.perf_counter() - start, 3), "sample": [], "mode": "streamed",
+            "tensors": checked, "bytes_read": read}
+
+
+def prove_sized(model_uri: str | None, adapter_uri: str | None, base_model_id: str, tokenizer,
+                prompts: list[list[int]], dtype, base_dir=None, free_bytes: int | None = None) -> dict:
+    """`prove` when what it holds fits this host's free memory (`free_bytes`, else
+    host_memory_free()), else `prove_streamed`; the event's fields say which and why."""
+    model_dir = _local(model_uri) if model_uri else None
+    adapter_dir = _local(adapter_uri) if adapter_uri else None
+    need = proof_need(model_dir, adapter_dir, base_dir, dtype)
+    free = host_memory_free() if free_bytes is None else free_bytes
+    sizes = {"need_bytes": need, "free_bytes": free}
+    if free is None or need <= free:
+        return {**prove(model_uri, adapter_uri, base_model_id, tokenizer, prompts, dtype), "mode": "generated",
+                **sizes}
+    return {**prove_streamed(model_uri, adapter_uri, base_model_id, dtype), **sizes}
+
+
+def proof_words(proof: dict) -> str:
+    """Rank 0's log line of a proof."""
+    if proof.get("mode") == "streamed":
+        return (f"Proved the export streamed, not loaded (rank 0's host needs {proof['need_bytes'] / 2**30:.1f} GiB "
+                f"to load it, has {proof['free_bytes'] / 2**30:.1f} GiB free): every weight there by name and shape, "
+                f"{proof['tensors']} tensors ({proof['bytes_read'] / 2**30:.2f} GiB) read back finite in "
+                f"{proof['load_s']:.1f}s")
+    return (f"Proved the export: loaded in {proof['load_s']:.1f}s, {proof['tokens']} tokens generated for each of "
+            f"{len(proof['sample'])} held-out prompts")
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:400]
 
 
 def prove_collective(rank: int, group, model_uri: str | None, adapter_uri: str | None, base_model_id: str,
-                     tokenizer, prompts: list[list[int]], base_dir=None) -> dict:
-    """Collective: rank 0 proves the export (`prove`) and emits the `export_proof` event;
+                     tokenizer, prompts: list[list[int]], base_dir=None, free_bytes: int | None = None) -> dict:
+    """Collective: rank 0 proves the export (`prove_sized`: loaded and generating where its
+    host holds it, else streamed) and emits the `export_proof` event;
     every rank learns the outcome and raises the same ExportUnloadable when it failed (a rank
     that raised alone would leave the others waiting). Returns the proof on rank 0, else {}."""
     import json
@@ -163,7 +362,8 @@ def prove_collective(rank: int, group, model_uri: str | None, adapter_uri: str |
         config_file = Path(base_dir, "config.json") if base_dir is not None else None
         base_config = json.loads(config_file.read_text()) if config_file and config_file.is_file() else {}
         try:
-            proof = prove(model_uri, adapter_uri, base_model_id, tokenizer, prompts, export_dtype(base_config))
+            proof = prove_sized(model_uri, adapter_uri, base_model_id, tokenizer, prompts, export_dtype(base_config),
+                                base_dir, free_bytes)
         except ExportUnloadable as exc:
             outcome[0] = str(exc)
         except Exception as exc:  # noqa: BLE001 - rank 0 alone must not raise: the others wait below

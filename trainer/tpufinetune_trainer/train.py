@@ -824,8 +824,7 @@ class Trainer:
                     f"{done['dtype']} in {export_s:.1f}s; from the base: {done['towers']} tower "
                     f"weights, {', '.join(done['copied']) or 'no other file'}"
                     + ("" if base is not None else f" (no directory of {cfg.model_id} to copy its other files from)"))
-            say(f"Proved the export: loaded in {proof['load_s']:.1f}s, {proof['tokens']} tokens generated for each of "
-                f"{len(proof['sample'])} held-out prompts")
+            say(export.proof_words(proof))
             final = {k: v for k, v in self.history[-1].items() if k not in ("uri", "save_s", "write_s")}
             emit("result", best_checkpoint_uri=best["uri"], best_epoch=best["epoch"], best_step=best.get("step"),
                  exported_model_uri=destination, exported_adapter_uri=adapter_uri, metrics=final,
