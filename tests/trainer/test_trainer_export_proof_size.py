@@ -81,3 +81,21 @@ def test_the_streamed_proof_fails_a_renamed_weight_a_torn_file_and_a_value_that_
     (exported / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
     with pytest.raises(ExportUnloadable, match="does not load"):
         export.prove_streamed(str(exported), None, base, torch.bfloat16)
+
+
+def test_the_streamed_proof_of_an_adapter_checks_its_layers_are_the_bases(trainer_assets, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    base = str(trainer_assets.model)
+    model = load_causal_lm(base, torch.float32, "sdpa")
+    directory = tmp_path / "adapter"
+    get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])).save_pretrained(directory)
+    proof = export.prove_streamed(None, str(directory), base, torch.bfloat16)
+    assert proof["mode"] == "streamed" and proof["tensors"] > 0
+    file = directory / "adapter_model.safetensors"
+    tensors = load_file(file)
+    name = next(k for k in tensors if ".lora_A." in k)
+    tensors[name.replace("q_proj", "no_such_proj")] = tensors.pop(name)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ExportUnloadable, match="no_such_proj, which .* does not have"):
+        export.prove_streamed(None, str(directory), base, torch.bfloat16)
