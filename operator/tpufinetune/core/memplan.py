@@ -76,6 +76,10 @@ UPCAST_ATTENTION_MATRICES = 0
 # fused CUDA kernel keeps the noise in the input's dtype; l1 - l2: 7.5 B an element in fp32).
 LORA_SAVED_PER_INPUT = 2
 LORA_DROPOUT_COPIES = 2
+# sdpa with a mask (the CPU's, and XLA's decomposition) materialises one layer's scores
+# while it runs: bytes per head and L^2 of a block, one layer at a time (fitted to
+# bench_memplan's f8, 8192 tokens: 1666 MiB measured, 878 planned without it, 6.2 B).
+SDPA_WORKSPACE_BYTES = 6
 # Long sequences: what the constants do not follow past their fitted lengths (the CPU's sdpa
 # with a mask, kernel workspaces growing with L^2) is added as the margin measured on the
 # held-out configurations: activations x LONG_MARGIN from LONG_FROM tokens a block.
@@ -171,6 +175,7 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
     scores = ((SAVED_ATTENTION_MATRICES * compute_bytes + UPCAST_ATTENTION_MATRICES * upcast) * shape.heads
               * batch_per_device * max_seq_len ** 2 if eager_attention else 0)
     masks = batch_per_device * max_seq_len ** 2 * (2 * (compute_bytes if eager_attention else 1) + MASK_BOOLEANS)
+    workspace = 0 if eager_attention else SDPA_WORKSPACE_BYTES * shape.heads * batch_per_device * max_seq_len ** 2
     block_grads = (compute_bytes + 4) * shape.block_parameters if full else 0
     # The head weight's gradient in the compute dtype (scaled in place) and its fp32 reduce copy.
     head_grad = (compute_bytes + 4) * shape.embedding if embedding_trains else 0
@@ -179,7 +184,7 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
     logits = 2 * CHUNK_ROWS * shape.vocab * 4 if loss_head == "labels" else FULL_LOGITS * tokens * shape.vocab * 4
     lora_inputs = 0 if full else shape.lora_inputs(lora_targets) * (
         LORA_SAVED_PER_INPUT + (LORA_DROPOUT_COPIES if lora_dropout > 0 else 0))
-    activations = activation_bytes(shape, tokens, scores, compute_bytes, checkpointing, lora_inputs) + masks
+    activations = activation_bytes(shape, tokens, scores, compute_bytes, checkpointing, lora_inputs) + masks + workspace
     return Breakdown(
         weights=_ceil_div(base, devices),
         grads=_ceil_div(4 * trainable, devices),
