@@ -7,13 +7,12 @@ checkpoints) -> export of the best checkpoint. Only rank 0 prints.
 The hot loop never makes the host wait for the device: token counts come from the host's
 plan (every rank knows the global batch's label count), the packed blocks and every
 step's block indices and count reach the device in one host-to-device copy per window of
-LOAD_WINDOW_STEPS steps (a step selects its row there),
-the attention masks are built there from segment ids, the learning rate is read from a
-table on the device, and the loss is summed on the device in fp32, the LM head running
-at label positions only (loss.py: a buffer of a fixed number of rows, gathered there). The host reads a device
-value only once per epoch (the loss), at a checkpoint, at most once per --progress-interval
-on rank 0, and at each epoch's end.
-"""
+LOAD_WINDOW_STEPS steps (a step selects its row there), the attention masks are built there
+from segment ids, the learning rate is read from a table on the device, and the loss is
+summed on the device in fp32, the LM head at label positions only (loss.py). The host reads
+a device value once per epoch (the loss), at a checkpoint, at most once per --progress-interval
+on rank 0, at each epoch's end, and, on rank 0, at each agreement the step counter the last
+one left (notice.Agreements: an interval old, so the device has usually produced it)."""
 
 from __future__ import annotations
 
