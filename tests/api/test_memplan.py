@@ -309,3 +309,21 @@ def test_the_full_loss_head_is_planned_with_every_positions_logits():
                                                                    - 2 * memplan.CHUNK_ROWS)
     with pytest.raises(ValueError, match="loss head 'all'"):
         memplan.device_bytes(shape, "full", 16, 512, 4, loss_head="all")
+
+
+def test_the_benchmark_judges_the_plan_on_settings_it_was_not_fitted_to():
+    """benchmarks/bench_memplan.py: a held-out set apart from the fitted one, covering fp32
+    and bf16, full and LoRA with and without dropout, eager and sdpa, 512 to 8192 tokens."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_memplan
+
+    fitted, held = bench_memplan.FITTED, bench_memplan.HELD_OUT
+    assert not set(fitted) & set(held)
+    assert not {repr(c) for c in fitted.values()} & {repr(c) for c in held.values()}
+    cases = list(held.values())
+    assert {c["dtype"] for c in cases} == {"fp32", "bf16"} and {c["attention"] for c in cases} == {"eager", "sdpa"}
+    assert {(c["method"], c["dropout"] > 0) for c in cases} == {("full", False), ("lora", False), ("lora", True)}
+    assert min(c["length"] for c in cases) == 512 and max(c["length"] for c in cases) == 8192
