@@ -9,16 +9,17 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
   HSDP: sharded within each slice, replicated across slices, so a device holds what it holds
   in a single slice of the topology, whatever spec.tpu.slices);
 - LoRA: the frozen base in bf16 (lora.inject), sharded; the 16 B only for the adapters of
-  the layers spec.training.lora.targetModules names; with dropout, each adapted layer's
-  dropped input and its mask;
+  the layers spec.training.lora.targetModules names; about twice the adapted layers' inputs
+  kept beyond a full step's activations, and with dropout each one's dropped copy and noise;
 - Gemma's per-layer embedding table (PLE): frozen, in the compute dtype, replicated on
   every device (kept out of FSDP);
 - the all-gathered compute-dtype copies: the root unit (the embedding, tied to the head)
   stays gathered through the step, and about two blocks at a time (one computing, one
   prefetched), plus one block's unsharded gradients on their way to the reduce-scatter;
 - activations saved for the backward: per layer and token a few hidden- and MLP-wide
-  tensors, and with eager attention (the TPU's default) the scores and probabilities,
-  heads x L^2 per block; sdpa keeps none of the L^2. The attention width is averaged over
+  tensors, and with eager attention (the TPU's default) each layer's probabilities, heads x
+  L^2 per block, and one layer's scores while it runs; sdpa keeps none of the L^2 but its
+  kernel holds one layer's while it runs. The attention width is averaged over
   the layers (Gemma 4's full-attention layers have wider heads). Activation checkpointing
   (spec.training.activationCheckpointing) keeps less: `block`, each block's input plus
   one block's activations while it is recomputed; `selective`, everything but the
@@ -26,11 +27,12 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
   and the attention masks of a micro-batch, a few L x L tensors shared by every layer;
 - the loss head (loss.py): the head weight's gradient (scaled in place, no second copy)
   and its fp32 reduce copy, none of it with frozen embeddings (the head is tied), and two
-  fp32 chunk buffers of CHUNK_ROWS x vocab.
+  fp32 chunk buffers of CHUNK_ROWS x vocab (--loss-head full: every position's logits).
 
 The usable share of a chip is HBM x (1 - HEADROOM): the runtime, the compiler's
 temporaries and fragmentation take the rest. Figures are estimates, checked against
-measured peaks on CPU (benchmarks/bench_memplan.py; docs/trainer.md, "Memory plan").
+measured peaks on CPU on configurations their constants were not fitted to
+(benchmarks/bench_memplan.py's HELD_OUT; docs/trainer.md, "Memory plan").
 """
 from __future__ import annotations
 
