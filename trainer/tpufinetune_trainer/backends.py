@@ -312,6 +312,7 @@ def setup_device(backend: Backend, local_rank: int = 0):
         return device
     return torch.device("cpu")
 
+
 def tpu_device_index(local_rank: int, visible: int) -> int:
     """This worker's TPU as its process numbers it: 0 where the process sees one chip (Ray
     gives each worker its own, TPU_VISIBLE_CHIPS), else its rank on the host; never one the
