@@ -281,16 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", action="store_true", help="print the planner's Gemma 4 tables and exit")
     parser.add_argument("--cold", action="store_true",
                         help="no warm-up: the first step's fixed allocations count in the measured peak")
-    parser.add_argument("--upcast", action="store_true",
-                        help="plan with the measured bf16 fp32-copy terms (memplan.UPCAST_MEASURED), which the "
-                             "planner has at 0 until the default spec is changed")
     parser.add_argument("--child", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.upcast:
-        from tpufinetune.core import memplan
-
-        memplan.UPCAST_PER_HIDDEN, memplan.UPCAST_PER_ATTENTION_WIDTH, memplan.UPCAST_ATTENTION_MATRICES = \
-            memplan.UPCAST_MEASURED
     if args.table:
         print(planner_table())
         return 0

@@ -65,15 +65,13 @@ EAGER_TRANSIENT_MATRICES = 2
 # Gemma 4's RMSNorm upcasts its input and keeps it and the normed fp32 tensor, two fp32
 # copies per element of every norm (five hidden-wide a layer; q's over the attention width,
 # k's and v's over the kv width), and eager softmax runs in fp32 and keeps its fp32 output
-# beside the bf16 probabilities. Measured (bench_memplan.py b1, bf16 sdpa: 642 MiB against
-# 462 planned without these terms, 630 with them: 10 x hidden + 2 x (attention + 2 x kv
-# width)) but not yet switched on here: with them E2B full at the spec's defaults plans
-# 30.5 GiB of a v6e chip's 28.8, which refuses the default spec (docs/trainer.md, "Memory
-# plan"); until that default is changed they are 0.
-UPCAST_MEASURED = (10, 2, 1)  # per hidden, per normed attention width, attention matrices
-UPCAST_PER_HIDDEN = 0
-UPCAST_PER_ATTENTION_WIDTH = 0
-UPCAST_ATTENTION_MATRICES = 0
+# beside the bf16 probabilities: 10 x hidden + 2 x (attention + 2 x kv width) fp32 elements
+# per token and layer, one fp32 heads x L^2 per layer. Fitted to bench_memplan's b1 (bf16
+# sdpa: 642 MiB measured, 462 planned without them, 630 with); b2 (bf16 eager) then measured
+# 1256 against 1259 (0.57 without), the held-out h2 (bf16 sdpa, 2048 tokens) 1.04 (0.79).
+UPCAST_PER_HIDDEN = 10
+UPCAST_PER_ATTENTION_WIDTH = 2  # over the attention width and twice the kv width (q, k, v norms)
+UPCAST_ATTENTION_MATRICES = 1
 # LoRA, per token and layer and per input element of each adapted layer, in the compute
 # dtype: what a LoRA step keeps beyond a full one's activations, fitted to bench_memplan's l1
 # and l2 (fp32, 247 MiB over the full step's count on both: about twice the adapted inputs;

@@ -104,7 +104,10 @@ def _gemma4(name, parameters, layers, hidden, intermediate, heads, source, width
 
 
 _SHAPES = (
-    _gemma4("gemma-4-E2B", 2_300_000_000, 35, 1536, 12288, 8, _E2B, "gemma.cpp; layout: transformers",
+    # MLP: 6144 on the first 15 layers, 12288 on the 20 that reuse earlier layers' keys and
+    # values (gemma.cpp), averaged over the 35 as activations and parameters add up.
+    _gemma4("gemma-4-E2B", 2_300_000_000, 35, 1536, (15 * 6144 + 20 * 12288) // 35, 8, _E2B,
+            "gemma.cpp (MLP 6144/12288 averaged); layout: transformers",
             per_layer_embedding=35 * _PLE_WIDTH * _VOCAB, ple_width=_PLE_WIDTH),
     _gemma4("gemma-4-E4B", 4_500_000_000, 42, 2560, 10240, 8, _E4B, "NeMo Megatron-Bridge; layout: transformers",
             per_layer_embedding=42 * _PLE_WIDTH * _VOCAB, ple_width=_PLE_WIDTH),
