@@ -222,4 +222,4 @@ def test_notify_sinks_reach_the_operator_as_its_sinks_file_with_their_tokens_mou
     unsaid = run(helm, "template", "tpufinetune", CHART, "--set", "notify.sinks[0].name=x",
                  "--set", "notify.sinks[0].type=webhook", "--set", "notify.sinks[0].url=https://h.example/x",
                  check=False)
-    assert "namespaces" in unsaid and "required" in unsaid, unsaid  # each sink says who may use it
+    assert "/notify/sinks/0': missing property 'namespaces'" in unsaid, unsaid  # each sink says who may use it
