@@ -346,3 +346,15 @@ def test_bfloat16_counts_the_fp32_copies_of_the_norms_and_the_eager_softmax():
         bf16 = memplan.device_bytes(**at, compute_bytes=2, eager_attention=eager).activations
         fp32 = memplan.device_bytes(**at, compute_bytes=4, eager_attention=eager).activations
         assert bf16 > 0.6 * fp32, eager
+
+
+def test_a_long_sequence_margin_is_added_and_said(monkeypatch):
+    """Past LONG_FROM tokens the plan adds LONG_MARGIN x activations where the held-out rows
+    need it (0 while they are within 25%), and its message names it."""
+    monkeypatch.setattr(memplan, "LONG_MARGIN", 0.2)
+    long = memplan.estimate(request("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2", max_seq_len=8192,
+                                    batch_per_device=1, activation_checkpointing="block"))
+    assert long.breakdown.margin == int(0.2 * long.breakdown.activations) > 0
+    assert f"of it the margin measured past {memplan.LONG_FROM} tokens" in long.summary()
+    short = memplan.estimate(request("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2"))
+    assert short.breakdown.margin == 0 and "margin" not in short.summary()
