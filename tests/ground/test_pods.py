@@ -8,9 +8,12 @@ commands, and a TPUFineTune run whose worker is OOM-killed.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
+import select
+import struct
 import subprocess
 import sys
 import threading
@@ -26,6 +29,7 @@ from harness import images, podbind, podcgroup
 from harness.nodeagent import (
     CONTAINER_CREATING, PODS_DIR, POD_INITIALIZING, ContainerState, NodeAgent, PodRun, health_check_to_gcs,
     plain_command, pod_log_path, probe_command, ray_port_map, service_endpoints, waiting, waiting_states)
+from harness.kubewatch import KubeWatch
 from harness.ports import free_ports
 from harness.processes import tail
 from harness.podprobes import (
@@ -650,6 +654,42 @@ def test_a_pod_waits_for_its_secret_and_starts_once_it_exists(ground, kube):
     assert "token=abc" in pod_log(ground, kube, "needs-secret")
 
 
+class FileOpens:
+    """Counts the opens of a file by any process (inotify's IN_OPEN), from entry on."""
+
+    IN_OPEN, IN_CLOSE = 0x20, 0x08 | 0x10  # closes too: opens never sit side by side unread
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._count = 0
+        self._libc = ctypes.CDLL(None, use_errno=True)
+
+    def __enter__(self) -> "FileOpens":
+        self._fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._fd < 0 or self._libc.inotify_add_watch(self._fd, str(self.path).encode(),
+                                                                      self.IN_OPEN | self.IN_CLOSE) < 0:
+            raise OSError(ctypes.get_errno(), f"inotify on {self.path}")
+        return self
+
+    def count(self) -> int:
+        """Opens so far (inotify merges identical events left unread; each open's close
+        stands between two opens)."""
+        while select.select([self._fd], [], [], 0)[0]:
+            try:
+                data = os.read(self._fd, 65536)
+            except BlockingIOError:
+                break
+            offset = 0
+            while offset < len(data):
+                _, mask, _, length = struct.unpack_from("iIII", data, offset)
+                self._count += bool(mask & self.IN_OPEN)
+                offset += 16 + length
+        return self._count
+
+    def __exit__(self, *exc) -> None:
+        os.close(self._fd)
+
+
 @pytest.mark.ground
 def test_a_pod_waits_pulling_while_its_images_environment_is_prepared(ground, kube):
     """The agent and images.py across processes: while the trainer image's environment is
@@ -663,14 +703,26 @@ def test_a_pod_waits_pulling_while_its_images_environment_is_prepared(ground, ku
         return [e for e in kube.items("events") if e.get("reason") == reason
                 and e["involvedObject"]["name"] == "pulls"]
 
-    with open(images.lock_path(env), "a+") as lock:
+    def started(pods: list[dict]) -> int:
+        """1 once the pod is anything but Pending with its container waiting to be created."""
+        return int(any((p.get("status") or {}).get("phase", "Pending") != "Pending"
+                       or [w.get("reason") for w in waiting_states(p.get("status") or {})] not in ([], [CONTAINER_CREATING])
+                       for p in pods))
+
+    lock_file = images.lock_path(env)
+    with open(lock_file, "a+") as lock, KubeWatch(ground.cp.kubeconfig, kube.ns, started=started) as watch, \
+            FileOpens(lock_file) as looks:
         fcntl.flock(lock, fcntl.LOCK_EX)
         kube.apply(pod)
         pulling = kube.wait_for(lambda: reasons("Pulling"), "a Pulling event", timeout=60)
         assert (pulling[0]["type"], pulling[0]["message"]) == ("Normal", f'Pulling image "{image}"')
-        time.sleep(1.5)  # a few of the agent's tries: still waiting, still one event
+        # The agent opens the environment's lock at each look (images.state): three more
+        # looks after its Pulling event, each finding the lock held.
+        after = looks.count()
+        kube.wait_for(lambda: looks.count() >= after + 3, "three more looks of the agent at the held lock", timeout=30)
         status = kube.get("pod", "pulls")["status"]
         assert status["phase"] == "Pending" and waiting_reasons(status) == [CONTAINER_CREATING]
+        assert watch.most["started"] == 0, "the pod went on while its image's environment was locked"
         assert len(reasons("Pulling")) == 1 and "prefix=" not in pod_log(ground, kube, "pulls")
     wait_phase(kube, "pulls", "Succeeded")
     assert reasons("Pulled")[0]["message"].startswith(f'Successfully pulled image "{image}" in ')

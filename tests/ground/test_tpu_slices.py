@@ -49,7 +49,7 @@ def _runs_from(pid: int, env: str) -> bool | None:
     """Whether a pod's process runs the image's environment: a program of it (raylet,
     gcs_server), or a Python process naming it in its command line or (once Ray renames
     it, e.g. ray::DashboardAgent) in the libraries it mapped. None for a program of the
-    base image; True for a process that exited meanwhile."""
+    base image, and for a process that exited meanwhile (it tells nothing either way)."""
     proc = Path(f"/proc/{pid}")
     try:
         exe = os.readlink(proc / "exe")
@@ -59,7 +59,7 @@ def _runs_from(pid: int, env: str) -> bool | None:
             return env in (proc / "cmdline").read_bytes().decode(errors="replace") or env in (proc / "maps").read_text()
         return None if exe.startswith(SYSTEM_PROGRAMS) else False
     except OSError:
-        return True
+        return None
 
 
 def _describe(pid: int) -> str:
@@ -130,7 +130,7 @@ def check_slice(kube, ground, name: str, generation_label: str, topology: str, p
         verdicts = {p: _runs_from(p, trainer_env) for p in pids}
         strays = [p for p, image in verdicts.items() if image is False]
         assert not strays, [_describe(p) for p in strays]
-        # Not only the base image's programs: Ray's own run from the environment.
+        # Not only the base image's programs: Ray's own, still running, run from the environment.
         assert any(verdicts.values()), [_describe(p) for p in pids]
     assert [n["raylet"]["resourcesTotal"]["TPU"] for n in found] == [tpu_per_host] * hosts
     assert sum(n["raylet"]["resourcesTotal"].get(head_resource, 0) for n in found) == 1

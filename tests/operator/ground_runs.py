@@ -19,6 +19,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.argocd_health import health
+from tpufinetune_trainer.events import parse_text
 from harness.operator_process import OperatorProcess
 
 
@@ -47,6 +48,12 @@ def resource(name: str, assets, storage: str, mode: str = "finetune", epochs: in
 def jobs_of(kube, cluster: str, uid: str) -> list:
     client = kube.head_job_client(cluster)
     return [job for job in client.list_jobs() if (job.submission_id or "").startswith(f"tft-{uid}-")]
+
+
+def events_of_attempt(kube, cluster: str, uid: str, attempt: int) -> list:
+    """The trainer's events in attempt `attempt`'s job log on the cluster's head."""
+    client = kube.head_job_client(cluster)
+    return parse_text(client.get_job_logs(f"tft-{uid}-{attempt}"))
 
 
 def workers(kube, cluster: str) -> list[dict]:

@@ -101,7 +101,9 @@ def test_a_retry_after_an_edit_runs_on_a_rebuilt_cluster_and_a_delete_mid_run_re
     kube.wait_for(lambda: reconciles(operator, "Running") >= steps + 3, "three steps after the edit", timeout=60)
     status = kube.status("tiny-rebuild")
     assert status["phase"] == "Running" and status["observedGeneration"] == 1  # not applied yet
-    assert kube.get("raycluster", cluster)["metadata"]["uid"] == old["metadata"]["uid"]
+    live = kube.get("raycluster", cluster)  # the running cluster, neither rebuilt nor edited in place
+    assert live["metadata"]["uid"] == old["metadata"]["uid"]
+    assert REBUILT not in (live["spec"]["workerGroupSpecs"][0]["template"]["metadata"].get("annotations") or {})
     # The attempt ends (stopped outside the operator): the retry rebuilds the cluster first.
     kube.head_job_client(cluster).stop_job(status["jobId"])
 
@@ -112,7 +114,6 @@ def test_a_retry_after_an_edit_runs_on_a_rebuilt_cluster_and_a_delete_mid_run_re
     new = kube.wait_for(rebuilt, "a new RayCluster", timeout=120)
     template = new["spec"]["workerGroupSpecs"][0]["template"]
     assert template["metadata"]["annotations"][REBUILT] == "yes"
-    assert REBUILT not in (old["spec"]["workerGroupSpecs"][0]["template"]["metadata"].get("annotations") or {})
     status = kube.wait_for(lambda: (s := kube.status("tiny-rebuild")).get("phase") == "Running"
                            and s["attempt"] == 2 and s, "attempt 2 Running", timeout=300)
     assert status["retries"] == 1 and status["observedGeneration"] == 2

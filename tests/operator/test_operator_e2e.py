@@ -31,6 +31,7 @@ from tpufinetune.settings import Settings
 from tpufinetune_trainer.checkpoint import WRITE_THREADS
 
 from harness.ground import OPERATOR_NAMESPACE, OPERATOR_PODS
+from harness.nodeagent import pod_log_path
 from harness.timing import within
 from ground_runs import (Watch, by_phase, capture, check_health, delta, jobs_of, reconciles, released,
                          holds_applied, resource, scrape, start_run)
@@ -215,7 +216,7 @@ def _finetune_with_a_takeover(operator, standby, watch, ground, kube, ground_ass
 
 
 def _receiver_lines(ground, kube) -> list[dict]:
-    path = ground.workdir / "pods" / f"{kube.ns}_notice-receiver.log"
+    path = pod_log_path(ground.workdir, kube.ns, "notice-receiver")
     text = path.read_text() if path.exists() else ""
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
@@ -245,8 +246,12 @@ def _check_notices(ground, kube, uid: str) -> None:
                                                                      ("AttemptEnded", 1, "receiver")}
     assert sum(r["tries"] for r in records) == 4  # two refused, then one delivery each
     got = [line for line in _receiver_lines(ground, kube) if "code" in line]
-    assert [line["code"] for line in got].count(503) == 2 and len(got) == 4, got
+    # The operator's requests, as the receiver saw them: four (none after a delivery), and
+    # each refused notice sent again under its one id (a receiver dedupes by it).
+    assert len(got) == 4, got
+    sent = [from_http(line["headers"], line["body"])["id"] for line in got]
     accepted = [from_http(line["headers"], line["body"]) for line in got if line["code"] == 200]
+    assert set(sent) == {event["id"] for event in accepted} and len(accepted) == 2, (sent, got)
     assert sorted(event["type"] for event in accepted) == ["tpufinetune.dev.attempt.ended",
                                                            "tpufinetune.dev.run.succeeded"]
     succeeded = next(event for event in accepted if event["type"].endswith("succeeded"))
