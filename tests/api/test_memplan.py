@@ -358,3 +358,18 @@ def test_a_long_sequence_margin_is_added_and_said(monkeypatch):
     assert f"of it the margin measured past {memplan.LONG_FROM} tokens" in long.summary()
     short = memplan.estimate(request("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2"))
     assert short.breakdown.margin == 0 and "margin" not in short.summary()
+
+
+def test_rank_0s_host_holds_the_export_proof():
+    """The trainer's export proof loads the exported model on rank 0's host
+    (export.proof_host_bytes): the plan's host figure counts it, with the trainer's allowance."""
+    from tpufinetune_trainer import export
+
+    assert memplan.PROOF_OVERHEAD_BYTES == export.PROOF_OVERHEAD_BYTES
+    shape = memplan.known_shape("google/gemma-4-31B-it")
+    plan = memplan.estimate(request("google/gemma-4-31B-it", method="lora", batch_per_device=1,
+                                    activation_checkpointing="block"))
+    part = plan.breakdown
+    training = 4 * (memplan.RUNTIME_BYTES_PER_DEVICE + part.weights + part.optimizer)  # 4 chips a v6e host
+    proof = export.proof_host_bytes(shape.parameters, 2, shape.lora_parameters(16))
+    assert plan.host_bytes == training + proof and proof > 57 * GIB

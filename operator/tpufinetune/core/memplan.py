@@ -47,6 +47,8 @@ GIB = 2**30
 HEADROOM = 0.10
 # Per device process on a host: Python, torch, Ray's worker and its data (an allowance).
 RUNTIME_BYTES_PER_DEVICE = 2 * GIB
+# export.PROOF_OVERHEAD_BYTES: rank 0's host beyond the weights its export proof loads.
+PROOF_OVERHEAD_BYTES = 2**30
 # loss.CHUNK_ROWS: rows of one fp32 logits chunk in the loss head.
 CHUNK_ROWS = 256
 # Elements saved for the backward per token and layer, in the compute dtype, as multiples
@@ -349,8 +351,13 @@ def _plan(request: Request) -> MemoryPlan:
     # Host: each device's process, and the host copy of its sharded state an asynchronous
     # checkpoint stages (weights and AdamW; train.py's HostStager). The cpu stand-in's
     # device is the host.
+    # Rank 0's pod (every pod has the same limit) also holds the export proof at the run's
+    # end, the trainer's export.proof_host_bytes: the exported model in bf16 (its text
+    # weights and per-layer table; with LoRA the adapter's on its base) and an allowance.
     staged = part.weights + part.optimizer
-    host = per_host_devices * (RUNTIME_BYTES_PER_DEVICE + staged + (0 if gen.is_tpu else part.total))
+    adapters = shape.lora_parameters(request.lora_rank, request.lora_targets) if request.method == "lora" else 0
+    proof = 2 * (shape.parameters + shape.per_layer_embedding + adapters) + PROOF_OVERHEAD_BYTES
+    host = per_host_devices * (RUNTIME_BYTES_PER_DEVICE + staged + (0 if gen.is_tpu else part.total)) + proof
     host_limit = int(request.host_memory_bytes * (1 - HEADROOM)) if request.host_memory_bytes else 0
     return MemoryPlan(
         basis="table", **common,
