@@ -4,6 +4,7 @@ tools render them (kubectl's built-in kustomize, helm built from Go modules)."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import yaml
@@ -50,3 +51,31 @@ def find(objects: list[dict], kind: str, name: str | None = None) -> dict:
     matches = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
     assert len(matches) == 1, f"{len(matches)} {kind} {name or ''}"
     return matches[0]
+
+
+# Labels helm adds to what it installs, which kustomize's copy has not.
+HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance")
+
+
+def run(*argv, input: str | None = None, check: bool = True) -> str:
+    result = subprocess.run([str(a) for a in argv], input=input, capture_output=True, text=True, timeout=120)
+    if check:
+        assert result.returncode == 0, f"{argv}\n{result.stdout}\n{result.stderr}"
+        return result.stdout
+    assert result.returncode != 0, f"{argv} succeeded"
+    return result.stderr
+
+
+def template(helm, namespace: str, *values: str) -> str:
+    return run(helm, "template", "tpufinetune", CHART, "--namespace", namespace, "--include-crds", *values)
+
+
+def without_helm_labels(obj: dict) -> dict:
+    for meta in (obj["metadata"], obj.get("spec", {}).get("template", {}).get("metadata", {})):
+        for label in HELM_ONLY_LABELS:
+            (meta.get("labels") or {}).pop(label, None)
+    return obj
+
+
+def by_identity(objects: list[dict]) -> dict:
+    return {(o["kind"], o["metadata"]["name"]): without_helm_labels(o) for o in objects}

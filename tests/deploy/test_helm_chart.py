@@ -4,16 +4,13 @@ installs, so the two ways to install never drift apart."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
-from manifests import CHART, DEPLOY, OPERATOR_NS, documents, find, kustomize
+from manifests import CHART, DEPLOY, OPERATOR_NS, by_identity, documents, find, kustomize, run, template
 
 from tpufinetune.core import notify
 
 pytestmark = pytest.mark.cluster
 
-HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance")
 EVERY_OPTION = [
     "--set", "rayToken.secretName=ray-token", "--set", "settings.namespaces={ml-team,team-b}",
     "--set", "metrics.service.enabled=true", "--set", "metrics.scrapeAnnotations=true",
@@ -33,30 +30,6 @@ NOTIFY_SINKS = [
     "--set", "notify.sinks[1].mode=structured", "--set", "notify.sinks[1].namespaces={*}",
 ]
 EVERY_OPTION += NOTIFY_SINKS
-
-
-def run(*argv, input: str | None = None, check: bool = True) -> str:
-    result = subprocess.run([str(a) for a in argv], input=input, capture_output=True, text=True, timeout=120)
-    if check:
-        assert result.returncode == 0, f"{argv}\n{result.stdout}\n{result.stderr}"
-        return result.stdout
-    assert result.returncode != 0, f"{argv} succeeded"
-    return result.stderr
-
-
-def template(helm, namespace: str, *values: str) -> str:
-    return run(helm, "template", "tpufinetune", CHART, "--namespace", namespace, "--include-crds", *values)
-
-
-def without_helm_labels(obj: dict) -> dict:
-    for meta in (obj["metadata"], obj.get("spec", {}).get("template", {}).get("metadata", {})):
-        for label in HELM_ONLY_LABELS:
-            (meta.get("labels") or {}).pop(label, None)
-    return obj
-
-
-def by_identity(objects: list[dict]) -> dict:
-    return {(o["kind"], o["metadata"]["name"]): without_helm_labels(o) for o in objects}
 
 
 def test_helm_lint_is_clean(helm):

@@ -76,8 +76,7 @@ def test_watching_one_namespace_the_operator_creates_only_there(helm, control_pl
 
 
 def test_the_several_namespaces_overlay_is_the_chart_watching_several(helm, control_plane):
-    from manifests import DEPLOY, OPERATOR_NS, kustomize
-    from test_helm_chart import by_identity, template
+    from manifests import DEPLOY, OPERATOR_NS, by_identity, kustomize, template
 
     chart = by_identity(documents(template(helm, OPERATOR_NS, "--set", "createNamespace=true",
                                            "--set", "settings.namespaces={ml-team,team-*}")))
@@ -92,8 +91,7 @@ def test_the_several_namespaces_overlay_is_the_chart_watching_several(helm, cont
 
 
 def test_every_namespace_is_an_explicit_choice_that_binds_the_runs_rules_cluster_wide(helm):
-    from manifests import OPERATOR_NS
-    from test_helm_chart import template
+    from manifests import OPERATOR_NS, template
 
     objects = documents(template(helm, OPERATOR_NS, "--set", "settings.namespaces=null"))
     (binding,) = [o for o in objects if o["kind"] == "ClusterRoleBinding" and o["roleRef"]["name"] == "tpufinetune-operator-runs"]
