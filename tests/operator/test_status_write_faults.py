@@ -8,6 +8,9 @@ ConfigMap as shipped (poll interval, timeouts), except TPUFT_STALL_TIMEOUT, shor
 that the refusal outlasts it within the test. The refusal comes from the real
 kube-apiserver: a ValidatingAdmissionPolicy that refuses every write of
 tpufinetunes/status in the test's namespace, as a misbehaving policy or webhook would.
+With the policy in force again after the run ended (its RayCluster kept by
+spec.ttlSecondsAfterFinished), a delete releases the RayCluster and the object is gone
+within DELETE_S: releasing a slice and removing the finalizer never wait on a status write.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mar
 REFUSAL = "status writes are refused by the test's admission policy"
 SETTINGS = Path(__file__).resolve().parents[2] / "deploy" / "base" / "configmap.yaml"
 STALL_S = 10  # TPUFT_STALL_TIMEOUT for this test (shipped: minutes)
+DELETE_S = 30  # a delete while status writes are refused: the RayCluster and the object gone
 
 
 def refuse_status_writes(namespace: str) -> list[dict]:
@@ -41,6 +45,13 @@ def shipped_settings() -> dict[str, str]:
     """The operator's environment from deploy/base's settings ConfigMap."""
     return dict(next(d for d in yaml.safe_load_all(SETTINGS.read_text())
                      if d["metadata"]["name"] == "tpufinetune-operator-settings")["data"])
+
+
+def status_writes_refused(kube, name: str) -> bool:
+    """The policy is in force: a server-side dry run of a status write is refused by it."""
+    probe = kube.kubectl("patch", "tpufinetune", name, "--subresource=status", "--type=merge", "--dry-run=server",
+                         "-p", '{"status": {"message": "probe"}}', check=False)
+    return REFUSAL in probe.stderr
 
 
 def healthz(url: str) -> int | None:
@@ -83,7 +94,8 @@ def job_ended(kube, cluster: str, uid: str) -> bool:
 
 def test_refused_status_writes_around_the_job_end_lose_nothing_and_are_the_runs_trouble_not_a_restart(
         operator, ground, kube, ground_assets, storage):
-    manifest = resource("refused", ground_assets, storage, epochs=2, dataset={"split": "train[:64]"})
+    manifest = resource("refused", ground_assets, storage, epochs=2, dataset={"split": "train[:64]"},
+                        ttlSecondsAfterFinished=600)  # the cluster kept, for the delete at the end
     policy = yaml.safe_dump_all(refuse_status_writes(kube.ns))
     env = {**shipped_settings(), "TPUFT_STALL_TIMEOUT": str(STALL_S)}
     deployed_settings = Settings.from_env(env)
@@ -140,3 +152,16 @@ def test_refused_status_writes_around_the_job_end_lose_nothing_and_are_the_runs_
     assert status["exportedModelURI"]
     log = operator.log_path.read_text(errors="replace")
     assert REFUSAL in log  # the writes were refused, not merely absent
+    # Status writes refused again, then the run deleted: its RayCluster (kept by the TTL)
+    # is released and the finalizer removed without one status write landing.
+    assert kube.get("raycluster", cluster) is not None
+    kube.cp.kubectl("apply", "-f", "-", input=policy)
+    try:
+        kube.wait_for(lambda: status_writes_refused(kube, "refused"), "the policy in force again", timeout=30)
+        began = time.monotonic()
+        kube.kubectl("delete", "tpufinetune", "refused", "--wait=false")
+        kube.wait_for(lambda: kube.get("tpufinetune", "refused") is None and kube.get("raycluster", cluster) is None,
+                      "the RayCluster released and the object gone", timeout=DELETE_S)
+        assert time.monotonic() - began < DELETE_S
+    finally:
+        kube.cp.kubectl("delete", "-f", "-", input=policy, check=False)
