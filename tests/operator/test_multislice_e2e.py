@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ground_runs import released, resource, start_run, workers
-from harness.nodepools import HOST_INDEX_LABEL, REPLICA_INDEX_LABEL, tpu_pool
+from harness.nodepools import REPLICA_INDEX_LABEL, tpu_pool
 from tpufinetune.core.sizing import SLICE_INDEX_ENV
 from tpufinetune_trainer.backends import MEGASCALE_LOG_PREFIX
 
@@ -126,12 +126,11 @@ def _megascale_seen(kube, cluster: str, job_id: str) -> list[dict]:
 
 
 def _check_megascale(kube, cluster: str, report: list[dict]) -> dict:
-    """Every rank holds its own pod's slice and slice 0's first host, live, as coordinator;
-    returns that host's pod."""
+    """Every rank holds its own pod's slice and, as coordinator, slice 0's first host, a live
+    pod of the run; returns that pod. The first host is the trainer's: TPU_WORKER_ID, which
+    the cpu stand-in's pods lack (all 0), so there slice 0's lowest rank."""
     pods = {p["status"]["podIP"]: p for p in workers(kube, cluster)
             if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")}
-    (coordinator,) = [p for p in pods.values() if p["metadata"]["labels"].get(REPLICA_INDEX_LABEL) == "0"
-                      and p["metadata"]["labels"].get(HOST_INDEX_LABEL) == "0"]
     assert sorted(entry["rank"] for entry in report) == [0, 1, 2, 3], report
     for entry in report:
         pod = pods.get(entry["address"])
@@ -139,8 +138,9 @@ def _check_megascale(kube, cluster: str, report: list[dict]) -> dict:
         assert entry["MEGASCALE_SLICE_ID"] == pod["metadata"]["labels"][REPLICA_INDEX_LABEL], (entry, pod["metadata"]["labels"])
         assert entry["MEGASCALE_NUM_SLICES"] == "2", entry
         assert entry["MEGASCALE_PORT"] == "8081", entry  # one process a pod here
-        assert entry["MEGASCALE_COORDINATOR_ADDRESS"] == f"{coordinator['status']['podIP']}:8081", entry
-    return coordinator
+    first = min((e for e in report if e["MEGASCALE_SLICE_ID"] == "0"), key=lambda e: e["rank"])
+    assert {e["MEGASCALE_COORDINATOR_ADDRESS"] for e in report} == {f"{first['address']}:8081"}, report
+    return pods[first["address"]]
 
 
 @pytest.mark.timeout(900)
@@ -155,14 +155,14 @@ def test_a_finetune_across_two_slices_names_each_slice_and_the_live_coordinator_
     assert len(rows) == 2 and sorted(r for row in rows for r in row) == [0, 1, 2, 3], rows
     first = _check_megascale(kube, cluster, _megascale_seen(kube, cluster, f"tft-{uid}-1"))
 
-    # Slice 0's first host, the coordinator, deleted mid-run once a checkpoint is reported.
+    # The coordinator's pod (slice 0's) deleted mid-run once a checkpoint is reported.
     kube.wait_for(lambda: kube.status("two-slices").get("checkpointURI"), "a first checkpoint", timeout=300)
     assert kube.status("two-slices")["phase"] == "Running", kube.run_state("two-slices")
     kube.kubectl("delete", "pod", first["metadata"]["name"], "--grace-period=30", "--wait=true", timeout=90)
     kube.wait_for(lambda: (s := kube.status("two-slices")).get("attempt") == 2 and s.get("phase") == "Running",
                   "attempt 2 Running", timeout=400, interval=1)
     live = _check_megascale(kube, cluster, _megascale_seen(kube, cluster, f"tft-{uid}-2"))
-    assert live["metadata"]["uid"] != first["metadata"]["uid"]
+    assert live["status"]["podIP"] != first["status"]["podIP"]  # the deleted pod's address is gone
     print(f"coordinator {first['status']['podIP']} ({first['metadata']['name']}), after the rebuild "
           f"{live['status']['podIP']} ({live['metadata']['name']})")
 
