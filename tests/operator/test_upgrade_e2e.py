@@ -17,15 +17,13 @@ recreated; one Ray job per attempt, attempt 1 only; every epoch once in status.h
 Then both are deleted and their finalizers go.
 
 The supported skew is one release either way (docs/architecture.md, "Upgrades and
-version skew"). v0.2.0 predates skew tolerance: before the rollback the test asks v0.2.0's
-own code whether it can read run B. A status key it does not declare (this version's
-status.attempts and status.usage are such keys, written on every run) makes each of its
-steps fail (logged; nothing is stopped, written or deleted; B's head also refuses its
-operator-wide token, so until its Ray unreachable timeout the steps fail on that call first):
-B's job keeps running on Ray, B's status stays as this version left it, and the upgrade
-finishes it (Succeeded, every epoch once, one job). A spec field it does not know is not supported. ROLLBACK_OUTCOME says
-what happens to a run this version made when a previous release that can read its status
-takes it over; it is asserted then, so a change to it is a decision.
+version skew"). v0.2.0 predates skew tolerance: a status key it does not declare (this
+version writes status.attempts, status.usage and more on every run) makes each of its steps
+fail before it writes or does anything. ROLLBACK_OUTCOME is the decision that follows: a run
+this version made is left alone while v0.2.0 leads (its status unchanged, its RayCluster
+kept, its job never stopped, past the unreachable timeout that would fail it were v0.2.0
+able to read it) and the upgrade finishes it (Succeeded, every epoch once, one job). A spec
+field v0.2.0 does not know makes a rollback to it unsupported: the test says so.
 """
 
 from __future__ import annotations
@@ -36,49 +34,43 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 
 from ground_runs import jobs_of, resource, running, start_run
-from tpufinetune.core import conditions as cond
+from harness.previous_release import PREVIOUS_RELEASE, ROOT, missing_sentence, resolved
 from tpufinetune.core import sizing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
-ROOT = Path(__file__).resolve().parents[2]
-PREVIOUS_RELEASE = "v0.2.0"
-# The tag's commit: a clone without tags (a shallow CI checkout fetches none) still has it
-# in its history.
-PREVIOUS_RELEASE_COMMIT = "8eb4e17b080d7f8cb0ad93cc5b04d12ac103e089"
-# A run made by this version, taken over by the previous release, runs to this phase.
-# Today both reach Ray heads with the one operator-wide token, so it ends Succeeded. If a
-# newer version changes how heads are reached (e.g. per-cluster tokens), the previous
-# release cannot drive that version's runs: set this to "Failed" with reason RayUnreachable,
-# reached within TPUFT_RAY_UNREACHABLE_TIMEOUT below, never a hang.
-# v0.2.0 reaches every head with one operator-wide token; this version gives each
-# RayCluster its own (derived from a signing key v0.2.0 does not know), so v0.2.0 cannot
-# drive a run this version made: it fails it as RayUnreachable and releases its slice.
-ROLLBACK_OUTCOME = ("Failed", "RayUnreachable")
-# Short, so that the previous release's first status write for B (below) comes soon.
+# What a rollback to the previous release does with a run this version made (docs/
+# architecture.md, "Upgrades and version skew"): this version writes status keys v0.2.0
+# does not declare on every run (status.attempts, status.usage, ...), and v0.2.0 refuses a
+# status with keys it does not know at each step, before it writes or does anything. So the
+# run is left alone while v0.2.0 leads (its status as this version left it, its RayCluster
+# and its job running on Ray) and the upgrade finishes it. (Were the status readable to
+# v0.2.0, it would drive the run and, without the per-cluster Ray token, fail it
+# RayUnreachable: the outcome this decision rules out.)
+ROLLBACK_OUTCOME = "left alone until the upgrade"
+# Short, so that a v0.2.0 that could read B would fail it within the test's wait.
 UNREACHABLE_TIMEOUT_S = 30
 # Two short epochs (64 rows): "every epoch once" still tells a repeated or lost epoch apart.
 EPOCHS = 2
 ROWS = 64
 
 
-def _git(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, check=check)
+def git_archive(commit: str) -> bytes:
+    return subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit, "operator", "trainer"],
+                          capture_output=True, check=True).stdout
 
 
 def previous_release_commit() -> str:
-    for ref in (f"refs/tags/{PREVIOUS_RELEASE}", PREVIOUS_RELEASE_COMMIT):
-        found = _git("rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}", check=False)
-        if found.returncode == 0:
-            return found.stdout.decode().strip()
-    pytest.fail(f"the previous release is not in this clone: neither the tag {PREVIOUS_RELEASE} nor "
-                f"its commit {PREVIOUS_RELEASE_COMMIT} resolves; fetch it with "
-                f"`git fetch origin tag {PREVIOUS_RELEASE}` (or `git fetch --unshallow`)", pytrace=False)
+    commit = resolved()
+    if not commit:
+        pytest.fail(missing_sentence() + " (`make prepare` fetches it)", pytrace=False)
+    return commit
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +78,7 @@ def previous_release(tmp_path_factory) -> Path:
     """The previous release's operator and trainer packages, from git, in a temp dir."""
     commit = previous_release_commit()
     tree = tmp_path_factory.mktemp(f"tpufinetune-{PREVIOUS_RELEASE}")
-    archive = _git("archive", "--format=tar", commit, "operator", "trainer").stdout
+    archive = git_archive(commit)
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(tree, filter="data")
     # The same interpreter must import the previous release's code, not this checkout's
@@ -144,9 +136,10 @@ def previous_release_refusal(tree: Path, body: dict) -> tuple[str, str]:
 class Operators:
     """One operator on the ground at a time: the previous release or this checkout's."""
 
-    def __init__(self, ground, previous: Path):
+    def __init__(self, ground, previous: Path, namespace: str):
         self.ground = ground
         self.previous = previous
+        self.namespace = namespace
         self.process = None
         self.running = ""
         self.log_from = 0
@@ -154,7 +147,8 @@ class Operators:
     def start(self, which: str) -> None:
         env = {"TPUFT_PROVISION_TIMEOUT": "600", "TPUFT_RAY_UNREACHABLE_TIMEOUT": str(UNREACHABLE_TIMEOUT_S)}
         if which == PREVIOUS_RELEASE:
-            env["PYTHONPATH"] = _pythonpath(self.previous)
+            # v0.2.0 watches one namespace by its name (no lists, no globs): the test's.
+            env.update(PYTHONPATH=_pythonpath(self.previous), TPUFT_NAMESPACE=self.namespace)
         log = self.ground.workdir / "operator.log"  # appended to by each start
         self.log_from = log.stat().st_size if log.exists() else 0
         self.process = self.ground.start_operator(extra_env=env)
@@ -177,14 +171,14 @@ class Operators:
 
 
 @pytest.fixture
-def operators(ground, previous_release):
+def operators(ground, kube, previous_release):
     # The session's operator (tests/harness/ground_fixtures.py), if an earlier module
     # started it, must not drive these runs too: paused, and resumed afterwards.
     session = ground.operator if ground.operator is not None and ground.operator.proc is not None \
         and ground.operator.proc.poll() is None else None
     if session is not None:
         session.stop()
-    ops = Operators(ground, previous_release)
+    ops = Operators(ground, previous_release, kube.ns)
     try:
         yield ops
     finally:
@@ -232,12 +226,28 @@ def test_runs_in_flight_survive_a_rollback_and_an_upgrade(ground, kube, operator
     refused, refusal = previous_release_refusal(operators.previous, kube.get("tpufinetune", "made-by-current"))
     assert refused != "spec", (f"{PREVIOUS_RELEASE} cannot read this release's spec ({refusal}): a rollback "
                                "to it is not supported; see docs/architecture.md, 'Upgrades and version skew'")
-    operators.replace(PREVIOUS_RELEASE)
+    operators.replace(PREVIOUS_RELEASE)  # this version is killed: B's status is as it left it
+    rolled_back = time.monotonic()
     b_left = {k: v for k, v in kube.status("made-by-current").items() if k != "kopf"}
-    if refused != "status":
-        # It can read B but cannot reach B's head: the documented outcome, never a hang.
-        b = finished(kube, "made-by-current")
-        assert (b["phase"], cond.find(b, cond.FAILED)["reason"]) == ROLLBACK_OUTCOME, b.get("message")
+    b_job = f"tft-{uid_b}-1"
+
+    def b_untouched(what: str) -> None:
+        now = {k: v for k, v in kube.status("made-by-current").items() if k != "kopf"}
+        assert now == b_left, (f"{ROLLBACK_OUTCOME}: {PREVIOUS_RELEASE} changed B's status {what} (its own check "
+                               f"of B said {refused or 'nothing'}: {refusal}): phase {now.get('phase')}, "
+                               f"{now.get('message')}; changed keys "
+                               f"{sorted(k for k in now.keys() | b_left.keys() if now.get(k) != b_left.get(k))}")
+        assert kube.get("raycluster", cluster_b)["metadata"]["uid"] == cluster_b_uid
+        # Its job runs on (or has ended on its own): never stopped.
+        job = {j.submission_id: str(j.status) for j in jobs_of(kube, cluster_b, uid_b)}.get(b_job, "missing")
+        assert job.rsplit(".", 1)[-1] in ("RUNNING", "SUCCEEDED"), (b_job, job)
+
+    # Its first steps read B (and each one refuses it) or, were B readable to it, find B's
+    # head refusing its token and fail B within UNREACHABLE_TIMEOUT_S: wait for either.
+    kube.wait_for(lambda: "undeclared status keys" in operators.log()
+                  or kube.status("made-by-current").get("phase") != "Running",
+                  f"{PREVIOUS_RELEASE} refusing B's status, or changing it", timeout=UNREACHABLE_TIMEOUT_S + 60)
+    b_untouched("on its first steps")
 
     # The rolled-back operator drives a run of its own on this release's CRD: A, into Running.
     uid_a, cluster_a = start_run(kube, run_manifest("made-by-previous"))
@@ -247,16 +257,14 @@ def test_runs_in_flight_survive_a_rollback_and_an_upgrade(ground, kube, operator
     # what this version writes on every run (status.attempts, status.usage, ...).
     assert set(a_running) <= previous_keys, sorted(set(a_running) - previous_keys)
     assert operators.running == PREVIOUS_RELEASE and operators.process.proc.poll() is None
-    if refused == "status":
-        # It leaves B alone. B's head refuses its operator-wide token, so each step fails
-        # (nothing written) until the head has not answered for its unreachable timeout;
-        # then the step that would fail B is refused at its status write, before any action.
-        assert set(b_left) - previous_keys, b_left  # the keys it refuses are there
-        kube.wait_for(lambda: "undeclared status keys" in operators.log(),
-                      f"{PREVIOUS_RELEASE} refusing B's status ({refusal})", timeout=UNREACHABLE_TIMEOUT_S + 60)
-        # B untouched all along: the same status as this version left it, still Running.
-        assert {k: v for k, v in kube.status("made-by-current").items() if k != "kopf"} == b_left
-        assert b_left["phase"] == "Running"
+    # B still left alone once v0.2.0 has stepped B past the unreachable timeout (its refusal
+    # logged after it, the step that would have failed B): status, cluster, job.
+    refusals = operators.log().count("undeclared status keys")
+    kube.wait_for(lambda: time.monotonic() - rolled_back > UNREACHABLE_TIMEOUT_S
+                  and operators.log().count("undeclared status keys") > refusals,
+                  f"{PREVIOUS_RELEASE} refusing B again past its unreachable timeout", timeout=UNREACHABLE_TIMEOUT_S + 60)
+    b_untouched("while it led")
+    assert set(b_left) - previous_keys, b_left  # the keys it refuses are there
 
     # 3. The upgrade, mid-run of A.
     assert kube.status("made-by-previous")["phase"] == "Running"
@@ -266,12 +274,11 @@ def test_runs_in_flight_survive_a_rollback_and_an_upgrade(ground, kube, operator
     assert a["phase"] == "Succeeded", a.get("message")
     assert [entry["epoch"] for entry in a["history"]] == list(range(1, EPOCHS + 1))
     one_cluster_one_job(kube, "made-by-previous", uid_a, cluster_a, cluster_a_uid)
-    if refused == "status":
-        # Left alone by the previous release, finished by the upgrade: its job ran on.
-        b = finished(kube, "made-by-current")
-        assert b["phase"] == "Succeeded", b.get("message")
-        assert [entry["epoch"] for entry in b["history"]] == list(range(1, EPOCHS + 1))
-        one_cluster_one_job(kube, "made-by-current", uid_b, cluster_b, cluster_b_uid)
+    # Left alone by the previous release, finished by the upgrade: its job ran on.
+    b = finished(kube, "made-by-current")
+    assert b["phase"] == "Succeeded", b.get("message")
+    assert [entry["epoch"] for entry in b["history"]] == list(range(1, EPOCHS + 1))
+    one_cluster_one_job(kube, "made-by-current", uid_b, cluster_b, cluster_b_uid)
 
     # The upgraded operator releases what either version made.
     for name in ("made-by-previous", "made-by-current"):
