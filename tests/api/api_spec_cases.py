@@ -339,7 +339,7 @@ CONTROL_INVALID: list[Invalid] = [
                  spec_with(checkpoint__storagePath="gs://b/ckpt\u2028injected: true")),
     control_case("image-escape", "spec.image", spec_with(image=IMAGE + "\x1b[2J")),
     control_case("nfs-path-next-line", "spec.workers.volumes[0].nfs.path",
-                 spec_with(workers__volumes=[{"name": "n", "nfs": {"server": "10.0.0.2", "path": "/export\x85x"}}]),
+                 spec_with(workers__volumes=[{"name": "export", "nfs": {"server": "10.0.0.2", "path": "/export\x85x"}}]),
                  admission="should match '^/[^"),
 ]
 INVALID += CONTROL_INVALID
