@@ -110,7 +110,8 @@ def test_a_refused_token_rebuilds_the_run_with_a_new_token_and_never_blocks_a_de
 def test_a_killed_head_then_a_deleted_raycluster_are_each_retried_from_the_last_checkpoint(
         operator, ground, kube, ground_assets, storage):
     """Two faults in sequence on one run (maxRetries 2): its head killed mid-run (the new head
-    has an empty job table: attempt 2, on the same RayCluster, from attempt 1's checkpoint),
+    has an empty job table: a lost job, and a lost cluster is never trusted again: attempt 2
+    on a new RayCluster of the same name, from attempt 1's checkpoint),
     then, once attempt 2 runs, its RayCluster deleted by someone else (a lost job: attempt 3
     on a new cluster, from the newest checkpoint reported). The run ends Succeeded with every
     epoch once."""

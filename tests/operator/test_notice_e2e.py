@@ -26,18 +26,13 @@ import pytest
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.sizing import REPLICA_INDEX_LABEL
 from tpufinetune_trainer.events import parse_text
-from ground_runs import jobs_of, released, resource, start_run, workers
+from ground_runs import events_of_attempt, jobs_of, released, resource, start_run, workers
 from harness.controlplane import TEST_USER
 from harness.timing import within
 
 pytestmark = [pytest.mark.cluster, pytest.mark.ray, pytest.mark.slow, pytest.mark.ground]
 
 MAINTENANCE_LABEL = "cloud.google.com/scheduled-maintenance-time"
-
-
-def events_of_attempt(kube, cluster: str, uid: str, attempt: int) -> list:
-    client = kube.head_job_client(cluster)
-    return parse_text(client.get_job_logs(f"tft-{uid}-{attempt}"))
 
 
 def training(kube, cluster: str, uid: str, attempt: int) -> None:
