@@ -26,8 +26,10 @@ python311:
 
 ## The previous release's commit, for the upgrade test: a shallow clone (CI's) lacks it, so
 ## it is fetched from the clone's remote, that commit alone (tests/harness/previous_release.py).
+## A clone it cannot be had in still runs every other test: the upgrade test then fails
+## with the sentence this prints.
 previous-release: python311
-	@$(PYTHON311) tests/harness/previous_release.py
+	@$(PYTHON311) tests/harness/previous_release.py || echo "make: going on without the previous release; tests/operator/test_upgrade_e2e.py will fail until it is fetched" >&2
 
 ## Real kube-apiserver, etcd and kubectl built from Go modules (rebuilt only when the pin changes).
 controlplane:
