@@ -145,9 +145,10 @@ def test_the_grafana_dashboard_is_off_by_default_and_is_the_shipped_json(helm):
 
 def test_aggregated_roles_can_be_left_out(helm):
     names = {o["metadata"]["name"] for o in documents(template(helm, "ops")) if o["kind"] == "ClusterRole"}
-    assert names == {"tpufinetune-operator", "tpufinetune-edit", "tpufinetune-view"}
+    assert names == {"tpufinetune-operator", "tpufinetune-operator-runs", "tpufinetune-edit", "tpufinetune-view"}
     objects = documents(template(helm, "ops", "--set", "rbac.aggregateToDefaultRoles=false"))
-    assert [o["metadata"]["name"] for o in objects if o["kind"] == "ClusterRole"] == ["tpufinetune-operator"]
+    assert sorted(o["metadata"]["name"] for o in objects if o["kind"] == "ClusterRole") == [
+        "tpufinetune-operator", "tpufinetune-operator-runs"]
 
 
 def test_values_schema_refuses_a_misspelt_key(helm):
@@ -166,7 +167,8 @@ def test_several_replicas_without_leader_election_are_refused(helm):
     assert "replicas > 1 needs settings.leaderElection" in refused
     objects = documents(template(helm, "ops", "--set", "settings.leaderElection=false", "--set", "replicas=1"))
     assert not [o for o in objects if o["kind"] in ("Role", "RoleBinding", "PodDisruptionBudget")
-                and o["metadata"]["name"] != "tpufinetune-operator-ray-token-key"]
+                and o["metadata"]["name"] != "tpufinetune-operator-ray-token-key"
+                and not (o["kind"] == "RoleBinding" and o["roleRef"]["name"] == "tpufinetune-operator-runs")]
     assert find(objects, "ConfigMap", "tpufinetune-operator-settings")["data"]["TPUFT_LEADER_ELECTION"] == "false"
 
 

@@ -32,7 +32,7 @@ def chart_rbac(helm, namespace: str, account: str, unique: str) -> list[dict]:
     for obj in objects:
         if obj["kind"] in ("ClusterRole", "ClusterRoleBinding"):
             obj["metadata"]["name"] = obj["metadata"]["name"].replace("tpufinetune-operator", unique)
-        if obj["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+        if obj["kind"] in ("ClusterRoleBinding", "RoleBinding") and obj["roleRef"]["kind"] == "ClusterRole":
             obj["roleRef"]["name"] = obj["roleRef"]["name"].replace("tpufinetune-operator", unique)
     return objects
 

@@ -79,7 +79,7 @@ def until_in_force(as_operator, namespace: str, probe: dict, timeout: float = 30
         time.sleep(0.5)
 
 
-def until_passes(as_operator, namespace: str, obj: dict, timeout: float = 30) -> None:
+def until_passes(as_operator, namespace: str, obj: dict, timeout: float = 120) -> None:
     """A changed parameter (the settings ConfigMap, a Namespace's annotation) reaches the
     admission plugin a moment after it is stored."""
     deadline = time.monotonic() + timeout
