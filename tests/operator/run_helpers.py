@@ -162,3 +162,35 @@ def submit_printing(ray_head, tmp_path: Path, *parts: str, gate: Path | None = N
     wait_for(lambda: RAY_ENTRYPOINT_LINE in client.get_job_logs(job_id), 120, f"Ray's entrypoint line in {job_id}'s log")
     start.touch()
     return job_id
+
+
+class JobApiStandIn:
+    """A small aiohttp server answering a head's Job API on a free loopback port, for the
+    faults no real head can be made to show on demand (each subclass's docstring says
+    which). A subclass gives `routes()`, (method, path, handler) beyond `/api/version`."""
+
+    address = ""
+
+    def routes(self) -> list[tuple[str, str, object]]:
+        raise NotImplementedError
+
+    async def __aenter__(self):
+        import ray
+        from aiohttp import web
+
+        async def version(request):
+            return web.json_response({"version": "4", "ray_version": ray.__version__, "ray_commit": ""})
+
+        app = web.Application()
+        app.router.add_get("/api/version", version)
+        for method, path, handler in self.routes():
+            app.router.add_route(method, path, handler)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.address = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()

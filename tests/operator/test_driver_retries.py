@@ -21,21 +21,17 @@ from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
 
-from run_helpers import MemoryCluster, body, in_loop, settings
+from run_helpers import JobApiStandIn, MemoryCluster, body, in_loop, settings
 
 
-class HungPreflightHead:
+class HungPreflightHead(JobApiStandIn):
     """A head's Job API whose preflight runs for ever (the fine-tune job is not submitted
     yet: 404); records each stop it is asked."""
 
     def __init__(self):
         self.stopped: list[str] = []
-        self.address = ""
 
-    async def __aenter__(self):
-        async def version(request):
-            return web.json_response({"version": "4", "ray_version": "2.0.0", "ray_commit": ""})
-
+    def routes(self):
         async def job(request):
             if not request.match_info["id"].endswith("-preflight"):
                 return web.json_response({"message": "no such job"}, status=404)
@@ -46,19 +42,7 @@ class HungPreflightHead:
             self.stopped.append(request.match_info["id"])
             return web.json_response({"stopped": True})
 
-        app = web.Application()
-        app.router.add_get("/api/version", version)
-        app.router.add_get("/api/jobs/{id}", job)
-        app.router.add_post("/api/jobs/{id}/stop", stop)
-        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.address = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.runner.cleanup()
+        return [("GET", "/api/jobs/{id}", job), ("POST", "/api/jobs/{id}/stop", stop)]
 
 
 def submitting_with_a_running_preflight(address: str, since: datetime) -> dict:

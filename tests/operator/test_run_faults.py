@@ -30,7 +30,7 @@ from tpufinetune.driver import Run
 from tpufinetune.settings import Settings
 from tpufinetune_trainer.events import format_event
 
-from run_helpers import MemoryCluster, body, closed_address, in_loop, running, settings
+from run_helpers import JobApiStandIn, MemoryCluster, body, closed_address, in_loop, running, settings
 
 
 class WatchedLock(asyncio.Lock):
@@ -349,7 +349,7 @@ async def test_every_kubernetes_call_is_bounded_by_the_setting():
             assert time.monotonic() - started < 20, name
 
 
-class StandInHead:
+class StandInHead(JobApiStandIn):
     """A stand-in for a head's Job API (its version, one RUNNING job) whose log stream
     misbehaves on demand: `silent` completes the websocket handshake and then never
     answers again, not even a ping (a half-open connection, a partition); `close` closes
@@ -362,14 +362,9 @@ class StandInHead:
     def __init__(self, mode: str):
         self.mode = mode
         self.streams: list[float] = []  # when each log stream was opened
-        self.address = ""
 
-    async def __aenter__(self):
-        import ray
+    def routes(self):
         from aiohttp import web
-
-        async def version(request):
-            return web.json_response({"version": "4", "ray_version": ray.__version__, "ray_commit": ""})
 
         async def job(request):
             if self.mode == "partitioned" and self.streams:
@@ -397,21 +392,8 @@ class StandInHead:
             await ws.close()
             return ws
 
-        app = web.Application()
-        app.router.add_get("/api/version", version)
-        app.router.add_get("/api/jobs/{id}", job)
-        app.router.add_get("/api/jobs/{id}/logs/tail", tail)
-        app.router.add_get("/api/v0/logs/file", log_file)
-        app.router.add_get("/api/v0/logs/stream", log_stream)
-        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.address = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.runner.cleanup()
+        return [("GET", "/api/jobs/{id}", job), ("GET", "/api/jobs/{id}/logs/tail", tail),
+                ("GET", "/api/v0/logs/file", log_file), ("GET", "/api/v0/logs/stream", log_stream)]
 
 
 @in_loop

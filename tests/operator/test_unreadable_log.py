@@ -20,18 +20,14 @@ from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
 from tpufinetune.driver import Run
 
-from run_helpers import MemoryCluster, body, in_loop, running, settings
+from run_helpers import JobApiStandIn, MemoryCluster, body, in_loop, running, settings
 
 
-class LoglessHead:
+class LoglessHead(JobApiStandIn):
     def __init__(self):
         self.log_reads = 0
-        self.address = ""
 
-    async def __aenter__(self):
-        async def version(request):
-            return web.json_response({"version": "4", "ray_version": "2.0.0", "ray_commit": ""})
-
+    def routes(self):
         async def job(request):
             return web.json_response({"status": "SUCCEEDED", "message": "", "driver_node_id": "0" * 56,
                                       "submission_id": request.match_info["id"]})
@@ -46,20 +42,8 @@ class LoglessHead:
             self.log_reads += 1
             return web.Response(status=500, text="the log file is gone")
 
-        app = web.Application()
-        app.router.add_get("/api/version", version)
-        app.router.add_get("/api/jobs/{id}", job)
-        app.router.add_get("/api/jobs/{id}/logs/tail", tail)
-        app.router.add_get("/api/jobs/{id}/logs", logs)
-        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.address = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.runner.cleanup()
+        return [("GET", "/api/jobs/{id}", job), ("GET", "/api/jobs/{id}/logs/tail", tail),
+                ("GET", "/api/jobs/{id}/logs", logs)]
 
 
 @in_loop
