@@ -23,3 +23,19 @@ def refusing_policy(name: str, namespace: str, api_group: str, resource: str, op
                   "matchResources": {"namespaceSelector": {
                       "matchLabels": {"kubernetes.io/metadata.name": namespace}}}}},
     ]
+
+
+def serve_webhook(handler: type, pki, path: str):
+    """Serve `handler` (a BaseHTTPRequestHandler) over TLS with the ground's serving
+    certificate (valid for 127.0.0.1) on a free loopback port, in a daemon thread: an
+    admission webhook the API server can call. Returns the server and the webhook's URL."""
+    import ssl
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(pki / "apiserver.crt", pki / "apiserver.key")
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"https://127.0.0.1:{server.server_address[1]}/{path}"

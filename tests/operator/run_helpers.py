@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from harness.waiting import wait_for
+from tpufinetune.adapters.kube import KubeBackend
 from tpufinetune.core import phases
 from tpufinetune.core.api import GROUP, VERSION
 from tpufinetune.core.phases import ClusterView
@@ -194,3 +195,16 @@ class JobApiStandIn:
 
     async def __aexit__(self, *exc):
         await self.runner.cleanup()
+
+
+
+class RecordingBackend(KubeBackend):
+    """The operator's KubeBackend; its Events go to a list (kopf posts them only from
+    inside a running operator)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events: list[tuple[str, str]] = []
+
+    def record(self, ident, type_, reason, message):
+        self.events.append((reason, message))

@@ -16,17 +16,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import ssl
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import yaml
 
+from harness.admission import serve_webhook
 from harness.pki import write_pki
+from run_helpers import RecordingBackend as Backend
 from tpufinetune.adapters import kube
-from tpufinetune.adapters.kube import KubeBackend
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
@@ -35,18 +34,6 @@ from tpufinetune.settings import Settings
 
 pytestmark = [pytest.mark.cluster]
 WEBHOOK_FAILS = "the test's RayCluster webhook is down"
-
-
-class Backend(KubeBackend):
-    """The operator's KubeBackend; its Events go to a list (kopf posts them only from
-    inside a running operator)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.events: list[tuple[str, str]] = []
-
-    def record(self, ident, type_, reason, message):
-        self.events.append((reason, message))
 
 
 def apply_run(kubectl, namespace: str) -> dict:
@@ -119,12 +106,7 @@ class FailingWebhook:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        tls.load_cert_chain(pki / "apiserver.crt", pki / "apiserver.key")  # valid for 127.0.0.1
-        self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
-        self.url = f"https://127.0.0.1:{self.server.server_address[1]}/validate"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve_webhook(Handler, pki, "validate")
 
     def stop(self):
         self.server.shutdown()

@@ -18,6 +18,7 @@ import time
 import pytest
 import yaml
 
+from run_helpers import RecordingBackend as Backend
 from tpufinetune.adapters.informer import Gone
 from tpufinetune.adapters.kube import KubeBackend, Watches
 from tpufinetune.core.api import parse_spec
@@ -58,18 +59,6 @@ def wait_until_refused(kubectl, namespace: str, resource: str = "rayclusters", t
                                  check=False).stderr:
         assert time.monotonic() < deadline, "the admission policy never took effect"
         time.sleep(0.5)
-
-
-class Backend(KubeBackend):
-    """The operator's KubeBackend; its Events go to a list (kopf posts them only from
-    inside a running operator)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.events: list[tuple[str, str]] = []
-
-    def record(self, ident, type_, reason, message):
-        self.events.append((reason, message))
 
 
 @pytest.mark.parametrize("resource", sorted(REFUSED_KINDS))

@@ -22,17 +22,17 @@ import asyncio
 import base64
 import json
 import logging
-import ssl
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import yaml
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from harness.admission import serve_webhook
 from harness.pki import write_pki
 from harness.service_account import rbac_objects, service_account_kubeconfig
 from harness.waiting import wait_for
@@ -97,12 +97,7 @@ class HoldingWebhook:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        tls.load_cert_chain(pki / "apiserver.crt", pki / "apiserver.key")  # valid for 127.0.0.1
-        self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
-        self.url = f"https://127.0.0.1:{self.server.server_address[1]}/hold"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve_webhook(Handler, pki, "hold")
 
     def stop(self):
         self.release.set()
