@@ -79,3 +79,31 @@ def without_helm_labels(obj: dict) -> dict:
 
 def by_identity(objects: list[dict]) -> dict:
     return {(o["kind"], o["metadata"]["name"]): without_helm_labels(o) for o in objects}
+
+
+POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+SETTINGS_CONFIGMAP = "tpufinetune-operator-settings"
+
+
+def policy_of_its_own(objects: list[dict], watched: str, suffix: str) -> tuple[list[dict], dict]:
+    """deploy/base's admission policy and binding, and the settings ConfigMap that is the
+    binding's parameter, each renamed with `suffix`, the ConfigMap watching `watched`.
+    Each test applies its own: the API server's admission plugin follows a parameter
+    ConfigMap per binding, and a binding deleted and made again under its old name can keep
+    the parameter's earlier value for minutes (seen on this pin), so a test that re-used the
+    names would judge the policy by the previous test's setting."""
+    import copy
+
+    policy = [copy.deepcopy(o) for o in objects if o["kind"] in POLICY_KINDS]
+    settings = copy.deepcopy(next(o for o in objects
+                                  if o["kind"] == "ConfigMap" and o["metadata"]["name"] == SETTINGS_CONFIGMAP))
+    assert len(policy) == 2, [o["kind"] for o in policy]
+    settings["metadata"]["name"] = f"{SETTINGS_CONFIGMAP}-{suffix}"
+    settings["data"]["TPUFT_NAMESPACE"] = watched
+    for o in policy:
+        o["metadata"]["name"] = f"{o['metadata']['name']}-{suffix}"
+        if o["kind"] == "ValidatingAdmissionPolicyBinding":
+            o["spec"]["policyName"] = f"{o['spec']['policyName']}-{suffix}"
+            assert o["spec"]["paramRef"]["name"] == SETTINGS_CONFIGMAP
+            o["spec"]["paramRef"]["name"] = settings["metadata"]["name"]
+    return policy, settings

@@ -42,6 +42,18 @@ EXPECTED_RUN_RULES = [
 WATCHED = "ml-team"  # deploy/base's TPUFT_NAMESPACE
 
 
+@pytest.fixture(autouse=True)
+def without_the_base_policy_after(control_plane):
+    """The tests here apply deploy/base itself, admission policy included, on the session's
+    API server; that policy (TPUFT_NAMESPACE: ml-team) would then judge every later test's
+    creates as the operator. Each admission test applies a policy of its own
+    (manifests.policy_of_its_own), so the base's goes after each test here."""
+    yield
+    control_plane.kubectl("delete", "--ignore-not-found", "--wait=false",
+                          "validatingadmissionpolicybinding/tpufinetune-operator-creates",
+                          "validatingadmissionpolicy/tpufinetune-operator-creates", check=False)
+
+
 def apply_base(control_plane):
     """`kubectl apply -k deploy/base` after creating the namespace it watches (docs/gke.md
     creates it first: the base never creates, so never deletes, a tenant's namespace)."""

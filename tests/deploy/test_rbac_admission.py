@@ -12,52 +12,33 @@ import time
 
 import pytest
 import yaml
-from manifests import DEPLOY, OPERATOR_SA, kustomize
+from manifests import DEPLOY, OPERATOR_SA, kustomize, policy_of_its_own
+from operator_objects import rendered
 
 from harness.service_account import rbac_objects, watch_binding
 from tpufinetune.core import raytoken
-from tpufinetune.core.api import parse_spec
-from tpufinetune.core.podtemplate import raycluster_with_pod_settings
 
 pytestmark = pytest.mark.cluster
-
-UID = "6f1c2a7e-0b1d-4c55-9a57-3c1e0d2b8f10"
-SPEC = parse_spec({"tpu": {"generation": "cpu", "topology": "2"}, "image": "registry.example/t:1",
-                   "checkpoint": {"storagePath": "gs://b/ckpt"}})
-POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
-
 
 @pytest.fixture
 def admission(control_plane, kuberay_crd, namespace):
     """deploy/base's RBAC and admission policy on the API server (the policy removed after),
     watching `namespace`: its RoleBinding, and the settings ConfigMap (the policy's
     parameter) naming it."""
-    objects = kustomize(control_plane, DEPLOY / "base")
-    settings = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "tpufinetune-operator-settings"]
-    settings[0]["data"]["TPUFT_NAMESPACE"] = namespace
+    policy, settings = policy_of_its_own(kustomize(control_plane, DEPLOY / "base"), namespace, namespace)
     control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(
-        rbac_objects(control_plane) + [watch_binding(control_plane, namespace)] + settings))
-    policy = [o for o in objects if o["kind"] in POLICY_KINDS]
-    assert len(policy) == 2
+        rbac_objects(control_plane) + [watch_binding(control_plane, namespace), settings]))
     text = yaml.safe_dump_all(policy)
     control_plane.kubectl("apply", "-f", "-", input=text)
     try:
         yield control_plane.kubectl
     finally:
-        control_plane.kubectl("delete", "-f", "-", input=text, check=False)
+        control_plane.kubectl("delete", "-f", "-", input=text + "---\n" + yaml.safe_dump(settings), check=False)
 
 
 def create_as_operator(kubectl, namespace: str, obj: dict, check: bool = False):
     return kubectl("--as", OPERATOR_SA, "-n", namespace, "create", "--dry-run=server", "-f", "-",
                    input=yaml.safe_dump(obj), check=check)
-
-
-def rendered(namespace: str) -> dict[str, dict]:
-    """The operator's own objects for run `demo`, as it creates them."""
-    cluster = raycluster_with_pod_settings("demo", namespace, UID, SPEC)
-    return {"raycluster": raytoken.with_key_id(cluster, "demo", UID, "abcdef0123"),
-            "secret": raytoken.token_secret("demo", namespace, UID, "t0k", "abcdef0123"),
-            "networkpolicy": raytoken.network_policy("demo", namespace, UID, "tpufinetune-system")}
 
 
 def refused_with(kubectl, namespace: str, obj: dict, words: str) -> None:

@@ -14,8 +14,8 @@ import time
 
 import pytest
 import yaml
-from manifests import DEPLOY, OPERATOR_NS, kustomize
-from test_rbac_admission import POLICY_KINDS, rendered
+from manifests import DEPLOY, kustomize, policy_of_its_own
+from operator_objects import rendered
 
 from harness.service_account import service_account_kubeconfig
 
@@ -32,9 +32,7 @@ def watched(control_plane, kuberay_crd, namespace, tmp_path):
     kubectl = control_plane.kubectl
     unwatched = f"u-{secrets.token_hex(4)}"
     kubectl("create", "namespace", unwatched)
-    objects = kustomize(control_plane, DEPLOY / "base")
-    settings = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "tpufinetune-operator-settings")
-    policy = [o for o in objects if o["kind"] in POLICY_KINDS]
+    policy, settings = policy_of_its_own(kustomize(control_plane, DEPLOY / "base"), namespace, namespace)
     kubeconfig = service_account_kubeconfig(control_plane, tmp_path / "kubeconfig", namespaces=[namespace, unwatched])
 
     def watch(patterns: str) -> None:
@@ -57,10 +55,8 @@ def watched(control_plane, kuberay_crd, namespace, tmp_path):
     try:
         yield as_operator, unwatched, watch
     finally:
-        kubectl("delete", "-f", "-", input=text, check=False)
+        kubectl("delete", "-f", "-", input=text + "---\n" + yaml.safe_dump(settings), check=False)
         kubectl("delete", "namespace", unwatched, "--wait=false", check=False)
-        settings["data"]["TPUFT_NAMESPACE"] = "ml-team"
-        kubectl("apply", "-f", "-", input=yaml.safe_dump(settings), check=False)
 
 
 def refused(result, words: str) -> None:
