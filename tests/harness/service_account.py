@@ -29,7 +29,7 @@ RBAC_KINDS = {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"
 # not about RBAC and must not count: the apiserver also answers "forbidden: unable to
 # create new content in namespace X because it is being terminated" when another test's
 # namespace is going away while the operator (watching all namespaces) acts in it.
-FORBIDDEN = re.compile(r'forbidden: User "|cannot \w+ resource|not enough permissions', re.IGNORECASE)
+FORBIDDEN = re.compile(r'forbidden: User "|cannot \w+ resource|not enough permissions|\(403 Forbidden\)', re.IGNORECASE)
 # A namespace a glob of TPUFT_NAMESPACE matches is bound only once it exists (no RoleBinding
 # can be made before its namespace), while kopf starts watching it the moment it appears: its
 # first list there may be refused until the binding reaches the authorizer, and kopf retries
