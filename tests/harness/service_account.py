@@ -35,7 +35,7 @@ FORBIDDEN = re.compile(r'forbidden: User "|cannot \w+ resource|not enough permis
 # first list there may be refused until the binding reaches the authorizer, and kopf retries
 # it ("Request attempt N failed; will retry"). Those retries, in a namespace of the glob,
 # are not a missing rule; kopf giving up ("escalating") still is.
-GLOB_RETRY = re.compile(r"Request attempt \d+ failed; will retry: \w+ \S*/namespaces/(t-[a-z0-9-]+)/")
+GLOB_RETRY = re.compile(r"Request attempt #?\d+(?:/\d+)? failed; will retry: \w+ \S*/namespaces/(t-[a-z0-9-]+)/")
 
 
 def is_watch_binding(obj: dict) -> bool:

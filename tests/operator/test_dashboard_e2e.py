@@ -70,8 +70,7 @@ def finished_run(request, ground, operator, prometheus, ground_assets) -> Finish
     """One short cpu run (the smallest the e2e tests run: 64 rows, one epoch) to Succeeded,
     in a namespace of its own, scraped all along."""
     namespace = namespace_name(request)
-    ground.kubectl("create", "namespace", namespace)
-    bind_namespace(ground.cp, namespace)  # watched (t-*), and bound as the operator's namespaces are
+    bind_namespace(ground.cp, namespace, create=True)  # watched (t-*), and bound as the operator's namespaces are
     kube = Kube(ground, namespace)
     try:
         prometheus.wait_scraped()  # what the operator served before the run is in the TSDB at `start`
