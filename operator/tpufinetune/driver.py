@@ -77,6 +77,9 @@ class Run(RunRay, RunStatus):
         self._refresh_spec()
         self.follower: LogFollower | None = None
         self.wake = asyncio.Event()
+        # Its namespace is being deleted (handlers.namespace_deleted): the namespace controller
+        # deletes what it holds, the operator may no longer act there, and the loop returns.
+        self.namespace_ending = False
         # Events drained from the follower but not yet in a written status: applied
         # again on the next step, so a failed write loses none.
         self.unwritten: list[dict] = []
@@ -204,6 +207,10 @@ class Run(RunRay, RunStatus):
                             events=tuple(self.unwritten))
 
     # ---- one step ---------------------------------------------------------------------
+
+    def end_with_namespace(self) -> None:
+        self.namespace_ending = True
+        self.wake.set()
 
     def being_deleted(self) -> bool:
         return bool(self.body["metadata"].get("deletionTimestamp"))
@@ -378,7 +385,7 @@ class Run(RunRay, RunStatus):
         `stopped` is anything with `is_set()` (kopf's DaemonStopped, an asyncio.Event).
         Never ends on an error: kopf does not restart a daemon that returned or raised."""
         conflicts = 0
-        while not stopped.is_set() and not self.being_deleted():
+        while not stopped.is_set() and not self.being_deleted() and not self.namespace_ending:
             before = self.status.get("phase")
             # Cleared before the step looks, never after: a change that arrives while the
             # step runs wakes the next one instead of being lost until the next poll.

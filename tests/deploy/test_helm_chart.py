@@ -85,8 +85,11 @@ def test_chart_values_reach_the_operator(helm):
     assert [rule["verbs"] for rule in rules if "secrets" in rule["resources"]] == [["create"]]
     bindings = [o for o in objects if o["kind"] == "RoleBinding" and o["roleRef"]["name"] == "tpufinetune-operator-runs"]
     assert sorted(o["metadata"]["namespace"] for o in bindings) == ["ml-team", "team-b"]
-    assert {verb for rule in find(objects, "ClusterRole", "tpufinetune-operator")["rules"]
-            for verb in rule["verbs"]} == {"get", "list", "watch"}
+    cluster_rules = find(objects, "ClusterRole", "tpufinetune-operator")["rules"]
+    assert {verb for rule in cluster_rules for verb in rule["verbs"]} == {"get", "list", "watch", "patch"}
+    # patch only on the runs themselves: the finalizer of a run whose namespace is being deleted.
+    assert {r for rule in cluster_rules if "patch" in rule["verbs"] for r in rule["resources"]} == {
+        "tpufinetunes", "tpufinetunes/status"}
     # The signing key's Role lives in the release namespace, bound to the operator.
     # So do the leader election's.
     for name in ("tpufinetune-operator-ray-token-key", "tpufinetune-operator-leader-election"):

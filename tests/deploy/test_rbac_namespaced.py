@@ -42,9 +42,9 @@ def test_watching_one_namespace_the_operator_creates_only_there(helm, control_pl
     objects = chart_rbac(helm, namespace, account, unique)
     cluster_roles = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ClusterRole"}
     cluster_role = cluster_roles[unique]  # the one the ClusterRoleBinding grants
-    assert {verb for rule in cluster_role["rules"] for verb in rule["verbs"]} <= {"get", "list", "watch"}
+    assert {verb for rule in cluster_role["rules"] for verb in rule["verbs"]} <= {"get", "list", "watch", "patch"}
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
-        "nodes", "customresourcedefinitions", "namespaces"}
+        "nodes", "customresourcedefinitions", "namespaces", "tpufinetunes", "tpufinetunes/status"}
     (binding,) = [o for o in objects if o["kind"] == "RoleBinding" and o["metadata"]["name"] == "tpufinetune-operator"]
     assert binding["metadata"]["namespace"] == namespace
     assert not [o for o in objects if o["kind"] == "ClusterRoleBinding" and o["roleRef"]["name"] != unique]
@@ -69,7 +69,9 @@ def test_watching_one_namespace_the_operator_creates_only_there(helm, control_pl
             assert can_i("create", resource, ["-n", namespace]), resource
             assert not can_i("create", resource, ["-n", "elsewhere"]), resource
         assert can_i("list", "pods", ["-n", namespace]) and not can_i("list", "pods", ["-A"])
-        assert not can_i("watch", "tpufinetunes.tpufinetune.dev", ["-n", "elsewhere"])
+        # Elsewhere only a run's own object: its finalizer, once its namespace is being deleted.
+        assert can_i("patch", "tpufinetunes.tpufinetune.dev", ["-n", "elsewhere"])
+        assert not can_i("delete", "tpufinetunes.tpufinetune.dev", ["-n", "elsewhere"])
         assert can_i("watch", "nodes", []) and not can_i("get", "secrets", ["-n", namespace])
     finally:
         kubectl("delete", "-f", "-", input=text, check=False, timeout=120)
@@ -84,9 +86,11 @@ def test_the_several_namespaces_overlay_is_the_chart_watching_several(helm, cont
     assert chart.keys() == overlay.keys()
     for identity in overlay:
         assert chart[identity] == overlay[identity], identity
-    # The caches' reads across namespaces, and nothing more, cluster-wide.
+    # The caches' reads across namespaces, and the runs' finalizer, cluster-wide.
     rules = overlay[("ClusterRole", "tpufinetune-operator")]["rules"]
-    assert {verb for rule in rules for verb in rule["verbs"]} == {"get", "list", "watch"}
+    assert {verb for rule in rules for verb in rule["verbs"]} == {"get", "list", "watch", "patch"}
+    assert {r for rule in rules if "patch" in rule["verbs"] for r in rule["resources"]} == {
+        "tpufinetunes", "tpufinetunes/status"}
     assert {r for rule in rules for r in rule["resources"]} >= {"rayclusters", "pods", "workloads"}
 
 

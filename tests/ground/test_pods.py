@@ -30,6 +30,7 @@ from harness.nodeagent import (
     CONTAINER_CREATING, PODS_DIR, POD_INITIALIZING, ContainerState, NodeAgent, PodRun, health_check_to_gcs,
     plain_command, pod_log_path, probe_command, ray_port_map, service_endpoints, waiting, waiting_states)
 from harness.kubewatch import KubeWatch
+from harness.service_account import refusals
 from harness.ports import free_ports
 from harness.processes import tail
 from harness.podprobes import (
@@ -934,6 +935,18 @@ def test_an_oom_killed_worker_is_the_runs_reason(ground, operator, kube):
     message = kube.wait_for(lambda: "OOMKilled" in kube.status(name).get("message", "") and kube.status(name)["message"],
                             "OOMKilled in the run's status message", timeout=120)
     assert "exceeded its memory limit" in message
+    # Its namespace deleted while the run holds its RayCluster: the operator's RoleBinding
+    # there goes in the namespace controller's first pass, yet the run's finalizer goes
+    # (handlers.release), so the namespace is gone, with no refused call of the operator's.
+    kube.cp.kubectl("delete", "namespace", kube.ns, "--wait=false")
+    kube.wait_for(lambda: kube.cp.kubectl("get", "namespace", kube.ns, check=False).returncode != 0,
+                  "the namespace gone", timeout=120, details=lambda: "\n".join((
+                      kube.cp.kubectl("get", "namespace", kube.ns, "-o", "jsonpath={.status}", check=False).stdout,
+                      kube.cp.kubectl("get", "tpufinetunes,rayclusters,pods", "-n", kube.ns, "-o",
+                                      "custom-columns=KIND:.kind,NAME:.metadata.name,FIN:.metadata.finalizers,"
+                                      "DEL:.metadata.deletionTimestamp", check=False).stdout,
+                      operator.log_tail())))
+    assert not [line for line in refusals(operator.log_path) if kube.ns in line]
 
 
 @pytest.mark.ground

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from harness.waiting import wait_for
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DEPLOY_BASE = DEPLOY / "base"
 SEVERAL_NAMESPACES = DEPLOY / "overlays" / "several-namespaces"
@@ -61,7 +63,15 @@ def bind_namespace(control_plane, namespace: str, create: bool = False) -> None:
     """Let the operator act in `namespace` (one of those it watches); `create`: make the
     namespace in the same call, just before its binding."""
     made = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}] if create else []
-    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(made + [watch_binding(control_plane, namespace)]))
+    binding = watch_binding(control_plane, namespace)
+    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(made + [binding]))
+    # The authorizer learns of a binding a moment after it is stored: a run applied before
+    # would have its first creates refused, as an admin's would who applied both at once.
+    (subject,) = binding["subjects"]
+    user = f"system:serviceaccount:{subject['namespace']}:{subject['name']}"
+    wait_for(lambda: control_plane.kubectl("auth", "can-i", "create", "secrets", "-n", namespace, f"--as={user}",
+                                           check=False).stdout.strip() == "yes",
+             30, f"the operator's RoleBinding in {namespace} to take effect", interval=0.2)
 
 
 def service_account_kubeconfig(control_plane, path: Path, rbac: list[dict] | None = None,

@@ -44,3 +44,27 @@ async def test_a_delete_releases_the_raycluster_and_returns_while_every_status_w
     assert "delete" in cluster.calls and not cluster.exists
     assert any(call.startswith("refused:") for call in cluster.calls)  # its writes were tried, and refused
     assert "create" not in cluster.calls
+
+
+@in_loop
+async def test_a_delete_in_a_namespace_being_deleted_returns_at_once_and_leaves_the_cluster_to_it():
+    """The namespace controller deletes the RayCluster with its namespace, and the operator's
+    RoleBinding there is gone already: no call but the namespace's look, and the finalizer goes."""
+    cluster = RefusingStatus()
+    cluster.exists = cluster.namespace_deleted = True
+    live = body({"phase": phases.RUNNING, "rayClusterName": "tft-demo", "attempt": 1, "jobId": "tft-uid-1-1"},
+                deletionTimestamp="2026-01-01T00:00:00Z")
+    memo = SimpleNamespace(backend=cluster, jobs=RayJobs(timeout=0.5), settings=settings(),
+                           progress=ProgressTracker())
+    await handlers.release(body=live, memo=memo)
+    assert cluster.calls == ["namespace"] and cluster.exists
+
+
+def test_the_finalizer_patch_removes_only_the_operators_and_only_from_the_list_it_read():
+    from tpufinetune.adapters.handlers import FINALIZER
+    from tpufinetune.adapters.kube import finalizer_removal
+
+    assert finalizer_removal(["backup.example/keep"], FINALIZER) == []
+    test, replace = finalizer_removal(["backup.example/keep", FINALIZER], FINALIZER)
+    assert test == {"op": "test", "path": "/metadata/finalizers", "value": ["backup.example/keep", FINALIZER]}
+    assert replace == {"op": "replace", "path": "/metadata/finalizers", "value": ["backup.example/keep"]}

@@ -41,10 +41,16 @@ def refuse_status_writes(namespace: str) -> list[dict]:
     return refusing_policy(f"refuse-status-{namespace}", namespace, "tpufinetune.dev", "tpufinetunes/status", ["UPDATE"], REFUSAL)
 
 
+# Keys that say where an install lives, not how it behaves: the ground operator keeps its own
+# (it watches the tests' t-* namespaces; the sinks file is mounted only in a pod).
+WHERE_INSTALLED = ("TPUFT_NAMESPACE", "TPUFT_NOTIFY_SINKS_FILE")
+
+
 def shipped_settings() -> dict[str, str]:
-    """The operator's environment from deploy/base's settings ConfigMap."""
-    return dict(next(d for d in yaml.safe_load_all(SETTINGS.read_text())
-                     if d["metadata"]["name"] == "tpufinetune-operator-settings")["data"])
+    """The operator's environment from deploy/base's settings ConfigMap, less WHERE_INSTALLED."""
+    data = next(d for d in yaml.safe_load_all(SETTINGS.read_text())
+                if d["metadata"]["name"] == "tpufinetune-operator-settings")["data"]
+    return {key: value for key, value in data.items() if key not in WHERE_INSTALLED}
 
 
 def status_writes_refused(kube, name: str) -> bool:

@@ -185,6 +185,34 @@ def drop_managed_fields(body) -> None:
         meta.pop("managedFields", None)
 
 
+@kopf.on.event("", "v1", "namespaces")
+async def namespace_deleted(type: str, body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    """A watched namespace being deleted: the namespace controller deletes the operator's
+    RoleBinding there in its first pass, and kopf stops watching a namespace whose deletion
+    is under way, so on.delete may never run for its runs and their finalizers would hold the
+    namespace in Terminating for ever. Each run's finalizer goes here (RBAC: patch
+    tpufinetunes cluster-wide); the namespace controller deletes their RayClusters."""
+    meta = body.get("metadata", {})
+    if type == "DELETED" or not meta.get("deletionTimestamp"):
+        return
+    namespace = meta.get("name", "")
+    for name in metrics.names_in(namespace):
+        if (run := RUNS.get((namespace, name))) is not None:
+            run.end_with_namespace()
+        ident = phases.Identity(name=name, namespace=namespace, uid="")
+        try:
+            dropped = await memo.backend.drop_finalizer(ident, FINALIZER)
+        except Exception as error:  # noqa: BLE001 - the namespace's next event tries again
+            log.warning("%s/%s: its namespace is being deleted; removing the finalizer failed: %s",
+                        namespace, name, error)
+            continue
+        if dropped != "changed":  # the namespace's next event tries a changed one again
+            metrics.forget(namespace, name)
+        if dropped == "removed":
+            log.info("%s/%s: its namespace is being deleted; finalizer removed (the namespace controller "
+                     "deletes its RayCluster)", namespace, name)
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def resource_seen(type: str, body: kopf.Body, **_) -> None:
     """Every change to a TPUFineTune, from kopf's watch:
@@ -213,6 +241,15 @@ async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     """Delete the RayCluster (asking its job to stop first, best effort); the finalizer
     goes once the RayCluster is gone. Ray is never waited on."""
     key = (body["metadata"].get("namespace"), body["metadata"]["name"])
+    if await memo.backend.namespace_ending(key[0]):
+        # The namespace controller deletes the RayCluster and everything else of the run,
+        # and the operator's RoleBinding there is already gone: the finalizer goes now
+        # (deploy/base/clusterrole.yaml: patch tpufinetunes cluster-wide), or the namespace
+        # would stay Terminating.
+        log.info("%s/%s: its namespace is being deleted; the namespace controller releases its RayCluster", *key)
+        if key in RUNS:
+            memo.progress.forget(RUNS[key].progress_key)
+        return
     run = RUNS.get(key) or Run(dict(body), memo.backend, memo.jobs, memo.settings, memo.progress)
     # Wait here for the garbage collector (seconds, normally): kopf would post a retry
     # as an Error event, and a normal delete is not an error.

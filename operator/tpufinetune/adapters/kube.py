@@ -124,6 +124,16 @@ class Throttled:
             self._logged, self._since_log = now, 0
 
 
+def finalizer_removal(finalizers: list[str], finalizer: str) -> list[dict]:
+    """A JSON patch that removes `finalizer` from `finalizers` only if the list is still
+    that list (a merge patch would replace it whole, dropping another writer's newer entry);
+    none when it is not there."""
+    if finalizer not in finalizers:
+        return []
+    return [{"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+            {"op": "replace", "path": "/metadata/finalizers", "value": [f for f in finalizers if f != finalizer]}]
+
+
 class KubeBackend:
     def __init__(self, api: client.ApiClient, settings: Settings, watches: Watches | None = None):
         self.objects = client.CustomObjectsApi(api)
@@ -414,6 +424,45 @@ class KubeBackend:
                 return None
             raise
         return dict(body.get("status") or {}), body["metadata"].get("resourceVersion", "")
+
+    async def namespace_ending(self, namespace: str) -> bool:
+        """The namespace is being deleted (or gone): the namespace controller deletes every
+        object in it, the run's RayCluster, Secret and NetworkPolicy included, and the
+        operator's RoleBinding there went first (RBAC: namespaces get)."""
+        try:
+            body = await self._call(self.core.read_namespace, namespace, _request_timeout=self._timeout)
+        except ApiException as error:
+            if error.status == 404:
+                return True
+            raise
+        return body.status is not None and body.status.phase == "Terminating"
+
+    async def drop_finalizer(self, ident: Identity, finalizer: str) -> str:
+        """`finalizer` off the run's object, and nothing else of it touched (RBAC: patch
+        tpufinetunes cluster-wide, which holds in a namespace being deleted): "removed";
+        "gone" (the object, or the finalizer on it); "changed" when another writer changed
+        the list meanwhile."""
+        return await self._call(self._drop_finalizer, ident, finalizer)
+
+    def _drop_finalizer(self, ident: Identity, finalizer: str) -> str:
+        def patch(operations: list[dict]) -> dict:
+            return self.objects.patch_namespaced_custom_object(
+                GROUP, VERSION, ident.namespace, PLURAL, ident.name, operations,
+                _content_type="application/json-patch+json", _request_timeout=self._timeout)
+        try:
+            # A patch that changes nothing answers with the object: its finalizers now.
+            body = patch([{"op": "test", "path": "/metadata/name", "value": ident.name}])
+            operations = finalizer_removal(body["metadata"].get("finalizers") or [], finalizer)
+            if not operations:
+                return "gone"
+            patch(operations)
+        except ApiException as error:
+            if error.status == 404:
+                return "gone"
+            if error.status == 422:  # the test failed: the list changed since it was read
+                return "changed"
+            raise
+        return "removed"
 
     def record(self, ident: Identity, type_: str, reason: str, message: str) -> None:
         body = {

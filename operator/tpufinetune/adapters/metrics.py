@@ -131,6 +131,10 @@ class _Phases:
             for which in TIMED:
                 self._timed.discard((uid, which))
 
+    def names_in(self, namespace: str) -> list[str]:
+        with self._lock:
+            return [name for (ns, name) in self._phase if ns == namespace]
+
     def keep_per_run(self, enabled: bool) -> None:
         with self._lock:
             self.per_run = enabled
@@ -239,6 +243,12 @@ def seen(namespace: str, name: str, status: dict | None) -> None:
     holds, not what this process last wrote."""
     status = status or {}
     RESOURCES.set((namespace or "", name or ""), status.get("phase") or "", runmetrics.values(status))
+
+
+def names_in(namespace: str) -> list[str]:
+    """The TPUFineTunes the watch holds in `namespace` (every one it delivered and has not
+    seen deleted)."""
+    return RESOURCES.names_in(namespace)
 
 
 def per_run(enabled: bool) -> None:
