@@ -215,6 +215,17 @@ def test_a_spot_notice_on_a_node_under_maintenance_is_maintenance():
     assert judge(pod("w0"), taken, nodes=nodes).reason == "Maintenance"
 
 
+def test_a_pod_shut_down_with_its_spot_node_is_preempted_once_the_node_is_gone():
+    """The kubelet's graceful shutdown (a Spot VM's notice) marks the pod, then the VM goes:
+    the node's absence is the sequel of the preemption, not a lost node."""
+    taken = pod("w1", node="n9", conditions=[{"type": "DisruptionTarget", "status": "True",
+                                              "reason": "TerminationByKubelet", "message": "Pod was terminated"}])
+    health = judge(pod("w0"), taken)
+    assert (health.healthy, health.reason) == (False, "Preempted") and "TerminationByKubelet" in health.detail
+    # Without the kubelet's word the gone node is the reason.
+    assert judge(pod("w0"), pod("w1", node="n9")).reason == "NodeLost"
+
+
 def test_pods_gone_replaced_or_on_a_lost_node():
     assert judge(pod("w0")).reason == "Preempted"  # one of two workers is gone
     replaced = judge(pod("w0"), pod("w1", created="2026-01-01T12:20:00Z"))

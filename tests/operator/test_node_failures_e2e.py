@@ -280,7 +280,8 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
                                "the run to end", timeout=600, interval=2)
         assert status["phase"] == "Succeeded", status.get("message")
         preempted = [a for a in status["attempts"] if a.get("reason") == "Preempted"]
-        assert len(preempted) == 1 and preempted[0]["attempt"] == 1, status["attempts"]
+        assert len(preempted) == 1 and preempted[0]["attempt"] == 1, [
+            (a["attempt"], a.get("reason"), a.get("message"), a.get("lastStep")) for a in status["attempts"]]
         # The worker's preStop hook had the trainer save the step it was on: at most the step
         # in flight when SIGTERM came is lost (attempts.py: lastStep - checkpointStep).
         assert preempted[0]["lostSteps"] <= 1, preempted[0]

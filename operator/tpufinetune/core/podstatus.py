@@ -189,16 +189,19 @@ def _pod_health(pod: dict, nodes: dict, since, several_slices: bool = False) -> 
     node_name = (pod.get("spec") or {}).get("nodeName") or ""
     node = nodes.get(node_name) if node_name else {}
     problems = []
+    disruption = next((c for c in status.get("conditions") or []
+                       if c.get("type") == DISRUPTION_TARGET and c.get("status") == "True"), None)
     if node_name and node is None:
-        problems.append(("NodeLost", f"node {node_name} of pod {name} is gone"))
+        # A pod the kubelet shut down with its node (a Spot VM's notice) says why the node
+        # went: its disruption below is the reason, the node's absence only the sequel.
+        if disruption is None or disruption.get("reason") != "TerminationByKubelet":
+            problems.append(("NodeLost", f"node {node_name} of pod {name} is gone"))
     elif node:
         if MAINTENANCE_LABEL in ((node.get("metadata") or {}).get("labels") or {}):
             problems.append(("Maintenance", f"node {node_name} of pod {name} has maintenance scheduled"))
         ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
         if ready and ready[0].get("status") != "True":
             problems.append(("NodeLost", f"node {node_name} of pod {name} is not Ready ({ready[0].get('reason') or ready[0].get('status')})"))
-    disruption = next((c for c in status.get("conditions") or []
-                       if c.get("type") == DISRUPTION_TARGET and c.get("status") == "True"), None)
     if disruption is not None:
         why = disruption.get("reason") or ""
         reason = _DISRUPTIONS.get(why, "Preempted")
