@@ -226,6 +226,16 @@ def test_a_pod_shut_down_with_its_spot_node_is_preempted_once_the_node_is_gone()
     assert judge(pod("w0"), pod("w1", node="n9")).reason == "NodeLost"
 
 
+def test_a_node_in_its_graceful_shutdown_is_a_preemption_before_its_pods_are_marked():
+    """The kubelet reports the node NotReady ("node is shutting down") first, then shuts the
+    pods down: a job that ends in between was preempted; a node silent for other reasons is lost."""
+    shutting = node("n2", ready="False")
+    shutting["status"]["conditions"][0]["message"] = "node is shutting down"
+    health = judge(pod("w0"), pod("w1", node="n2"), nodes={**NODES, "n2": shutting})
+    assert (health.reason, "shutting down" in health.detail) == ("Preempted", True)
+    assert judge(pod("w0"), pod("w1", node="n2"), nodes={**NODES, "n2": node("n2", ready="False")}).reason == "NodeLost"
+
+
 def test_pods_gone_replaced_or_on_a_lost_node():
     assert judge(pod("w0")).reason == "Preempted"  # one of two workers is gone
     replaced = judge(pod("w0"), pod("w1", created="2026-01-01T12:20:00Z"))

@@ -143,6 +143,8 @@ _DISRUPTIONS = {
     "DeletionByTaintManager": "NodeLost",  # the node went NotReady or unreachable
     "DeletionByPodGC": "NodeLost",  # the node is gone
 }
+# The kubelet's Ready condition message during its graceful node shutdown (nodeshutdown).
+NODE_SHUTTING_DOWN = "node is shutting down"
 # When several pods say different things, the most specific wins.
 _REASON_RANK = ("Maintenance", "NodeLost", "Preempted")
 
@@ -200,7 +202,11 @@ def _pod_health(pod: dict, nodes: dict, since, several_slices: bool = False) -> 
         if MAINTENANCE_LABEL in ((node.get("metadata") or {}).get("labels") or {}):
             problems.append(("Maintenance", f"node {node_name} of pod {name} has maintenance scheduled"))
         ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
-        if ready and ready[0].get("status") != "True":
+        if ready and ready[0].get("status") != "True" and NODE_SHUTTING_DOWN in (ready[0].get("message") or ""):
+            # The kubelet's graceful node shutdown (a Spot VM's notice, before it marks the
+            # pods): the node is being taken away, not lost.
+            problems.append(("Preempted", f"node {node_name} of pod {name} is shutting down"))
+        elif ready and ready[0].get("status") != "True":
             problems.append(("NodeLost", f"node {node_name} of pod {name} is not Ready ({ready[0].get('reason') or ready[0].get('status')})"))
     if disruption is not None:
         why = disruption.get("reason") or ""
