@@ -24,9 +24,9 @@ EXPECTED_CLUSTER_RULES = [
     # get: KubeBackend.slice_health; list, watch: handlers.node_maintenance.
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
-    # list, watch: kopf resolves TPUFT_NAMESPACE against the namespaces there are; get:
-    # handlers.release sees a namespace being deleted (KubeBackend.namespace_ending).
-    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+    # kopf resolves TPUFT_NAMESPACE against the namespaces there are; handlers.namespace_deleted
+    # sees one being deleted.
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     # The finalizer of a run whose namespace is being deleted (its RoleBinding already gone).
     {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes"], "verbs": ["patch"]},
     {"apiGroups": ["tpufinetune.dev"], "resources": ["tpufinetunes/status"], "verbs": ["patch"]},

@@ -61,11 +61,6 @@ class MemoryCluster:
         self.write_times: list[float] = []
         self.ready = True  # once it exists
         self.health = HEALTHY  # what the slice's pods say once a job ended
-        self.namespace_deleted = False  # its namespace is being deleted
-
-    async def namespace_ending(self, namespace):
-        self.calls.append("namespace")
-        return self.namespace_deleted
 
     async def observe(self, ident, name):
         if self.cancel_next_observe:  # a cancelled inner future, not a cancellation of the run

@@ -49,16 +49,22 @@ async def test_a_delete_releases_the_raycluster_and_returns_while_every_status_w
 @in_loop
 async def test_a_delete_in_a_namespace_being_deleted_returns_at_once_and_leaves_the_cluster_to_it():
     """The namespace controller deletes the RayCluster with its namespace, and the operator's
-    RoleBinding there is gone already: no call but the namespace's look, and the finalizer goes."""
+    RoleBinding there is gone already: once the namespace watch has seen the deletion, the
+    delete handler makes no call and the finalizer goes."""
     cluster = RefusingStatus()
-    cluster.exists = cluster.namespace_deleted = True
+    cluster.exists = True
     live = body({"phase": phases.RUNNING, "rayClusterName": "tft-demo", "attempt": 1, "jobId": "tft-uid-1-1"},
                 deletionTimestamp="2026-01-01T00:00:00Z")
     memo = SimpleNamespace(backend=cluster, jobs=RayJobs(timeout=0.5), settings=settings(),
                            progress=ProgressTracker())
-    await handlers.release(body=live, memo=memo)
-    assert cluster.calls == ["namespace"] and cluster.exists
-
+    ending = {"metadata": {"name": live["metadata"]["namespace"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    await handlers.namespace_deleted(type="MODIFIED", body=ending, memo=memo)
+    try:
+        await handlers.release(body=live, memo=memo)
+        assert cluster.calls == [] and cluster.exists
+    finally:
+        await handlers.namespace_deleted(type="DELETED", body=ending, memo=memo)
+    assert live["metadata"]["namespace"] not in handlers.ENDING_NAMESPACES
 
 def test_the_finalizer_patch_removes_only_the_operators_and_only_from_the_list_it_read():
     from tpufinetune.adapters.handlers import FINALIZER

@@ -37,6 +37,8 @@ from tpufinetune.settings import Settings
 log = logging.getLogger(__name__)
 FINALIZER = f"{GROUP}/release"
 RUNS: dict[tuple[str, str], Run] = {}
+# Watched namespaces whose deletion is under way, from the namespace watch (namespace_deleted).
+ENDING_NAMESPACES: set[str] = set()
 RELEASE_WAIT_S = 60
 
 
@@ -193,9 +195,11 @@ async def namespace_deleted(type: str, body: kopf.Body, memo: kopf.Memo, **_) ->
     namespace in Terminating for ever. Each run's finalizer goes here (RBAC: patch
     tpufinetunes cluster-wide); the namespace controller deletes their RayClusters."""
     meta = body.get("metadata", {})
-    if type == "DELETED" or not meta.get("deletionTimestamp"):
-        return
     namespace = meta.get("name", "")
+    if type == "DELETED" or not meta.get("deletionTimestamp"):
+        ENDING_NAMESPACES.discard(namespace)
+        return
+    ENDING_NAMESPACES.add(namespace)
     for name in metrics.names_in(namespace):
         if (run := RUNS.get((namespace, name))) is not None:
             run.end_with_namespace()
@@ -241,7 +245,7 @@ async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     """Delete the RayCluster (asking its job to stop first, best effort); the finalizer
     goes once the RayCluster is gone. Ray is never waited on."""
     key = (body["metadata"].get("namespace"), body["metadata"]["name"])
-    if await memo.backend.namespace_ending(key[0]):
+    if key[0] in ENDING_NAMESPACES:
         # The namespace controller deletes the RayCluster and everything else of the run,
         # and the operator's RoleBinding there is already gone: the finalizer goes now
         # (deploy/base/clusterrole.yaml: patch tpufinetunes cluster-wide), or the namespace

@@ -425,18 +425,6 @@ class KubeBackend:
             raise
         return dict(body.get("status") or {}), body["metadata"].get("resourceVersion", "")
 
-    async def namespace_ending(self, namespace: str) -> bool:
-        """The namespace is being deleted (or gone): the namespace controller deletes every
-        object in it, the run's RayCluster, Secret and NetworkPolicy included, and the
-        operator's RoleBinding there went first (RBAC: namespaces get)."""
-        try:
-            body = await self._call(self.core.read_namespace, namespace, _request_timeout=self._timeout)
-        except ApiException as error:
-            if error.status == 404:
-                return True
-            raise
-        return body.status is not None and body.status.phase == "Terminating"
-
     async def drop_finalizer(self, ident: Identity, finalizer: str) -> str:
         """`finalizer` off the run's object, and nothing else of it touched (RBAC: patch
         tpufinetunes cluster-wide, which holds in a namespace being deleted): "removed";
