@@ -1,0 +1,6 @@
+"""Training methods: what a run trains and how a micro-batch becomes its loss.
+
+`sft.py` (supervised fine-tuning, full or LoRA) and `dpo.py` (direct preference
+optimisation) each say, for the loop in train.py: what is trainable, how a micro-batch
+becomes a loss, what reference (if any) it needs, what it reports per epoch, and what its
+checkpoint and export hold. `dpo_loss.py` is DPO's pure loss (no model, no I/O)."""
