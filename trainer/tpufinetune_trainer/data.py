@@ -1,7 +1,8 @@
 """Training data: load, recognise the format, render prompts, tokenize, pack into blocks.
 
 Formats (`--dataset-format`): dolly (`instruction`, optional `context`, `response`),
-`messages` (a list of `{role, content}` turns) and `prompt`/`completion`. Prompt formats
+`messages` (a list of `{role, content}` turns) and `prompt`/`completion`; `preference`
+(`chosen`/`rejected`, with a `prompt` or as conversations) is `--method dpo`'s (preference.py). Prompt formats
 (`--prompt-format`): `chat` renders every example with the tokenizer's own chat template
 (what an instruct model such as gemma-4-E2B-it was trained on), `tutorial` is the
 tutorial's ``Instruction: …\\nResponse: …``. Labels (`--loss-on`): `responses` labels the
@@ -43,11 +44,12 @@ from . import storage
 from .errors import DataError
 
 IGNORE_INDEX = -100
-DATASET_FORMATS = ("auto", "dolly", "messages", "prompt-completion")
+DATASET_FORMATS = ("auto", "dolly", "messages", "prompt-completion", "preference")
 PROMPT_FORMATS = ("auto", "chat", "tutorial")
 LOSS_ON = ("responses", "all")
 COLUMNS = {"dolly": ("instruction", "response"), "messages": ("messages",),
-           "prompt-completion": ("prompt", "completion")}
+           "prompt-completion": ("prompt", "completion"),
+           "preference": ("chosen", "rejected")}  # --method dpo (preference.py)
 REQUIRED_COLUMNS = COLUMNS["dolly"]  # `context` is optional, as in dolly
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -121,7 +123,7 @@ def detect_format(columns: list[str], dataset: str, requested: str = "auto") -> 
             raise DataError(f"--dataset {dataset} is missing column(s) {missing} for --dataset-format "
                             f"{requested}; found {columns}")
         return requested
-    for name in ("messages", "prompt-completion", "dolly"):
+    for name in ("preference", "messages", "prompt-completion", "dolly"):
         if all(c in columns for c in COLUMNS[name]):
             return name
     raise DataError(f"--dataset {dataset} is missing column(s) {list(REQUIRED_COLUMNS)}: no known format fits "
@@ -515,6 +517,9 @@ def prepare(dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction
     tokenized in memory. Both give the same examples."""
     rows = load_rows(dataset, split)
     dataset_format = validate_rows(rows, dataset, split, dataset_format)
+    if dataset_format == "preference":
+        raise DataError(f"--dataset {dataset} is preference data ('chosen' and 'rejected' columns): train it with "
+                        "--method dpo, or give supervised data (dolly, messages or prompt/completion)")
     prompt_format = resolve_prompt_format(prompt_format, tokenizer)
     if stream:
         from . import data_stream
