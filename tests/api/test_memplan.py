@@ -9,7 +9,7 @@ import pytest
 from api_spec_cases import base_spec
 
 from tpufinetune.core import generations as g
-from tpufinetune.core import memplan
+from tpufinetune.core import memplan, memplan_spec
 from tpufinetune.core.api import parse_spec
 from tpufinetune.core.status import TPUFineTuneStatus
 
@@ -78,9 +78,9 @@ def test_lora_with_trained_embeddings_counts_their_master_gradient_and_moments()
     assert embeddings.breakdown.loss_head > adapters.breakdown.loss_head  # the head's gradient
     assert embeddings.per_chip_bytes > adapters.per_chip_bytes
     # From the spec: spec.training.lora.trainEmbeddings reaches the plan.
-    on = memplan.plan_spec(spec("google/gemma-4-31B-it", training={"method": "lora", "batchSizePerDevice": 1,
+    on = memplan_spec.plan_spec(spec("google/gemma-4-31B-it", training={"method": "lora", "batchSizePerDevice": 1,
                                                                     "lora": {"trainEmbeddings": True, "dropout": 0}}))
-    off = memplan.plan_spec(spec("google/gemma-4-31B-it", training={"method": "lora", "batchSizePerDevice": 1,
+    off = memplan_spec.plan_spec(spec("google/gemma-4-31B-it", training={"method": "lora", "batchSizePerDevice": 1,
                                                                      "lora": {"dropout": 0}}))
     assert on.breakdown == embeddings.breakdown and off.breakdown == adapters.breakdown
 
@@ -135,15 +135,15 @@ def test_every_tpu_generation_has_its_hbm_and_the_cpu_none():
 
 
 def test_the_plan_of_a_spec_reads_its_training_and_worker_memory():
-    plan = memplan.plan_spec(spec("google/gemma-4-E2B-it", training={"maxSeqLen": 2048, "batchSizePerDevice": 1}))
-    shorter = memplan.plan_spec(spec("google/gemma-4-E2B-it", training={"maxSeqLen": 512, "batchSizePerDevice": 1}))
+    plan = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"maxSeqLen": 2048, "batchSizePerDevice": 1}))
+    shorter = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"maxSeqLen": 512, "batchSizePerDevice": 1}))
     assert plan.breakdown.activations > 4 * shorter.breakdown.activations  # scores grow with L^2
     assert plan.host_limit_bytes == int(200 * GIB * (1 - memplan.HEADROOM))  # ct6e-standard-4t's pod
-    assert memplan.plan_spec(spec("google/gemma-4-31B-it", mode="collectives", checkpoint=None)) is None
+    assert memplan_spec.plan_spec(spec("google/gemma-4-31B-it", mode="collectives", checkpoint=None)) is None
 
 
 def test_status_plan_is_declared_by_the_status_model():
-    written = {"plan": memplan.status_of(memplan.estimate(request("google/gemma-4-31B-it")))}
+    written = {"plan": memplan_spec.status_of(memplan.estimate(request("google/gemma-4-31B-it")))}
     parsed = TPUFineTuneStatus.model_validate(written).model_dump(by_alias=True, exclude_none=True)
     assert parsed == written
     assert written["plan"]["fits"] is False and written["plan"]["perChipHBMBytes"] > written["plan"]["limitBytes"]
@@ -193,15 +193,15 @@ def test_the_loss_head_counts_one_weight_gradient_not_its_product_too():
 
 def test_the_plan_of_a_spec_reads_its_memory_settings():
     settings = {"maxSeqLen": 8192, "batchSizePerDevice": 1}
-    plain = memplan.plan_spec(spec("google/gemma-4-E2B-it", training=settings))
-    lighter = memplan.plan_spec(spec("google/gemma-4-E2B-it", training={
+    plain = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training=settings))
+    lighter = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={
         **settings, "activationCheckpointing": "block", "attention": "sdpa", "freezeEmbeddings": True}))
     assert lighter.breakdown.activations < plain.breakdown.activations / 10
     assert lighter.breakdown.loss_head < plain.breakdown.loss_head
     assert lighter.per_chip_bytes < plain.per_chip_bytes
-    eager_cpu = memplan.plan_spec(spec("google/gemma-4-E2B-it", generation="cpu", topology="2",
+    eager_cpu = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", generation="cpu", topology="2",
                                        training={**settings, "attention": "eager"}))
-    sdpa_cpu = memplan.plan_spec(spec("google/gemma-4-E2B-it", generation="cpu", topology="2", training=settings))
+    sdpa_cpu = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", generation="cpu", topology="2", training=settings))
     assert eager_cpu.breakdown.activations > sdpa_cpu.breakdown.activations  # the cpu stand-in's default is sdpa
 
 
@@ -215,19 +215,19 @@ def stated(path: str, parameters: int, **overrides):
 
 def test_a_model_the_table_does_not_know_is_checked_on_the_size_its_spec_states():
     path = "gs://models/my-30b"
-    unstated = memplan.plan_spec(spec(path))
+    unstated = memplan_spec.plan_spec(spec(path))
     assert unstated.basis == "unknown" and unstated.fits is None and not memplan.refuses(unstated)
-    big = memplan.plan_spec(stated(path, 30_000_000_000))
+    big = memplan_spec.plan_spec(stated(path, 30_000_000_000))
     # 16 B a parameter (fp32 weights, gradients, two AdamW moments) over 16 chips: 28 GiB,
     # under a v6e chip's 28.8 usable; doubled it cannot fit, whatever the activations.
     assert (big.basis, big.fits) == ("stated", True), big.summary()
-    bigger = memplan.plan_spec(stated(path, 60_000_000_000))
+    bigger = memplan_spec.plan_spec(stated(path, 60_000_000_000))
     assert memplan.refuses(bigger)
     message = bigger.refusal()
     assert "55.9 GiB of HBM per chip" in message and "28.8 GiB usable" in message
     assert message.endswith("smallest that fits: topology 4x8 (32 chips)"), message
-    assert memplan.status_of(bigger)["basis"] == "stated"
-    lora = memplan.plan_spec(stated(path, 60_000_000_000, training={"method": "lora"}))
+    assert memplan_spec.status_of(bigger)["basis"] == "stated"
+    lora = memplan_spec.plan_spec(stated(path, 60_000_000_000, training={"method": "lora"}))
     assert lora.fits and lora.per_chip_bytes < bigger.per_chip_bytes / 7
 
 
@@ -252,11 +252,11 @@ def test_every_block_stays_gathered_only_where_the_plan_holds_it_within_the_marg
     assert not memplan.keeps_gathered(request("google/gemma-4-E2B-it", generation="cpu", topology="2"))
     assert not memplan.keeps_gathered(request("google/gemma-4-31B-it", generation="v7x", topology="2x2x2"))
     # A spec's plan is what the trainer will run: kept where jobspec asks for it.
-    on_v7x = memplan.plan_spec(spec("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2"))
+    on_v7x = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2"))
     assert on_v7x.keep_gathered and "every block kept gathered" in on_v7x.summary()
     assert on_v7x.per_chip_bytes == memplan.estimate(request("google/gemma-4-E2B-it", generation="v7x",
                                                              topology="2x2x2", keep_gathered=True)).per_chip_bytes
-    assert not memplan.plan_spec(spec("google/gemma-4-E2B-it")).keep_gathered
+    assert not memplan_spec.plan_spec(spec("google/gemma-4-E2B-it")).keep_gathered
     # Nor for a run that does not fit its worker pod's memory.
     assert not memplan.keeps_gathered(request("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2",
                                               host_memory_bytes=8 * GIB))
@@ -272,8 +272,8 @@ def test_lora_dropout_counts_each_adapted_layers_dropped_input_and_mask():
     dropped = memplan.device_bytes(**at, lora_dropout=0.05)
     inputs = 3 * shape.hidden + shape.attention_width + 2 * shape.hidden + shape.intermediate  # q k v o gate up down
     assert dropped.activations - without.activations == shape.layers * 512 * 4 * inputs * 2 * 2
-    default = memplan.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora"}))
-    off = memplan.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora", "lora": {"dropout": 0}}))
+    default = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora"}))
+    off = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora", "lora": {"dropout": 0}}))
     assert default.breakdown.activations - off.breakdown.activations == dropped.activations - without.activations
 
 
@@ -287,7 +287,7 @@ def test_lora_counts_the_target_modules_the_spec_names():
                                                  abs=16)
     assert two.optimizer * 16 == pytest.approx(8 * shape.layers * rank * (sum(widths["q_proj"])
                                                                           + sum(widths["v_proj"])), abs=16)
-    named = memplan.plan_spec(spec("google/gemma-4-31B-it", training={
+    named = memplan_spec.plan_spec(spec("google/gemma-4-31B-it", training={
         "method": "lora", "batchSizePerDevice": 1, "lora": {"targetModules": ["q_proj", "v_proj"], "dropout": 0}}))
     assert named.breakdown.optimizer == two.optimizer
 
@@ -303,9 +303,9 @@ def test_gemma_4_full_attention_layers_are_wider_and_a_config_wins_over_the_tabl
     own = memplan.estimate(request("google/gemma-4-31B-it", generation="v7x", topology="2x2x4", model_config=config))
     assert own.per_chip_bytes != table.per_chip_bytes
     assert own.breakdown.weights * 32 == pytest.approx(4 * memplan.shape_from_config(config).parameters, abs=64)
-    assert "widths: gemma-4-31B's config.json" in memplan.status_of(own)["message"]
-    assert "Gemma 3 27B's" in memplan.status_of(table)["message"]  # the table names its stand-in
-    assert len(memplan.status_of(table)["message"]) <= 1024
+    assert "widths: gemma-4-31B's config.json" in memplan_spec.status_of(own)["message"]
+    assert "Gemma 3 27B's" in memplan_spec.status_of(table)["message"]  # the table names its stand-in
+    assert len(memplan_spec.status_of(table)["message"]) <= 1024
 
 
 def test_the_full_loss_head_is_planned_with_every_positions_logits():

@@ -10,7 +10,7 @@ from api_spec_cases import spec_with
 from tpufinetune.core import megascale
 from tpufinetune.core.api import parse_spec
 from tpufinetune.core.jobspec import preflight_submission, trainer_argv
-from tpufinetune.core.memplan import plan_spec
+from tpufinetune.core.memplan_spec import plan_spec
 from tpufinetune.core.podtemplate import raycluster_with_pod_settings
 from tpufinetune.core.sizing import NODEPOOL_LABEL, REPLICA_INDEX_LABEL, SLICE_INDEX_ENV, raycluster_name
 from tpufinetune_trainer import backends as trainer_backends

@@ -138,12 +138,17 @@ def test_a_killed_head_then_a_deleted_raycluster_are_each_retried_from_the_last_
     assert [j.submission_id for j in jobs] == [f"tft-{uid}-2"]  # nothing else was submitted there
     assert checkpoint in jobs[0].entrypoint  # resumed from the checkpoint attempt 1 reported
 
-    # Then, attempt 2 running on the new head, the RayCluster deleted outside the operator.
+    # Then, once attempt 2 wrote a checkpoint of its own, its RayCluster deleted outside the
+    # operator: attempt 3 must resume from that one, not from attempt 1's.
+    kube.wait_for(lambda: kube.status("head-killed").get("checkpointURI") != checkpoint,
+                  "attempt 2's first checkpoint", timeout=300)
     assert kube.status("head-killed")["epoch"] < 5, "the run ended before its second fault"
     old_pods = [p["metadata"]["uid"] for p in kube.pods_of(cluster)]
     kube.kubectl("delete", "raycluster", cluster, "--wait=false")  # someone else's delete
     # Used to fail step after step until RayUnreachable (ten minutes by default).
-    kube.wait_for(lambda: kube.status("head-killed").get("attempt") == 3, "the second retry", timeout=120)
+    at_retry = kube.wait_for(lambda: (s := kube.status("head-killed")).get("attempt") == 3 and s,
+                             "the second retry", timeout=120)
+    newest = at_retry["checkpointURI"]  # the last one reported before attempt 3 started: attempt 2's
     assert kube.status("head-killed")["retries"] == 2
     status = kube.wait_for(lambda: (s := kube.status("head-killed")).get("phase") in ("Succeeded", "Failed") and s,
                            "the run to end", timeout=600, interval=2)
@@ -154,9 +159,8 @@ def test_a_killed_head_then_a_deleted_raycluster_are_each_retried_from_the_last_
     # The head's restart lost attempt 1's job, the delete attempt 2's: both are ClusterLost.
     assert [a["reason"] for a in status["attempts"]] == ["ClusterLost", "ClusterLost", "Succeeded"], status["attempts"]
     assert lost["resumedFrom"] == checkpoint, status["attempts"]
-    # From attempt 1's checkpoint, or one attempt 2 wrote before its cluster went (its notice
-    # on SIGTERM, or a later epoch's).
-    assert last["resumedFrom"].rsplit("/", 1)[0] == checkpoint.rsplit("/", 1)[0], status["attempts"]
+    # From the checkpoint attempt 2 wrote last (an epoch's, or its notice's on SIGTERM).
+    assert newest != checkpoint and last["resumedFrom"] == newest, (newest, status["attempts"])
     # A lost cluster is never trusted again: each retry ran on a RayCluster of its own.
     assert len({a["rayClusterUID"] for a in (first, lost, last)}) == 3, status["attempts"]
     lost_events = [e for e in kube.items("events", "--field-selector", "involvedObject.name=head-killed")

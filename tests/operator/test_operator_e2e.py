@@ -80,10 +80,11 @@ def answers(url: str) -> str:
 
 
 def test_finetune_runs_to_succeeded_with_every_epoch_in_status_and_the_standby_takes_over_its_killed_leader(
-        operator, ground, kube, ground_assets, storage, tmp_path):
+        operator, ground, kube, ground_assets, trainer_assets, storage, tmp_path):
     """Model, data and checkpoints all in the ground's bucket (gs://), as on GKE. Two operator
     replicas, as deploy/ runs them: the leader is SIGKILLed mid-run and the standby takes
-    over once the Lease ran out; it reattaches without a second submission."""
+    over once the Lease ran out; it reattaches without a second submission. The memory plan
+    is made again from the model's own config.json, as the trainer read it from the bucket."""
     kube.wait_for(lambda: lease(kube).get("holderIdentity") == OPERATOR_PODS[0], "the session's operator leads")
     # The watch first: kubectl's watch is established while the standby starts, before the
     # run exists, so it sees every phase (Pending lasts a moment).
@@ -212,6 +213,13 @@ def _finetune_with_a_takeover(operator, standby, watch, ground, kube, ground_ass
     events = kube.kubectl("get", "events", "--field-selector", "involvedObject.name=tiny-finetune", "-o", "json").stdout
     reasons = {item["reason"] for item in json.loads(events)["items"]}
     assert {"Accepted", "ClusterReady", "JobSubmitted", "Succeeded"} <= reasons
+    # A bucket path is not in the planner's table: planned from its config.json once read.
+    own = json.loads((trainer_assets.model / "config.json").read_text())
+    own = own.get("text_config") or own
+    assert status["plan"]["basis"] == "config" and "config.json" in status["plan"]["widthsFrom"], status["plan"]
+    assert (status["plan"]["modelConfig"]["hiddenSize"], status["plan"]["modelConfig"]["numHiddenLayers"]) == (
+        own["hidden_size"], own["num_hidden_layers"])
+    assert "PlannedFromModelConfig" in reasons
     _check_notices(ground, kube, uid)
 
 

@@ -116,7 +116,7 @@ def test_a_worker_failure_ends_the_job_with_a_failure_event(ray_head, trainer_as
     logs = client.get_job_logs(job_id)
     assert str(client.get_job_status(job_id).value) == "FAILED", logs[-4000:]
     events = events_of(logs)
-    assert [e.kind for e in events] == ["start", "failure"]  # started, then one failure
+    assert [e.kind for e in events] == ["model", "start", "failure"]  # the config read, started, one failure
     assert events[-1]["type"] == "ModelError" and str(broken) in events[-1]["message"]
 
 
@@ -132,7 +132,7 @@ def test_a_checkpoint_storage_the_workers_cannot_use_fails_before_training(ray_h
     args = dict(base_args(trainer_assets, storage), **{"--run-name": "probe-blocked"})
     run = run_trainer(_argv(args), offline_env(ray_head.env()), timeout=300)
     assert run.rc != 0
-    assert [e.kind for e in run.events] == ["start", "failure"], run.tail()
+    assert [e.kind for e in run.events] == ["model", "start", "failure"], run.tail()
     failure = run.events[-1]
     assert failure["type"] == "StorageError", failure
     assert f"Checkpoint storage {storage / 'probe-blocked' / PROBE_DIR}" in failure["message"]

@@ -18,7 +18,7 @@ from typing import Any, Iterator, TextIO
 
 PREFIX = "TPUFT-EVENT "
 VERSION = 1
-KINDS = frozenset({"start", "plan", "progress", "epoch", "checkpoint", "result", "failure", "collectives",
+KINDS = frozenset({"start", "model", "plan", "progress", "epoch", "checkpoint", "result", "failure", "collectives",
                    "notice", "early_stop", "export_proof"})
 
 # A line longer than this (in bytes) without a newline is not one of ours; drop it rather

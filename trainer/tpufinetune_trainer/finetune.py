@@ -15,7 +15,8 @@ from . import backends, storage
 from .config import FinetuneConfig
 from .data import Examples, PreparedData, epoch_step_count, pad_id_of, prepare
 from .errors import ConfigError, StorageError
-from .model import check_model, load_config, load_tokenizer
+from .events import emit
+from .model import check_model, config_report, load_config, load_tokenizer
 
 
 def check_storage(storage_path: str, run_name: str) -> None:
@@ -99,7 +100,10 @@ def prepare_data(cfg: FinetuneConfig) -> tuple[PreparedData, int]:
     tokenizer's pad id."""
     from .sharded_load import check_dense
 
-    check_dense(load_config(cfg.model_id), cfg.model_id)  # before the slice is reserved
+    config = load_config(cfg.model_id)
+    check_dense(config, cfg.model_id)  # before the slice is reserved
+    # Its widths, for the operator's memory plan (status.plan), before any weight is loaded.
+    emit("model", config=config_report(config))
     tokenizer = load_tokenizer(cfg.model_id)
     data = prepare(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction, cfg.seed,
                    cfg.long_prompts, cfg.prompt_format, cfg.dataset_format, cfg.loss_on)

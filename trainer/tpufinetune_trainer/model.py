@@ -85,6 +85,19 @@ def text_only_kwargs(config) -> dict:
     return {name: None for name in _TOWER_CONFIGS if getattr(config, name, None) is not None}
 
 
+def config_report(config) -> dict:
+    """What the `model` event tells the operator of the model's config.json, so that its
+    memory plan uses the model's own widths: the text model's scalar settings and its
+    `layer_types` (the operator picks what its planner reads; docs/protocol.md)."""
+    text = getattr(config, "text_config", None) or config
+    settings = text.to_dict() if hasattr(text, "to_dict") else dict(text)
+    report = {key: value for key, value in settings.items()
+              if isinstance(value, (int, float, str, bool)) and not (isinstance(value, str) and len(value) > 128)}
+    if isinstance(settings.get("layer_types"), list):
+        report["layer_types"] = [str(kind) for kind in settings["layer_types"]]
+    return report
+
+
 def load_causal_lm(model_id: str, dtype, attn_implementation: str):
     from transformers import AutoModelForCausalLM
 

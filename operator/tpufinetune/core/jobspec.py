@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from . import memplan
+from . import memplan_spec
 from .api import TPUFineTuneSpec
 from .apimodels import MemorySettings
 from .sizing import slice_shape, total_devices
@@ -153,7 +153,7 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         if lora.train_embeddings:  # only when on: an older trainer image knows no such flag
             argv.append("--lora-train-embeddings=true")
     argv += memory_flags(training)
-    plan = memplan.plan_spec(spec)  # status.plan's: the flag and the figure shown are one decision
+    plan = memplan_spec.plan_spec(spec)  # status.plan's: the flag and the figure shown are one decision
     if plan is not None and plan.keep_gathered:  # only then: an older trainer knows no such flag
         argv.append("--reshard-after-forward=false")
     if training.tokens_per_step is not None:  # only when set: an older trainer image knows no such flag

@@ -36,7 +36,7 @@ measured peaks on CPU on configurations their constants were not fitted to
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from . import generations as g
 from .memplan_shapes import DEFAULT_LORA_TARGETS, KNOWN_MODELS, ModelShape, known_shape, shape_for, \
@@ -106,7 +106,7 @@ LOSS_HEADS = ("labels", "full")  # the trainer's --loss-head
 # (docs/trainer.md, "Loss head": five, measured).
 FULL_LOGITS = 5
 METHODS = ("full", "lora")
-CHECKED = ("table", "stated")  # the bases a plan is checked on
+CHECKED = ("table", "config", "stated")  # the bases a plan is checked on
 CHECKPOINTING = ("none", "block", "selective")
 
 
@@ -250,6 +250,8 @@ class MemoryPlan:
     slices: int = 1
     keep_gathered: bool = False  # planned with every block gathered from forward to backward
     widths_from: str = ""  # where the model's widths come from (the table's source or its config.json)
+    # The model's config.json the widths came from (memplan_shapes.CONFIG_KEYS), when they did.
+    model_config: dict | None = field(default=None, compare=False)
 
     @property
     def placement(self) -> str:
@@ -360,7 +362,7 @@ def _plan(request: Request) -> MemoryPlan:
     host = per_host_devices * (RUNTIME_BYTES_PER_DEVICE + staged + (0 if gen.is_tpu else part.total)) + proof
     host_limit = int(request.host_memory_bytes * (1 - HEADROOM)) if request.host_memory_bytes else 0
     return MemoryPlan(
-        basis="table", **common,
+        basis="config" if request.model_config else "table", **common, model_config=request.model_config,
         per_chip_bytes=part.total * gen.devices_per_chip if gen.is_tpu else 0,
         limit_bytes=int(gen.hbm_gib_per_chip * GIB * (1 - HEADROOM)) if gen.is_tpu else 0,
         host_bytes=host, host_limit_bytes=host_limit, breakdown=part, keep_gathered=request.keep_gathered,
@@ -434,50 +436,3 @@ def _describe(request: Request, candidate: Request) -> str:
         changes.append(f"activationCheckpointing {candidate.activation_checkpointing}")
     changes.append(f"topology {candidate.topology} ({g.chips_in(candidate.topology)} chips)")
     return ", ".join(changes)
-
-
-def status_of(plan: MemoryPlan) -> dict:
-    """status.plan (core/status.py's MemoryPlanStatus)."""
-    out: dict = {"basis": plan.basis, "method": plan.method, "message": plan.summary()}
-    if plan.basis in CHECKED:
-        out.update(fits=plan.fits, hostRAMBytes=plan.host_bytes)
-        if plan.limit_bytes:
-            out.update(perChipHBMBytes=plan.per_chip_bytes, limitBytes=plan.limit_bytes)
-        if plan.host_limit_bytes:
-            out["hostRAMLimitBytes"] = plan.host_limit_bytes
-        if plan.smallest_fit:
-            out["smallestFit"] = plan.smallest_fit
-    return out
-
-
-def plan_spec(spec) -> MemoryPlan | None:
-    """The plan of a TPUFineTune spec (None for mode collectives: nothing is trained), as
-    the trainer will run it: with every block kept gathered where `keeps_gathered` (jobspec
-    passes the trainer's flag from this plan). The method, LoRA rank and memory settings
-    are read defensively: older specs have none (full, no checkpointing, the device's
-    attention, trained embeddings)."""
-    if spec.mode != "finetune":
-        return None
-    from .quantity import parse_quantity
-    from .sizing import plan_resources
-
-    training = spec.training
-    # The LoRA settings the run uses: the defaults (dropout 0.05, seven targets) when method
-    # lora leaves spec.training.lora unset.
-    settings = getattr(training, "lora_settings", None)
-    lora = settings() if settings is not None else getattr(training, "lora", None)
-    memory = plan_resources(spec)["workers"][1].get("memory")
-    request = Request(
-        model_id=spec.model.id, method=getattr(training, "method", "full") or "full",
-        generation=spec.tpu.generation, topology=spec.tpu.topology, max_seq_len=training.max_seq_len,
-        batch_per_device=training.batch_size_per_device,
-        lora_rank=int(getattr(lora, "rank", 0) or 16),
-        host_memory_bytes=int(parse_quantity(str(memory))) if memory else None,
-        activation_checkpointing=getattr(training, "activation_checkpointing", None) or "none",
-        attention=getattr(training, "attention", None),
-        freeze_embeddings=bool(getattr(training, "freeze_embeddings", None)),
-        lora_embeddings=bool(getattr(lora, "train_embeddings", None)),
-        stated_parameters=getattr(spec.model, "parameters", None), slices=spec.tpu.slices,
-        lora_targets=tuple(getattr(lora, "target_modules", None) or DEFAULT_LORA_TARGETS),
-        lora_dropout=float(getattr(lora, "dropout", 0.0) or 0.0) if lora is not None else 0.0)
-    return estimate(replace(request, keep_gathered=True) if keeps_gathered(request) else request)

@@ -137,7 +137,10 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
     kv_heads = int(text.get("num_key_value_heads") or heads)
     gemma4 = "global_head_dim" in text or str(text.get("model_type", "")).startswith("gemma4")
     full_dim = int(text.get("global_head_dim") or (GLOBAL_HEAD_DIM if gemma4 else head_dim))
-    full = full_attention_layers(layers, text.get("layer_types")) if gemma4 else 0
+    if "full_attention_layers" in text:  # config_from_event's count of `layer_types`
+        full = int(text["full_attention_layers"]) if gemma4 else 0
+    else:
+        full = full_attention_layers(layers, text.get("layer_types")) if gemma4 else 0
     vocab = int(text["vocab_size"])
     ple_width = int(text.get("hidden_size_per_layer_input") or 0)
     ple_vocab = int(text.get("vocab_size_per_layer_input") or vocab)
@@ -167,3 +170,47 @@ def shape_for(model_id: str, config: dict | None = None) -> ModelShape | None:
     counts = dict(parameters=table.parameters, experts=table.experts,
                   active_parameters=table.active_parameters) if table.experts else {}
     return replace(shape, **counts, source=f"config.json; {table.source}")
+
+
+# What the planner reads of a config.json (shape_from_config), as the trainer's `model` event
+# carries it (docs/protocol.md) and status.plan.modelConfig shows it.
+CONFIG_INTEGERS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "global_head_dim", "vocab_size",
+                   "hidden_size_per_layer_input", "vocab_size_per_layer_input")
+CONFIG_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+_LARGEST = 10**9
+
+
+def config_from_event(reported) -> dict | None:
+    """The planner's part of the config.json the trainer reported (its text model's, a
+    multimodal one's `text_config`), or None when it lacks a width the planner needs or a
+    figure is not a positive integer. `layer_types` is kept as its count of full-attention
+    layers (a list as long as the model is deep is not worth a status field)."""
+    if not isinstance(reported, dict):
+        return None
+    text = reported.get("text_config") if isinstance(reported.get("text_config"), dict) else reported
+    config: dict = {}
+    for key in CONFIG_INTEGERS:
+        value = text.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < _LARGEST:
+            return None
+        config[key] = value
+    if any(key not in config for key in CONFIG_REQUIRED):
+        return None
+    model_type = text.get("model_type")
+    if isinstance(model_type, str) and model_type:
+        config["model_type"] = model_type[:64]
+    layer_types = text.get("layer_types")
+    if isinstance(layer_types, list) and all(isinstance(kind, str) for kind in layer_types):
+        config["full_attention_layers"] = full_attention_layers(config["num_hidden_layers"], layer_types)
+    return config
+
+
+def config_status(config: dict) -> dict:
+    """status.plan.modelConfig: config_from_event's keys in the status' camelCase."""
+    def camel(key: str) -> str:
+        head, *rest = key.split("_")
+        return head + "".join(part.capitalize() for part in rest)
+    return {camel(key): value for key, value in config.items()}

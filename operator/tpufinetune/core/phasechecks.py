@@ -2,7 +2,8 @@
 collectives check run on the attempt's cluster before its fine-tune, and a checkpoint asked
 for when a node of the run's pods has maintenance scheduled; the run's head not answering
 (its unreachable clock, kept in condition RayReachable) and an edit the operator's checks
-refuse (condition SpecValid). Pure: no I/O.
+refuse (condition SpecValid); the memory plan made again from the model's own config.json
+once the trainer has read it. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from tpufinetune.core import conditions as cond
+from tpufinetune.core import memplan, memplan_spec
+from tpufinetune.core.memplan_shapes import config_from_event
 from tpufinetune.core.jobspec import checkpoint_request_id, preflight_id
 from tpufinetune.core.phaseattempts import _fail
 from tpufinetune.core.phasemodel import (
@@ -158,3 +161,24 @@ def ray_down_since(s: dict) -> datetime | None:
     since = cond.parse_time(found.get("lastTransitionTime"))
     entered = cond.parse_time(s.get("phaseTransitionTime"))
     return since if since is not None and (entered is None or since >= entered) else None
+
+
+def plan_from_config(plan: Plan, s: dict, event: dict, d: Decision) -> str:
+    """The trainer read the model's config.json (its `model` event, before any weight is
+    loaded): status.plan is planned again from its widths, which win over the table's.
+    Returns why the run cannot fit ('' when it can, or nothing was planned)."""
+    config = config_from_event(event.get("config"))
+    if plan.memory_request is None or config is None:
+        return ""
+    memory = memplan_spec.with_model_config(plan.memory_request, config)
+    planned = memplan_spec.status_of(memory)
+    if s.get("plan") == planned:
+        return ""  # the same event read again (a restart re-reads the log)
+    before = (s.get("plan") or {}).get("perChipHBMBytes") or (s.get("plan") or {}).get("hostRAMBytes")
+    s["plan"] = planned
+    d.actions.append(RecordEvent("Normal", "PlannedFromModelConfig",
+                                 f"{memory.summary()} (before: {before} bytes from the planner's table)"
+                                 [: cond.MESSAGE_LIMIT] if before else memory.summary()[: cond.MESSAGE_LIMIT]))
+    if not memplan.refuses(memory):
+        return ""
+    return f"{memory.refusal()} (planned from the model's config.json, which the trainer read)"

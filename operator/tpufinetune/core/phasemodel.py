@@ -64,6 +64,9 @@ class Plan:
     # why the run cannot fit its slice ('' when it can, or when the model is unknown).
     memory: dict | None = field(default=None, hash=False)
     does_not_fit: str = ""
+    # The planner's request (memplan.Request), planned again when the trainer reports the
+    # model's own config.json (its `model` event); None: not planned.
+    memory_request: object | None = field(default=None, hash=False, compare=False)
     logs_root: str = ""  # jobspec.run_logs_root: status.attempts[].logsURI ('': none kept)
 
 

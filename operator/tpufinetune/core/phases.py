@@ -27,7 +27,7 @@ from datetime import datetime, timedelta
 
 from tpufinetune.core import attempts
 from tpufinetune.core import conditions as cond
-from tpufinetune.core import memplan
+from tpufinetune.core import memplan, memplan_spec
 from tpufinetune.core.api import TPUFineTuneSpec
 from tpufinetune.core.jobspec import run_logs_root, submission_id
 from tpufinetune.core.phaseattempts import (  # noqa: F401  (attempt_reason: part of the API)
@@ -35,7 +35,8 @@ from tpufinetune.core.phaseattempts import (  # noqa: F401  (attempt_reason: par
     _success_message, _suspended, attempt_reason,
 )
 from tpufinetune.core.phasechecks import (  # noqa: F401  (ray_down_since: the driver's)
-    _maintenance, _preflight_passed, _ray_clock, _ray_down, _spec_validity, maintenance_time, ray_down_since,
+    _maintenance, _preflight_passed, _ray_clock, _ray_down, _spec_validity, maintenance_time, plan_from_config,
+    ray_down_since,
 )
 from tpufinetune.core.phasemodel import (  # noqa: F401  (re-exported: the driver and tests use phases.X)
     DELETING, FAILED, JOB_ACTIVE, PENDING, PROVISIONING, QUEUED, RUNNING, SUBMITTING, SUCCEEDED, TERMINAL,
@@ -57,7 +58,8 @@ def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: t
     if spec is None:
         return Plan(cluster_name=name, epochs=0, provision_timeout=provision_timeout, submit_timeout=submit_timeout)
     raycluster = raycluster_with_pod_settings(ident.name, ident.namespace, ident.uid, spec)
-    memory = memplan.plan_spec(spec)
+    request = memplan_spec.request_of(spec)
+    memory = memplan.estimate(request) if request is not None else None
     return Plan(
         cluster_name=name,
         epochs=spec.training.epochs,
@@ -73,8 +75,9 @@ def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: t
         no_progress_timeout=_seconds(spec.no_progress_timeout_seconds),
         queue=spec.queue_name or "",
         preflight=spec.mode == "finetune" and spec.preflight is not None and spec.preflight.enabled,
-        memory=memplan.status_of(memory) if memory is not None else None,
+        memory=memplan_spec.status_of(memory) if memory is not None else None,
         does_not_fit=memory.refusal() if memory is not None and memplan.refuses(memory) else "",
+        memory_request=request,
         logs_root=run_logs_root(ident.name, ident.uid, spec),
     )
 
@@ -123,7 +126,11 @@ def cluster_fingerprint(raycluster: dict) -> str:
 def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> Decision:
     new = _copy(status)
     decision = Decision(new)
+    refused_by_config = ""
     for event in obs.events:
+        if event.get("event") == "model":
+            refused_by_config = plan_from_config(plan, new, event, decision) or refused_by_config
+            continue
         previous = dict(new.get("notice") or {})
         apply_event(new, event)
         if event.get("event") != "notice":
@@ -154,6 +161,9 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
         _applied(new, ident)
         new["plan"] = plan.memory
         _fail(plan, new, obs, decision, "DoesNotFit", plan.does_not_fit)
+    elif refused_by_config and phase in (SUBMITTING, RUNNING):
+        # The model's own config.json says the run cannot fit: stopped before it trains.
+        _stop_and_fail(plan, new, obs, decision, "DoesNotFit", refused_by_config)
     elif plan.suspended and phase:
         _suspended(ident, new, obs, decision)
     elif phase and _past_deadline(plan, new, obs):

@@ -23,7 +23,8 @@ import yaml
 from .api import API_VERSION, DNS_SUBDOMAIN, KIND, TPUFineTuneSpec, parse_spec
 from .errors import SpecError
 from .jobspec import job_submission
-from .memplan import plan_spec, refuses
+from .memplan import refuses
+from .memplan_spec import plan_spec
 from .podtemplate import raycluster_with_pod_settings
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"

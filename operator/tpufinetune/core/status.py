@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import Field
+
+from tpufinetune.core.planstatus import MemoryPlanStatus, ModelConfigStatus  # noqa: F401  (part of the status)
+from tpufinetune.core.statusbase import _Status
 
 Phase = Literal["Pending", "Queued", "Provisioning", "Submitting", "Running", "Succeeded",
                 "Failed", "Deleting"]
@@ -17,12 +19,6 @@ PHASES: tuple[str, ...] = Phase.__args__  # type: ignore[attr-defined]
 # Characters of status.appliedSpec at most: a spec longer than this is not recorded (a
 # restart then goes by the latest generation, as before the record existed).
 APPLIED_SPEC_LIMIT = 65536
-
-
-class _Status(BaseModel):
-    # Unknown keys are ignored, not refused: status is read back from the apiserver.
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True,
-                              extra="ignore")
 
 
 class Condition(_Status):
@@ -177,31 +173,6 @@ class Maintenance(_Status):
     request_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
                                      description="When the last checkpoint was asked for.")
     message: str | None = Field(None, max_length=1024, description="Which node, and when.")
-
-
-class MemoryPlanStatus(_Status):
-    """The memory planner's estimate for the run (core/memplan.py), written before any
-    RayCluster exists."""
-
-    basis: Literal["table", "stated", "unknown"] | None = Field(
-        None, description="table: the model is in the planner's table and was checked; stated: "
-                          "checked on spec.model.parameters (weights, gradients and optimizer state "
-                          "only, a lower bound); unknown: neither, and its memory was not checked.")
-    method: str | None = Field(None, max_length=32, description="The fine-tune method planned (full, lora).")
-    fits: bool | None = Field(None, description="Whether the estimate fits the slice (absent when "
-                                                "unknown).")
-    per_chip_hbm_bytes: int | None = Field(None, ge=0, alias="perChipHBMBytes",
-                                           description="Estimated peak HBM per chip.")
-    limit_bytes: int | None = Field(None, ge=0, description="Usable HBM per chip (HBM less the "
-                                                            "planner's headroom).")
-    host_ram_bytes: int | None = Field(None, ge=0, alias="hostRAMBytes",
-                                       description="Estimated memory per host (worker pod).")
-    host_ram_limit_bytes: int | None = Field(None, ge=0, alias="hostRAMLimitBytes",
-                                             description="Usable memory of a worker pod.")
-    smallest_fit: str | None = Field(None, max_length=256, description="When it does not fit: the "
-                                                                      "smallest topology (or method) "
-                                                                      "that would.")
-    message: str | None = Field(None, max_length=1024, description="The estimate in words.")
 
 
 # Bounds of status.export: a few prompts, each text cut (the full proof is in the job log).

@@ -1,0 +1,73 @@
+"""The memory plan of a TPUFineTune spec: the planner's request as the spec asks (with the
+keep-gathered decision made), its plan again once the trainer reports the model's own
+config.json, and the plan as status.plan shows it. Pure (no I/O)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .memplan import DEFAULT_LORA_TARGETS, CHECKED, MemoryPlan, Request, estimate, keeps_gathered
+from .memplan_shapes import config_status
+
+
+def status_of(plan: MemoryPlan) -> dict:
+    """status.plan (core/status.py's MemoryPlanStatus)."""
+    out: dict = {"basis": plan.basis, "method": plan.method, "message": plan.summary()}
+    if plan.widths_from:
+        out["widthsFrom"] = plan.widths_from
+    if plan.model_config:
+        out["modelConfig"] = config_status(plan.model_config)
+    if plan.basis in CHECKED:
+        out.update(fits=plan.fits, hostRAMBytes=plan.host_bytes)
+        if plan.limit_bytes:
+            out.update(perChipHBMBytes=plan.per_chip_bytes, limitBytes=plan.limit_bytes)
+        if plan.host_limit_bytes:
+            out["hostRAMLimitBytes"] = plan.host_limit_bytes
+        if plan.smallest_fit:
+            out["smallestFit"] = plan.smallest_fit
+    return out
+
+
+def plan_spec(spec) -> MemoryPlan | None:
+    """The plan of a TPUFineTune spec (None for mode collectives: nothing is trained), as
+    the trainer will run it: with every block kept gathered where `keeps_gathered` (jobspec
+    passes the trainer's flag from this plan)."""
+    request = request_of(spec)
+    return estimate(request) if request is not None else None
+
+
+def with_model_config(request: Request, config: dict) -> MemoryPlan:
+    """The plan again once the trainer has read the model's own config.json (its `model`
+    event): its widths win over the table's. The keep-gathered choice stays the request's:
+    the trainer already runs with it."""
+    return estimate(replace(request, model_config=config))
+
+
+def request_of(spec) -> Request | None:
+    """The planner's request of a spec (None for mode collectives), with the keep-gathered
+    decision made. The method, LoRA rank and memory settings are read defensively: older
+    specs have none (full, no checkpointing, the device's attention, trained embeddings)."""
+    if spec.mode != "finetune":
+        return None
+    from .quantity import parse_quantity
+    from .sizing import plan_resources
+
+    training = spec.training
+    # The LoRA settings the run uses: the defaults (dropout 0.05, seven targets) when method
+    # lora leaves spec.training.lora unset.
+    settings = getattr(training, "lora_settings", None)
+    lora = settings() if settings is not None else getattr(training, "lora", None)
+    memory = plan_resources(spec)["workers"][1].get("memory")
+    request = Request(
+        model_id=spec.model.id, method=getattr(training, "method", "full") or "full",
+        generation=spec.tpu.generation, topology=spec.tpu.topology, max_seq_len=training.max_seq_len,
+        batch_per_device=training.batch_size_per_device,
+        lora_rank=int(getattr(lora, "rank", 0) or 16),
+        host_memory_bytes=int(parse_quantity(str(memory))) if memory else None,
+        activation_checkpointing=getattr(training, "activation_checkpointing", None) or "none",
+        attention=getattr(training, "attention", None),
+        freeze_embeddings=bool(getattr(training, "freeze_embeddings", None)),
+        lora_embeddings=bool(getattr(lora, "train_embeddings", None)),
+        stated_parameters=getattr(spec.model, "parameters", None), slices=spec.tpu.slices,
+        lora_targets=tuple(getattr(lora, "target_modules", None) or DEFAULT_LORA_TARGETS),
+        lora_dropout=float(getattr(lora, "dropout", 0.0) or 0.0) if lora is not None else 0.0)
+    return replace(request, keep_gathered=True) if keeps_gathered(request) else request

@@ -1,0 +1,61 @@
+"""status.plan: the memory planner's estimate (core/memplan.py) as the status shows it, and
+what it read of the model's own config.json."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tpufinetune.core.statusbase import _Status
+
+
+class ModelConfigStatus(_Status):
+    """What the planner read of the model's own config.json (its text model's), as the
+    trainer reported it (core/memplan_shapes.py's config_from_event)."""
+
+    model_type: str | None = Field(None, max_length=64, description="config.json's model_type.")
+    num_hidden_layers: int | None = Field(None, ge=1, description="Decoder layers.")
+    hidden_size: int | None = Field(None, ge=1, description="Hidden width.")
+    intermediate_size: int | None = Field(None, ge=1, description="MLP width.")
+    num_attention_heads: int | None = Field(None, ge=1, description="Query heads.")
+    num_key_value_heads: int | None = Field(None, ge=1, description="Key and value heads.")
+    head_dim: int | None = Field(None, ge=1, description="Head width (sliding-window layers).")
+    global_head_dim: int | None = Field(None, ge=1, description="Head width of the full-attention layers.")
+    vocab_size: int | None = Field(None, ge=1, description="Vocabulary (the tied embedding's rows).")
+    hidden_size_per_layer_input: int | None = Field(None, ge=1, description="Per-layer embedding width.")
+    vocab_size_per_layer_input: int | None = Field(None, ge=1, description="Per-layer embedding rows.")
+    full_attention_layers: int | None = Field(None, ge=0, description="Layers attending to the whole "
+                                                                        "sequence (from layer_types).")
+
+
+class MemoryPlanStatus(_Status):
+    """The memory planner's estimate for the run (core/memplan.py), written before any
+    RayCluster exists, and again from the model's own config.json once the trainer has
+    read it (before any weight is loaded)."""
+
+    basis: Literal["table", "config", "stated", "unknown"] | None = Field(
+        None, description="table: the model is in the planner's table and was checked; config: "
+                          "checked on the widths of the model's own config.json, as the trainer read "
+                          "it (they win over the table's); stated: checked on spec.model.parameters "
+                          "(weights, gradients and optimizer state only, a lower bound); unknown: "
+                          "none of them, and its memory was not checked.")
+    widths_from: str | None = Field(None, max_length=512, description="Where the model's widths (layers, "
+                                                                      "hidden size, MLP, heads) came from.")
+    model_config_read: ModelConfigStatus | None = Field(None, alias="modelConfig",
+                                                        description="The model's config.json, as planned from.")
+    method: str | None = Field(None, max_length=32, description="The fine-tune method planned (full, lora).")
+    fits: bool | None = Field(None, description="Whether the estimate fits the slice (absent when "
+                                                "unknown).")
+    per_chip_hbm_bytes: int | None = Field(None, ge=0, alias="perChipHBMBytes",
+                                           description="Estimated peak HBM per chip.")
+    limit_bytes: int | None = Field(None, ge=0, description="Usable HBM per chip (HBM less the "
+                                                            "planner's headroom).")
+    host_ram_bytes: int | None = Field(None, ge=0, alias="hostRAMBytes",
+                                       description="Estimated memory per host (worker pod).")
+    host_ram_limit_bytes: int | None = Field(None, ge=0, alias="hostRAMLimitBytes",
+                                             description="Usable memory of a worker pod.")
+    smallest_fit: str | None = Field(None, max_length=256, description="When it does not fit: the "
+                                                                      "smallest topology (or method) "
+                                                                      "that would.")
+    message: str | None = Field(None, max_length=1024, description="The estimate in words.")
