@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 # with nothing changed (a resync, as an informer's): a change wakes it at once, and its own
 # timers (phases.next_timer) are kept to the second.
 IDLE_RESYNC_S = 60.0
+# A new run's first status write waits at most this long for kopf's own first writes (in a
+# burst they queue behind its other requests for seconds: its connections are bounded).
+KOPF_SETTLE_S = 10.0
 
 
 class ClusterBackend(Protocol):
@@ -80,6 +83,7 @@ class Run(RunRay, RunStatus):
         # Its namespace is being deleted (handlers.namespace_deleted): the namespace controller
         # deletes what it holds, the operator may no longer act there, and the loop returns.
         self.namespace_ending = False
+        self.settling = False  # waiting for kopf's first writes (settle); every change wakes it
         # Events drained from the follower but not yet in a written status: applied
         # again on the next step, so a failed write loses none.
         self.unwritten: list[dict] = []
@@ -207,6 +211,30 @@ class Run(RunRay, RunStatus):
                             events=tuple(self.unwritten))
 
     # ---- one step ---------------------------------------------------------------------
+
+    async def settle(self, done, stopped, most: float = KOPF_SETTLE_S) -> None:
+        """Before a new run's first step: wait, at most `most` seconds, until `done()` (kopf
+        has written its finalizer and status.kopf to the object). Those writes land while
+        the daemon starts, and a status write made before them is refused as stale (409),
+        re-read and made again: twice a run, a GET and a PATCH each, thousands in a burst."""
+        deadline = asyncio.get_running_loop().time() + most
+        self.settling = True
+        try:
+            while not done() and not stopped.is_set() and not self.being_deleted():
+                self.wake.clear()
+                remaining = deadline - asyncio.get_running_loop().time()
+                if done() or remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self.wake.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+        finally:
+            self.settling = False
+        if done():
+            # Nothing of ours is written yet: the live body is the newest read there is.
+            self.status = {k: v for k, v in (self.body.get("status") or {}).items() if k != "kopf"}
+            self.resource_version = str(self.body["metadata"].get("resourceVersion") or "")
 
     def end_with_namespace(self) -> None:
         self.namespace_ending = True

@@ -130,6 +130,7 @@ async def follow_run(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopp
     key = (run.ident.namespace, run.ident.name)
     RUNS[key] = run
     try:
+        await run.settle(lambda: kopf_wrote_its_own(body), stopped)
         await run.run(stopped)
     finally:
         if RUNS.get(key) is run:
@@ -223,7 +224,8 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
     - the tpufinetune_resources gauge and the per-run series follow it, deletions included
       (a deleted run's series go);
     - an edit (a new generation: spec.suspend, a deadline) or a deletion wakes its run, which
-      acts now instead of after its sleep (a waiting run sleeps up to a minute).
+      acts now instead of after its sleep (a waiting run sleeps up to a minute); so does any
+      change while a new run waits for kopf's first writes (Run.settle).
     One handler for both: kopf runs it for every event anyway, and a run compares the
     generation itself (kopf's on.field would add a handler run, and its bookkeeping, to
     every creation).
@@ -236,8 +238,17 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
         return
     metrics.seen(*key, dict(body.get("status") or {}))
     run = RUNS.get(key)
-    if run is not None and (meta.get("generation") != run.generation or meta.get("deletionTimestamp")):
+    if run is not None and (meta.get("generation") != run.generation or meta.get("deletionTimestamp")
+                            or run.settling):
         run.wake.set()
+
+
+def kopf_wrote_its_own(body) -> bool:
+    """kopf's first writes to a new run are in: its finalizer, and the configuration it
+    keeps in status.kopf (settings.persistence, above)."""
+    kopf_status = (body.get("status") or {}).get("kopf") or {}
+    return FINALIZER in (body.get("metadata", {}).get("finalizers") or []) and \
+        "lastHandledConfiguration" in kopf_status
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
