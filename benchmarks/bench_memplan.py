@@ -62,6 +62,7 @@ FITTED = {
     "l1": case(S1, 1024, 2, method="lora", dropout=0.05),
     "l2": case(E1, 1024, 2, method="lora"),
     "l3": case(S1, 1024, 2, dtype="bf16", method="lora", dropout=0.05),
+    "l4": case(S1, 1024, 2, dtype="bf16", method="lora"),
     # The long-sequence terms (sdpa's one-layer score workspace, the masks): the narrow model
     # at 8192 sdpa and 4096 eager; the held-out rows run it otherwise (LoRA, bf16, 8192 eager).
     "f8": case(_text(128, 3, 2, 64, 4096, kv_heads=1, global_head_dim=128, ple=8), 8192, 1),

@@ -161,16 +161,43 @@ def test_activation_checkpointing_and_sdpa_shrink_the_activations_at_length():
     sdpa = memplan.device_bytes(**at, eager_attention=False).activations
     assert block < selective < kept and sdpa < kept
     # Each layer keeps its probabilities (heads x L^2 in bf16, and the softmax's fp32 output);
-    # one layer's scores, scaled and masked, exist beside them while it runs; sdpa's kernel
-    # holds one layer's in a workspace.
+    # one layer's scores, scaled and masked, exist beside them while it runs; sdpa keeps each
+    # layer's mask made additive (L^2 in bf16).
     kept_scores = (memplan.SAVED_ATTENTION_MATRICES * 2 + memplan.UPCAST_ATTENTION_MATRICES * 4) \
         * shape.heads * 8192 ** 2
     transient = memplan.EAGER_TRANSIENT_MATRICES * 2 * shape.heads * 8192 ** 2
-    workspace = memplan.SDPA_WORKSPACE_BYTES * shape.heads * 8192 ** 2
+    workspace = memplan.SDPA_MASK_COPIES * 2 * shape.layers * 8192 ** 2
     masks_difference = 2 * (2 - 1) * 8192 ** 2  # eager's additive bf16 masks against sdpa's boolean ones
     assert kept - sdpa == shape.layers * kept_scores + transient + masks_difference - workspace
     assert selective >= kept_scores
     assert block < kept / 10
+
+
+def test_sdpa_keeps_each_layers_mask_in_the_compute_dtype_whatever_the_heads():
+    """CPU sdpa turns the boolean mask into an additive one in the compute dtype and keeps it
+    for the backward in every layer (bench_memplan: 4 B x L^2 a call in fp32, 2 B in bf16,
+    with 2 heads or 4): the L^2 bytes of a block are the micro-batch's masks (6 B) and one
+    compute-dtype copy per layer, one with activation checkpointing, and heads do not count."""
+    from dataclasses import replace
+
+    shape = memplan.known_shape("google/gemma-4-E2B-it")
+    narrower = replace(shape, heads=shape.heads * 2, head_dim=shape.head_dim // 2,
+                       full_head_dim=shape.full_head_dim // 2)
+    assert narrower.attention_width == shape.attention_width
+
+    def per_l2(model, compute_bytes, checkpointing="none"):
+        at = dict(shape=model, method="full", devices=16, eager_attention=False, compute_bytes=compute_bytes,
+                  checkpointing=checkpointing)
+        # The same tokens (8192), once as one block and once as two of 4096: the L^2 terms differ.
+        long = memplan.device_bytes(**at, max_seq_len=8192, batch_per_device=1).activations
+        short = memplan.device_bytes(**at, max_seq_len=4096, batch_per_device=2).activations
+        return (long - short) / (8192 ** 2 - 2 * 4096 ** 2)
+
+    masks = 2 + memplan.MASK_BOOLEANS
+    assert per_l2(shape, 4) == masks + 4 * shape.layers
+    assert per_l2(shape, 2) == masks + 2 * shape.layers
+    assert per_l2(shape, 2, "block") == per_l2(shape, 2, "selective") == masks + 2
+    assert per_l2(narrower, 2) == per_l2(shape, 2)
 
 
 def test_frozen_embeddings_drop_the_head_gradient_and_the_embeddings_optimizer_state():

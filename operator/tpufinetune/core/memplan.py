@@ -18,10 +18,10 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
   prefetched), plus one block's unsharded gradients on their way to the reduce-scatter;
 - activations saved for the backward: per layer and token a few hidden- and MLP-wide
   tensors, and with eager attention (the TPU's default) each layer's probabilities, heads x
-  L^2 per block, and one layer's scores while it runs; sdpa keeps none of the L^2 but its
-  kernel holds one layer's while it runs. The attention width is averaged over
-  the layers (Gemma 4's full-attention layers have wider heads). Activation checkpointing
-  (spec.training.activationCheckpointing) keeps less: `block`, each block's input plus
+  L^2 per block, and one layer's scores while it runs; sdpa keeps no scores, but each layer
+  keeps its boolean mask turned additive (L^2 in the compute dtype). The attention width is
+  averaged over the layers (Gemma 4's full-attention layers have wider heads). Activation
+  checkpointing (spec.training.activationCheckpointing) keeps less: `block`, each block's input plus
   one block's activations while it is recomputed; `selective`, everything but the
   attention's (its width and its scores), plus one block's attention while recomputed;
   and the attention masks of a micro-batch, a few L x L tensors shared by every layer;
@@ -82,10 +82,14 @@ UPCAST_ATTENTION_MATRICES = 1
 # fused CUDA kernel keeps the noise in the input's dtype; l1 - l2: 7.5 B an element in fp32).
 LORA_SAVED_PER_INPUT = 2
 LORA_DROPOUT_COPIES = 2
-# sdpa with a mask (the CPU's, and XLA's decomposition) materialises one layer's scores
-# while it runs: bytes per head and L^2 of a block, one layer at a time (fitted to
-# bench_memplan's f8, 8192 tokens: 1666 MiB measured, 878 planned without it, 6.2 B).
-SDPA_WORKSPACE_BYTES = 6
+# sdpa given a boolean mask (masks.py's for sdpa) turns it into an additive one in the
+# compute dtype and keeps that for the backward, in every layer: L^2 per block and layer
+# in the compute dtype, whatever the heads (measured: one CPU sdpa call, 4096 tokens, keeps
+# 4 B x L^2 in fp32 and 2 B in bf16 with 2 heads or 4). With activation checkpointing only
+# the recomputed block's. It was planned as 6 B per head and L^2 once, fitted to
+# bench_memplan's f8 (fp32, 2 heads, 3 layers: the same 12 B per L^2), which overcounted
+# bf16 (the held-out n1, bf16 at 4096 tokens, 1.32).
+SDPA_MASK_COPIES = 1
 # Long sequences: what the constants do not follow past their fitted lengths (the CPU's sdpa
 # with a mask, kernel workspaces growing with L^2) is added as the margin measured on the
 # held-out configurations: activations x LONG_MARGIN from LONG_FROM tokens a block.
@@ -181,8 +185,9 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
     scores = ((SAVED_ATTENTION_MATRICES * compute_bytes + UPCAST_ATTENTION_MATRICES * upcast) * shape.heads
               * batch_per_device * max_seq_len ** 2 if eager_attention else 0)
     masks = batch_per_device * max_seq_len ** 2 * (2 * (compute_bytes if eager_attention else 1) + MASK_BOOLEANS)
-    workspace = (EAGER_TRANSIENT_MATRICES * compute_bytes if eager_attention else SDPA_WORKSPACE_BYTES) \
-        * shape.heads * batch_per_device * max_seq_len ** 2
+    workspace = batch_per_device * max_seq_len ** 2 * (
+        EAGER_TRANSIENT_MATRICES * compute_bytes * shape.heads if eager_attention
+        else SDPA_MASK_COPIES * compute_bytes * (shape.layers if checkpointing == "none" else 1))
     block_grads = (compute_bytes + 4) * shape.block_parameters if full else 0
     # The head weight's gradient in the compute dtype (scaled in place) and its fp32 reduce copy.
     head_grad = (compute_bytes + 4) * shape.embedding if embedding_trains else 0
