@@ -31,6 +31,8 @@ NOT_PASSED = {
     "--loss-head": "the trainer's default (labels) applies; full is the reference and a fallback for a run started by hand",
     "--model-load": "the trainer's default (sharded) applies; full is a fallback for a run started by hand",
     "--progress-interval": "the trainer's default (30 s) applies",
+    **{flag: "--method dpo (issue 48): the trainer has it, the operator's API (training.dpo) does not yet"
+       for flag in ("--dpo-beta", "--dpo-loss", "--dpo-label-smoothing", "--dpo-reference-free", "--dpo-lora")},
     "--fail-at-step": "fault injection for the trainer's own tests",
     "--global-batch-examples": "the operator passes the same flag by its other name, --global-batch-blocks",
     "--loss-on": "passed only when training.lossOn is set (unset: the trainer's responses)",
@@ -219,7 +221,8 @@ def test_a_collectives_run_ignores_the_checkpoint_ranking():
 def test_loras_closed_sets_and_module_table_are_the_trainers():
     choices = {action.dest: tuple(action.choices) for action in _finetune_parser()._actions
                if action.choices}
-    assert api.TRAINING_METHODS == choices["method"] == trainer_lora.METHODS
+    # `dpo` is the trainer's (issue 48) before the operator's API offers it; drop it here then.
+    assert api.TRAINING_METHODS + ("dpo",) == choices["method"] == trainer_lora.METHODS
     assert api.LORA_TARGET_MODULES == trainer_lora.TARGET_MODULES
     assert api.DEFAULT_LORA_TARGET_MODULES == trainer_lora.DEFAULT_TARGET_MODULES
 

@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(0: off; needs --eval-fraction > 0)")
     ft.add_argument("--method", default=METHODS[0], choices=list(METHODS),
                     help="full: train every weight (fp32 masters, AdamW state for all); lora: freeze the base "
-                         "in bfloat16 and train low-rank adapters only (peft), fp32 masters for them")
+                         "in bfloat16 and train low-rank adapters only (peft), fp32 masters for them; dpo: "
+                         "preference tuning on chosen/rejected pairs (--dpo-*)")
     ft.add_argument("--lora-rank", type=int, default=16, help="LoRA rank r (--method lora)")
     ft.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha: the update is alpha / r x B A")
     ft.add_argument("--lora-dropout", type=float, default=0.05, help="dropout on the adapters' input")
@@ -148,6 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also train the input embedding in full (and a head tied to it) beside the adapters: "
                          "fp32 master, gradient and AdamW state for it; the adapter export carries it "
                          "(peft's modules_to_save)")
+    ft.add_argument("--dpo-beta", type=float, default=0.1,
+                    help="--method dpo: how far the policy may move from the reference (DPO's beta; IPO's tau)")
+    ft.add_argument("--dpo-loss", default="sigmoid", choices=["sigmoid", "ipo"],
+                    help="--method dpo: sigmoid (DPO) or ipo (IPO, each log-ratio per response token)")
+    ft.add_argument("--dpo-label-smoothing", type=float, default=0.0,
+                    help="--method dpo, sigmoid only: the probability a pair's preference is flipped "
+                         "(conservative DPO), in [0, 0.5)")
+    ft.add_argument("--dpo-reference-free", default="false", choices=["true", "false"],
+                    help="--method dpo: no reference model (its log-probabilities taken as 0)")
+    ft.add_argument("--dpo-lora", default="false", choices=["true", "false"],
+                    help="--method dpo: train LoRA adapters (the --lora-* settings) on the frozen base, the "
+                         "reference being the base with them switched off; false trains every weight, the "
+                         "reference's log-probabilities computed once before the first step")
     ft.add_argument("--activation-checkpointing", default=ACTIVATION_CHECKPOINTING[0],
                     choices=list(ACTIVATION_CHECKPOINTING),
                     help="recompute activations in the backward instead of keeping them: block, every decoder "
@@ -227,6 +241,8 @@ def _config(args: argparse.Namespace):
             lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
             lora_target_modules=args.lora_target_modules, lora_export_merged=args.lora_export_merged == "true",
             lora_train_embeddings=args.lora_train_embeddings == "true",
+            dpo_beta=args.dpo_beta, dpo_loss=args.dpo_loss, dpo_label_smoothing=args.dpo_label_smoothing,
+            dpo_reference_free=args.dpo_reference_free == "true", dpo_lora=args.dpo_lora == "true",
             activation_checkpointing=args.activation_checkpointing, attention=args.attention,
             freeze_embeddings=args.freeze_embeddings == "true",
             reshard_after_forward=args.reshard_after_forward == "true")

@@ -110,12 +110,47 @@ class FinetuneConfig(SliceConfig):
     lora_target_modules: str = ",".join(DEFAULT_TARGET_MODULES)
     lora_export_merged: bool = True
     lora_train_embeddings: bool = False
+    # --method dpo (methods/dpo.py): its loss's settings, and whether adapters train (--dpo-lora).
+    dpo_beta: float = 0.1
+    dpo_loss: str = "sigmoid"
+    dpo_label_smoothing: float = 0.0
+    dpo_reference_free: bool = False
+    dpo_lora: bool = False
     activation_checkpointing: str = ACTIVATION_CHECKPOINTING[0]
     attention: str = ATTENTION[0]
     freeze_embeddings: bool = False
     # parallelize.apply_fsdp: False keeps every block's gathered copy from forward to backward
     # (one all-gather a block fewer per micro-batch), as the operator asks where the plan fits it.
     reshard_after_forward: bool = True
+
+    @property
+    def uses_lora(self) -> bool:
+        """LoRA's adapters train on a frozen base: --method lora, or dpo with --dpo-lora."""
+        return self.method == "lora" or (self.method == "dpo" and self.dpo_lora)
+
+    def check_dpo(self) -> None:
+        """DPO's flags: only with --method dpo, and a combination that can work."""
+        from .methods.dpo import settings_of
+
+        given = [flag for flag, value, default in (
+            ("--dpo-beta", self.dpo_beta, 0.1), ("--dpo-loss", self.dpo_loss, "sigmoid"),
+            ("--dpo-label-smoothing", self.dpo_label_smoothing, 0.0),
+            ("--dpo-reference-free", self.dpo_reference_free, False), ("--dpo-lora", self.dpo_lora, False))
+            if value != default]
+        if self.method != "dpo":
+            if given:
+                raise ConfigError(f"{given[0]} applies to --method dpo only (spec.training.dpo needs "
+                                  "spec.training.method: dpo); pass --method dpo or drop it")
+            return
+        problems = settings_of(self).problems()
+        if problems:
+            raise ConfigError("; ".join(problems))
+        if self.loss_on != "responses":
+            raise ConfigError("--loss-on all does not apply to --method dpo: its loss is on the responses of each "
+                              "pair; drop --loss-on")
+        if self.tokens_per_step:
+            raise ConfigError("--tokens-per-step does not apply to --method dpo: a step is a batch of pairs "
+                              "(--global-batch-examples); drop --tokens-per-step")
 
     def attn_implementation(self, backend_default: str) -> str:
         """The transformers attention kernel: --attention, or the backend's own under auto."""
@@ -179,6 +214,7 @@ class FinetuneConfig(SliceConfig):
             if not ok:
                 raise ConfigError(message)
         self.check_lora()
+        self.check_dpo()
         if self.checkpoint_score_attribute == "eval_loss" and self.eval_fraction == 0:
             raise ConfigError("--checkpoint-score-attribute eval_loss needs --eval-fraction > 0")
         for flag, value in (("--target-eval-loss", self.target_eval_loss),
@@ -204,9 +240,9 @@ class FinetuneConfig(SliceConfig):
             ("--lora-target-modules", self.lora_target_modules, ",".join(DEFAULT_TARGET_MODULES)),
             ("--lora-export-merged", self.lora_export_merged, True),
             ("--lora-train-embeddings", self.lora_train_embeddings, False)) if value != default]
-        if self.method != "lora" and given:
-            raise ConfigError(f"{given[0]} applies to --method lora only (spec.training.lora needs "
-                              "spec.training.method: lora); pass --method lora or drop it")
+        if not self.uses_lora and given:
+            raise ConfigError(f"{given[0]} applies to --method lora (or dpo with --dpo-lora true) only "
+                              "(spec.training.lora needs spec.training.method: lora); pass --method lora or drop it")
         checks = [
             (self.lora_rank >= 1, "--lora-rank (spec.training.lora.rank) must be at least 1"),
             (self.lora_alpha > 0, "--lora-alpha (spec.training.lora.alpha) must be positive"),

@@ -822,14 +822,16 @@ def plan_epoch(lengths: np.ndarray, label_tokens: np.ndarray, plan: BatchPlan, e
 
 
 def rank_blocks(examples: Examples, epoch: EpochPlan, rank: int, max_seq_len: int, pad_id: int,
-                steps: slice = slice(None)) -> Packed:
+                steps: slice = slice(None), fill=None) -> Packed:
     """Rank `rank`'s blocks of the epoch's `steps` (all by default), one per slot in step
     order ([steps * accum * blocks] blocks; a padding slot is an all-padding block): the
     window's step s's micro-batch a is blocks [(s * accum + a) * blocks, … + blocks). A
     window of steps holds that many steps' blocks in memory, whatever the dataset's size."""
     mine = epoch.slots[steps, :, rank, :].reshape(-1)
-    return fill_blocks(examples.input_ids, examples.labels, [epoch.blocks[b] if b >= 0 else [] for b in mine],
-                       max_seq_len, pad_id)
+    blocks = [epoch.blocks[b] if b >= 0 else [] for b in mine]
+    if fill is not None:  # the method's layout (DPO: each pair as two segments; methods/)
+        return fill(examples, blocks, max_seq_len, pad_id)
+    return fill_blocks(examples.input_ids, examples.labels, blocks, max_seq_len, pad_id)
 
 
 def window_rows(index: np.ndarray, label_tokens: np.ndarray, size: int) -> np.ndarray:
@@ -860,7 +862,7 @@ def rank_eval_share(packed: Packed, world_size: int, batch_size: int, rank: int)
     world-th of the held-out set, not all of it."""
     order = eval_order(len(packed), world_size, batch_size, rank)
     mine = order[order >= 0]
-    share = Packed(**{name: getattr(packed, name)[mine] for name in Packed.__dataclass_fields__})
+    share = type(packed)(**{name: getattr(packed, name)[mine] for name in type(packed).__dataclass_fields__})
     local = np.full(len(order), -1, dtype=np.int64)
     local[order >= 0] = np.arange(len(mine))
     return share, local

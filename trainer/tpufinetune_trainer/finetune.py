@@ -105,6 +105,12 @@ def prepare_data(cfg: FinetuneConfig) -> tuple[PreparedData, int]:
     # Its widths, for the operator's memory plan (status.plan), before any weight is loaded.
     emit("model", config=config_report(config))
     tokenizer = load_tokenizer(cfg.model_id)
+    if cfg.method == "dpo":  # preference pairs (preference.py), held in memory
+        from .preference import prepare_pairs
+
+        data = prepare_pairs(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction,
+                             cfg.seed, cfg.long_prompts, cfg.prompt_format, cfg.dataset_format)
+        return data, pad_id_of(tokenizer)
     data = prepare(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction, cfg.seed,
                    cfg.long_prompts, cfg.prompt_format, cfg.dataset_format, cfg.loss_on)
     return data, pad_id_of(tokenizer)

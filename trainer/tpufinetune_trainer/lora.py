@@ -28,12 +28,13 @@ adapter's head follows it).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
 from .errors import ModelError
 
-METHODS = ("full", "lora")
+METHODS = ("full", "lora", "dpo")  # dpo: methods/dpo.py, full or (--dpo-lora) adapters
 # The Linear layers of each family's language model a LoRA may adapt; the operator's table
 # (tpufinetune/core/api.py, LORA_TARGET_MODULES) is the same (tests/api/test_trainer_agreement.py).
 TARGET_MODULES = {
@@ -182,10 +183,34 @@ def write_adapter(directory, full: dict, cfg) -> None:
 
 
 def settings(cfg) -> dict:
-    """The method and its settings, for the resume fingerprint (resume.py)."""
-    if cfg.method != "lora":
-        return {"method": cfg.method}
-    return {"method": cfg.method, "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
+    """The method and its settings, for the resume fingerprint (resume.py): --method dpo's
+    (beta, loss, label smoothing, reference-free) too, and LoRA's shape wherever adapters train."""
+    found = {"method": cfg.method}
+    if cfg.method == "dpo":
+        found["dpo"] = {"beta": cfg.dpo_beta, "loss": cfg.dpo_loss, "label_smoothing": cfg.dpo_label_smoothing,
+                        "reference_free": cfg.dpo_reference_free, "lora": cfg.dpo_lora}
+    if not getattr(cfg, "uses_lora", cfg.method == "lora"):
+        return found
+    return {**found, "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
                                            "target_modules": parse_modules(cfg.lora_target_modules),
                                            # only when on: a checkpoint from before the flag matches
                                            **({"train_embeddings": True} if cfg.lora_train_embeddings else {})}}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """The base alone: every LoRA layer of `model` skips its adapter inside the block (DPO's
+    reference with LoRA: no second copy of the weights). peft's forward reads the flag each
+    call; it is set directly, not through enable_adapters, which would also change which
+    parameters require gradients."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, before):
+            m._disable_adapters = was

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .data import IGNORE_INDEX, Examples, Packed, PreparedData, Ragged, format_prompt, resolve_prompt_format, \
+from .data import IGNORE_INDEX, Examples, Packed, PreparedData, format_prompt, resolve_prompt_format, \
     split_eval, check_long_prompts, load_rows, detect_format
 from .errors import DataError
 
@@ -209,7 +209,17 @@ def prepare_pairs(dataset: str, split: str, tokenizer, max_seq_len: int, eval_fr
                         prompt_format=prompt_format)
 
 
-def fill_pair_blocks(pairs: PairExamples, blocks: list[list[int]], max_seq_len: int, pad_id: int) -> Packed:
+@dataclass
+class PairPacked(Packed):
+    """Packed pairs: `label_tokens` counts the pairs of each block (what DPO's loss and its
+    metrics divide by), `reference` ([blocks, segments] fp32) the stored reference
+    log-probabilities laid out as the segments (pair_reference)."""
+
+    reference: np.ndarray | None = None
+
+
+def fill_pair_blocks(pairs: PairExamples, blocks: list[list[int]], max_seq_len: int, pad_id: int,
+                     segments: int = 0) -> PairPacked:
     """Blocks of exactly `max_seq_len` tokens, block b holding the pairs `blocks[b]` (in
     index order), each as two segments (chosen 2k - 1, rejected 2k; positions from 0 in
     each), then padding (its own segment, no labels)."""
@@ -231,8 +241,14 @@ def fill_pair_blocks(pairs: PairExamples, blocks: list[list[int]], max_seq_len: 
         real[b] = at
         pos[b, at:] = np.arange(max_seq_len - at)
         seg[b, at:] = 2 * len(members) + 1
-    scored = (labs[:, 1:] != IGNORE_INDEX).sum(axis=1).astype(np.int64)
-    return Packed(ids, labs, pos, seg, real, scored)
+    counts = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))
+    return PairPacked(ids, labs, pos, seg, real, counts,
+                      reference=pair_reference(pairs, blocks, segments or segment_columns(max_seq_len)))
+
+
+def segment_columns(max_seq_len: int) -> int:
+    """Columns of a block's per-segment sums: two per pair it can hold, and the padding's."""
+    return 2 * most_pairs_per_block(max_seq_len) + 2
 
 
 def pair_reference(pairs: PairExamples, blocks: list[list[int]], segments: int) -> np.ndarray:
@@ -262,5 +278,3 @@ def most_pairs_per_block(max_seq_len: int) -> int:
     return max(1, max_seq_len // 4)
 
 
-def to_ragged_rows(rows) -> Ragged:
-    return rows if isinstance(rows, Ragged) else Ragged.of(rows)

@@ -38,6 +38,7 @@ from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, epoch_st
     rank_blocks, rank_eval_share, window_rows
 from .events import emit
 from .masks import MaskBuilder
+from .methods.dpo import for_config as method_for
 from .model import base_directory, freeze_input_embeddings, load_tokenizer
 from .parallelize import apply_activation_checkpointing, build_mesh, clip_grad_norm, micro_batch_backward
 from .schedule import decay_steps, lr_table, warmup_steps
@@ -114,10 +115,15 @@ class DeviceBlocks:
         self.position_ids = with_filler(packed.position_ids, np.arange(length, dtype=np.int64))
         self.segment_ids = with_filler(packed.segment_ids, np.ones(length, np.int64))
         self.filler = len(packed)
+        # --method dpo, full: the stored reference's sums in the blocks' segment layout (fp32).
+        reference = getattr(packed, "reference", None)
+        self.reference = None if reference is None else torch.from_numpy(np.concatenate(
+            [reference, np.zeros((fillers, reference.shape[1]), np.float32)])).to(device)
 
     def gather(self, index: torch.Tensor) -> dict:
-        return {name: getattr(self, name).index_select(0, index)
-                for name in ("input_ids", "targets", "position_ids", "segment_ids")}
+        names = ("input_ids", "targets", "position_ids", "segment_ids") + (() if self.reference is None
+                                                                            else ("reference",))
+        return {name: getattr(self, name).index_select(0, index) for name in names}
 
 
 class Trainer:
@@ -137,6 +143,8 @@ class Trainer:
         self.probe_checkpoint_storage(mesh)
         self.examples: Examples = data["train"]
         self.eval_data = data.get("eval")
+        # What the run trains and how a micro-batch becomes its loss (methods/): SFT or DPO.
+        self.method = method_for(cfg)
         self.pad_id = int(data["pad_id"])
         self.tokenizer = load_tokenizer(cfg.model_id) if rank == 0 else None
         self.dtype = compute_dtype(backend, cfg.compute_dtype)
@@ -147,7 +155,7 @@ class Trainer:
         self.attn_implementation = cfg.attn_implementation(backend.attn_implementation)
         self.model, loaded = load_sharded(cfg.model_id, self.attn_implementation, mesh, self.dtype,
                                           compile=self.compiled, device=self.device, full=cfg.model_load == "full",
-                                          lora=cfg if cfg.method == "lora" else None,
+                                          lora=cfg if cfg.uses_lora else None,
                                           reshard_after_forward=cfg.reshard_after_forward,
                                           fallback=cfg.model_load == "sharded-or-full")
         if rank == 0:
@@ -157,7 +165,7 @@ class Trainer:
         if cfg.freeze_embeddings:
             freeze_input_embeddings(self.model)
         # Else transformers' full-logits forward: asked for, or a head loss.py does not reproduce.
-        self.label_head = cfg.loss_head == "labels" and head.uses_label_head(self.model)
+        self.label_head = cfg.loss_head == "labels" and self.method.label_head and head.uses_label_head(self.model)
         if self.label_head:
             head.install(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -165,7 +173,7 @@ class Trainer:
                                  self.attn_implementation)
         # A step is the tutorial's batch of examples; its blocks per device are fixed for the
         # run: what the fullest step of any epoch needs (static shapes).
-        self.example_labels = self.examples.label_tokens
+        self.example_labels = self.method.example_weights(self.examples)  # SFT: label tokens; DPO: 1 a pair
         base = cfg.batch_plan()
         self.epoch_steps = epoch_step_count(self.examples.lengths, base)
         self.total_steps = self.epoch_steps * cfg.num_epochs
@@ -184,6 +192,9 @@ class Trainer:
         start = [resume.new_start_id() if rank == 0 else None]
         dist.broadcast_object_list(start, src=0, group=self.cpu_group)
         self.start_id: str = start[0]
+        # Before any restore (DPO's stored reference is the starting model's): the held-out
+        # data as the loop takes it (packed blocks).
+        self.eval_data = self.method.prepare(self, self.eval_data)
         # This rank's share of the held-out blocks on its device, and its order over them
         # (filler slots take the filler block), both copied once for every evaluation.
         self.eval_blocks, self.eval_index = None, None
@@ -416,7 +427,7 @@ class Trainer:
         size, end = min(self.window_steps, len(epoch)), min(len(epoch), first + self.window_steps)
         self.drop_window()  # the previous window's memory goes first
         self.epoch_blocks = rank_blocks(self.examples, epoch, self.rank, self.cfg.max_seq_len, self.pad_id,
-                                        steps=slice(first, end))
+                                        steps=slice(first, end), fill=self.method.fill)
         per_step = plan.accum * plan.blocks
         index = np.arange((end - first) * per_step, dtype=np.int64).reshape(end - first, plan.accum, plan.blocks)
         head.check_cap(self.epoch_blocks, index, self.train_cap, f"epoch {self.epoch} steps {first + 1} to {end}")
@@ -443,7 +454,7 @@ class Trainer:
         index = step_input[:-1].view(self.plan.accum, self.plan.blocks)
         scale = self.world / step_input[-1].clamp(min=1).to(torch.float32)
         for micro in range(self.plan.accum):
-            summed = self.token_loss_sum(self.train_blocks.gather(index[micro]), self.train_cap)
+            summed = self.method.loss_sum(self, self.train_blocks.gather(index[micro]), self.train_cap)
             micro_batch_backward(self.model, summed * scale, micro, self.plan.accum)  # HSDP: all-reduce at the last
             loss_sum += summed.detach()
         if self.cfg.max_grad_norm > 0:
@@ -505,8 +516,8 @@ class Trainer:
 
     def method_words(self) -> str:
         cfg = self.cfg
-        if cfg.method != "lora":
-            return ""
+        if not cfg.uses_lora:
+            return " (DPO)" if cfg.method == "dpo" else ""
         trained = sum(p.numel() for p in self.params)
         frozen = sum(p.numel() for p in self.model.parameters() if not p.requires_grad)
         what = "adapters and the embedding" if getattr(cfg, "lora_train_embeddings", False) else "adapters only"
@@ -525,6 +536,7 @@ class Trainer:
         --checkpoint-every-steps and stops at --max-steps."""
         cfg = self.cfg
         self.model.train()
+        self.method.start_epoch()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         window = ProgressWindow(time.perf_counter())
         label_tokens = real_tokens = steps = 0
@@ -603,7 +615,13 @@ class Trainer:
                 "tokens_per_s": real_tokens / max(elapsed, 1e-9), "padded_tokens_per_s": padded / max(elapsed, 1e-9),
                 "steps": steps, "epoch_step": self.epoch_step, "epoch_loss_sum": summed,
                 "epoch_label_tokens": label_tokens + carried_tokens,
-                "batch_shapes": [[self.plan.blocks, self.cfg.max_seq_len]]}
+                "batch_shapes": [[self.plan.blocks, self.cfg.max_seq_len]],
+                "method": self.method_sums(label_tokens)}
+
+    def method_sums(self, counted: int) -> dict:
+        """The method's own epoch figures (DPO's rewards, margin, accuracy over the `counted`
+        pairs of this start; SFT has none). Collective for DPO."""
+        return self.method.epoch_sums(self, counted)
 
     def emit_progress(self, window: "ProgressWindow", loss_sum: torch.Tensor) -> None:
         """Rank 0 only, throttled: the loss is rank 0's mean over the window, the gradient
@@ -631,10 +649,11 @@ class Trainer:
             return None
         per_device, indices = self.plan.blocks, self.eval_index
         self.model.eval()
+        self.method.start_eval()
         total = torch.zeros((), device=self.device, dtype=torch.float32)
         for step in range(len(indices) // per_device):
-            total += self.token_loss_sum(self.eval_blocks.gather(indices[step * per_device:(step + 1) * per_device]),
-                                         self.eval_cap)
+            total += self.method.loss_sum(self, self.eval_blocks.gather(indices[step * per_device:(step + 1) * per_device]),
+                                          self.eval_cap, training=False)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         label_tokens = int(self.eval_data.label_tokens.sum())  # known on the host
         return float(total.item()) / label_tokens if label_tokens else None
@@ -650,6 +669,12 @@ class Trainer:
                    "eval_loss": None if eval_loss is None else round(eval_loss, 4),
                    "epoch_time_s": round(m["epoch_time_s"], 2), "tokens_per_s": round(m["tokens_per_s"], 1),
                    "padded_tokens_per_s": round(m["padded_tokens_per_s"], 1)}
+        # The method's own figures (DPO: rewards, margin, accuracy, on the held-out pairs too),
+        # new keys beside SFT's, which stay as they were.
+        extra = dict(m.get("method") or {})
+        if eval_loss is not None:
+            extra.update(self.method.eval_sums(self))
+        metrics.update({k: round(v, 4) for k, v in extra.items()})
         if self.rank == 0 and epoch_end:
             self.print_epoch(metrics)
             emit("epoch", epochs=cfg.num_epochs, steps=m["steps"], total_steps=self.total_steps,
@@ -780,7 +805,8 @@ class Trainer:
         eval_part = f" | eval_loss={m['eval_loss']:.4f}" if m["eval_loss"] is not None else ""
         say(f"Epoch {m['epoch']}/{self.cfg.num_epochs} | loss={m['loss']:.4f} | epoch_time={m['epoch_time_s']:.2f}s"
             f" | tokens/s={m['tokens_per_s']:.1f}{eval_part}"
-            f" | padded_tokens/s={m['padded_tokens_per_s']:.1f} (tokens/s counts real tokens only)")
+            f" | padded_tokens/s={m['padded_tokens_per_s']:.1f} (tokens/s counts real tokens only)"
+            + self.method.words(m))
 
     # ------------------------------------------------------------------ export
     def export(self) -> None:
@@ -800,13 +826,13 @@ class Trainer:
         start = time.perf_counter()
         base = base_directory(cfg.model_id) if self.rank == 0 else None
         adapter_uri = None
-        if cfg.method == "lora":
+        if cfg.uses_lora:
             adapter_uri = ckpt.join_uri(cfg.storage_path, cfg.run_name, ADAPTER_EXPORT_DIR)
             ckpt.export_adapter(self.model, adapter_uri, cfg, self.cpu_group)
-        merged = cfg.method != "lora" or cfg.lora_export_merged
+        merged = not cfg.uses_lora or cfg.lora_export_merged
         if merged:
             done = ckpt.export_hf(self.model, self.tokenizer, destination, self.cpu_group, base,
-                                  lora_scaling=cfg.lora_alpha / cfg.lora_rank if cfg.method == "lora" else None)
+                                  lora_scaling=cfg.lora_alpha / cfg.lora_rank if cfg.uses_lora else None)
         else:
             destination = None  # --lora-export-merged false: the adapter only
         export_s = time.perf_counter() - start
