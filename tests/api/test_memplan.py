@@ -106,9 +106,9 @@ def test_activation_checkpointing_is_named_before_a_larger_topology_when_it_fits
     on = memplan.estimate(request("google/gemma-4-E4B-it", activation_checkpointing="block", max_seq_len=8192,
                                   attention="eager"))
     assert on.fits is False and "activationCheckpointing" not in on.smallest_fit
-    assert on.smallest_fit == "method lora (rank 16), batchSizePerDevice 2, topology 4x8 (32 chips)"
+    assert on.smallest_fit == "method lora (rank 16), batchSizePerDevice 2, topology 4x4 (16 chips)"
     assert memplan.estimate(request("google/gemma-4-E4B-it", activation_checkpointing="block", max_seq_len=8192,
-                                    attention="eager", batch_per_device=2, topology="4x8", method="lora")).fits
+                                    attention="eager", batch_per_device=2, topology="4x4", method="lora")).fits
 
 
 def test_v7x_counts_both_devices_of_a_chip():
@@ -298,7 +298,10 @@ def test_lora_dropout_counts_each_adapted_layers_dropped_input_and_mask():
     without = memplan.device_bytes(**at)
     dropped = memplan.device_bytes(**at, lora_dropout=0.05)
     inputs = 3 * shape.hidden + shape.attention_width + 2 * shape.hidden + shape.intermediate  # q k v o gate up down
-    assert dropped.activations - without.activations == shape.layers * 512 * 4 * inputs * 2 * 2
+    per_element = (dropped.activations - without.activations) / (shape.layers * 512 * 4 * inputs)
+    # In bf16 (2 B an element): more than the dropped copy, less than it and its noise
+    # (bench_memplan's l3 against l4: 3.2 B).
+    assert 2 < per_element < 4
     default = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora"}))
     off = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora", "lora": {"dropout": 0}}))
     assert default.breakdown.activations - off.breakdown.activations == dropped.activations - without.activations
@@ -400,3 +403,20 @@ def test_rank_0s_host_holds_the_export_proof():
     training = 4 * (memplan.RUNTIME_BYTES_PER_DEVICE + part.weights + part.optimizer)  # 4 chips a v6e host
     proof = export.proof_host_bytes(shape.parameters, 2, shape.lora_parameters(16))
     assert plan.host_bytes == training + proof and proof > 57 * GIB
+
+
+def test_the_plan_stays_within_its_tolerance_of_the_recorded_peaks():
+    """bench_memplan.py's recorded measurements: every held-out configuration within 25% of
+    the plan (the issue's bar), the fitted ones within 15% (what their fit reached: s3 0.89).
+    A constant refitted without rerunning the benchmark moves these."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_memplan
+
+    assert set(bench_memplan.MEASURED) <= set(bench_memplan.CONFIGS)
+    for name, measured in bench_memplan.MEASURED.items():
+        bound = bench_memplan.TOLERANCE if name in bench_memplan.HELD_OUT else 0.15
+        ratio = bench_memplan.planned(name)[0] / bench_memplan.MIB / measured
+        assert abs(ratio - 1) <= bound, (name, round(ratio, 2))

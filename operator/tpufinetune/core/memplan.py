@@ -74,14 +74,19 @@ EAGER_TRANSIENT_MATRICES = 2
 UPCAST_PER_HIDDEN = 10
 UPCAST_PER_ATTENTION_WIDTH = 2  # over the attention width and twice the kv width (q, k, v norms)
 UPCAST_ATTENTION_MATRICES = 1
-# LoRA, per token and layer and per input element of each adapted layer, in the compute
-# dtype: what a LoRA step keeps beyond a full one's activations, fitted to bench_memplan's l1
-# and l2 (fp32, 247 MiB over the full step's count on both: about twice the adapted inputs;
-# not traced to a tensor); and with dropout (spec.training.lora.dropout > 0) each adapted
-# layer's own dropped copy and the noise it was multiplied by (torch's dropout outside the
-# fused CUDA kernel keeps the noise in the input's dtype; l1 - l2: 7.5 B an element in fp32).
-LORA_SAVED_PER_INPUT = 2
-LORA_DROPOUT_COPIES = 2
+# LoRA, bytes per token and layer and per input element of each adapted layer, by compute
+# dtype (its bytes: 4 fp32, 2 bf16): what a LoRA step keeps beyond a full one's activations
+# (LORA_SAVED_BYTES), and with dropout (spec.training.lora.dropout > 0) what each adapted
+# layer's own dropped copy and the noise it was multiplied by add (LORA_DROPOUT_BYTES; torch's
+# dropout outside the fused CUDA kernel keeps the noise in the input's dtype). Fitted per
+# dtype to bench_memplan's FITTED rows on one model (S1, 1024 x 2 tokens, sdpa): fp32 l2
+# (dropout 0) and l1 (0.05), bf16 l4 and l3. Not one tensor: torch's saved tensors of a
+# LoRA forward are fewer than a full one's (frozen norms keep no normed copy), the rest is
+# the allocator's retention of each adapted layer's transients, which does not follow the
+# dtype (bf16: 0.31 of fp32's bytes, not 0.5). One pair for both dtypes (8 B and 8 B,
+# fitted in fp32) put the fitted bf16 l3 at 1.16 of its measured peak.
+LORA_SAVED_BYTES = {4: 6.6, 2: 2.1}
+LORA_DROPOUT_BYTES = {4: 7.5, 2: 3.2}
 # sdpa given a boolean mask (masks.py's for sdpa) turns it into an additive one in the
 # compute dtype and keeps that for the backward, in every layer: L^2 per block and layer
 # in the compute dtype, whatever the heads (measured: one CPU sdpa call, 4096 tokens, keeps
@@ -134,10 +139,10 @@ class Breakdown:
 
 
 def activation_bytes(shape: ModelShape, tokens: int, scores: int, compute_bytes: int, checkpointing: str,
-                     lora_inputs: int = 0) -> int:
+                     lora_bytes: int = 0) -> int:
     """Activations saved for the backward at its start, and the one block recomputed in it.
-    `scores`: one block's eager attention matrices (0 with sdpa); `lora_inputs`: elements
-    per token and layer LoRA keeps beyond full fine-tuning (its adapters and their dropout)."""
+    `scores`: one block's eager attention matrices (0 with sdpa); `lora_bytes`: bytes per
+    token and layer LoRA keeps beyond full fine-tuning (its adapters and their dropout)."""
     upcast = 4 if compute_bytes < 4 else 0  # fp32 copies a lower-precision step keeps
     width = shape.attention_width
     normed = width + 2 * shape.module_widths()["k_proj"][1]  # q, k and v norms
@@ -145,7 +150,7 @@ def activation_bytes(shape: ModelShape, tokens: int, scores: int, compute_bytes:
                           + upcast * UPCAST_PER_ATTENTION_WIDTH * normed) + scores
     rest = tokens * (compute_bytes * (SAVED_PER_HIDDEN * shape.hidden + SAVED_PER_INTERMEDIATE * shape.intermediate)
                      + upcast * UPCAST_PER_HIDDEN * shape.hidden
-                     + compute_bytes * lora_inputs)
+                     + lora_bytes)
     block_input = tokens * compute_bytes * shape.hidden
     if checkpointing == "block":
         return shape.layers * block_input + rest + attention
@@ -194,9 +199,10 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
     # Labels: two fp32 chunk buffers; full: transformers' logits of every position, about five
     # fp32 [tokens, vocab] tensors (logits, the softcap's, log-softmax, their gradients).
     logits = 2 * CHUNK_ROWS * shape.vocab * 4 if loss_head == "labels" else FULL_LOGITS * tokens * shape.vocab * 4
-    lora_inputs = 0 if full else shape.lora_inputs(lora_targets) * (
-        LORA_SAVED_PER_INPUT + (LORA_DROPOUT_COPIES if lora_dropout > 0 else 0))
-    activations = activation_bytes(shape, tokens, scores, compute_bytes, checkpointing, lora_inputs) + masks + workspace
+    lora_bytes = 0 if full else int(shape.lora_inputs(lora_targets) * (
+        _of_dtype(LORA_SAVED_BYTES, compute_bytes) + (_of_dtype(LORA_DROPOUT_BYTES, compute_bytes)
+                                                      if lora_dropout > 0 else 0)))
+    activations = activation_bytes(shape, tokens, scores, compute_bytes, checkpointing, lora_bytes) + masks + workspace
     return Breakdown(
         weights=_ceil_div(base, devices),
         grads=_ceil_div(4 * trainable, devices),
@@ -208,6 +214,11 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
         loss_head=head_grad + logits + 2 * tokens * shape.hidden * compute_bytes,
         margin=int(activations * LONG_MARGIN) if max_seq_len >= LONG_FROM else 0,
     )
+
+
+def _of_dtype(table: dict[int, float], compute_bytes: int) -> float:
+    """A per-dtype constant (keyed by the compute dtype's bytes); another dtype scales fp32's."""
+    return table[compute_bytes] if compute_bytes in table else table[4] * compute_bytes / 4
 
 
 def _ceil_div(a: int, b: int) -> int:
