@@ -36,9 +36,6 @@ log = logging.getLogger(__name__)
 # with nothing changed (a resync, as an informer's): a change wakes it at once, and its own
 # timers (phases.next_timer) are kept to the second.
 IDLE_RESYNC_S = 60.0
-# A new run's first status write waits at most this long for kopf's own first writes (in a
-# burst they queue behind its other requests for seconds: its connections are bounded).
-KOPF_SETTLE_S = 10.0
 
 
 class ClusterBackend(Protocol):
@@ -84,6 +81,9 @@ class Run(RunRay, RunStatus):
         # deletes what it holds, the operator may no longer act there, and the loop returns.
         self.namespace_ending = False
         self.settling = False  # waiting for kopf's first writes (settle); every change wakes it
+        # The status is this run's own from its first step on: the live body's is not read
+        # again (handlers.drop_taken_status then keeps only kopf's part of it).
+        self.status_taken = False
         # Events drained from the follower but not yet in a written status: applied
         # again on the next step, so a failed write loses none.
         self.unwritten: list[dict] = []
@@ -100,7 +100,15 @@ class Run(RunRay, RunStatus):
         # The kopf daemon and on.delete share this Run; one step at a time.
         self.lock = asyncio.Lock()
         self.authorized_address = ""  # the head address that has been given this run's token
-        self.notices = RunNotices(notifier_for(settings.notify_sinks_file), self.wake)  # spec.notify
+        self._notices: RunNotices | None = None  # spec.notify's side, made when first needed
+
+    @property
+    def notices(self) -> RunNotices:
+        """spec.notify's deliveries. Made for a run that has a notice to offer: most runs
+        never do, and a thousand waiting ones would each hold its lock, queue and records."""
+        if self._notices is None:
+            self._notices = RunNotices(notifier_for(self.settings.notify_sinks_file), self.wake)
+        return self._notices
 
     def _refresh_spec(self) -> None:
         meta = self.body["metadata"]
@@ -212,30 +220,6 @@ class Run(RunRay, RunStatus):
 
     # ---- one step ---------------------------------------------------------------------
 
-    async def settle(self, done, stopped, most: float = KOPF_SETTLE_S) -> None:
-        """Before a new run's first step: wait, at most `most` seconds, until `done()` (kopf
-        has written its finalizer and status.kopf to the object). Those writes land while
-        the daemon starts, and a status write made before them is refused as stale (409),
-        re-read and made again: twice a run, a GET and a PATCH each, thousands in a burst."""
-        deadline = asyncio.get_running_loop().time() + most
-        self.settling = True
-        try:
-            while not done() and not stopped.is_set() and not self.being_deleted():
-                self.wake.clear()
-                remaining = deadline - asyncio.get_running_loop().time()
-                if done() or remaining <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(self.wake.wait(), remaining)
-                except asyncio.TimeoutError:
-                    break
-        finally:
-            self.settling = False
-        if done():
-            # Nothing of ours is written yet: the live body is the newest read there is.
-            self.status = {k: v for k, v in (self.body.get("status") or {}).items() if k != "kopf"}
-            self.resource_version = str(self.body["metadata"].get("resourceVersion") or "")
-
     def end_with_namespace(self) -> None:
         self.namespace_ending = True
         self.wake.set()
@@ -296,13 +280,15 @@ class Run(RunRay, RunStatus):
         address = before.get("dashboardURL") or (obs.cluster.dashboard_url if obs.cluster is not None else "")
         applied.record(decision.status, self.generation, self._spec_source, bool(self.spec_error),
                        self.applied[:2] if self.applied is not None else None)
-        outcomes = self.notices.records()  # spec.notify's deliveries, recorded with this write
+        # spec.notify's deliveries, recorded with this write.
+        outcomes = self._notices.records() if self._notices is not None else []
         if outcomes:
             decision.status["notifications"] = notify.with_records(decision.status, outcomes)
         try:
             await self._write(decision.status)
         except Exception as error:
-            self.notices.put_back(outcomes)
+            if outcomes:
+                self.notices.put_back(outcomes)
             if not deleting:
                 raise
             # Releasing the slice (and so the finalizer) never waits on a status write: an
@@ -313,7 +299,8 @@ class Run(RunRay, RunStatus):
             await self._perform(decision, obs, address)
             return decision
         except BaseException:
-            self.notices.put_back(outcomes)
+            if outcomes:
+                self.notices.put_back(outcomes)
             raise
         self.unwritten.clear()
         self._offer_notices()
@@ -441,7 +428,7 @@ class Run(RunRay, RunStatus):
                 continue
             conflicts = 0
             if (decision.phase in phases.TERMINAL and not decision.actions and decision.wake_at is None
-                    and not self.notices.waiting()):
+                    and not (self._notices is not None and self._notices.waiting())):
                 return
             if decision.phase != before:
                 continue  # a transition: take the next step at once

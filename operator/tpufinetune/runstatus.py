@@ -3,8 +3,9 @@ the resourceVersion last read or written, spaced within a phase, and counted by 
 operator's progress tracker (core/progress.py); a failed write makes the next step re-read
 the object first. The trainer events drained but not yet written are kept, bounded.
 
-A mixin: Run provides `status`, `resource_version`, `status_stale`, `progress`, `backend`,
-`ident`, `settings`, `unwritten` and `_last_write`.
+A new run's first write waits for kopf's own first writes (settle). A mixin: Run provides
+`status`, `resource_version`, `status_stale`, `progress`, `backend`, `ident`, `settings`,
+`unwritten`, `_last_write`, `body`, `wake`, `settling`, `status_taken` and `being_deleted`.
 """
 
 from __future__ import annotations
@@ -31,10 +32,38 @@ UNWRITTEN_LIMIT = 1000
 # re-read, at once the first time, then after this many seconds, doubling (with jitter),
 # up to the poll interval.
 CONFLICT_BACKOFF_S = 0.1
+# A new run's first status write waits at most this long for kopf's own first writes (in a
+# burst they queue behind its other requests for seconds: its connections are bounded).
+KOPF_SETTLE_S = 10.0
 
 
 class RunStatus:
     """Status reads and writes of one run (see the module)."""
+
+    async def settle(self, done, stopped, most: float = KOPF_SETTLE_S) -> None:
+        """Before a new run's first step: wait, at most `most` seconds, until `done()` (kopf
+        has written its finalizer and status.kopf to the object). Those writes land while
+        the daemon starts, and a status write made before them is refused as stale (409),
+        re-read and made again: twice a run, a GET and a PATCH each, thousands in a burst."""
+        deadline = asyncio.get_running_loop().time() + most
+        self.settling = True
+        try:
+            while not done() and not stopped.is_set() and not self.being_deleted():
+                self.wake.clear()
+                remaining = deadline - asyncio.get_running_loop().time()
+                if done() or remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self.wake.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+        finally:
+            self.settling = False
+        if done():
+            # Nothing of ours is written yet: the live body is the newest read there is.
+            self.status = {k: v for k, v in (self.body.get("status") or {}).items() if k != "kopf"}
+            self.resource_version = str(self.body["metadata"].get("resourceVersion") or "")
+        self.status_taken = True
 
     def keep_unwritten(self, events) -> None:
         """Events drained from the log follower, held until a status write takes them."""

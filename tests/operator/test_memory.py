@@ -53,3 +53,39 @@ def test_the_body_kopf_keeps_for_a_run_loses_its_managed_fields_and_nothing_else
                    "spec": {"epochs": 3}, "status": {"phase": "Pending"}}
     assert body.metadata.name == "a" and body.spec["epochs"] == 3
     drop_managed_fields(kopf.Body({}))  # an event without metadata: nothing to drop
+
+
+def test_once_a_run_holds_its_own_status_the_kept_body_keeps_only_kopfs_part_of_it():
+    # handlers.resource_seen, as kopf calls it with the body it keeps for the run's daemon:
+    # before the run took its status (a new daemon reads it from the body) the body is whole;
+    # after, its status is kopf's part only, and the gauges were fed the whole one first.
+    import asyncio
+
+    import kopf
+
+    from tpufinetune.adapters import handlers, metrics
+
+    def event_body() -> dict:
+        return {"metadata": {"name": "a", "namespace": "n", "uid": "u", "generation": 1},
+                "spec": {"epochs": 3},
+                "status": {"phase": "Pending", "appliedSpec": "{}", "kopf": {"lastHandledConfiguration": "{}"}}}
+
+    class Run:
+        generation, settling, status_taken = 1, False, False
+        wake = asyncio.Event()
+
+    run = Run()
+    handlers.RUNS[("n", "a")] = run
+    try:
+        raw = event_body()
+        asyncio.run(handlers.resource_seen(type="MODIFIED", body=kopf.Body(raw)))
+        assert raw["status"]["appliedSpec"] == "{}"  # the daemon has not taken it yet
+        run.status_taken = True
+        raw = event_body()
+        asyncio.run(handlers.resource_seen(type="MODIFIED", body=kopf.Body(raw)))
+        assert raw["status"] == {"kopf": {"lastHandledConfiguration": "{}"}}
+        assert raw["spec"] == {"epochs": 3} and raw["metadata"]["generation"] == 1
+        assert metrics.RESOURCES._phase[("n", "a")] == "Pending"  # the gauge was fed the whole status first
+    finally:
+        handlers.RUNS.pop(("n", "a"), None)
+        metrics.forget("n", "a", "u")

@@ -139,7 +139,7 @@ def test_a_valid_edit_holds_only_the_attempts_slice_until_the_next_attempt():
                      "submit_timeout": timedelta(2), "suspended": True, "cluster_hash": "h", "hosts": 4, "chips": 16,
                      "active_deadline": timedelta(3), "ttl_after_finished": timedelta(4),
                      "no_progress_timeout": timedelta(5), "queue": "q", "preflight": True, "memory": {"m": 1},
-                     "does_not_fit": "no", "logs_root": "gs://l"}
+                     "does_not_fit": "no", "logs_root": "gs://l", "memory_request": "r"}
     assert set(latest_values) == {f.name for f in dataclasses.fields(phases.Plan)}  # a new field is decided here
     in_force = phases.plan_in_force(phases.Plan(**latest_values), applied, refused=False)
     held = {name for name in latest_values if getattr(in_force, name) == getattr(applied, name)}

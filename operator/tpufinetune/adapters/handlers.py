@@ -188,6 +188,19 @@ def drop_managed_fields(body) -> None:
         meta.pop("managedFields", None)
 
 
+def drop_taken_status(body) -> None:
+    """Once a run's daemon holds its own copy of the status (Run.status_taken), the kept
+    body's status is read by nothing here but kopf's own status.kopf: the rest (the applied
+    spec, the plan, the attempts, the conditions: about a third of a waiting run's body)
+    goes, in place, until the next event brings it back. metrics.seen has read it first."""
+    status = body.get("status")
+    if isinstance(status, dict):
+        kept = status.get("kopf")
+        status.clear()
+        if kept is not None:
+            status["kopf"] = kept
+
+
 @kopf.on.event("", "v1", "namespaces")
 async def namespace_deleted(type: str, body: kopf.Body, memo: kopf.Memo, **_) -> None:
     """A watched namespace being deleted: the namespace controller deletes the operator's
@@ -229,7 +242,8 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
     One handler for both: kopf runs it for every event anyway, and a run compares the
     generation itself (kopf's on.field would add a handler run, and its bookkeeping, to
     every creation).
-    It also drops the body's managedFields (drop_managed_fields)."""
+    It also drops the body's managedFields (drop_managed_fields) and, once the run holds its
+    own copy, the status kopf does not need (drop_taken_status)."""
     drop_managed_fields(body)
     meta = body.get("metadata", {})
     key = (meta.get("namespace"), meta.get("name"))
@@ -241,6 +255,8 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
     if run is not None and (meta.get("generation") != run.generation or meta.get("deletionTimestamp")
                             or run.settling):
         run.wake.set()
+    if run is not None and run.status_taken:
+        drop_taken_status(body)
 
 
 def kopf_wrote_its_own(body) -> bool:
