@@ -98,7 +98,7 @@ CONFIGS = {**FITTED, **HELD_OUT}
 MEASURED = {
     "tiny": 17.7, "s1": 352.6, "s2": 1636.8, "s3": 2187.7, "e1": 1327.6, "b1": 642.0, "b2": 1255.9,
     "l1": 1008.8, "l2": 783.9, "l3": 654.1, "l4": 558.8, "f8": 1666.1, "f9": 1022.7,
-    "h1": 1039.6, "h2": 614.3, "h3": 1660.1, "h4": 1582.3, "h5": 611.8, "h6": 1082.8, "h7": 1188.6,
+    "h1": 1039.6, "h2": 614.3, "h3": 1660.1, "h4": 1582.3, "h5": 611.8, "h6": 1082.8, "h7": 1188.6, "h8": 1428.8,
     "n1": 478.8, "n3": 3352.7, "n5": 1745.2,
 }
 MIB = 2**20
@@ -264,7 +264,7 @@ def recorded() -> str:
     """Both sets, the current planner against MEASURED: the tables docs/trainer.md shows."""
     out = []
     for label, configs in (("fitted", FITTED), ("held-out", HELD_OUT)):
-        out += [f"{label}:", f"{'name':5} {'width x layers':>14} {'L x b':>9} {'dtype':>4} {'attn':>5} {'method':>13} "
+        out += [f"{label}:", f"{'name':5} {'width x layers':>14} {'L x b':>9} {'dtype':>5} {'attn':>5} {'method':>13} "
                              f"{'plan MiB':>8} {'margin':>6} {'measured':>8} {'ratio':>6}"]
         ratios = []
         for name, config in configs.items():
@@ -273,8 +273,10 @@ def recorded() -> str:
             ratio = f"{estimate / MIB / measured:6.2f}" if measured else ""
             if measured:
                 ratios.append(abs(estimate / MIB / measured - 1) <= TOLERANCE)
-            out.append(f"{name:5} {config['text']['hidden_size']:>6} x {config['text']['num_hidden_layers']:<2}    "
-                       f"{config['length']:>5} x {config['blocks']} {describe(name):>24} {estimate / MIB:8.1f} "
+            dtype, attention, method = describe(name).split(None, 2)
+            shape = f"{config['text']['hidden_size']} x {config['text']['num_hidden_layers']}"
+            out.append(f"{name:5} {shape:>14} {config['length']:>5} x {config['blocks']} {dtype:>5} {attention:>5} "
+                       f"{method:>13} {estimate / MIB:8.1f} "
                        f"{(f'{margin / MIB:6.1f}' if margin else ''):>6} "
                        f"{(f'{measured:8.1f}' if measured else 'not run'):>8} {ratio}".rstrip())
         out += [f"{label}: within {TOLERANCE:.0%} of the measured peak: {sum(ratios)} of {len(ratios)} measured "
