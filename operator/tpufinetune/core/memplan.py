@@ -9,8 +9,9 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
   HSDP: sharded within each slice, replicated across slices, so a device holds what it holds
   in a single slice of the topology, whatever spec.tpu.slices);
 - LoRA: the frozen base in bf16 (lora.inject), sharded; the 16 B only for the adapters of
-  the layers spec.training.lora.targetModules names; about twice the adapted layers' inputs
-  kept beyond a full step's activations, and with dropout each one's dropped copy and noise;
+  the layers spec.training.lora.targetModules names; bytes per element of the adapted
+  layers' inputs beyond a full step's activations, and with dropout for each one's dropped
+  copy and noise, measured per compute dtype;
 - Gemma's per-layer embedding table (PLE): frozen, in the compute dtype, replicated on
   every device (kept out of FSDP);
 - the all-gathered compute-dtype copies: the root unit (the embedding, tied to the head)
