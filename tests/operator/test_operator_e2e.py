@@ -101,7 +101,8 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status_and_the_standby_t
         assert "tpufinetune" in answers(standby.metrics_url)
         kube.wait_for(lambda: "standing by" in standby.log_tail(), "the replica stands by", timeout=30)
         assert lease(kube)["holderIdentity"] == OPERATOR_PODS[0]
-        _finetune_with_a_takeover(operator, standby, watch, ground, kube, ground_assets, storage, tmp_path)
+        _finetune_with_a_takeover(operator, standby, watch, ground, kube, ground_assets, storage, tmp_path,
+                                  json.loads((trainer_assets.model / "config.json").read_text()))
         assert "leading as" in standby.log_tail(200)
     finally:
         # A clean stop releases the Lease: the session's operator leads again at its
@@ -117,7 +118,8 @@ def test_finetune_runs_to_succeeded_with_every_epoch_in_status_and_the_standby_t
     assert back < DEFAULTS.lease_duration, back  # the release, not the expiry
 
 
-def _finetune_with_a_takeover(operator, standby, watch, ground, kube, ground_assets, storage, tmp_path) -> None:
+def _finetune_with_a_takeover(operator, standby, watch, ground, kube, ground_assets, storage, tmp_path,
+                              model_config: dict) -> None:
     manifest = resource("tiny-finetune", ground_assets, storage, epochs=3, rows=800)
     manifest["spec"]["notify"] = [{"sink": "receiver", "events": ["Succeeded", "AttemptEnded"]}]
     assert all(v.startswith("gs://") for v in (manifest["spec"]["model"]["id"], manifest["spec"]["dataset"]["id"],
@@ -214,8 +216,7 @@ def _finetune_with_a_takeover(operator, standby, watch, ground, kube, ground_ass
     reasons = {item["reason"] for item in json.loads(events)["items"]}
     assert {"Accepted", "ClusterReady", "JobSubmitted", "Succeeded"} <= reasons
     # A bucket path is not in the planner's table: planned from its config.json once read.
-    own = json.loads((trainer_assets.model / "config.json").read_text())
-    own = own.get("text_config") or own
+    own = model_config.get("text_config") or model_config
     assert status["plan"]["basis"] == "config" and "config.json" in status["plan"]["widthsFrom"], status["plan"]
     assert (status["plan"]["modelConfig"]["hiddenSize"], status["plan"]["modelConfig"]["numHiddenLayers"]) == (
         own["hidden_size"], own["num_hidden_layers"])
