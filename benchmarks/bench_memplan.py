@@ -4,7 +4,7 @@ its mixed-precision policy in fp32 or bfloat16 compute, LoRA's adapters as lora.
 them, the label-position loss head, AdamW as train.py builds it).
 
 Two sets of configurations: FITTED, the ones the planner's constants (core/memplan.py,
-SAVED_*, UPCAST_*, LORA_DROPOUT_*) were fitted to, and HELD_OUT, other widths, depths,
+SAVED_*, UPCAST_*, LORA_*_BYTES per dtype) were fitted to, and HELD_OUT, other widths, depths,
 lengths (512 to 8192), dtypes, methods, LoRA dropouts and targets, never used to fit
 anything: the planner is judged on those. 8192-token rows use a narrow model (2 heads,
 width 128) so that the eager L^2 scores fit the small machine and a step takes seconds.
