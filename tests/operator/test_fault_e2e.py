@@ -130,7 +130,7 @@ def test_a_killed_head_then_a_deleted_raycluster_are_each_retried_from_the_last_
             return None
         try:
             jobs = jobs_of(kube, cluster, uid)
-        except ConnectionError:  # Ray's client: "Failed to connect to Ray at address ..."
+        except OSError:  # a head still starting: "Failed to connect to Ray", or it closed the connection
             return None
         return jobs if any(j.submission_id == f"tft-{uid}-2" for j in jobs) else None
 
@@ -144,11 +144,26 @@ def test_a_killed_head_then_a_deleted_raycluster_are_each_retried_from_the_last_
                   "attempt 2's first checkpoint", timeout=300)
     assert kube.status("head-killed")["epoch"] < 5, "the run ended before its second fault"
     old_pods = [p["metadata"]["uid"] for p in kube.pods_of(cluster)]
+    old_cluster = kube.get("raycluster", cluster)["metadata"]["uid"]
     kube.kubectl("delete", "raycluster", cluster, "--wait=false")  # someone else's delete
     # Used to fail step after step until RayUnreachable (ten minutes by default).
     at_retry = kube.wait_for(lambda: (s := kube.status("head-killed")).get("attempt") == 3 and s,
                              "the second retry", timeout=120)
     newest = at_retry["checkpointURI"]  # the last one reported before attempt 3 started: attempt 2's
+
+    def third_on_its_head():
+        """Attempt 3's job on the new cluster's head; None until that head lists it."""
+        body = kube.get("raycluster", cluster)
+        if body is None or body["metadata"]["uid"] == old_cluster or kube.head_dashboard(cluster) is None:
+            return None
+        try:
+            jobs = jobs_of(kube, cluster, uid)
+        except OSError:  # a head still starting: "Failed to connect to Ray", or it closed the connection
+            return None
+        return next((j for j in jobs if j.submission_id == f"tft-{uid}-3"), None)
+
+    third = kube.wait_for(third_on_its_head, "attempt 3 on the new head", timeout=300, interval=1)
+    assert f"--resume-from={newest}" in third.entrypoint, (newest, third.entrypoint)  # what was submitted
     assert kube.status("head-killed")["retries"] == 2
     status = kube.wait_for(lambda: (s := kube.status("head-killed")).get("phase") in ("Succeeded", "Failed") and s,
                            "the run to end", timeout=600, interval=2)
