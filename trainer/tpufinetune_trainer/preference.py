@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .data import IGNORE_INDEX, Examples, Packed, PreparedData, format_prompt, resolve_prompt_format, \
-    split_eval, check_long_prompts, load_rows, detect_format
+    split_eval, check_long_prompts, load_rows, detect_format, fill_blocks
 from .errors import DataError
 
 FORMAT = "preference"
@@ -223,27 +223,21 @@ def fill_pair_blocks(pairs: PairExamples, blocks: list[list[int]], max_seq_len: 
     """Blocks of exactly `max_seq_len` tokens, block b holding the pairs `blocks[b]` (in
     index order), each as two segments (chosen 2k - 1, rejected 2k; positions from 0 in
     each), then padding (its own segment, no labels)."""
-    shape = (len(blocks), max_seq_len)
-    ids = np.full(shape, pad_id, dtype=np.int64)
-    labs = np.full(shape, IGNORE_INDEX, dtype=np.int64)
-    pos = np.zeros(shape, dtype=np.int64)
-    seg = np.zeros(shape, dtype=np.int64)
-    real = np.zeros(len(blocks), dtype=np.int64)
-    for b, members in enumerate(blocks):
-        at = 0
-        for k, i in enumerate(sorted(members)):
+    # data.fill_blocks lays out the pieces: each pair's chosen and rejected sequences as two
+    # examples in a row, so their segments are 2k + 1 and 2k + 2 and positions restart.
+    piece_ids, piece_labels, rows = [], [], []
+    for members in blocks:
+        row = []
+        for i in sorted(members):
             tokens, labels, cut = pairs.input_ids[i], pairs.labels[i], int(pairs.chosen_lengths[i])
-            n = len(tokens)
-            ids[b, at:at + n], labs[b, at:at + n] = tokens, labels
-            pos[b, at:at + cut], pos[b, at + cut:at + n] = np.arange(cut), np.arange(n - cut)
-            seg[b, at:at + cut], seg[b, at + cut:at + n] = 2 * k + 1, 2 * k + 2
-            at += n
-        real[b] = at
-        pos[b, at:] = np.arange(max_seq_len - at)
-        seg[b, at:] = 2 * len(members) + 1
+            row += [len(piece_ids), len(piece_ids) + 1]
+            piece_ids += [tokens[:cut], tokens[cut:]]
+            piece_labels += [labels[:cut], labels[cut:]]
+        rows.append(row)
+    packed = fill_blocks(piece_ids, piece_labels, rows, max_seq_len, pad_id)
     counts = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))
-    return PairPacked(ids, labs, pos, seg, real, counts,
-                      reference=pair_reference(pairs, blocks, segments or segment_columns(max_seq_len)))
+    return PairPacked(packed.input_ids, packed.labels, packed.position_ids, packed.segment_ids,
+                      packed.real_tokens, counts, reference=pair_reference(pairs, blocks, segments or segment_columns(max_seq_len)))
 
 
 def segment_columns(max_seq_len: int) -> int:
