@@ -174,11 +174,8 @@ def plan_from_config(plan: Plan, s: dict, event: dict, d: Decision) -> str:
     planned = memplan_spec.status_of(memory)
     if s.get("plan") == planned:
         return ""  # the same event read again (a restart re-reads the log)
-    before = (s.get("plan") or {}).get("perChipHBMBytes") or (s.get("plan") or {}).get("hostRAMBytes")
     s["plan"] = planned
-    d.actions.append(RecordEvent("Normal", "PlannedFromModelConfig",
-                                 f"{memory.summary()} (before: {before} bytes from the planner's table)"
-                                 [: cond.MESSAGE_LIMIT] if before else memory.summary()[: cond.MESSAGE_LIMIT]))
+    d.actions.append(RecordEvent("Normal", "PlannedFromModelConfig", memory.summary()[: cond.MESSAGE_LIMIT]))
     if not memplan.refuses(memory):
         return ""
     return f"{memory.refusal()} (planned from the model's config.json, which the trainer read)"
