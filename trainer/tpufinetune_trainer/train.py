@@ -38,7 +38,7 @@ from .data import IGNORE_INDEX, BatchPlan, EpochPlan, Examples, Packed, epoch_st
     rank_blocks, rank_eval_share, window_rows
 from .events import emit
 from .masks import MaskBuilder
-from .methods.dpo import for_config as method_for
+from .methods import for_config as method_for
 from .model import base_directory, freeze_input_embeddings, load_tokenizer
 from .parallelize import apply_activation_checkpointing, build_mesh, clip_grad_norm, micro_batch_backward
 from .schedule import decay_steps, lr_table, warmup_steps

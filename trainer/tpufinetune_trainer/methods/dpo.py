@@ -177,10 +177,3 @@ class DPO:
                     f"{metrics[f'{prefix}rewards_rejected']:.4f} margin={metrics[f'{prefix}margin']:.4f} "
                     f"accuracy={metrics[f'{prefix}accuracy']:.3f}")
         return part("") + part("eval_")
-
-
-def for_config(cfg):
-    """The run's method object."""
-    from .sft import SFT
-
-    return DPO(cfg) if cfg.method == "dpo" else SFT(cfg)
