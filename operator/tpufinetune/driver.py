@@ -88,6 +88,7 @@ class Run(RunRay, RunStatus):
         # again on the next step, so a failed write loses none.
         self.unwritten: list[dict] = []
         self.status_stale = False  # a write failed: re-read the object before deciding
+        self.object_gone = False  # a write or read found no object: the loop ends
         # Since when the head has not answered (any Ray call, its token included), for one
         # (phase, attempt): a new phase or attempt (a suspend, an eviction, a rebuild, a
         # retry) starts the clock again.
@@ -400,7 +401,8 @@ class Run(RunRay, RunStatus):
         `stopped` is anything with `is_set()` (kopf's DaemonStopped, an asyncio.Event).
         Never ends on an error: kopf does not restart a daemon that returned or raised."""
         conflicts = 0
-        while not stopped.is_set() and not self.being_deleted() and not self.namespace_ending:
+        while (not stopped.is_set() and not self.being_deleted() and not self.namespace_ending
+               and not self.object_gone):
             before = self.status.get("phase")
             # Cleared before the step looks, never after: a change that arrives while the
             # step runs wakes the next one instead of being lost until the next poll.

@@ -87,7 +87,9 @@ class RunStatus:
             self._status_failed(error)
             raise
         self.progress.reached(time.monotonic())
-        if found is not None:
+        if found is None:
+            self.object_gone = True  # deleted, its finalizer gone: nothing left to write to
+        else:
             status, self.resource_version = found
             self.status = {k: v for k, v in status.items() if k != "kopf"}
         self.status_stale = False
@@ -108,8 +110,12 @@ class RunStatus:
                 self.progress.reached(time.monotonic())
             except BaseException as error:
                 self.status_stale = True
+                if getattr(error, "status", None) == 404:
+                    # The object is gone (deleted, its finalizer removed): not a write that
+                    # fails, and no Event can be attached to it; the loop ends (Run.run).
+                    self.object_gone = True
                 # A conflict is another writer's newer version, not a stall: re-read, go on.
-                if isinstance(error, Exception) and not isinstance(error, StatusConflict):
+                elif isinstance(error, Exception) and not isinstance(error, StatusConflict):
                     self._status_failed(error)
                 raise
         self.status = new

@@ -85,6 +85,48 @@ def test_an_app_failure_on_a_healthy_slice_retries_on_the_same_raycluster_with_i
     assert checked_status(d.status) is d.status
 
 
+def test_lost_steps_are_counted_from_the_step_the_retry_restored_not_the_last_one_reported():
+    """The retry restores the run directory's newest complete checkpoint, which can be newer
+    than the last one attempt 1's driver reported (a save that landed after the driver died):
+    its trainer's first plan says which step, and no step was lost."""
+    status = running()
+    events = ({"event": "progress", "step": 7, "total_steps": 20},
+              {"event": "checkpoint", "epoch": 1, "step": 5, "uri": "gs://b/run/step_0000005", "epoch_end": False},
+              *FAILURE)
+    step(status, plan=V6E, now=at(40), cluster=READY, job=JobView("FAILED"), events=events)
+    d = step(status, plan=V6E, now=at(40), cluster=READY, job=JobView("FAILED"), events=events,
+             log_tail="RuntimeError: boom", slice_health=HEALTHY)
+    d = step(d.status, plan=V6E, now=at(41), cluster=READY, job=None)
+    d = step(d.status, plan=V6E, now=at(41), cluster=READY, job=JobView("RUNNING"))
+    assert d.status["attempts"][0]["lostSteps"] == 2  # from the checkpoint reported, for now
+    plan = {"event": "plan", "total_steps": 20, "resumed_step": 8, "resumed_from": "gs://b/run/step_0000008"}
+    d = step(d.status, plan=V6E, now=at(42), cluster=READY, job=JobView("RUNNING"), events=(plan,))
+    first, second = d.status["attempts"]
+    assert (second["resumedStep"], second["resumedFrom"]) == (8, "gs://b/run/step_0000008")
+    assert first["lostSteps"] == 0
+    # A worker group restarted inside the job plans again from a later step: that is the
+    # second attempt's own loss, not a change to the first's.
+    later = {"event": "plan", "total_steps": 20, "resumed_step": 12, "resumed_from": "gs://b/run/step_0000012"}
+    d = step(d.status, plan=V6E, now=at(43), cluster=READY, job=JobView("RUNNING"),
+             events=({"event": "progress", "step": 10, "total_steps": 20}, later))
+    first, second = d.status["attempts"]
+    assert (second["resumedStep"], first["lostSteps"]) == (8, 0)
+    assert checked_status(d.status) is d.status
+
+
+def test_a_retry_that_starts_afresh_loses_every_step_of_the_attempt_before():
+    status = running()
+    events = ({"event": "progress", "step": 7, "total_steps": 20}, *FAILURE)
+    d = step(status, plan=V6E, now=at(40), cluster=READY, job=JobView("FAILED"), events=events,
+             log_tail="RuntimeError: boom", slice_health=HEALTHY)
+    d = step(d.status, plan=V6E, now=at(41), cluster=READY, job=None)
+    d = step(d.status, plan=V6E, now=at(41), cluster=READY, job=JobView("RUNNING"))
+    d = step(d.status, plan=V6E, now=at(42), cluster=READY, job=JobView("RUNNING"),
+             events=({"event": "plan", "total_steps": 20, "resumed_step": None, "resumed_from": None},))
+    first, second = d.status["attempts"]
+    assert (second["resumedStep"], first["lostSteps"]) == (0, 7)
+
+
 @pytest.mark.parametrize("health, reason", [
     (SliceHealth(False, "Preempted", "pod demo-rc-worker-1 was deleted"), "Preempted"),
     (SliceHealth(False, "NodeLost", "node n1 of pod w is gone"), "NodeLost"),

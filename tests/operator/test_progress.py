@@ -121,3 +121,28 @@ async def test_a_write_refused_for_the_object_is_the_runs_trouble_said_once_by_a
     with pytest.raises(ApiException):
         await run.step()
     assert not progress.failing[RUN].own
+
+
+class DeletedCluster(MemoryCluster):
+    """The run's object deleted under it, its finalizer already gone (a delete that another
+    replica, or a namespace's deletion, finished): the API server answers 404 to its
+    status writes and reads."""
+
+    async def write_status(self, ident, patch, new, resource_version):
+        raise ApiException(status=404, reason='tpufinetunes.tpufinetune.dev "demo" not found')
+
+    async def read_status(self, ident):
+        return None
+
+
+@in_loop
+async def test_an_object_gone_ends_the_run_without_an_event_or_a_failing_write():
+    """No StatusWriteFailing ('the run goes on') for an object that no longer exists: no Event
+    can be attached to it (its namespace may be going too, its RoleBinding first), and the
+    run's loop ends instead of writing for ever."""
+    import asyncio
+
+    cluster, progress = DeletedCluster(), ProgressTracker()
+    run = Run(body(), cluster, RayJobs(), settings(), progress)
+    await asyncio.wait_for(run.run(asyncio.Event()), timeout=10)
+    assert run.object_gone and progress.failing == {} and "StatusWriteFailing" not in cluster.events

@@ -126,16 +126,34 @@ def resumed_from(s: dict, uri: str) -> None:
         _lost_steps(s, previous)
 
 
+def _is_step(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def note_steps(s: dict, events, running: bool) -> None:
     """The highest optimizer step the trainer reported, on the attempt whose job sent it:
     the running one, or (the last lines of a stopped job, read after its end) the last
-    one that ended."""
-    steps = [e.get("step") for e in events if isinstance(e.get("step"), int) and not isinstance(e.get("step"), bool)
+    one that ended. And the step the running attempt restored (its first `plan`): the
+    previous attempt's lost steps are counted from it, the trainer's own word, since the
+    checkpoint it restored (the run directory's newest complete one) can be newer than the
+    last one the previous job reported (a save on notice, or one that landed after its
+    driver died)."""
+    steps = [e.get("step") for e in events if _is_step(e.get("step"))
              and e.get("event") in ("progress", "epoch", "checkpoint", "notice")]
-    if not steps:
-        return
+    restored = next((e for e in events if e.get("event") == "plan"), None)
     entry = current(s) if running else last_ended(s)
     if entry is None:
+        return
+    if restored is not None and running and "resumedStep" not in entry:
+        # The first plan of the attempt: a worker group restarted inside the job (the
+        # trainer's --max-failures) plans again from a later step, which is its own loss.
+        entry["resumedStep"] = restored["resumed_step"] if _is_step(restored.get("resumed_step")) else 0
+        if isinstance(restored.get("resumed_from"), str) and restored["resumed_from"]:
+            entry["resumedFrom"] = restored["resumed_from"][:2048]
+        previous = last_ended(s)
+        if previous is not None and previous.get("reason") != "Succeeded":
+            _lost_steps(s, previous)
+    if not steps:
         return
     entry["lastStep"] = max(steps + [int(entry.get("lastStep") or 0)])
     if "endTime" in entry and entry.get("reason") != "Succeeded":
@@ -143,10 +161,19 @@ def note_steps(s: dict, events, running: bool) -> None:
 
 
 def _lost_steps(s: dict, entry: dict, succeeded: bool = False) -> None:
+    """The steps done in `entry` after the checkpoint the next attempt resumes from: the
+    step that attempt restored once its trainer said so, until then the step of the last
+    checkpoint reported."""
     if succeeded:
         entry["lostSteps"] = 0
-    elif entry.get("lastStep") is not None:
-        entry["lostSteps"] = max(0, int(entry["lastStep"]) - int(s.get("checkpointStep") or 0))
+        return
+    if entry.get("lastStep") is None:
+        return
+    found = entries(s)
+    later = found[found.index(entry) + 1:] if entry in found else []
+    restored = next((e["resumedStep"] for e in later if _is_step(e.get("resumedStep"))), None)
+    base = restored if restored is not None else int(s.get("checkpointStep") or 0)
+    entry["lostSteps"] = max(0, int(entry["lastStep"]) - base)
 
 
 def bounded(message: str, limit: int = MESSAGE_LIMIT) -> str:

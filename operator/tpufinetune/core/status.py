@@ -249,11 +249,18 @@ class Attempt(_Status):
     resumed_from: str | None = Field(None, max_length=2048,
                                      description="Checkpoint URI it resumed from; empty: "
                                                  "from the start.")
+    resumed_step: int | None = Field(None, ge=0, description="Optimizer steps the checkpoint "
+                                                             "it restored holds (its trainer's "
+                                                             "first plan; 0: from the start); "
+                                                             "absent: not reported yet.")
     last_step: int | None = Field(None, ge=0, description="Highest optimizer step the "
                                                           "trainer reported in it.")
     lost_steps: int | None = Field(None, ge=0, description="Steps done in it after the "
                                                            "checkpoint the next attempt "
-                                                           "resumes from (as reported).")
+                                                           "resumes from: lastStep less the "
+                                                           "next attempt's resumedStep (until "
+                                                           "that is known, the last checkpoint "
+                                                           "reported).")
     ray_cluster_uid: str | None = Field(None, alias="rayClusterUID", max_length=64,
                                         description="uid of the RayCluster it ran on.")
     slice_ready_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
