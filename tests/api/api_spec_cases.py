@@ -300,13 +300,45 @@ INVALID: list[Invalid] = [
             "spec.training.lora.targetModules[1]", '"attn" is not valid',
             admission='Unsupported value: "attn"', python_exact=False),
     Invalid("lora-with-method-full", spec_with(training={"lora": {"rank": 8}}), "spec.training.lora",
-            "applies to method lora only; set method: lora, or remove lora"),
+            "applies to method lora or dpo only; set method: lora (or dpo), or remove lora"),
     Invalid("lora-train-embeddings-and-freeze-embeddings",
             spec_with(training={"method": "lora", "lora": {"trainEmbeddings": True}, "freezeEmbeddings": True}),
             "spec.training.lora.trainEmbeddings", "contradicts freezeEmbeddings: true; drop one of them"),
     Invalid("unknown-method", spec_with(training={"method": "qlora"}), "spec.training.method",
             '"qlora" is not valid', admission='Unsupported value: "qlora"', python_exact=False),
 ]
+
+# DPO (training.method dpo, training.dpo): each of what the trainer's check_dpo refuses.
+DPO_INVALID: list[Invalid] = [
+    Invalid("dpo-with-method-full", spec_with(training={"dpo": {"beta": 0.2}}), "spec.training.dpo",
+            validation.DPO_METHOD_MESSAGE),
+    Invalid("dpo-with-method-lora", spec_with(training={"method": "lora", "dpo": {"beta": 0.2}}),
+            "spec.training.dpo", validation.DPO_METHOD_MESSAGE),
+    Invalid("dpo-ipo-with-label-smoothing",
+            spec_with(training={"method": "dpo", "dpo": {"loss": "ipo", "labelSmoothing": 0.1}}),
+            "spec.training.dpo.labelSmoothing", validation.IPO_SMOOTHING_MESSAGE),
+    Invalid("dpo-beta-zero", spec_with(training={"method": "dpo", "dpo": {"beta": 0}}),
+            "spec.training.dpo.beta", "must be greater than 0",
+            admission="should be greater than 0", python_exact=False),
+    Invalid("dpo-label-smoothing-half", spec_with(training={"method": "dpo", "dpo": {"labelSmoothing": 0.5}}),
+            "spec.training.dpo.labelSmoothing", "must be less than 0.5",
+            admission="should be less than 0.5", python_exact=False),
+    Invalid("dpo-label-smoothing-negative", spec_with(training={"method": "dpo", "dpo": {"labelSmoothing": -0.1}}),
+            "spec.training.dpo.labelSmoothing", "must be greater than or equal to 0",
+            admission="should be greater than or equal to 0", python_exact=False),
+    Invalid("dpo-unknown-loss", spec_with(training={"method": "dpo", "dpo": {"loss": "hinge"}}),
+            "spec.training.dpo.loss", '"hinge" is not valid', admission='Unsupported value: "hinge"',
+            python_exact=False),
+    Invalid("dpo-loss-on-all", spec_with(training={"method": "dpo", "lossOn": "all"}), "spec.training.lossOn",
+            validation.DPO_LOSS_ON_MESSAGE),
+    Invalid("dpo-tokens-per-step", spec_with(training={"method": "dpo", "tokensPerStep": 65536}),
+            "spec.training.tokensPerStep", validation.DPO_TOKENS_MESSAGE),
+    Invalid("dpo-supervised-format", spec_with(training={"method": "dpo", "datasetFormat": "dolly"}),
+            "spec.training.datasetFormat", validation.DPO_FORMAT_MESSAGE),
+    Invalid("preference-format-without-dpo", spec_with(training={"method": "lora", "datasetFormat": "preference"}),
+            "spec.training.datasetFormat", validation.DPO_FORMAT_MESSAGE),
+]
+INVALID += DPO_INVALID
 
 # spec.training's memory fields (apimodels.MemorySettings, which Training takes them from).
 MEMORY_INVALID: list[Invalid] = [

@@ -31,7 +31,8 @@ NOT_PASSED = {
     "--loss-head": "the trainer's default (labels) applies; full is the reference and a fallback for a run started by hand",
     "--model-load": "the trainer's default (sharded) applies; full is a fallback for a run started by hand",
     "--progress-interval": "the trainer's default (30 s) applies",
-    **{flag: "--method dpo (issue 48): the trainer has it, the operator's API (training.dpo) does not yet"
+    **{flag: "passed only when training.method is dpo, with training.dpo's values or its defaults (--dpo-lora: "
+             "true exactly when training.lora is given)"
        for flag in ("--dpo-beta", "--dpo-loss", "--dpo-label-smoothing", "--dpo-reference-free", "--dpo-lora")},
     "--fail-at-step": "fault injection for the trainer's own tests",
     "--global-batch-examples": "the operator passes the same flag by its other name, --global-batch-blocks",
@@ -40,9 +41,10 @@ NOT_PASSED = {
     "--tokens-per-step": "passed only when training.tokensPerStep is set (the trainer's 0 is a step of examples; "
                          "an older trainer image knows no such flag)",
     "--early-stopping-patience": "passed only when training.earlyStoppingPatience is set (0 is off)",
-    "--method": "passed only when training.method is lora (full is the trainer's default, and an older trainer "
-                "image knows no --method)",
-    **{flag: "passed only when training.method is lora, with training.lora's values or its defaults"
+    "--method": "passed only when training.method is lora or dpo (full is the trainer's default, and an older "
+                "trainer image knows no --method)",
+    **{flag: "passed only when training.method is lora (training.lora's values or its defaults) or dpo with "
+             "training.lora given"
        for flag in ("--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-target-modules",
                     "--lora-export-merged")},
     "--activation-checkpointing": "passed only when training.activationCheckpointing is block or selective "
@@ -148,6 +150,17 @@ TRAINER_REFUSALS = [
      ["--lora-target-modules=q_proj,attn", "--method=lora"]),
     ({"training": {"lora": {"rank": 8}}}, ["--lora-rank=8"]),  # LoRA's settings with method full
     ({"training": {"method": "qlora"}}, ["--method=qlora"]),
+    # DPO's settings: without method dpo, and each combination its check_dpo refuses.
+    ({"training": {"dpo": {"beta": 0.2}}}, ["--dpo-beta=0.2"]),
+    ({"training": {"method": "dpo", "dpo": {"loss": "ipo", "labelSmoothing": 0.1}}},
+     ["--dpo-label-smoothing=0.1", "--dpo-loss=ipo", "--method=dpo"]),
+    ({"training": {"method": "dpo", "dpo": {"beta": 0}}}, ["--dpo-beta=0", "--method=dpo"]),
+    ({"training": {"method": "dpo", "dpo": {"labelSmoothing": 0.5}}}, ["--dpo-label-smoothing=0.5", "--method=dpo"]),
+    ({"training": {"method": "dpo", "dpo": {"labelSmoothing": -0.1}}},
+     ["--dpo-label-smoothing=-0.1", "--method=dpo"]),
+    ({"training": {"method": "dpo", "dpo": {"loss": "hinge"}}}, ["--dpo-loss=hinge", "--method=dpo"]),
+    ({"training": {"method": "dpo", "lossOn": "all"}}, ["--loss-on=all", "--method=dpo"]),
+    ({"training": {"method": "dpo", "tokensPerStep": 65536}}, ["--tokens-per-step=65536", "--method=dpo"]),
     ({"training": {"method": "lora", "lora": {"trainEmbeddings": True}, "freezeEmbeddings": True}},
      ["--lora-train-embeddings=true", "--freeze-embeddings=true", "--method=lora"]),
 ]
@@ -221,8 +234,8 @@ def test_a_collectives_run_ignores_the_checkpoint_ranking():
 def test_loras_closed_sets_and_module_table_are_the_trainers():
     choices = {action.dest: tuple(action.choices) for action in _finetune_parser()._actions
                if action.choices}
-    # `dpo` is the trainer's (issue 48) before the operator's API offers it; drop it here then.
-    assert api.TRAINING_METHODS + ("dpo",) == choices["method"] == trainer_lora.METHODS
+    assert api.TRAINING_METHODS == choices["method"] == trainer_lora.METHODS
+    assert api.DPO_LOSSES == choices["dpo_loss"] and api.DATASET_FORMATS == choices["dataset_format"]
     assert api.LORA_TARGET_MODULES == trainer_lora.TARGET_MODULES
     assert api.DEFAULT_LORA_TARGET_MODULES == trainer_lora.DEFAULT_TARGET_MODULES
 
@@ -296,3 +309,34 @@ def test_the_trainer_keeps_blocks_gathered_where_the_plan_says_so():
     for spec in (on_v6e, base_spec()):
         argv = trainer_argv(parse_spec(spec), run_name="r")
         assert "--reshard-after-forward" not in _passed_flags(argv) and _trainer_config(argv).reshard_after_forward
+
+
+def test_method_dpo_without_settings_passes_the_trainers_dpo_defaults():
+    argv = trainer_argv(parse_spec(spec_with(training={"method": "dpo"})), run_name="r")
+    given = vars(trainer_cli.build_parser().parse_args(argv[1:]))
+    defaults = vars(trainer_cli.build_parser().parse_args(["finetune"]))
+    flags = _passed_flags(argv)
+    dpo_flags = [flag for flag in flags if flag.startswith("--dpo-")]
+    assert len(dpo_flags) == 5 and flags["--method"] == "dpo"
+    assert not [flag for flag in flags if flag.startswith("--lora-")]  # every weight trains
+    dests = _flag_dests()
+    for flag in dpo_flags:
+        assert given[dests[flag]] == defaults[dests[flag]], flag
+    config = _trainer_config(argv)
+    assert (config.method, config.uses_lora, config.dpo_beta, config.dpo_loss) == ("dpo", False, 0.1, "sigmoid")
+
+
+def test_the_dpo_settings_of_a_spec_reach_the_trainer_and_lora_trains_adapters():
+    spec = spec_with(training={"method": "dpo", "lora": {"rank": 8, "targetModules": ["q_proj", "v_proj"]},
+                               "dpo": {"beta": 0.25, "loss": "sigmoid", "labelSmoothing": 0.1,
+                                       "referenceFree": True}})
+    config = _trainer_config(trainer_argv(parse_spec(spec), run_name="r"))
+    assert (config.method, config.dpo_lora, config.uses_lora) == ("dpo", True, True)
+    assert (config.dpo_beta, config.dpo_loss, config.dpo_label_smoothing, config.dpo_reference_free) == (
+        0.25, "sigmoid", 0.1, True)
+    assert (config.lora_rank, config.lora_target_modules) == (8, "q_proj,v_proj")
+    # lora: {} is LoRA at its defaults; IPO without smoothing is sound.
+    ipo = spec_with(training={"method": "dpo", "lora": {}, "dpo": {"loss": "ipo"}, "datasetFormat": "preference"})
+    config = _trainer_config(trainer_argv(parse_spec(ipo), run_name="r"))
+    assert (config.dpo_lora, config.lora_rank, config.dpo_loss, config.dataset_format) == (True, 16, "ipo",
+                                                                                          "preference")

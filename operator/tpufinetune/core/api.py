@@ -29,7 +29,7 @@ from .apimodels import (  # noqa: F401  (re-exported: the API's models, one modu
 )
 from .notify import NotifySubscription  # noqa: F401  (re-exported: spec.notify)
 from .specmodels import (  # noqa: F401  (re-exported)
-    DEFAULT_DATASET_ID, DEFAULT_LORA_TARGET_MODULES, DEFAULT_MODEL_ID, DEFAULT_NO_PROGRESS_TIMEOUT,
+    DATASET_FORMATS, DEFAULT_DATASET_ID, DEFAULT_LORA_TARGET_MODULES, DPO, DPO_LOSSES, DEFAULT_MODEL_ID, DEFAULT_NO_PROGRESS_TIMEOUT,
     DEFAULT_RAY_VERSION, DEFAULT_TERMINATION_GRACE_SECONDS, INT32_MAX, LORA_MODULE_NAMES,
     LORA_TARGET_MODULES, MIN_NO_PROGRESS_TIMEOUT, SCORE_ATTRIBUTES, TRAINING_METHODS, Checkpoint,
     DatasetSource, GenerationName, LoRA, LoraModuleName, ModelSource, Preflight, ScoreAttribute,

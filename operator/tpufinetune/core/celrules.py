@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import generations as g
 from .specmodels import Training
 from .validation import (
-    EARLY_STOP_FIELDS, EARLY_STOP_MESSAGE, EMBEDDINGS_CONTRADICT, ENV_RESERVED_MESSAGE, ENV_VALUE_MESSAGE, EVAL_SCORE_MESSAGE, GLOBAL_BATCH_MESSAGE, LABEL_MESSAGE, LORA_METHOD_MESSAGE, MIN_NO_PROGRESS_TIMEOUT, MOUNT_VOLUME_MESSAGE, NO_PROGRESS_MESSAGE, PRIORITY_QUEUE_MESSAGE, RAY_VERSION_AT_LEAST, RAY_VERSION_MESSAGE, RESERVED_ENV, RESERVED_ENV_PREFIX, RESERVED_LABEL_PREFIX, SHARED_STORAGE_MESSAGE, SHM_MOUNT_MESSAGE, SHM_PATH, SHM_VOLUME, SHM_VOLUME_MESSAGE, SLICES_MESSAGE, STORAGE_MESSAGE, TOKENS_PER_STEP_MESSAGE, TPU_OVERRIDE_MESSAGE, VOLUME_SOURCES, VOLUME_SOURCE_MESSAGE,
+    DPO_FORMAT_MESSAGE, DPO_LOSS_ON_MESSAGE, DPO_METHOD_MESSAGE, DPO_TOKENS_MESSAGE, EARLY_STOP_FIELDS, EARLY_STOP_MESSAGE, EMBEDDINGS_CONTRADICT, ENV_RESERVED_MESSAGE, ENV_VALUE_MESSAGE, EVAL_SCORE_MESSAGE, GLOBAL_BATCH_MESSAGE, IPO_SMOOTHING_MESSAGE, LABEL_MESSAGE, LORA_METHOD_MESSAGE, MIN_NO_PROGRESS_TIMEOUT, MOUNT_VOLUME_MESSAGE, NO_PROGRESS_MESSAGE, PRIORITY_QUEUE_MESSAGE, RAY_VERSION_AT_LEAST, RAY_VERSION_MESSAGE, RESERVED_ENV, RESERVED_ENV_PREFIX, RESERVED_LABEL_PREFIX, SHARED_STORAGE_MESSAGE, SHM_MOUNT_MESSAGE, SHM_PATH, SHM_VOLUME, SHM_VOLUME_MESSAGE, SLICES_MESSAGE, STORAGE_MESSAGE, TOKENS_PER_STEP_MESSAGE, TPU_OVERRIDE_MESSAGE, VOLUME_SOURCES, VOLUME_SOURCE_MESSAGE,
 )
 
 
@@ -310,9 +310,23 @@ def pod_group_rules() -> list[dict]:
 
 
 def training_rules() -> list[dict]:
-    """CEL rules on spec.training (LoRA's settings against the method)."""
-    return [{"rule": "(has(self.method) && self.method == 'lora') || !has(self.lora)",
+    """CEL rules on spec.training (LoRA's and DPO's settings against the method)."""
+    dpo = "(has(self.method) && self.method == 'dpo')"
+    return [{"rule": "(has(self.method) && (self.method == 'lora' || self.method == 'dpo')) || !has(self.lora)",
              "message": LORA_METHOD_MESSAGE, "fieldPath": ".lora", "reason": "FieldValueForbidden"},
+            {"rule": f"{dpo} || !has(self.dpo)",
+             "message": DPO_METHOD_MESSAGE, "fieldPath": ".dpo", "reason": "FieldValueForbidden"},
+            # labelSmoothing is a number, so CEL sees a double: compare with 0.0.
+            {"rule": ("!has(self.dpo) || !has(self.dpo.loss) || self.dpo.loss != 'ipo' || "
+                      "!has(self.dpo.labelSmoothing) || self.dpo.labelSmoothing == 0.0"),
+             "message": IPO_SMOOTHING_MESSAGE, "fieldPath": ".dpo.labelSmoothing", "reason": "FieldValueInvalid"},
+            {"rule": f"!({dpo} && has(self.lossOn) && self.lossOn == 'all')",
+             "message": DPO_LOSS_ON_MESSAGE, "fieldPath": ".lossOn", "reason": "FieldValueInvalid"},
+            {"rule": f"!({dpo} && has(self.tokensPerStep))",
+             "message": DPO_TOKENS_MESSAGE, "fieldPath": ".tokensPerStep", "reason": "FieldValueForbidden"},
+            {"rule": ("!has(self.datasetFormat) || (" + dpo + " ? self.datasetFormat in ['auto', 'preference'] : "
+                      "self.datasetFormat != 'preference')"),
+             "message": DPO_FORMAT_MESSAGE, "fieldPath": ".datasetFormat", "reason": "FieldValueInvalid"},
             {"rule": "!(has(self.lora) && has(self.lora.trainEmbeddings) && self.lora.trainEmbeddings"
                      " && has(self.freezeEmbeddings) && self.freezeEmbeddings)",
              "message": EMBEDDINGS_CONTRADICT, "fieldPath": ".lora.trainEmbeddings",

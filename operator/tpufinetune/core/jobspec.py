@@ -145,9 +145,16 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         f"--checkpoint-score-attribute={checkpoint.score_attribute}",
         f"--checkpoint-score-order={checkpoint.score_order}",
     ]
-    lora = training.lora_settings()
-    if lora is not None:  # nothing for full: an older trainer image knows no --method
-        argv += [f"--method={training.method}", f"--lora-rank={lora.rank}", f"--lora-alpha={lora.alpha!r}",
+    lora, dpo = training.lora_settings(), training.dpo_settings()
+    if lora is not None or dpo is not None:  # nothing for full: an older trainer image knows no --method
+        argv.append(f"--method={training.method}")
+    if dpo is not None:  # DPO trains adapters (--dpo-lora) exactly when training.lora is given
+        argv += [f"--dpo-beta={dpo.beta!r}", f"--dpo-loss={dpo.loss}",
+                 f"--dpo-label-smoothing={dpo.label_smoothing!r}",
+                 f"--dpo-reference-free={'true' if dpo.reference_free else 'false'}",
+                 f"--dpo-lora={'true' if lora is not None else 'false'}"]
+    if lora is not None:
+        argv += [f"--lora-rank={lora.rank}", f"--lora-alpha={lora.alpha!r}",
                  f"--lora-dropout={lora.dropout!r}", f"--lora-target-modules={','.join(lora.target_modules)}",
                  f"--lora-export-merged={'true' if lora.export_merged else 'false'}"]
         if lora.train_embeddings:  # only when on: an older trainer image knows no such flag

@@ -47,11 +47,28 @@ def _on_epoch(status: dict, event: dict) -> None:
         "epochTimeSeconds": _round(event.get("epoch_time_s"), 2),
     }
     metrics = {k: v for k, v in metrics.items() if v is not None}
-    _history_entry(status, epoch).update(metrics)
+    entry = _history_entry(status, epoch)
+    entry.update(metrics)
+    preference = _preference(event)
+    if preference:
+        entry["dpo"] = preference
     if epoch >= int(status.get("epoch") or 0):
         status.update({k: v for k, v in metrics.items() if k != "step"}, epoch=epoch, epochs=epochs, epochProgress=f"{epoch}/{epochs}")
         loss = f"loss={metrics['loss']}" if "loss" in metrics else ""
         status["message"] = f"epoch {epoch}/{epochs} done {loss}".strip()
+
+
+# Method dpo's epoch figures (docs/protocol.md, `epoch`): the event's key -> history[].dpo's.
+PREFERENCE_KEYS = {"rewards_chosen": "rewardsChosen", "rewards_rejected": "rewardsRejected", "margin": "margin",
+                   "accuracy": "accuracy"}
+PREFERENCE_KEYS.update({f"eval_{key}": "eval" + name[0].upper() + name[1:] for key, name in PREFERENCE_KEYS.items()})
+
+
+def _preference(event: dict) -> dict:
+    """history[].dpo of an epoch event: the numbers it carries (none for SFT)."""
+    found = {name: _round(event[key], 4) for key, name in PREFERENCE_KEYS.items()
+             if isinstance(event.get(key), (int, float)) and not isinstance(event.get(key), bool)}
+    return found
 
 
 def _on_checkpoint(status: dict, event: dict) -> None:

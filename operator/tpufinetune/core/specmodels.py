@@ -112,7 +112,10 @@ LORA_TARGET_MODULES = {
 DEFAULT_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_MODULE_NAMES = tuple(dict.fromkeys(name for names in LORA_TARGET_MODULES.values() for name in names))
 LoraModuleName = Literal[LORA_MODULE_NAMES]  # type: ignore[valid-type]
-TRAINING_METHODS = ("full", "lora")
+TRAINING_METHODS = ("full", "lora", "dpo")
+# The trainer's --dataset-format choices; preference is method dpo's.
+DATASET_FORMATS = ("auto", "dolly", "messages", "prompt-completion", "preference")
+DPO_LOSSES = ("sigmoid", "ipo")  # the trainer's --dpo-loss choices
 
 
 class LoRA(_Model):
@@ -142,6 +145,23 @@ class LoRA(_Model):
 
 
 
+class DPO(_Model):
+    """Direct preference optimisation's settings (method dpo): the trainer's --dpo-* flags,
+    with their defaults."""
+
+    beta: float = Field(0.1, gt=0, le=1e6,
+                        description="How far the policy may move from the reference (DPO's beta; IPO's tau).")
+    loss: Literal[DPO_LOSSES] = Field(  # type: ignore[valid-type]
+        "sigmoid", description="sigmoid (DPO, the log-sigmoid of the scaled reward margin) or ipo (IPO: the "
+                               "squared distance of each response's per-token log-ratio margin from 1/(2 beta)).")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="sigmoid only: the probability that a pair's preference is flipped "
+                                       "(conservative DPO), in [0, 0.5).")
+    reference_free: bool = Field(
+        False, description="No reference model: its log-probabilities are taken as 0 (no reference forward, "
+                           "nothing computed before the first step).")
+
+
 class Training(MemorySettings):
     # No schema default: a default is filled into every stored object, and an operator older
     # than this field (a rollback) refuses a spec carrying it (docs/architecture.md, "Upgrades
@@ -150,10 +170,18 @@ class Training(MemorySettings):
         None, description="full (when unset): every weight of the language model is trained (fp32 "
                           "master weights and AdamW state). lora: the base is frozen in bfloat16 and "
                           "only low-rank adapters train (settings in lora); checkpoints hold the "
-                          "adapters and their optimizer state only.")
+                          "adapters and their optimizer state only. dpo: preference tuning (direct "
+                          "preference optimisation) on chosen/rejected pairs (settings in dpo): every "
+                          "weight trains, or with lora set the adapters only.")
     lora: LoRA | None = Field(
-        None, description="LoRA settings (method lora only). Unset with method lora: rank 16, "
-                          "alpha 32 on the attention and MLP projections.")
+        None, description="LoRA settings (method lora, or dpo to train adapters). Unset with method "
+                          "lora: rank 16, alpha 32 on the attention and MLP projections. With method dpo: "
+                          "set (lora: {} for those defaults) to train adapters, the reference being the "
+                          "base with them switched off; unset trains every weight.")
+    # No schema default (rollbacks, as method above): unset with method dpo is the defaults.
+    dpo: DPO | None = Field(
+        None, description="DPO settings (method dpo only). Unset with method dpo: beta 0.1, loss sigmoid, "
+                          "no label smoothing, with a reference.")
     epochs: int = Field(3, ge=1, le=1000,
                         description="Number of epochs.")
     batch_size_per_device: int = Field(
@@ -211,9 +239,11 @@ class Training(MemorySettings):
         None, description="Which tokens the loss is on: responses, the assistant turns only "
                           "(the default); all, every token of an example, prompt included, as "
                           "the tutorial's loop (docs/trainer.md says when that learns more).")
-    dataset_format: Literal["auto", "dolly", "messages", "prompt-completion"] = Field(
+    dataset_format: Literal[DATASET_FORMATS] = Field(  # type: ignore[valid-type]
         "auto", description="dolly (instruction, context, response), messages (role/content "
-                            "turns) or prompt-completion; auto: from the columns.")
+                            "turns) or prompt-completion; preference (chosen and rejected, with a "
+                            "prompt or as conversations sharing one) for method dpo; auto: from the "
+                            "columns.")
     checkpoint_every_steps: int = Field(
         0, ge=0, le=10**9,
         description="Also checkpoint every N optimizer steps, so a run can resume inside an "
@@ -239,8 +269,15 @@ class Training(MemorySettings):
                     "export the best checkpoint. Unset: off. Needs evalFraction > 0.")
 
     def lora_settings(self) -> LoRA | None:
-        """The LoRA settings the run uses (the defaults when method lora leaves them unset)."""
-        return (self.lora or LoRA()) if self.method == "lora" else None
+        """The LoRA settings the run uses: the defaults when method lora leaves them unset;
+        with method dpo, lora's own when given (adapters train), else None (every weight)."""
+        if self.method == "lora":
+            return self.lora or LoRA()
+        return self.lora if self.method == "dpo" else None
+
+    def dpo_settings(self) -> DPO | None:
+        """The DPO settings the run uses (the defaults when method dpo leaves them unset)."""
+        return (self.dpo or DPO()) if self.method == "dpo" else None
 
 
 

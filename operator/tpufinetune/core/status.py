@@ -34,6 +34,19 @@ class Condition(_Status):
                                             description="metadata.generation it reflects.")
 
 
+class PreferenceMetrics(_Status):
+    """Method dpo's figures of one epoch: means over its training pairs and (eval*) the held-out ones."""
+
+    rewards_chosen: float | None = Field(None, description="beta x (policy - reference) log-probability of the chosen responses.")
+    rewards_rejected: float | None = Field(None, description="The same for the rejected responses.")
+    margin: float | None = Field(None, description="rewardsChosen - rewardsRejected.")
+    accuracy: float | None = Field(None, ge=0, le=1, description="Share of pairs whose chosen reward is the higher.")
+    eval_rewards_chosen: float | None = Field(None, description="rewardsChosen on the held-out pairs.")
+    eval_rewards_rejected: float | None = Field(None, description="rewardsRejected on the held-out pairs.")
+    eval_margin: float | None = Field(None, description="margin on the held-out pairs.")
+    eval_accuracy: float | None = Field(None, ge=0, le=1, description="accuracy on the held-out pairs.")
+
+
 class EpochRecord(_Status):
     """Metrics of one finished epoch."""
 
@@ -47,6 +60,7 @@ class EpochRecord(_Status):
     epoch_time_seconds: float | None = Field(None, description="Wall time of the epoch.")
     checkpoint_uri: str | None = Field(None, alias="checkpointURI",
                                        description="Checkpoint written after the epoch.")
+    dpo: PreferenceMetrics | None = Field(None, description="Method dpo's rewards, margin and accuracy.")
 
 
 class Progress(_Status):
@@ -347,7 +361,7 @@ class TPUFineTuneStatus(_Status):
                                            description="Exported model weights, if any.")
     exported_adapter_uri: str | None = Field(None, alias="exportedAdapterURI",
                                              description="Exported LoRA adapter (PEFT's format), "
-                                                         "for training.method lora.")
+                                                         "for training.method lora (or dpo with lora).")
     export: ExportProof | None = Field(None, description="The proof that the export loads and "
                                                          "generates (written before Succeeded).")
     start_time: str | None = Field(None, json_schema_extra={"format": "date-time"},

@@ -88,7 +88,17 @@ SHM_MOUNT_MESSAGE = ("/dev/shm is the workers' shared-memory volume, sized from 
 MOUNT_VOLUME_MESSAGE = ("every volumeMounts[].name must be one of this group's volumes; "
                         "add the volume or fix the name")
 LABEL_MESSAGE = "ray.io/ labels are KubeRay's; use another prefix"
-LORA_METHOD_MESSAGE = "applies to method lora only; set method: lora, or remove lora"
+LORA_METHOD_MESSAGE = "applies to method lora or dpo only; set method: lora (or dpo), or remove lora"
+DPO_METHOD_MESSAGE = "applies to method dpo only; set method: dpo, or remove dpo"
+IPO_SMOOTHING_MESSAGE = ("applies to loss sigmoid only (conservative DPO); IPO has no label smoothing: "
+                         "set it to 0 or use loss: sigmoid")
+DPO_LOSS_ON_MESSAGE = ("does not apply to method dpo: its loss is on the responses of each pair; "
+                       "remove lossOn (or set responses)")
+DPO_TOKENS_MESSAGE = ("does not apply to method dpo: a step is a batch of pairs (batchSizePerDevice, "
+                      "globalBatchBlocks); remove tokensPerStep")
+DPO_FORMAT_MESSAGE = ("must be auto or preference with method dpo, and preference only with method dpo: "
+                      "DPO trains on preference pairs (chosen and rejected), the other methods on "
+                      "supervised rows")
 EMBEDDINGS_CONTRADICT = "contradicts freezeEmbeddings: true; drop one of them"
 
 
@@ -100,8 +110,9 @@ def check_spec(spec: SpecFields, one_machine: bool = False) -> None:
     if refusal:
         raise SpecError("spec.model.id", refusal)
     training = spec.training
-    if training.lora is not None and training.method != "lora":
+    if training.lora is not None and training.method not in ("lora", "dpo"):
         raise SpecError("spec.training.lora", LORA_METHOD_MESSAGE)
+    _check_dpo(training)
     if training.lora is not None and training.lora.train_embeddings and training.freeze_embeddings:
         raise SpecError("spec.training.lora.trainEmbeddings", EMBEDDINGS_CONTRADICT)
     tpu = spec.tpu
@@ -139,6 +150,22 @@ def check_spec(spec: SpecFields, one_machine: bool = False) -> None:
             _check_overrides(f"spec.{group}.resources", resources)
         _check_pod_group(f"spec.{group}", getattr(spec, group))
     _check_merged_resources(spec)
+
+
+def _check_dpo(training) -> None:
+    """Method dpo's settings against the rest of spec.training (the trainer's check_dpo)."""
+    dpo = training.method == "dpo"
+    if training.dpo is not None and not dpo:
+        raise SpecError("spec.training.dpo", DPO_METHOD_MESSAGE)
+    if training.dpo is not None and training.dpo.loss == "ipo" and training.dpo.label_smoothing:
+        raise SpecError("spec.training.dpo.labelSmoothing", IPO_SMOOTHING_MESSAGE)
+    if dpo and training.loss_on == "all":
+        raise SpecError("spec.training.lossOn", DPO_LOSS_ON_MESSAGE)
+    if dpo and training.tokens_per_step is not None:
+        raise SpecError("spec.training.tokensPerStep", DPO_TOKENS_MESSAGE)
+    fmt = training.dataset_format
+    if (dpo and fmt not in ("auto", "preference")) or (not dpo and fmt == "preference"):
+        raise SpecError("spec.training.datasetFormat", DPO_FORMAT_MESSAGE)
 
 
 def mixture_of_experts_refusal(model_id: str) -> str:
