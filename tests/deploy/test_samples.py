@@ -21,6 +21,7 @@ SAMPLES = {
     "finetune-v6e-4x4-queued.yaml": ("v6e", "4x4", "finetune"),
     "finetune-v6e-4x4-lora.yaml": ("v6e", "4x4", "finetune"),
     "finetune-v6e-16-two-slices.yaml": ("v6e", "4x4", "finetune"),
+    "dpo-lora-e4b-v6e.yaml": ("v6e", "2x4", "finetune"),
 }
 
 
@@ -80,3 +81,13 @@ def test_sample_passes_a_server_side_dry_run(control_plane, namespace, sample):
     result = control_plane.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", DEPLOY / "samples" / sample)
     name = load((DEPLOY / "samples" / sample).read_text())["metadata"]["name"]
     assert result.stdout.strip() == f"tpufinetune.tpufinetune.dev/{name} created (server dry run)"
+
+
+def test_the_dpo_sample_trains_adapters_with_preference_pairs():
+    from tpufinetune.core.jobspec import trainer_argv
+
+    spec = parse_spec(load((DEPLOY / "samples" / "dpo-lora-e4b-v6e.yaml").read_text())["spec"])
+    assert (spec.model.id, spec.training.method, spec.training.lora_settings().rank) == (
+        "google/gemma-4-E4B-it", "dpo", 16)
+    argv = trainer_argv(spec, run_name="r")
+    assert "--method=dpo" in argv and "--dpo-lora=true" in argv and "--dpo-beta=0.1" in argv
