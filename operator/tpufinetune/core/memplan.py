@@ -28,7 +28,9 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
   and the attention masks of a micro-batch, a few L x L tensors shared by every layer;
 - the loss head (loss.py): the head weight's gradient (scaled in place, no second copy)
   and its fp32 reduce copy, none of it with frozen embeddings (the head is tied), and two
-  fp32 chunk buffers of CHUNK_ROWS x vocab (--loss-head full: every position's logits).
+  fp32 chunk buffers of CHUNK_ROWS x vocab (--loss-head full: every position's logits);
+- DPO (method dpo): full or LoRA as above, over the full logits, with its reference
+  (memplan_dpo.py: stored log-probabilities for full, the base with adapters off for LoRA).
 
 The usable share of a chip is HBM x (1 - HEADROOM): the runtime, the compiler's
 temporaries and fragmentation take the rest. Figures are estimates, checked against
@@ -40,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from . import generations as g
+from . import memplan_dpo as dpo
 from .memplan_shapes import DEFAULT_LORA_TARGETS, KNOWN_MODELS, ModelShape, known_shape, shape_for, \
     shape_from_config  # noqa: F401  (re-exported: validation, the benchmarks)
 
@@ -115,7 +118,7 @@ LOSS_HEADS = ("labels", "full")  # the trainer's --loss-head
 # --loss-head full: fp32 [tokens, vocab] tensors transformers' head and cross-entropy hold
 # (docs/trainer.md, "Loss head": five, measured).
 FULL_LOGITS = 5
-METHODS = ("full", "lora")
+METHODS = ("full", "lora", "dpo")
 CHECKED = ("table", "config", "stated")  # the bases a plan is checked on
 CHECKPOINTING = ("none", "block", "selective")
 
@@ -164,14 +167,17 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
                  compute_bytes: int = 2, eager_attention: bool = True, lora_rank: int = 16,
                  lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS, checkpointing: str = "none",
                  freeze_embeddings: bool = False, lora_embeddings: bool = False,
-                 keep_gathered: bool = False, lora_dropout: float = 0.0, loss_head: str = "labels") -> Breakdown:
+                 keep_gathered: bool = False, lora_dropout: float = 0.0, loss_head: str = "labels",
+                 dpo_reference: str | None = None) -> Breakdown:
     """What one of `devices` devices holds at the peak of a training step. `lora_embeddings`
     (spec.training.lora.trainEmbeddings): LoRA also trains the embedding (and a head tied to
     it) as full fine-tuning does: fp32 master, gradient, two AdamW moments. `keep_gathered`:
     every block's gathered copy stays from forward to backward (not two blocks at a time).
-    `loss_head` full: transformers' logits of every position (the trainer's --loss-head full)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    `loss_head` full: transformers' logits of every position (the trainer's --loss-head full).
+    `dpo_reference` (memplan_dpo.REFERENCES): a DPO step of `method` (full or lora), over the
+    full logits with that reference; None: SFT."""
+    if method not in METHODS[:2]:
+        raise ValueError(f"unknown method {method!r}; expected full or lora (DPO: dpo_reference)")
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"unknown activation checkpointing {checkpointing!r}; expected one of "
                          f"{', '.join(CHECKPOINTING)}")
@@ -199,7 +205,8 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
     head_grad = (compute_bytes + 4) * shape.embedding if embedding_trains else 0
     # Labels: two fp32 chunk buffers; full: transformers' logits of every position, about five
     # fp32 [tokens, vocab] tensors (logits, the softcap's, log-softmax, their gradients).
-    logits = 2 * CHUNK_ROWS * shape.vocab * 4 if loss_head == "labels" else FULL_LOGITS * tokens * shape.vocab * 4
+    logits = (dpo.logit_bytes(tokens, shape.vocab, compute_bytes, dpo_reference, FULL_LOGITS) if dpo_reference
+              else 2 * CHUNK_ROWS * shape.vocab * 4 if loss_head == "labels" else FULL_LOGITS * tokens * shape.vocab * 4)
     lora_bytes = 0 if full else int(shape.lora_inputs(lora_targets) * (
         _of_dtype(LORA_SAVED_BYTES, compute_bytes) + (_of_dtype(LORA_DROPOUT_BYTES, compute_bytes)
                                                       if lora_dropout > 0 else 0)))
@@ -249,6 +256,8 @@ class Request:
     lora_dropout: float = 0.0  # spec.training.lora.dropout
     loss_head: str = "labels"  # the trainer's --loss-head
     model_config: dict | None = None  # the model's config.json where at hand: its widths win over the table's
+    dpo_lora: bool = False  # method dpo: LoRA's adapters train (spec.training.lora), not every weight
+    dpo_reference_free: bool = False  # spec.training.dpo.referenceFree
 
 
 @dataclass(frozen=True)
@@ -267,6 +276,7 @@ class MemoryPlan:
     slices: int = 1
     keep_gathered: bool = False  # planned with every block gathered from forward to backward
     widths_from: str = ""  # where the model's widths come from (the table's source or its config.json)
+    reference: str = ""  # method dpo: memplan_dpo.REFERENCES, the reference planned
     # The model's config.json the widths came from (memplan_shapes.CONFIG_KEYS), when they did.
     model_config: dict | None = field(default=None, compare=False)
 
@@ -302,6 +312,8 @@ class MemoryPlan:
             parts.append("every block kept gathered from forward to backward")
         if self.breakdown is not None and self.breakdown.margin:
             parts.append(f"{_gib(self.breakdown.margin)} of it the margin measured past {LONG_FROM} tokens")
+        if self.reference:
+            parts.append(dpo.WORDS[self.reference])
         if self.widths_from:
             parts.append(f"widths: {self.widths_from}")
         stated = " (its stated size: weights, gradients and optimizer state only)" if self.basis == "stated" else ""
@@ -318,8 +330,9 @@ class MemoryPlan:
         else:
             what = (f"needs {_gib(self.host_bytes)} of RAM per host, more than the "
                     f"{_gib(self.host_limit_bytes)} usable of the worker pod's memory")
+        lora = "DPO with LoRA" if self.method == "dpo" else "method lora"
         hint = (f"; smallest that fits: {self.smallest_fit}" if self.smallest_fit else
-                f"; nothing on {self.generation} fits, even method lora at batchSizePerDevice 1")
+                f"; nothing on {self.generation} fits, even {lora} at batchSizePerDevice 1")
         across = "; more slices do not help: each holds a whole replica" if self.slices > 1 else ""
         return f"{self.method} fine-tune of {self.model} on {self.placement} {what}{hint}{across}"
 
@@ -361,8 +374,10 @@ def _plan(request: Request) -> MemoryPlan:
     # On a TPU the step computes in bf16 with eager attention unless sdpa is asked for; the
     # cpu stand-in in fp32 (sdpa unless eager is asked for).
     eager = gen.is_tpu if request.attention is None else request.attention == "eager"
-    part = device_bytes(shape, request.method, devices, request.max_seq_len, request.batch_per_device,
-                        compute_bytes=2 if gen.is_tpu else 4, eager_attention=eager,
+    method = dpo.trainable(request.method, request.dpo_lora)
+    reference = dpo.reference_of(request.dpo_lora, request.dpo_reference_free) if request.method == "dpo" else None
+    part = device_bytes(shape, method, devices, request.max_seq_len, request.batch_per_device,
+                        compute_bytes=2 if gen.is_tpu else 4, eager_attention=eager, dpo_reference=reference,
                         lora_rank=request.lora_rank, checkpointing=request.activation_checkpointing,
                         freeze_embeddings=request.freeze_embeddings, lora_embeddings=request.lora_embeddings,
                         keep_gathered=request.keep_gathered, lora_targets=request.lora_targets,
@@ -374,7 +389,7 @@ def _plan(request: Request) -> MemoryPlan:
     # end, the trainer's export.proof_host_bytes: the exported model in bf16 (its text
     # weights and per-layer table; with LoRA the adapter's on its base) and an allowance.
     staged = part.weights + part.optimizer
-    adapters = shape.lora_parameters(request.lora_rank, request.lora_targets) if request.method == "lora" else 0
+    adapters = shape.lora_parameters(request.lora_rank, request.lora_targets) if method == "lora" else 0
     proof = 2 * (shape.parameters + shape.per_layer_embedding + adapters) + PROOF_OVERHEAD_BYTES
     host = per_host_devices * (RUNTIME_BYTES_PER_DEVICE + staged + (0 if gen.is_tpu else part.total)) + proof
     host_limit = int(request.host_memory_bytes * (1 - HEADROOM)) if request.host_memory_bytes else 0
@@ -383,7 +398,7 @@ def _plan(request: Request) -> MemoryPlan:
         per_chip_bytes=part.total * gen.devices_per_chip if gen.is_tpu else 0,
         limit_bytes=int(gen.hbm_gib_per_chip * GIB * (1 - HEADROOM)) if gen.is_tpu else 0,
         host_bytes=host, host_limit_bytes=host_limit, breakdown=part, keep_gathered=request.keep_gathered,
-        widths_from=shape.widths_from)
+        widths_from=shape.widths_from, reference=reference or "")
 
 
 def _stated_plan(request: Request, gen, common: dict) -> MemoryPlan:
@@ -395,7 +410,8 @@ def _stated_plan(request: Request, gen, common: dict) -> MemoryPlan:
     devices = g.chips_in(request.topology) * gen.devices_per_chip
     sized = ModelShape(f"{request.stated_parameters} parameters", request.stated_parameters, layers=1, hidden=0,
                        intermediate=0, heads=0, head_dim=0, vocab=0)
-    part = device_bytes(sized, request.method, devices, request.max_seq_len, request.batch_per_device)
+    part = device_bytes(sized, dpo.trainable(request.method, request.dpo_lora), devices, request.max_seq_len,
+                        request.batch_per_device)
     per_device = part.weights + part.grads + part.optimizer
     return MemoryPlan(basis="stated", **common, per_chip_bytes=per_device * gen.devices_per_chip,
                       limit_bytes=int(gen.hbm_gib_per_chip * GIB * (1 - HEADROOM)))
@@ -411,7 +427,9 @@ def smallest_fit(request: Request) -> str:
     if not gen.is_tpu:
         return ""
     larger = [t for t in gen.valid_topologies() if g.chips_in(t) > g.chips_in(request.topology)]
-    methods = [request.method] + [m for m in ("lora",) if m != request.method]
+    # The lighter method: lora for SFT, DPO's LoRA (its reference then the base, adapters off) for DPO.
+    lighter = ("dpo", True) if request.method == "dpo" else ("lora", False)
+    methods = list(dict.fromkeys([(request.method, request.dpo_lora), lighter]))
     batches = [request.batch_per_device]
     while batches[-1] > 1:
         batches.append(batches[-1] // 2)
@@ -419,11 +437,11 @@ def smallest_fit(request: Request) -> str:
     # before the next larger one.
     checkpointing = list(dict.fromkeys((request.activation_checkpointing, "block")))
     for batch in batches:
-        for method in methods:
+        for method, dpo_lora in methods:
             for topology in [request.topology] + larger:
                 for recompute in checkpointing:
-                    candidate = replace(request, topology=topology, method=method, batch_per_device=batch,
-                                        activation_checkpointing=recompute)
+                    candidate = replace(request, topology=topology, method=method, dpo_lora=dpo_lora,
+                                        batch_per_device=batch, activation_checkpointing=recompute)
                     if _plan(candidate).fits:
                         return _describe(request, candidate)
     return ""
@@ -444,6 +462,8 @@ def keeps_gathered(request: Request) -> bool:
 
 def _describe(request: Request, candidate: Request) -> str:
     changes = []
+    if candidate.dpo_lora != request.dpo_lora:
+        changes.append(f"DPO with LoRA (training.lora, rank {candidate.lora_rank})")
     if candidate.method != request.method:
         changes.append(f"method {candidate.method}" + (f" (rank {candidate.lora_rank})" if candidate.method == "lora"
                                                         else ""))

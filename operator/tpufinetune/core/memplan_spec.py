@@ -44,8 +44,9 @@ def with_model_config(request: Request, config: dict) -> MemoryPlan:
 
 def request_of(spec) -> Request | None:
     """The planner's request of a spec (None for mode collectives), with the keep-gathered
-    decision made. The method, LoRA rank and memory settings are read defensively: older
-    specs have none (full, no checkpointing, the device's attention, trained embeddings)."""
+    decision made. The method (with DPO, whether adapters train and its reference), LoRA rank
+    and memory settings are read defensively: older specs have none (full, no checkpointing,
+    the device's attention, trained embeddings)."""
     if spec.mode != "finetune":
         return None
     from .quantity import parse_quantity
@@ -57,8 +58,14 @@ def request_of(spec) -> Request | None:
     settings = getattr(training, "lora_settings", None)
     lora = settings() if settings is not None else getattr(training, "lora", None)
     memory = plan_resources(spec)["workers"][1].get("memory")
+    method = getattr(training, "method", "full") or "full"
+    # Method dpo trains adapters where spec.training.lora is set (its reference then the base
+    # with them off), else every weight; spec.training.dpo.referenceFree drops the reference.
+    dpo_settings = getattr(training, "dpo_settings", None)
+    dpo = dpo_settings() if dpo_settings is not None and method == "dpo" else None
     request = Request(
-        model_id=spec.model.id, method=getattr(training, "method", "full") or "full",
+        model_id=spec.model.id, method=method, dpo_lora=method == "dpo" and lora is not None,
+        dpo_reference_free=bool(getattr(dpo, "reference_free", False)),
         generation=spec.tpu.generation, topology=spec.tpu.topology, max_seq_len=training.max_seq_len,
         batch_per_device=training.batch_size_per_device,
         lora_rank=int(getattr(lora, "rank", 0) or 16),
