@@ -148,6 +148,8 @@ def add_curve_point(curve: list[dict], point: dict, limit: int = CURVE_LIMIT) ->
 
 
 def _on_plan(status: dict, event: dict) -> None:
+    if isinstance(event.get("tensorboard_uri"), str) and event["tensorboard_uri"]:
+        status["tensorboardURI"] = event["tensorboard_uri"]
     total = event.get("total_steps")
     if isinstance(total, int) and total > 0 and not status.get("progress"):
         status["progress"] = {"step": 0, "totalSteps": total, "percent": 0.0, "summary": f"0% 0/{total}"}

@@ -362,6 +362,8 @@ class TPUFineTuneStatus(_Status):
     exported_adapter_uri: str | None = Field(None, alias="exportedAdapterURI",
                                              description="Exported LoRA adapter (PEFT's format), "
                                                          "for training.method lora (or dpo with lora).")
+    tensorboard_uri: str | None = Field(None, alias="tensorboardURI", max_length=2048, description=(
+        "The run's TensorBoard event files (tensorboard --logdir): one folder per attempt, attempt-N."))
     export: ExportProof | None = Field(None, description="The proof that the export loads and "
                                                          "generates (written before Succeeded).")
     start_time: str | None = Field(None, json_schema_extra={"format": "date-time"},
