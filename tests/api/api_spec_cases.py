@@ -322,7 +322,7 @@ DPO_INVALID: list[Invalid] = [
             admission="should be greater than 0", python_exact=False),
     Invalid("dpo-label-smoothing-half", spec_with(training={"method": "dpo", "dpo": {"labelSmoothing": 0.5}}),
             "spec.training.dpo.labelSmoothing", "must be less than 0.5",
-            admission="should be less than 0.5", python_exact=False),
+            admission=validation.LABEL_SMOOTHING_MESSAGE, python_exact=False),
     Invalid("dpo-label-smoothing-negative", spec_with(training={"method": "dpo", "dpo": {"labelSmoothing": -0.1}}),
             "spec.training.dpo.labelSmoothing", "must be greater than or equal to 0",
             admission="should be greater than or equal to 0", python_exact=False),

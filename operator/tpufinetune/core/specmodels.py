@@ -145,6 +145,10 @@ class LoRA(_Model):
 
 
 
+def _inclusive_maximum(schema: dict) -> None:
+    schema["maximum"] = schema.pop("exclusiveMaximum")
+
+
 class DPO(_Model):
     """Direct preference optimisation's settings (method dpo): the trainer's --dpo-* flags,
     with their defaults."""
@@ -154,9 +158,13 @@ class DPO(_Model):
     loss: Literal[DPO_LOSSES] = Field(  # type: ignore[valid-type]
         "sigmoid", description="sigmoid (DPO, the log-sigmoid of the scaled reward margin) or ipo (IPO: the "
                                "squared distance of each response's per-token log-ratio margin from 1/(2 beta)).")
+    # The schema's bound is maximum 0.5, inclusive, and a CEL rule (celrules.training_rules)
+    # refuses 0.5 itself: the apiserver compares a whole-number value (0) with an exclusive
+    # fractional maximum cut to an integer (0), and would refuse labelSmoothing: 0.
     label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="sigmoid only: the probability that a pair's preference is flipped "
-                                       "(conservative DPO), in [0, 0.5).")
+        0.0, ge=0, lt=0.5, json_schema_extra=_inclusive_maximum,
+        description="sigmoid only: the probability that a pair's preference is flipped (conservative DPO), "
+                    "in [0, 0.5).")
     reference_free: bool = Field(
         False, description="No reference model: its log-probabilities are taken as 0 (no reference forward, "
                            "nothing computed before the first step).")

@@ -89,6 +89,7 @@ MOUNT_VOLUME_MESSAGE = ("every volumeMounts[].name must be one of this group's v
                         "add the volume or fix the name")
 LABEL_MESSAGE = "ray.io/ labels are KubeRay's; use another prefix"
 LORA_METHOD_MESSAGE = "applies to method lora or dpo only; set method: lora (or dpo), or remove lora"
+LABEL_SMOOTHING_MESSAGE = "must be less than 0.5: it is the probability that a pair's preference is flipped"
 DPO_METHOD_MESSAGE = "applies to method dpo only; set method: dpo, or remove dpo"
 IPO_SMOOTHING_MESSAGE = ("applies to loss sigmoid only (conservative DPO); IPO has no label smoothing: "
                          "set it to 0 or use loss: sigmoid")
