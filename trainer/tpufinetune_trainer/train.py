@@ -31,6 +31,7 @@ from . import loss as head
 from . import notice
 from . import resume
 from . import storage
+from . import tboard
 from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .config import FinetuneConfig
 from .errors import ConfigError, Preempted, StorageError
@@ -225,6 +226,7 @@ class Trainer:
         self.stale_evals = 0
         self.stopped: dict | None = None
         self.grad_norm: torch.Tensor | None = None  # the last step's global norm before clipping
+        self.board = tboard.Board("", enabled=False)  # run() opens rank 0's (tboard.py)
         # The loaded window (load_window): (epoch, first step, end step) of the steps whose
         # blocks this rank holds on the host and on the device, their inputs on the device,
         # and the row of the next step there.
@@ -467,13 +469,18 @@ class Trainer:
     # ------------------------------------------------------------------ epochs
     def run(self) -> None:
         self.started = time.perf_counter()
-        if self.rank == 0:
-            self.announce()
-        while self.global_step < self.total_steps and self.stopped is None:
-            metrics = self.train_epoch()
-            if self.stopped is None:
-                self.report(metrics, epoch_end=True)
-        self.export()
+        self.board = tboard.Board(tboard.attempt_uri(self.cfg.storage_path, self.cfg.run_name, self.start_id),
+                                  enabled=self.rank == 0)
+        try:
+            if self.rank == 0:
+                self.announce()
+            while self.global_step < self.total_steps and self.stopped is None:
+                metrics = self.train_epoch()
+                if self.stopped is None:
+                    self.report(metrics, epoch_end=True)
+            self.export()
+        finally:  # the end, a failure or a preemption: what was written is in storage
+            self.board.close()
         notice.done()
 
     def training_s(self) -> float:
@@ -507,7 +514,9 @@ class Trainer:
              accumulation=plan.accum, steps_per_epoch=self.epoch_steps, total_steps=self.total_steps,
              warmup_steps=self.warmup, lr_schedule=cfg.lr_schedule, compute_dtype=str(self.dtype).split(".")[-1],
              compile=self.compiled, reshard_after_forward=cfg.reshard_after_forward, resumed_step=self.global_step if self.resumed_from else None,
-             resumed_from=self.resumed_from)
+             resumed_from=self.resumed_from, tensorboard_uri=tboard.run_uri(cfg.storage_path, cfg.run_name))
+        say(f"TensorBoard: this attempt's events go to {self.board.uri} (tensorboard --logdir "
+            f"{tboard.run_uri(cfg.storage_path, cfg.run_name)})")
 
     def examples_per_step(self) -> float:
         """Examples per step of the current epoch's plan, on average."""
@@ -597,6 +606,7 @@ class Trainer:
                   "epoch_step": self.epoch_step, "uri": uri, "save_s": round(time.perf_counter() - received, 3)}
         if self.rank == 0:
             emit("notice", **fields)
+            self.board.flush()
         if code == notice.TERMINATING:
             notice.done()
             raise Preempted(f"SIGTERM: the checkpoint of step {self.global_step} is {uri}; the next attempt "
@@ -635,12 +645,14 @@ class Trainer:
         loss = (current - window.loss_mark) / max(window.label_tokens, 1)
         window.loss_mark = current
         seconds = now - window.start
-        emit("progress", epoch=self.epoch, epochs=self.cfg.num_epochs, step=self.global_step,
-             total_steps=self.total_steps, epoch_step=self.epoch_step, epoch_steps=self.epoch_steps,
-             loss=round(loss, 4), lr=float(self.lr_host[min(self.global_step, self.total_steps) - 1]),
-             grad_norm=None if grad_norm is None else round(grad_norm, 4),
-             tokens_per_s=round(window.real_tokens / max(seconds, 1e-9), 1),
-             step_time_s=round(seconds / max(window.steps, 1), 4), training_s=round(self.training_s(), 1))
+        fields = dict(epoch=self.epoch, epochs=self.cfg.num_epochs, step=self.global_step,
+                      total_steps=self.total_steps, epoch_step=self.epoch_step, epoch_steps=self.epoch_steps,
+                      loss=round(loss, 4), lr=float(self.lr_host[min(self.global_step, self.total_steps) - 1]),
+                      grad_norm=None if grad_norm is None else round(grad_norm, 4),
+                      tokens_per_s=round(window.real_tokens / max(seconds, 1e-9), 1),
+                      step_time_s=round(seconds / max(window.steps, 1), 4), training_s=round(self.training_s(), 1))
+        emit("progress", **fields)
+        self.board.progress(fields)
         window.reset(now)
 
     @torch.no_grad()
@@ -679,6 +691,9 @@ class Trainer:
             self.print_epoch(metrics)
             emit("epoch", epochs=cfg.num_epochs, steps=m["steps"], total_steps=self.total_steps,
                  batch_shapes=m["batch_shapes"], **metrics)
+        if self.rank == 0:  # every step up to this checkpoint's is in storage before it is
+            self.board.evaluation(metrics, epoch_end)
+            self.board.flush()
         if eval_loss is not None:
             self.early_stop_check(eval_loss)
         state_extra = {"epoch_step": m["epoch_step"], "epoch_steps": self.epoch_steps,
