@@ -14,13 +14,14 @@ transformers' full logits with the reference as the trainer holds it:
 The measurement is bench_memplan.py's (a fresh process per row; VmHWM over the steps minus
 what was resident before the model existed, after one step of the smallest model of the
 same code path), against core/memplan.py's device_bytes with the row's DPO reference.
-Every row here is held out: no constant was fitted to a DPO row (the DPO terms are the
-full-logits head's FULL_LOGITS, measured for SFT's --loss-head full, and the reference's
-transient counted from the code's structure: core/memplan_dpo.py).
+Every row here is held out: no constant was fitted to a DPO row. The DPO terms (the full
+logits' bytes, the reference forward's) are counted from the code's structure
+(core/memplan_dpo.py) and checked on the head alone (`--head`); the rest are SFT's.
 
     .venv/bin/python benchmarks/bench_memplan_dpo.py              # every row
     .venv/bin/python benchmarks/bench_memplan_dpo.py --only d1    # one
     .venv/bin/python benchmarks/bench_memplan_dpo.py --recorded   # the planner against MEASURED (docs)
+    .venv/bin/python benchmarks/bench_memplan_dpo.py --head       # the loss head alone, B a logit
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_memplan import H1, H2, H3, MIB, S1, TOLERANCE, WARM_UP, _reset_peak, _status_kib, case  # noqa: E402
 
+# Gemma's final-logit softcap (the planner counts its saved tanh output; transformers'
+# Gemma4TextConfig leaves it unset, the "Loss head" benchmark and loss.py use 30).
+SOFTCAP = 30.0
 # Pairs per block: each pair a prompt and two responses of PROMPT and RESPONSE shares of the
 # block (two sequences of prompt + response each), the block filled exactly.
 PAIRS_PER_BLOCK = 2
@@ -107,7 +111,7 @@ def _build(config: dict):
     dtype = torch.bfloat16 if config["dtype"] == "bf16" else torch.float32
     gemma = Gemma4Config(text_config=dict(text, vocab_size_per_layer_input=text["vocab_size"],
                                           max_position_embeddings=16384, sliding_window=256, pad_token_id=0,
-                                          eos_token_id=1, bos_token_id=2),
+                                          eos_token_id=1, bos_token_id=2, final_logit_softcapping=SOFTCAP),
                          vision_config=None, audio_config=None)
     gemma._attn_implementation = config["attention"]
     model = Gemma4ForConditionalGeneration(gemma)
@@ -178,6 +182,41 @@ def measure(name: str) -> dict:
     return {"name": name, "measured": peak - baseline, "seconds": time.perf_counter() - started}
 
 
+def head(dtype: str, reference: bool, tokens: int = 2048, vocab: int = 32768, hidden: int = 64) -> float:
+    """The DPO loss head alone (Gemma's softcapped logits, dpo_loss.segment_logps, backward),
+    with the reference's no-grad forward between the policy's and its backward where
+    `reference`: peak bytes per logit over what was resident before, less the head weight's
+    gradient. What core/memplan_dpo.py counts (policy_saved, BACKWARD_GRADS, reference_logits)."""
+    import gc
+
+    import torch
+
+    from tpufinetune_trainer.methods.dpo_loss import segment_logps
+
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+
+    def logits_of(h, w):
+        return torch.tanh((h @ w.t()) / SOFTCAP) * SOFTCAP  # transformers' Gemma head, one op a line
+
+    def run(n: int) -> int:
+        h = torch.randn(1, n, hidden, dtype=dt, requires_grad=True)
+        w = torch.randn(vocab, hidden, dtype=dt, requires_grad=True)
+        targets, segments = torch.randint(0, vocab, (1, n)), torch.ones(1, n, dtype=torch.long)
+        segments[:, n // 2:] = 2
+        gc.collect()
+        _reset_peak()
+        base = _status_kib("VmRSS") * 1024
+        sums, _ = segment_logps(logits_of(h, w), targets, segments, 4)
+        if reference:
+            with torch.no_grad():
+                segment_logps(logits_of(h, w), targets, segments, 4)
+        sums.sum().backward()
+        return _status_kib("VmHWM") * 1024 - base - vocab * hidden * dt.itemsize
+
+    run(64)  # first-call allocations
+    return run(tokens) / (tokens * vocab)
+
+
 def planned(name: str) -> int:
     """The planner's bytes for row `name` on one CPU device (core/memplan.py's device_bytes)."""
     from tpufinetune.core.memplan import device_bytes, shape_from_config
@@ -230,8 +269,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=sorted(CONFIGS), action="append")
     parser.add_argument("--recorded", action="store_true",
                         help="print the planner against the recorded measurements (MEASURED), and exit")
+    parser.add_argument("--head", action="store_true",
+                        help="measure the DPO loss head alone, bytes per logit (fp32, bf16; with and without the "
+                             "reference's forward), and exit")
     parser.add_argument("--child", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.head:
+        for dtype in ("fp32", "bf16"):
+            for reference in (False, True):
+                print(f"{dtype} {'with' if reference else 'without':>7} the reference forward: "
+                      f"{head(dtype, reference):5.1f} B a logit", flush=True)
+        return 0
     if args.recorded:
         print(recorded())
         return 0

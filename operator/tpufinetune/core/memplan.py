@@ -205,7 +205,7 @@ def device_bytes(shape: ModelShape, method: str, devices: int, max_seq_len: int,
     head_grad = (compute_bytes + 4) * shape.embedding if embedding_trains else 0
     # Labels: two fp32 chunk buffers; full: transformers' logits of every position, about five
     # fp32 [tokens, vocab] tensors (logits, the softcap's, log-softmax, their gradients).
-    logits = (dpo.logit_bytes(tokens, shape.vocab, compute_bytes, dpo_reference, FULL_LOGITS) if dpo_reference
+    logits = (dpo.logit_bytes(tokens, shape.vocab, compute_bytes, dpo_reference) if dpo_reference
               else 2 * CHUNK_ROWS * shape.vocab * 4 if loss_head == "labels" else FULL_LOGITS * tokens * shape.vocab * 4)
     lora_bytes = 0 if full else int(shape.lora_inputs(lora_targets) * (
         _of_dtype(LORA_SAVED_BYTES, compute_bytes) + (_of_dtype(LORA_DROPOUT_BYTES, compute_bytes)
