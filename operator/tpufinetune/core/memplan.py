@@ -35,7 +35,8 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
 The usable share of a chip is HBM x (1 - HEADROOM): the runtime, the compiler's
 temporaries and fragmentation take the rest. Figures are estimates, checked against
 measured peaks on CPU on configurations their constants were not fitted to
-(benchmarks/bench_memplan.py's HELD_OUT; docs/trainer.md, "Memory plan").
+(benchmarks/bench_memplan.py's HELD_OUT, bench_memplan_dpo.py's for DPO; docs/trainer.md,
+"Memory plan").
 """
 from __future__ import annotations
 
