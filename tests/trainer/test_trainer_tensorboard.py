@@ -108,3 +108,37 @@ def test_a_resumed_attempt_continues_the_step_axis_in_its_own_folder(run, tmp_pa
     assert steps(two["eval/loss"]) == [16, total]
     (plan,) = [fields for kind, fields in events if kind == "plan"]
     assert plan["resumed_step"] == 12 and plan["tensorboard_uri"] == tboard.run_uri(str(tmp_path / "storage"), "tb")
+
+
+def test_a_failed_copy_is_said_once_never_raised_and_made_at_the_next_flush(tmp_path, capfd):
+    blocker = tmp_path / "storage"
+    blocker.write_text("a file where the run's folder should be")  # the copy cannot make its folder
+    board = tboard.Board(str(blocker / "tb" / "tensorboard" / "attempt-1"))
+    board.scalars(1, {"train/loss": 2.0})
+    board.flush()
+    board.scalars(2, {"train/loss": 1.5})
+    board.flush()
+    said = capfd.readouterr().err
+    assert said.count("TensorBoard events not copied to") == 1 and board.errors == 2, said
+    blocker.unlink()
+    board.close()  # the next flush copies everything held locally
+    assert read(blocker / "tb" / "tensorboard" / "attempt-1")["train/loss"] == [(1, 2.0), (2, 1.5)]
+
+
+@pytest.mark.timeout(120)
+def test_event_files_in_a_bucket_are_copied_again_as_they_grow(gcs, monkeypatch, tmp_path):
+    """gs:// through the trainer's own storage client (the emulator the ground runs): each
+    flush replaces the attempt's event file with its longer self; nothing is lost between."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.endpoint)
+    uri = gcs.unique_uri("tensorboard-test", "run") + "/tensorboard/attempt-1"
+    board = tboard.Board(uri)
+    for step in (1, 2, 3):
+        board.scalars(step, {"train/loss": 1.0 / step})
+    board.flush()
+    (name,) = gcs.list(uri)
+    assert steps(read(gcs.download(uri, tmp_path / "first"))["train/loss"]) == [1, 2, 3]
+    for step in (4, 5):
+        board.scalars(step, {"train/loss": 1.0 / step})
+    board.close()
+    assert gcs.list(uri) == [name]
+    assert steps(read(gcs.download(uri, tmp_path / "second"))["train/loss"]) == [1, 2, 3, 4, 5]
