@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_memplan import H1, H2, H3, MIB, S1, TOLERANCE, WARM_UP, _reset_peak, _status_kib, case  # noqa: E402
+from bench_memplan import H1, H2, H3, MIB, NARROW, S1, TOLERANCE, WARM_UP, _reset_peak, _status_kib, case  # noqa: E402
 
 # Gemma's final-logit softcap (the planner counts its saved tanh output; transformers'
 # Gemma4TextConfig leaves it unset, the "Loss head" benchmark and loss.py use 30).
@@ -50,7 +50,7 @@ def dpo_case(text: dict, length: int, blocks: int, reference: str, **kw) -> dict
 
 
 # Never fitted to: full (stored reference) and LoRA (adapters off), fp32 and bf16, sdpa and
-# eager, with and without dropout, and one reference-free row of each.
+# eager, with and without dropout, 512 to 8192 tokens, and one reference-free row of each.
 HELD_OUT = {
     "d1": dpo_case(S1, 1024, 2, "stored"),
     "d2": dpo_case(H1, 512, 2, "stored", attention="eager"),
@@ -60,6 +60,9 @@ HELD_OUT = {
     "d6": dpo_case(H2, 1024, 2, "adapters-off", method="lora", dtype="bf16", dropout=0.05),
     "d7": dpo_case(H1, 1024, 1, "none"),
     "d8": dpo_case(H3, 512, 2, "none", method="lora"),
+    # Long blocks on the narrow model (bench_memplan's NARROW): 4096 and 8192 tokens.
+    "d9": dpo_case(NARROW, 4096, 1, "adapters-off", method="lora", dtype="bf16", dropout=0.05),
+    "d10": dpo_case(NARROW, 8192, 1, "stored"),
 }
 CONFIGS = HELD_OUT
 # Measured peaks (MiB), each row once in its own process (`--only NAME`) on the project's
@@ -67,6 +70,7 @@ CONFIGS = HELD_OUT
 # them; tests/api/test_memplan_dpo.py holds the planner to them. A row not here has not been run.
 MEASURED: dict[str, float] = {
     "d1": 1305.7, "d2": 1176.6, "d3": 574.8, "d4": 1491.7, "d5": 1130.4, "d6": 1147.0, "d7": 1036.0, "d8": 812.1,
+    "d9": 778.3, "d10": 2141.6,
 }
 
 
