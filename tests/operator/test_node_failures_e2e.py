@@ -9,8 +9,11 @@ On the ground (two runs, each proving several things):
   evicted by the real taint-eviction controller, and once GKE would have deleted the Node the
   pod garbage collector removes them; KubeRay makes the lost pods again on other nodes and Ray
   Train (maxFailures) restarts its workers from the last checkpoint: the run ends Succeeded.
-  The run is LoRA (`training.method: lora`): its checkpoints hold the adapter only, and its
-  two exports (the PEFT adapter, the merged model) load back and agree.
+  The run is preference tuning with LoRA (`training.method: dpo` with `training.lora`, on
+  pairs made from the ground's rows and read from the bucket): its checkpoints hold the
+  adapter only, each epoch's DPO rewards, margin and accuracy (training and held-out pairs)
+  are in status.history[].dpo, and its two exports (the PEFT adapter, the merged model) load
+  back and agree.
 - A run whose worker is on a Spot node: the node's scheduled-maintenance label is visible, a
   drain is refused by the worker's PodDisruptionBudget, and a preemption runs the worker's
   preStop hook then SIGTERM (Ray's own handler stops its processes at once; SIGKILL would
@@ -143,16 +146,44 @@ def _check_lora_exports(gcs, base_uri: str, storage: str, status: dict, tmp_path
     assert torch.allclose(got, want, atol=0.05 * want.abs().max().item()), (got - want).abs().max()
 
 
+def preference_rows(rows: list[dict], count: int) -> list[dict]:
+    """`count` preference pairs from the ground's dolly rows: a row's instruction as the
+    prompt, its response chosen, the next row's response rejected (rows without context, so
+    two sequences of a pair fit a block of the run's 128 tokens, the longer cut)."""
+    pairs = []
+    for row, following in zip(rows, rows[1:]):
+        if not row["context"] and following["response"].strip() != row["response"].strip():
+            pairs.append({"prompt": row["instruction"], "chosen": row["response"], "rejected": following["response"]})
+    assert len(pairs) >= count, (len(pairs), count)
+    return pairs[:count]
+
+
+def _check_dpo_history(history: list[dict]) -> None:
+    """Each epoch's DPO figures, on the training and the held-out pairs; the adapters moved
+    the policy off its reference (the base with them off: every reward is 0 before a step)."""
+    for entry in history:
+        figures = entry.get("dpo") or {}
+        assert {"rewardsChosen", "rewardsRejected", "margin", "accuracy", "evalRewardsChosen", "evalRewardsRejected",
+                "evalMargin", "evalAccuracy"} <= set(figures), entry
+        assert 0 <= figures["accuracy"] <= 1 and 0 <= figures["evalAccuracy"] <= 1, entry
+        assert abs(figures["margin"] - (figures["rewardsChosen"] - figures["rewardsRejected"])) < 1e-3, entry
+    assert any(entry["dpo"]["evalMargin"] != 0 for entry in history), history
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_killed_node_fails_over_and_the_run_resumes_from_its_checkpoint(
         operator, ground, kube, ground_assets, storage, tmp_path):
     # maxFailures: Ray Train restarts its worker group from the latest checkpoint inside the
     # job once KubeRay has replaced the lost worker.
-    # The run is a LoRA run: its adapter-only checkpoint is what the restarted workers resume
-    # from, and both exports (the PEFT adapter and the merged model) must load back.
-    manifest = resource("node-killed", ground_assets, storage, epochs=3, rows=480,
-                        training={"maxFailures": 1, "method": "lora", "lora": {"rank": 8}})
+    # The run is DPO with LoRA: its adapter-only checkpoint is what the restarted workers
+    # resume from, and both exports (the PEFT adapter and the merged model) must load back.
+    rows = [json.loads(line) for line in ground.gcs.read(ground_assets.data).decode().splitlines()]
+    local = tmp_path / "pairs.jsonl"
+    local.write_text("".join(json.dumps(pair) + "\n" for pair in preference_rows(rows, 320)))
+    pairs = ground.gcs.upload(local, ground.gcs.unique_uri("data", "pairs") + "/pairs.jsonl")
+    manifest = resource("node-killed", ground_assets, storage, epochs=3, dataset={"id": pairs},
+                        training={"maxFailures": 1, "method": "dpo", "lora": {"rank": 8}})
     uid, cluster = start_run(kube, manifest)
     kube.wait_for(lambda: kube.status("node-killed").get("checkpointURI"), "a first checkpoint", timeout=400)
     pods = pods_by_uid(kube, cluster)
@@ -193,6 +224,7 @@ def test_a_killed_node_fails_over_and_the_run_resumes_from_its_checkpoint(
                                "the run to end", timeout=600, interval=2)
         assert status["phase"] == "Succeeded", status.get("message")
         assert status["attempt"] == 1 and [e["epoch"] for e in status["history"]] == [1, 2, 3]
+        _check_dpo_history(status["history"])
         _check_lora_exports(ground.gcs, ground_assets.model, storage, status, tmp_path)
     finally:
         ground.restore_node(victim)
@@ -286,17 +318,18 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
         # in flight when SIGTERM came is lost (attempts.py: lastStep - checkpointStep).
         assert preempted[0]["lostSteps"] <= 1, preempted[0]
         # That bound alone holds without any save: the steps after the last checkpoint that
-        # the trainer never reported count as none lost. So the save itself: a step checkpoint
+        # the trainer never reported count as none lost. So the save itself: the checkpoint
         # written on SIGTERM, of the attempt's last step, is the one the retry resumed from
-        # (not the last epoch end).
+        # (a step checkpoint; or the epoch's own, written at once, when the signal came
+        # during the epoch's end).
         saved = [e["message"] for e in kube.items("events", "--field-selector", "involvedObject.name=spot")
                  if e["reason"] == "CheckpointOnNotice" and e["message"].startswith("SIGTERM")]
         resumed = status["attempts"][-1]["resumedFrom"]
-        name = resumed.rstrip("/").rsplit("/", 1)[-1]
-        assert name.startswith("step_"), (resumed, preempted[0], saved)
-        step = int(name.removeprefix("step_").split("-", 1)[0])
+        found = [m for m in saved if m.endswith(f" written to {resumed}")]
+        assert len(found) == 1, (resumed, preempted[0], saved, shipped_lines(ground, preempted[0]))
+        step = int(found[0].split("checkpoint of step ", 1)[1].split(" ", 1)[0])
         assert 0 <= preempted[0]["lastStep"] - step <= 1, (resumed, preempted[0])
-        assert any(f"checkpoint of step {step} written to {resumed}" in m for m in saved), (resumed, saved)
+        assert status["attempts"][-1]["resumedStep"] == step, status["attempts"][-1]
         assert status["attempts"][-1]["reason"] == "Succeeded", status["attempts"]
         assert status["attempts"][-1]["resumedFrom"], status["attempts"]
         stop = status["earlyStop"]
@@ -311,4 +344,20 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
     finally:
         kube.kubectl("delete", "tpufinetune", "spot", "--wait=false", check=False)
         ground.remove_pool(pool)
+
+
+def shipped_lines(ground, attempt: dict, words=("notice", "SIGTERM", "checkpoint", "epoch", "Preempted")) -> str:
+    """What a failed check shows: the attempt's logs as the trainer shipped them to the bucket
+    (driver and workers, status.attempts[].logsURI), the lines about the notice and saves."""
+    uri = attempt.get("logsURI")
+    if not uri:
+        return "(no logsURI)"
+    lines = []
+    for name in ground.gcs.list(uri):
+        for line in ground.gcs.read(f"{uri}/{name}").decode(errors="replace").splitlines():
+            if any(word in line for word in words):
+                lines.append(f"{name.split('/')[0]}: {line[:300]}")
+    shown = "\n".join(lines[-60:])
+    print(f"attempt {attempt.get('attempt')}'s shipped logs ({uri}), the lines about notices and saves:\n{shown}")
+    return shown
 
