@@ -168,6 +168,8 @@ def _check_dpo_history(history: list[dict]) -> None:
         assert 0 <= figures["accuracy"] <= 1 and 0 <= figures["evalAccuracy"] <= 1, entry
         assert abs(figures["margin"] - (figures["rewardsChosen"] - figures["rewardsRejected"])) < 1e-3, entry
     assert any(entry["dpo"]["evalMargin"] != 0 for entry in history), history
+    for entry in history:
+        print(f"DPO epoch {entry['epoch']}: loss {entry.get('loss')} eval loss {entry.get('evalLoss')} {entry['dpo']}")
 
 
 @pytest.mark.ray
@@ -180,7 +182,7 @@ def test_a_killed_node_fails_over_and_the_run_resumes_from_its_checkpoint(
     # resume from, and both exports (the PEFT adapter and the merged model) must load back.
     rows = [json.loads(line) for line in ground.gcs.read(ground_assets.data).decode().splitlines()]
     local = tmp_path / "pairs.jsonl"
-    local.write_text("".join(json.dumps(pair) + "\n" for pair in preference_rows(rows, 320)))
+    local.write_text("".join(json.dumps(pair) + "\n" for pair in preference_rows(rows, 256)))
     pairs = ground.gcs.upload(local, ground.gcs.unique_uri("data", "pairs") + "/pairs.jsonl")
     manifest = resource("node-killed", ground_assets, storage, epochs=3, dataset={"id": pairs},
                         training={"maxFailures": 1, "method": "dpo", "lora": {"rank": 8}})

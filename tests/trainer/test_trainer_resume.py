@@ -210,7 +210,11 @@ def test_a_resume_continues_from_the_saved_step_and_refuses_one_its_position_con
     from tpufinetune_trainer.resume import position
 
     assert position({"epoch": 1, "epoch_step": 4, "step": 4}, 72, "x") == (1, 4, 4)  # inside epoch 1
-    assert position({"epoch": 2, "epoch_step": 72, "step": 144}, 72, "x") == (3, 0, 144)  # epoch 2's end
+    assert position({"epoch": 2, "epoch_step": 72, "step": 144}, 72, "gs://b/r/epoch_0002-s") == (3, 0, 144)
+    # A step checkpoint at the epoch's last step (a notice there): the epoch's end, its
+    # evaluation and epoch checkpoint, is still to do.
+    assert position({"epoch": 2, "epoch_step": 72, "step": 144}, 72, "gs://b/r/step_0000144-s") == (2, 72, 144)
+    assert position({"epoch": 2, "step": 144}, 72, "x") == (3, 0, 144)  # an earlier trainer's epoch checkpoint
     assert position({"epoch": 2, "epoch_step": 10, "step": 82}, 72, "x") == (2, 10, 82)  # --max-steps 82 ended it
     # Saved at step 40 by a plan of 30 steps an epoch: this plan of 36 would put it at step 46.
     with pytest.raises(ResumeMismatch, match=r"Refusing to resume from gs://b/run/step_0000040-s: it saved step 40, "

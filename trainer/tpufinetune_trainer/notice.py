@@ -217,6 +217,11 @@ class Agreements:
         per_step = (now - last[1]) / (done - last[0])
         return max(1, int(self.every_s / per_step)) if per_step > 0 else 1
 
+    def soon(self, step: int) -> None:
+        """Every rank: the next agreement after the step following `step` at the latest
+        (after an epoch's end, whose evaluation and save the steps' rate does not count)."""
+        self.next_step = min(self.next_step, step + 1)
+
     def agreed(self, step: int, steps_to_next: int, produced=None) -> None:
         """Every rank: the agreement after `step` fixed the next one's distance. `produced`:
         a device value step `step` produced (rank 0 keeps a copy for the next proposal)."""

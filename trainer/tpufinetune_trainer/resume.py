@@ -111,7 +111,11 @@ def position(state: dict, epoch_steps: int, location: str) -> tuple[int, int, in
         raise ResumeMismatch(
             f"Refusing to resume from {location}: it saved step {step}, but its position (epoch {epoch}, "
             f"{done} steps in) is step {derived} with this run's {epoch_steps} steps per epoch")
-    return (epoch + 1, 0, step) if done >= epoch_steps else (epoch, done, step)
+    # A step checkpoint at an epoch's last step (a notice there) is before the epoch's end:
+    # its evaluation and epoch checkpoint are still to do, so the resume stays in it.
+    if done >= epoch_steps and (is_epoch_end(location) or "epoch_step" not in state):
+        return epoch + 1, 0, step
+    return epoch, done, step
 
 
 def new_start_id() -> str:

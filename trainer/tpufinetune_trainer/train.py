@@ -211,6 +211,7 @@ class Trainer:
                                        positions) if self.eval_data else positions
         self.history: list[dict] = []
         self.epoch, self.epoch_step, self.global_step = 1, 0, 0
+        self.end_pending = False  # restored inside an epoch whose end is still to do (restore)
         self.carried = (0.0, 0)  # (loss sum, label tokens) of the resumed epoch's earlier steps
         self.weights_uri: str | None = None  # which checkpoint's weights the model holds
         self.restored = False
@@ -299,6 +300,9 @@ class Trainer:
         self.weights_uri = location
         # The saved step and position, never one derived from this run's plan.
         self.epoch, self.epoch_step, self.global_step = epoch, done, step
+        # A step checkpoint inside the epoch, or at its last step (a notice there): the
+        # epoch's end (evaluation, epoch checkpoint) is still to do, even with no step left.
+        self.end_pending = bool(done) and not resume.is_epoch_end(location)
         if done:
             self.carried = (float(state.get("epoch_loss_sum", 0.0)), int(state.get("epoch_label_tokens", 0)))
         self.training_s_before = float(state.get("training_s", 0.0))
@@ -474,10 +478,18 @@ class Trainer:
         try:
             if self.rank == 0:
                 self.announce()
-            while self.global_step < self.total_steps and self.stopped is None:
+            while (self.global_step < self.total_steps or self.end_pending) and self.stopped is None:
                 metrics = self.train_epoch()
                 if self.stopped is None:
+                    # A SIGTERM in the epoch's last steps: its step saved now, without the
+                    # evaluation, which can outlast the pod's share of the notice (resume
+                    # then does the epoch's end: resume.position).
+                    if self.agreed_at_epoch_end() == notice.TERMINATING:
+                        self.on_notice(notice.TERMINATING, lambda: metrics)
                     self.report(metrics, epoch_end=True)
+                    # The next epoch's first step agrees: a SIGTERM during the epoch's end
+                    # (after the checks in report) waits one step, not a stretch of them.
+                    self.agreements.soon(self.global_step)
             self.export()
         finally:  # the end, a failure or a preemption: what was written is in storage
             self.board.close()
@@ -671,9 +683,19 @@ class Trainer:
         return float(total.item()) / label_tokens if label_tokens else None
 
     # ------------------------------------------------------------------ checkpoints
+    def agreed_at_epoch_end(self) -> int:
+        """Collective, at an epoch's end (every rank is there): the strongest notice any rank
+        holds. Only a SIGTERM is acted on here; a request stays pending for the next
+        step's agreement (the epoch's checkpoint is about to be written anyway)."""
+        return self.notice.agreed(self.cpu_group)[0]
+
     def report(self, m: dict, epoch_end: bool, evaluate: bool = True, synchronous: bool = False) -> None:
         cfg = self.cfg
         eval_loss = self.evaluate() if evaluate else None  # overlaps the previous save's writes
+        # A SIGTERM during the epoch's evaluation: the epoch's own checkpoint is the notice's,
+        # written now (synchronously) instead of after the next step.
+        terminating = epoch_end and not synchronous and self.agreed_at_epoch_end() == notice.TERMINATING
+        synchronous = synchronous or terminating
         # The previous save completes first: at most one in flight, and early stopping and
         # the new checkpoint's history see every earlier checkpoint.
         self.settle_checkpoint(wait=True)
@@ -708,6 +730,9 @@ class Trainer:
             self.checkpoint(*args)
         if epoch_end:
             self.epoch, self.epoch_step, self.carried = self.epoch + 1, 0, (0.0, 0)
+            self.end_pending = False
+        if terminating:
+            self.on_notice(notice.TERMINATING, lambda: m)  # saved above: says so, and stops
 
     def early_stop_check(self, eval_loss: float) -> None:
         """After an evaluation: stop at --target-eval-loss, or after --early-stopping-patience
