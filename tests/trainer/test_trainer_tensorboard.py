@@ -8,10 +8,12 @@ the export (its own tests) are left out; the event line is recorded."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
-from tpufinetune_trainer import tboard, train
+from tpufinetune_trainer import notice, tboard, train
+from tpufinetune_trainer.errors import Preempted
 from tpufinetune_trainer.logship import ATTEMPT_ENV
 from trainer_helpers import make_trainer
 
@@ -47,9 +49,15 @@ def run(trainer_assets, prepared, process_group, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ray.train, "report", lambda *args, **kwargs: None)
 
-    def start(attempt: int, resume: bool = False, **overrides):
+    def start(attempt: int, resume: bool = False, sigterm_at: int = 0, **overrides):
         events: list[tuple[str, dict]] = []
-        monkeypatch.setattr(train, "emit", lambda kind, **fields: events.append((kind, fields)))
+
+        def record(kind, **fields):
+            events.append((kind, fields))
+            if kind == "progress" and fields["step"] == sigterm_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # the pod's notice (notice.install_sigterm_handler's)
+
+        monkeypatch.setattr(train, "emit", record)
         monkeypatch.setenv(ATTEMPT_ENV, str(attempt))
         settings = dict(run_name="tb", num_epochs=EPOCHS, batch_size_per_device=BATCH, progress_interval_s=1e-6,
                         lr_schedule="cosine", warmup_ratio=0.2, **overrides)
@@ -61,6 +69,8 @@ def run(trainer_assets, prepared, process_group, tmp_path, monkeypatch):
             trainer.run()
         except RuntimeError as exc:  # --fail-at-step
             assert "injected failure" in str(exc)
+        except Preempted:  # the SIGTERM's checkpoint is written
+            pass
         return trainer, events
 
     return start
@@ -142,3 +152,27 @@ def test_event_files_in_a_bucket_are_copied_again_as_they_grow(gcs, monkeypatch,
     board.close()
     assert gcs.list(uri) == [name]
     assert steps(read(gcs.download(uri, tmp_path / "second"))["train/loss"]) == [1, 2, 3, 4, 5]
+
+
+def test_a_preempted_attempt_hands_the_step_axis_on_without_a_gap_or_a_repeat(run, tmp_path):
+    """A SIGTERM during epoch 1 (the real signal, to the trainer's own handler): the notice's
+    checkpoint and the flush that goes with it end attempt 1 at the notice's step S; attempt
+    2 resumes from that checkpoint and writes from S + 1: every step once across the two."""
+    previous = signal.getsignal(signal.SIGTERM)
+    assert notice.install_sigterm_handler()
+    try:
+        first, events = run(1, sigterm_at=3)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        notice.reset()
+    (noticed,) = [fields for kind, fields in events if kind == "notice"]
+    at = noticed["step"]
+    assert noticed["reason"] == "SIGTERM" and 3 <= at < first.total_steps, noticed
+    second, _ = run(2, resume=True)
+    assert second.resumed_from.rsplit("/", 1)[1].startswith(f"step_{at:07d}-")
+    root = tmp_path / "storage" / "tb" / "tensorboard"
+    one, two = read(root / "attempt-1"), read(root / "attempt-2")
+    assert steps(one["train/loss"]) == list(range(1, at + 1))
+    assert steps(two["train/loss"]) == list(range(at + 1, second.total_steps + 1))
+    epoch_ends = steps(one.get("epoch/loss", [])) + steps(two["epoch/loss"])
+    assert epoch_ends == [second.epoch_steps, second.total_steps]
