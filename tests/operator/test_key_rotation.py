@@ -242,3 +242,42 @@ def test_many_refused_tokens_read_the_keyring_once_not_once_each():
     for i in range(100):
         assert tokens.refused(Identity(f"run-{i}", "ns", f"uid-{i}")) == OLD_ID  # the other key, to try
     assert len(reads) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_of_new_clusters_shares_fresh_reads_of_the_keyring_and_a_rotation_is_seen_at_once(
+        control_plane, k8s_api, namespace):
+    """Each new RayCluster takes the key current when its create began (a GET sent after
+    that), but a burst of them waiting on one read at a time shares each read: far fewer
+    GETs than clusters. A spy on the real client counts them; the apiserver answers."""
+    import threading
+
+    kubectl = control_plane.kubectl
+    kubectl("apply", "-f", "-", input=keyring_secret(namespace, {"key": b64(OLD)}))
+    tokens = RayTokens(k8s_api, namespace)
+    real_read, reads = tokens.core.read_namespaced_secret, []
+
+    def counted(*args, **kwargs):
+        reads.append(args[0])
+        return real_read(*args, **kwargs)
+
+    tokens.core.read_namespaced_secret = counted
+    runs = 24
+    start, keys = threading.Barrier(runs), {}
+
+    def new_cluster(n: int) -> None:
+        start.wait()
+        keys[n] = tokens.key_for_new_cluster(Identity(name=f"r{n}", namespace=namespace, uid=f"uid-{n}"))
+
+    threads = [threading.Thread(target=new_cluster, args=(n,)) for n in range(runs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert set(keys.values()) == {OLD_ID} and len(keys) == runs
+    assert 1 <= len(reads) <= runs // 2, len(reads)
+    # A rotation: the next create (begun after it) reads again and takes the new key.
+    kubectl("apply", "-f", "-", input=keyring_secret(namespace, {"key": b64(NEW), "key.2026-12": b64(OLD)}))
+    before = len(reads)
+    assert tokens.key_for_new_cluster(Identity(name="after", namespace=namespace, uid="uid-after")) == NEW_ID
+    assert len(reads) == before + 1

@@ -50,6 +50,7 @@ class RayTokens:
         self.operator_namespace = operator_namespace
         self._keyring: raytoken.Keyring | None = None
         self._read_at = float("-inf")
+        self._read_started = float("-inf")  # when the GET that gave the keyring was sent
         self._run_keys: dict[str, str] = {}  # run uid -> the key id its head is spoken to with
         self._refused: dict[str, set[str]] = {}  # run uid -> key ids its head refused
         self._lock = threading.Lock()
@@ -58,13 +59,17 @@ class RayTokens:
     def where(self) -> str:
         return f"{self.operator_namespace}/{raytoken.SIGNING_KEY_SECRET}"
 
-    def keyring(self, fresh: bool = False, max_age: float = KEYRING_TTL_S) -> raytoken.Keyring:
-        """The keyring (blocking: run in a thread), read again when `fresh` or older than
-        `max_age` seconds. One that cannot be read (refused, no data.key, an entry not base64)
-        raises SigningKeyError naming the Secret, the entry and the fix; the last good one
-        is not used then: a key removed on purpose must stop being used."""
+    def keyring(self, fresh: bool = False, max_age: float = KEYRING_TTL_S,
+                read_since: float | None = None) -> raytoken.Keyring:
+        """The keyring (blocking: run in a thread), read again when `fresh`, older than
+        `max_age` seconds, or read by a GET sent before `read_since` (time.monotonic()).
+        One that cannot be read (refused, no data.key, an entry not base64) raises
+        SigningKeyError naming the Secret, the entry and the fix; the last good one is not
+        used then: a key removed on purpose must stop being used."""
         with self._lock:
-            if fresh or self._keyring is None or time.monotonic() - self._read_at > max_age:
+            if (fresh or self._keyring is None or time.monotonic() - self._read_at > max_age
+                    or (read_since is not None and self._read_started < read_since)):
+                started = time.monotonic()
                 try:
                     data = self._read_or_create()
                 except ApiException as error:
@@ -74,7 +79,7 @@ class RayTokens:
                     self._keyring = raytoken.parse_keyring(data, self.where)
                 except raytoken.KeyringError as error:
                     raise SigningKeyError(str(error)) from None
-                self._read_at = time.monotonic()
+                self._read_at, self._read_started = time.monotonic(), started
             return self._keyring
 
     def _read_or_create(self) -> dict:
@@ -100,9 +105,11 @@ class RayTokens:
         return self.core.read_namespaced_secret(name, namespace, _request_timeout=self.timeout).data
 
     def key_for_new_cluster(self, ident: Identity) -> str:
-        """The id of the current key (read afresh), which the run's next RayCluster is
-        made with; its head is spoken to with it from now on."""
-        current = self.keyring(fresh=True).current
+        """The id of the current key, which the run's next RayCluster is made with; its
+        head is spoken to with it from now on. Read afresh: by a GET sent after this call
+        began, its own or another run's (a burst of new runs waits on one read at a time,
+        and each read serves every run that was waiting for it, not one GET a run)."""
+        current = self.keyring(read_since=time.monotonic()).current
         with self._lock:
             self._run_keys[ident.uid] = current
             self._refused.pop(ident.uid, None)
