@@ -44,7 +44,7 @@ class MemoryPlanStatus(_Status):
                                                                       "hidden size, MLP, heads) came from.")
     model_config_read: ModelConfigStatus | None = Field(None, alias="modelConfig",
                                                         description="The model's config.json, as planned from.")
-    method: str | None = Field(None, max_length=32, description="The fine-tune method planned (full, lora).")
+    method: str | None = Field(None, max_length=32, description="The fine-tune method planned (full, lora, dpo).")
     fits: bool | None = Field(None, description="Whether the estimate fits the slice (absent when "
                                                 "unknown).")
     per_chip_hbm_bytes: int | None = Field(None, ge=0, alias="perChipHBMBytes",
