@@ -173,6 +173,35 @@ def _logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", help="the TPUFineTune's name")
+    parser.add_argument("-n", "--namespace", help="its namespace (default: the kubeconfig "
+                                                  "context's, else default)")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default $KUBECONFIG or "
+                                             "~/.kube/config)")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .evaltable import evaluation_table
+
+    try:
+        from .adapters.readrun import read_tpufinetune
+    except ImportError as exc:
+        print(f"tpufinetune eval: {exc.name or exc} is not installed: pip install 'tpufinetune[logs]'",
+              file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        namespace, obj = read_tpufinetune(args.name, args.namespace, args.kubeconfig)
+    except LookupError as exc:
+        print(f"tpufinetune eval: {exc}", file=sys.stderr)
+        return 1
+    table, note = evaluation_table(obj.get("status") or {})
+    sys.stdout.write(table)
+    if note:
+        print(f"tpufinetune eval: {namespace}/{args.name}: {note}", file=sys.stderr)
+    return 0
+
+
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("render", "print the RayCluster and Ray job a TPUFineTune would produce "
                          "(validated exactly as the operator does); no cluster needed",
@@ -189,6 +218,9 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("logs", "print an attempt's driver (or a worker's) log from the run's "
                        "storage, live or after its RayCluster is gone (needs the logs extra)",
                _logs_arguments, _logs),
+    Subcommand("eval", "print a TPUFineTune's evaluation per epoch (eval loss and generation "
+                       "metrics) from its status",
+               _eval_arguments, _eval),
 ]
 
 

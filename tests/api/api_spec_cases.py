@@ -340,6 +340,52 @@ DPO_INVALID: list[Invalid] = [
 ]
 INVALID += DPO_INVALID
 
+
+def _evaluation(**evaluation) -> dict:
+    return {"evaluation": evaluation}
+
+
+# training.evaluation (generation metrics, keepBestBy): each of what the trainer's check_generation refuses.
+GENERATION_INVALID: list[Invalid] = [
+    Invalid("generate-unknown-metric", spec_with(training=_evaluation(generate={"metrics": ["rougeL", "chrF"]})),
+            "spec.training.evaluation.generate.metrics[1]", '"chrF" is not valid',
+            admission='Unsupported value: "chrF"', python_exact=False),
+    Invalid("generate-metric-twice", spec_with(training=_evaluation(generate={"metrics": ["bleu", "bleu"]})),
+            "spec.training.evaluation.generate.metrics", validation.METRICS_TWICE_MESSAGE,
+            admission='Duplicate value: "bleu"'),
+    Invalid("generate-no-metric", spec_with(training=_evaluation(generate={"metrics": []})),
+            "spec.training.evaluation.generate.metrics", "at least 1 item",
+            admission="should have at least 1 items", python_exact=False),
+    Invalid("generate-examples-zero", spec_with(training=_evaluation(generate={"examples": 0})),
+            "spec.training.evaluation.generate.examples", "must be greater than or equal to 1",
+            admission="should be greater than or equal to 1", python_exact=False),
+    Invalid("generate-examples-too-many", spec_with(training=_evaluation(generate={"examples": 5000})),
+            "spec.training.evaluation.generate.examples", "must be less than or equal to 4096",
+            admission="should be less than or equal to 4096", python_exact=False),
+    Invalid("generate-max-new-tokens-too-many", spec_with(training=_evaluation(generate={"maxNewTokens": 4096})),
+            "spec.training.evaluation.generate.maxNewTokens", "must be less than or equal to 2048",
+            admission="should be less than or equal to 2048", python_exact=False),
+    Invalid("keep-best-by-unknown", spec_with(training=_evaluation(generate={}, keepBestBy="accuracy")),
+            "spec.training.evaluation.keepBestBy", '"accuracy" is not valid',
+            admission='Unsupported value: "accuracy"', python_exact=False),
+    Invalid("keep-best-by-metric-not-generated",
+            spec_with(training=_evaluation(generate={"metrics": ["exactMatch"]}, keepBestBy="rougeL")),
+            "spec.training.evaluation.keepBestBy", validation.KEEP_BEST_METRIC_MESSAGE),
+    Invalid("keep-best-by-without-generate", spec_with(training=_evaluation(keepBestBy="bleu")),
+            "spec.training.evaluation.keepBestBy", validation.KEEP_BEST_METRIC_MESSAGE),
+    Invalid("keep-best-by-with-a-score-attribute",
+            spec_with(checkpoint={"storagePath": "gs://b/p", "scoreAttribute": "loss"},
+                      training=_evaluation(generate={"metrics": ["rougeL"]}, keepBestBy="rougeL")),
+            "spec.training.evaluation.keepBestBy", validation.KEEP_BEST_SCORE_MESSAGE),
+    Invalid("generate-without-held-out", spec_with(training={"evalFraction": 0, **_evaluation(generate={})}),
+            "spec.training.evaluation.generate", validation.GENERATE_EVAL_MESSAGE),
+    Invalid("generate-with-dpo", spec_with(training={"method": "dpo", **_evaluation(generate={})}),
+            "spec.training.evaluation.generate", validation.GENERATE_METHOD_MESSAGE),
+    Invalid("generate-with-loss-on-all", spec_with(training={"lossOn": "all", **_evaluation(generate={})}),
+            "spec.training.evaluation.generate", validation.GENERATE_METHOD_MESSAGE),
+]
+INVALID += GENERATION_INVALID
+
 # spec.training's memory fields (apimodels.MemorySettings, which Training takes them from).
 MEMORY_INVALID: list[Invalid] = [
     Invalid("unknown-activation-checkpointing", spec_with(training={"activationCheckpointing": "full"}),

@@ -35,6 +35,11 @@ NOT_PASSED = {
              "true exactly when training.lora is given)"
        for flag in ("--dpo-beta", "--dpo-loss", "--dpo-label-smoothing", "--dpo-reference-free", "--dpo-lora")},
     "--fail-at-step": "fault injection for the trainer's own tests",
+    **{flag: "passed only when training.evaluation.generate is set, with its values or its defaults (the trainer's "
+             "0 examples is off; an older trainer image knows no such flag)"
+       for flag in ("--generate-examples", "--generate-max-new-tokens", "--generate-metrics")},
+    "--keep-best-by": "passed only when training.evaluation.keepBestBy names a generated metric (evalLoss is the "
+                      "trainer's default)",
     "--global-batch-examples": "the operator passes the same flag by its other name, --global-batch-blocks",
     "--loss-on": "passed only when training.lossOn is set (unset: the trainer's responses)",
     "--target-eval-loss": "passed only when training.targetEvalLoss is set (the trainer's 0 is off)",
@@ -164,6 +169,26 @@ TRAINER_REFUSALS = [
     ({"training": {"method": "lora", "lora": {"trainEmbeddings": True}, "freezeEmbeddings": True}},
      ["--lora-train-embeddings=true", "--freeze-embeddings=true", "--method=lora"]),
 ]
+# training.evaluation: each of what the trainer's check_generation refuses.
+GENERATE = ["--generate-examples=64", "--generate-max-new-tokens=64"]
+TRAINER_REFUSALS += [
+    ({"training": {"evaluation": {"generate": {"metrics": ["rougeL", "chrF"]}}}},
+     ["--generate-metrics=rougeL,chrF", *GENERATE]),
+    ({"training": {"evaluation": {"generate": {"metrics": ["bleu", "bleu"]}}}}, ["--generate-metrics=bleu,bleu", *GENERATE]),
+    ({"training": {"evaluation": {"generate": {"metrics": []}}}}, ["--generate-metrics=", *GENERATE]),
+    ({"training": {"evaluation": {"generate": {"examples": 5000}}}}, ["--generate-examples=5000"]),
+    ({"training": {"evaluation": {"generate": {"maxNewTokens": 4096}}}}, ["--generate-max-new-tokens=4096", *GENERATE[:1]]),
+    ({"training": {"evaluation": {"generate": {}, "keepBestBy": "accuracy"}}}, ["--keep-best-by=accuracy", *GENERATE]),
+    ({"training": {"evaluation": {"generate": {"metrics": ["exactMatch"]}, "keepBestBy": "rougeL"}}},
+     ["--keep-best-by=rougeL", *GENERATE, "--generate-metrics=exactMatch"]),
+    ({"training": {"evaluation": {"keepBestBy": "bleu"}}}, ["--keep-best-by=bleu"]),
+    ({"checkpoint": {"storagePath": "gs://b/p", "scoreAttribute": "loss"},
+      "training": {"evaluation": {"generate": {"metrics": ["rougeL"]}, "keepBestBy": "rougeL"}}},
+     ["--keep-best-by=rougeL", *GENERATE, "--generate-metrics=rougeL", "--checkpoint-score-attribute=loss"]),
+    ({"training": {"evalFraction": 0, "evaluation": {"generate": {}}}}, [*GENERATE, "--eval-fraction=0.0"]),
+    ({"training": {"method": "dpo", "evaluation": {"generate": {}}}}, [*GENERATE, "--method=dpo"]),
+    ({"training": {"lossOn": "all", "evaluation": {"generate": {}}}}, [*GENERATE, "--loss-on=all"]),
+]
 TRAINER_REFUSALS += [
     ({"training": {"activationCheckpointing": "full"}}, ["--activation-checkpointing=full"]),
     ({"training": {"attention": "flash"}}, ["--attention=flash"]),
@@ -208,6 +233,10 @@ def test_every_trainer_refusal_is_an_admission_case():
     {"training": {"maxSeqLen": 8, "evalFraction": 0.5}},
     {"training": {"targetEvalLoss": 1.5, "earlyStoppingPatience": 2}},
     {"training": {"tokensPerStep": 65536}},
+    {"training": {"evaluation": {"generate": {}}}},
+    {"training": {"evaluation": {"generate": {"examples": 8, "maxNewTokens": 2048, "metrics": ["rougeL", "bleu"]},
+                                 "keepBestBy": "bleu"}}},
+    {"training": {"evaluation": {"keepBestBy": "evalLoss"}}},
     {"tpu": {"generation": "v6e", "topology": "4x4", "slices": 2},
      "training": {"tokensPerStep": 65536, "maxSeqLen": 1024, "batchSizePerDevice": 2}},
 ], ids=str)
@@ -340,3 +369,42 @@ def test_the_dpo_settings_of_a_spec_reach_the_trainer_and_lora_trains_adapters()
     config = _trainer_config(trainer_argv(parse_spec(ipo), run_name="r"))
     assert (config.dpo_lora, config.lora_rank, config.dpo_loss, config.dataset_format) == (True, 16, "ipo",
                                                                                           "preference")
+
+
+def test_the_generation_closed_sets_and_defaults_are_the_trainers():
+    from tpufinetune.core import specmodels
+    from tpufinetune_trainer import generation as trainer_generation
+
+    choices = {action.dest: tuple(action.choices) for action in _finetune_parser()._actions if action.choices}
+    assert specmodels.KEEP_BEST_BY == choices["keep_best_by"] == trainer_generation.KEEP_BEST_BY
+    assert specmodels.GENERATION_METRICS == trainer_generation.GENERATION_METRICS
+    assert (specmodels.MAX_NEW_TOKENS, specmodels.MAX_GENERATE_EXAMPLES) == (
+        trainer_generation.MAX_NEW_TOKENS, trainer_generation.MAX_EXAMPLES)
+
+
+def test_generate_without_settings_passes_the_trainers_defaults_and_turns_it_on():
+    argv = trainer_argv(parse_spec(spec_with(training={"evaluation": {"generate": {}}})), run_name="r")
+    flags = _passed_flags(argv)
+    assert flags["--generate-examples"] == "64" and "--keep-best-by" not in flags
+    given = vars(trainer_cli.build_parser().parse_args(argv[1:]))
+    defaults = vars(trainer_cli.build_parser().parse_args(["finetune"]))
+    for dest in ("generate_max_new_tokens", "generate_metrics"):
+        assert given[dest] == defaults[dest], dest
+    config = _trainer_config(argv)
+    assert (config.generate_examples, config.checkpoint_score_attribute) == (64, "eval_loss")
+
+
+def test_keep_best_by_a_metric_reaches_the_trainer_which_ranks_checkpoints_by_it():
+    spec = spec_with(training={"evaluation": {"generate": {"examples": 8, "maxNewTokens": 32,
+                                                           "metrics": ["rougeL", "bleu"]}, "keepBestBy": "bleu"}})
+    argv = trainer_argv(parse_spec(spec), run_name="r")
+    assert [a for a in argv if a.startswith(("--generate-", "--keep-best-by"))] == [
+        "--generate-examples=8", "--generate-max-new-tokens=32", "--generate-metrics=rougeL,bleu",
+        "--keep-best-by=bleu"]
+    config = _trainer_config(argv)
+    assert (config.checkpoint_score_attribute, config.checkpoint_score_order) == ("eval_bleu", "max")
+
+
+def test_no_evaluation_passes_no_evaluation_flag():
+    argv = trainer_argv(parse_spec(base_spec()), run_name="r")
+    assert not [a for a in argv if a.startswith(("--generate-", "--keep-best-by"))]

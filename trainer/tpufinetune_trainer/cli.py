@@ -19,6 +19,7 @@ from .config import (ACTIVATION_CHECKPOINTING, ATTENTION, DEFAULT_BATCH_SIZE_PER
                      DEFAULT_DECAY_RATIO, DEFAULT_MODEL, LOSS_HEADS, MODEL_LOADS,
                      SCORE_ATTRIBUTES, CollectivesConfig, FinetuneConfig, normalise_storage)
 from .data import DATASET_FORMATS, LOSS_ON, PROMPT_FORMATS
+from . import generation
 from .lora import DEFAULT_TARGET_MODULES, METHODS
 from .schedule import SCHEDULES
 from .errors import Preempted, TrainerError, UsageError
@@ -176,6 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="free each block's gathered parameters after its forward and gather them again for its "
                          "backward (true, memory-safe); false keeps them, one all-gather a block fewer per "
                          "micro-batch for the whole model's copy in the compute dtype on every device")
+    ft.add_argument("--generate-examples", type=int, default=0,
+                    help="after each epoch's held-out loss, answer this many held-out prompts greedily (shared "
+                         "among the devices) and score the answers against the responses (0: off)")
+    ft.add_argument("--generate-max-new-tokens", type=int, default=generation.DEFAULT_MAX_NEW_TOKENS,
+                    help="tokens generated at most per answer")
+    ft.add_argument("--generate-metrics", default=generation.DEFAULT_METRICS,
+                    help=f"comma-separated scores of the answers: some of {', '.join(generation.GENERATION_METRICS)}")
+    ft.add_argument("--keep-best-by", default=generation.KEEP_BEST_BY[0], choices=list(generation.KEEP_BEST_BY),
+                    help="what makes a checkpoint the best: evalLoss (--checkpoint-score-attribute decides) or a "
+                         "generated metric, the highest winning")
     ft.add_argument("--fail-at-step", type=int, default=0,
                     help="fault injection for tests: fail once after this optimizer step (not after a restore)")
 
@@ -245,7 +256,9 @@ def _config(args: argparse.Namespace):
             dpo_reference_free=args.dpo_reference_free == "true", dpo_lora=args.dpo_lora == "true",
             activation_checkpointing=args.activation_checkpointing, attention=args.attention,
             freeze_embeddings=args.freeze_embeddings == "true",
-            reshard_after_forward=args.reshard_after_forward == "true")
+            reshard_after_forward=args.reshard_after_forward == "true",
+            generate_examples=args.generate_examples, generate_max_new_tokens=args.generate_max_new_tokens,
+            generate_metrics=args.generate_metrics, keep_best_by=args.keep_best_by)
     return CollectivesConfig(topology=args.topology, accelerator_type=args.accelerator_type,
                              num_workers=args.num_workers, device=args.device, hidden_dim=args.hidden_dim,
                              batch_size=args.batch_size, placement_timeout_s=args.placement_timeout,

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from .backends import COMPILE_MODES, COMPUTE_DTYPES
 from .data import DATASET_FORMATS, LOSS_ON, PROMPT_FORMATS, BatchPlan
 from .errors import ConfigError
+from . import generation
 from .lora import DEFAULT_TARGET_MODULES, METHODS, MODULE_NAMES, parse_modules
 from .schedule import SCHEDULES
 
@@ -122,6 +123,11 @@ class FinetuneConfig(SliceConfig):
     # parallelize.apply_fsdp: False keeps every block's gathered copy from forward to backward
     # (one all-gather a block fewer per micro-batch), as the operator asks where the plan fits it.
     reshard_after_forward: bool = True
+    # Each epoch's generation metrics (generation.py; spec.training.evaluation): 0 examples is off.
+    generate_examples: int = 0
+    generate_max_new_tokens: int = generation.DEFAULT_MAX_NEW_TOKENS
+    generate_metrics: str = generation.DEFAULT_METRICS
+    keep_best_by: str = generation.KEEP_BEST_BY[0]
 
     @property
     def uses_lora(self) -> bool:
@@ -151,6 +157,42 @@ class FinetuneConfig(SliceConfig):
         if self.tokens_per_step:
             raise ConfigError("--tokens-per-step does not apply to --method dpo: a step is a batch of pairs "
                               "(--global-batch-examples); drop --tokens-per-step")
+
+    def check_generation(self) -> None:
+        """The generation metrics' flags (spec.training.evaluation), and --keep-best-by: a metric
+        the run generates, which then ranks the checkpoints (the higher the better)."""
+        metrics = generation.parse_metrics(self.generate_metrics)
+        checks = [
+            (0 <= self.generate_examples <= generation.MAX_EXAMPLES,
+             f"--generate-examples (spec.training.evaluation.generate.examples) must be in "
+             f"[0, {generation.MAX_EXAMPLES}] (0: off)"),
+            (1 <= self.generate_max_new_tokens <= generation.MAX_NEW_TOKENS,
+             f"--generate-max-new-tokens (spec.training.evaluation.generate.maxNewTokens) must be in "
+             f"[1, {generation.MAX_NEW_TOKENS}]"),
+            (bool(metrics) and all(m in generation.GENERATION_METRICS for m in metrics)
+             and len(set(metrics)) == len(metrics),
+             f"--generate-metrics (spec.training.evaluation.generate.metrics) {self.generate_metrics!r}: give "
+             f"one or more of {', '.join(generation.GENERATION_METRICS)}, each once"),
+            (self.keep_best_by in generation.KEEP_BEST_BY,
+             f"--keep-best-by (spec.training.evaluation.keepBestBy) must be one of "
+             f"{', '.join(generation.KEEP_BEST_BY)}"),
+            (self.keep_best_by == "evalLoss" or (self.generate_examples and self.keep_best_by in metrics),
+             f"--keep-best-by {self.keep_best_by} is not a metric the run generates: pass it in --generate-metrics "
+             "with --generate-examples > 0, or keep the best by evalLoss"),
+            (self.keep_best_by == "evalLoss" or self.checkpoint_score_attribute == "auto",
+             f"--keep-best-by {self.keep_best_by} ranks the checkpoints itself: --checkpoint-score-attribute "
+             "must be auto (spec.checkpoint.scoreAttribute)"),
+        ]
+        if self.generate_examples:
+            checks += [
+                (self.eval_fraction > 0, "--generate-examples needs --eval-fraction > 0: it answers held-out prompts"),
+                (self.method != "dpo" and self.loss_on == "responses",
+                 "--generate-examples needs held-out responses to score against: not with --method dpo or "
+                 "--loss-on all"),
+            ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
 
     def attn_implementation(self, backend_default: str) -> str:
         """The transformers attention kernel: --attention, or the backend's own under auto."""
@@ -215,6 +257,10 @@ class FinetuneConfig(SliceConfig):
                 raise ConfigError(message)
         self.check_lora()
         self.check_dpo()
+        self.check_generation()
+        if self.keep_best_by != "evalLoss":  # the named metric ranks the checkpoints, the higher the better
+            self.checkpoint_score_attribute = generation.METRIC_KEYS[self.keep_best_by]
+            self.checkpoint_score_order = "max"
         if self.checkpoint_score_attribute == "eval_loss" and self.eval_fraction == 0:
             raise ConfigError("--checkpoint-score-attribute eval_loss needs --eval-fraction > 0")
         for flag, value in (("--target-eval-loss", self.target_eval_loss),

@@ -20,7 +20,9 @@ trouble never stops training.
 Written: per progress event (steps) `train/loss` (the window's mean), `train/learning_rate`,
 `train/grad_norm` (clipping on), `train/tokens_per_s`, `train/step_time_s`; per evaluation
 `eval/loss` and the method's `eval_*` figures as `eval/*`; per epoch `epoch/loss`,
-`epoch/tokens_per_s`, `epoch/padded_tokens_per_s` and the method's other figures as `epoch/*`.
+`epoch/tokens_per_s`, `epoch/padded_tokens_per_s` and the method's other figures as `epoch/*`;
+with generation metrics on (generation.py), `eval/exact_match`, `eval/rouge_l`, `eval/bleu`,
+`eval/generated` and the epoch's samples as text (`eval/samples`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,20 @@ class Board:
             elif epoch_end and key not in ("epoch", "step", "epoch_time_s"):
                 values[f"epoch/{key}"] = value
         self.scalars(metrics["step"], values)
+
+    def samples(self, step: int, samples: dict, shown: int = 16) -> None:
+        """An epoch's generation samples (generation.py) as text, `eval/samples`: the first
+        `shown` prompts, references and answers, one markdown table."""
+        if self.writer is None or not samples:
+            return
+
+        def cell(text: str) -> str:
+            return text.replace("|", "\\|").replace("\n", "<br>")
+
+        rows = ["| prompt | reference | answer |", "| --- | --- | --- |"]
+        rows += [f"| {cell(p)} | {cell(r)} | {cell(o)} |" for p, r, o in
+                 list(zip(samples["prompts"], samples["references"], samples["outputs"]))[:shown]]
+        self.writer.add_text("eval/samples", "\n".join(rows), global_step=step)
 
     def flush(self) -> None:
         """Write what is queued and copy every file that changed to storage. The writer

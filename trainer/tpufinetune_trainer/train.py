@@ -31,7 +31,7 @@ from . import loss as head
 from . import notice
 from . import resume
 from . import storage
-from . import tboard
+from . import generation, tboard
 from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .config import FinetuneConfig
 from .errors import ConfigError, Preempted, StorageError
@@ -144,6 +144,9 @@ class Trainer:
         self.probe_checkpoint_storage(mesh)
         self.examples: Examples = data["train"]
         self.eval_data = data.get("eval")
+        # The held-out prompts and responses each epoch's generation answers (generation.py).
+        self.generation_items = (generation.held_out(self.eval_data, cfg.generate_examples)
+                                 if cfg.generate_examples and self.eval_data is not None else [])
         # What the run trains and how a micro-batch becomes its loss (methods/): SFT or DPO.
         self.method = method_for(cfg)
         self.pad_id = int(data["pad_id"])
@@ -328,6 +331,7 @@ class Trainer:
                 continue
             fields = {k: entry.get(k) for k in ("epoch", "step", "loss", "eval_loss", "epoch_time_s",
                                                  "tokens_per_s", "padded_tokens_per_s")}
+            fields.update({k: entry[k] for k in (*generation.METRIC_KEYS.values(), generation.EXAMPLES_KEY) if k in entry})
             emit("epoch", epochs=self.cfg.num_epochs, replayed=True, **fields)
             emit("checkpoint", epoch=entry.get("epoch"), step=entry.get("step"), epoch_end=True,
                  uri=entry["uri"], save_s=entry.get("save_s"), write_s=entry.get("write_s"), replayed=True)
@@ -709,12 +713,19 @@ class Trainer:
         if eval_loss is not None:
             extra.update(self.method.eval_sums(self))
         metrics.update({k: round(v, 4) for k, v in extra.items()})
+        # Each epoch's generation metrics (collective; --generate-examples), after its held-out loss.
+        generated, samples = ({}, {})
+        if epoch_end and eval_loss is not None and self.generation_items:
+            generated, samples = generation.evaluate_generation(self)
+        metrics.update(generated)
         if self.rank == 0 and epoch_end:
             self.print_epoch(metrics)
             emit("epoch", epochs=cfg.num_epochs, steps=m["steps"], total_steps=self.total_steps,
-                 batch_shapes=m["batch_shapes"], **metrics)
+                 batch_shapes=m["batch_shapes"], **metrics,
+                 **({"eval_samples_uri": samples["uri"], "generate_s": round(samples["seconds"], 3)} if samples else {}))
         if self.rank == 0:  # every step up to this checkpoint's is in storage before it is
             self.board.evaluation(metrics, epoch_end)
+            self.board.samples(metrics["step"], samples)
             self.board.flush()
         if eval_loss is not None:
             self.early_stop_check(eval_loss)
@@ -846,7 +857,7 @@ class Trainer:
         say(f"Epoch {m['epoch']}/{self.cfg.num_epochs} | loss={m['loss']:.4f} | epoch_time={m['epoch_time_s']:.2f}s"
             f" | tokens/s={m['tokens_per_s']:.1f}{eval_part}"
             f" | padded_tokens/s={m['padded_tokens_per_s']:.1f} (tokens/s counts real tokens only)"
-            + self.method.words(m))
+            + self.method.words(m) + generation.words(m))
 
     # ------------------------------------------------------------------ export
     def export(self) -> None:

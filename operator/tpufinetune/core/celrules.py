@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import generations as g
 from .specmodels import Training
 from .validation import (
-    DPO_FORMAT_MESSAGE, DPO_LOSS_ON_MESSAGE, DPO_METHOD_MESSAGE, DPO_TOKENS_MESSAGE, EARLY_STOP_FIELDS, EARLY_STOP_MESSAGE, EMBEDDINGS_CONTRADICT, ENV_RESERVED_MESSAGE, ENV_VALUE_MESSAGE, EVAL_SCORE_MESSAGE, GLOBAL_BATCH_MESSAGE, IPO_SMOOTHING_MESSAGE, LABEL_MESSAGE, LABEL_SMOOTHING_MESSAGE, LORA_METHOD_MESSAGE, MIN_NO_PROGRESS_TIMEOUT, MOUNT_VOLUME_MESSAGE, NO_PROGRESS_MESSAGE, PRIORITY_QUEUE_MESSAGE, RAY_VERSION_AT_LEAST, RAY_VERSION_MESSAGE, RESERVED_ENV, RESERVED_ENV_PREFIX, RESERVED_LABEL_PREFIX, SHARED_STORAGE_MESSAGE, SHM_MOUNT_MESSAGE, SHM_PATH, SHM_VOLUME, SHM_VOLUME_MESSAGE, SLICES_MESSAGE, STORAGE_MESSAGE, TOKENS_PER_STEP_MESSAGE, TPU_OVERRIDE_MESSAGE, VOLUME_SOURCES, VOLUME_SOURCE_MESSAGE,
+    DPO_FORMAT_MESSAGE, DPO_LOSS_ON_MESSAGE, DPO_METHOD_MESSAGE, DPO_TOKENS_MESSAGE, EARLY_STOP_FIELDS, EARLY_STOP_MESSAGE, EMBEDDINGS_CONTRADICT, ENV_RESERVED_MESSAGE, ENV_VALUE_MESSAGE, EVAL_SCORE_MESSAGE, GENERATE_EVAL_MESSAGE, GENERATE_METHOD_MESSAGE, GLOBAL_BATCH_MESSAGE, KEEP_BEST_METRIC_MESSAGE, KEEP_BEST_SCORE_MESSAGE, IPO_SMOOTHING_MESSAGE, LABEL_MESSAGE, LABEL_SMOOTHING_MESSAGE, LORA_METHOD_MESSAGE, MIN_NO_PROGRESS_TIMEOUT, MOUNT_VOLUME_MESSAGE, NO_PROGRESS_MESSAGE, PRIORITY_QUEUE_MESSAGE, RAY_VERSION_AT_LEAST, RAY_VERSION_MESSAGE, RESERVED_ENV, RESERVED_ENV_PREFIX, RESERVED_LABEL_PREFIX, SHARED_STORAGE_MESSAGE, SHM_MOUNT_MESSAGE, SHM_PATH, SHM_VOLUME, SHM_VOLUME_MESSAGE, SLICES_MESSAGE, STORAGE_MESSAGE, TOKENS_PER_STEP_MESSAGE, TPU_OVERRIDE_MESSAGE, VOLUME_SOURCES, VOLUME_SOURCE_MESSAGE,
 )
 
 
@@ -229,6 +229,15 @@ def spec_rules() -> list[dict]:
             "fieldPath": f".training.{name}",
             "reason": "FieldValueInvalid",
         } for name in EARLY_STOP_FIELDS],
+        {
+            "rule": ("!has(self.training) || !has(self.training.evaluation) || "
+                     "!has(self.training.evaluation.keepBestBy) || self.training.evaluation.keepBestBy == 'evalLoss' || "
+                     "!has(self.checkpoint) || !has(self.checkpoint.scoreAttribute) || "
+                     "self.checkpoint.scoreAttribute == 'auto'"),
+            "message": KEEP_BEST_SCORE_MESSAGE,
+            "fieldPath": ".training.evaluation.keepBestBy",
+            "reason": "FieldValueInvalid",
+        },
         _global_batch_rule(is_collectives),
         _tokens_per_step_rule(is_collectives),
         {
@@ -329,7 +338,25 @@ def training_rules() -> list[dict]:
             {"rule": ("!has(self.datasetFormat) || (" + dpo + " ? self.datasetFormat in ['auto', 'preference'] : "
                       "self.datasetFormat != 'preference')"),
              "message": DPO_FORMAT_MESSAGE, "fieldPath": ".datasetFormat", "reason": "FieldValueInvalid"},
+            *evaluation_rules(dpo),
             {"rule": "!(has(self.lora) && has(self.lora.trainEmbeddings) && self.lora.trainEmbeddings"
                      " && has(self.freezeEmbeddings) && self.freezeEmbeddings)",
              "message": EMBEDDINGS_CONTRADICT, "fieldPath": ".lora.trainEmbeddings",
              "reason": "FieldValueInvalid"}]
+
+
+def evaluation_rules(dpo: str) -> list[dict]:
+    """CEL rules of spec.training.evaluation against the rest of spec.training."""
+    generate = "(has(self.evaluation) && has(self.evaluation.generate))"
+    keep = "self.evaluation.keepBestBy"
+    return [
+        # evalFraction is a number, so CEL sees a double: compare with 0.0.
+        {"rule": f"!{generate} || !has(self.evalFraction) || self.evalFraction > 0.0",
+         "message": GENERATE_EVAL_MESSAGE, "fieldPath": ".evaluation.generate", "reason": "FieldValueInvalid"},
+        {"rule": f"!({generate} && ({dpo} || (has(self.lossOn) && self.lossOn == 'all')))",
+         "message": GENERATE_METHOD_MESSAGE, "fieldPath": ".evaluation.generate", "reason": "FieldValueForbidden"},
+        # generate.metrics unset is all of them (its default).
+        {"rule": (f"!has(self.evaluation) || !has({keep}) || {keep} == 'evalLoss' || ({generate} && "
+                  f"(!has(self.evaluation.generate.metrics) || {keep} in self.evaluation.generate.metrics))"),
+         "message": KEEP_BEST_METRIC_MESSAGE, "fieldPath": ".evaluation.keepBestBy", "reason": "FieldValueInvalid"},
+    ]

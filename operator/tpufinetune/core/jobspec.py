@@ -108,6 +108,23 @@ def memory_flags(memory: MemorySettings) -> list[str]:
     return flags
 
 
+def evaluation_flags(training) -> list[str]:
+    """The trainer flags of spec.training.evaluation, only when it is set (an older trainer
+    image knows none of them): the generations' settings, and the keep-best metric when not
+    the loss."""
+    evaluation = training.evaluation
+    if evaluation is None:
+        return []
+    flags = []
+    if evaluation.generate is not None:
+        generate = evaluation.generate
+        flags += [f"--generate-examples={generate.examples}", f"--generate-max-new-tokens={generate.max_new_tokens}",
+                  f"--generate-metrics={','.join(generate.metrics)}"]
+    if evaluation.keep_best_by != "evalLoss":
+        flags.append(f"--keep-best-by={evaluation.keep_best_by}")
+    return flags
+
+
 def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
                  resume_from: str | None = None) -> list[str]:
     """The trainer command for `spec`. `--flag=value` keeps a value that starts with '-'
@@ -171,6 +188,7 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         argv.append(f"--target-eval-loss={training.target_eval_loss!r}")
     if training.early_stopping_patience is not None:
         argv.append(f"--early-stopping-patience={training.early_stopping_patience}")
+    argv += evaluation_flags(training)
     if run_name:
         argv.append(f"--run-name={run_name}")
     if resume_from:

@@ -52,6 +52,9 @@ def _on_epoch(status: dict, event: dict) -> None:
     preference = _preference(event)
     if preference:
         entry["dpo"] = preference
+    generated = _generation(event)
+    if generated:
+        entry["eval"] = generated
     if epoch >= int(status.get("epoch") or 0):
         status.update({k: v for k, v in metrics.items() if k != "step"}, epoch=epoch, epochs=epochs, epochProgress=f"{epoch}/{epochs}")
         loss = f"loss={metrics['loss']}" if "loss" in metrics else ""
@@ -68,6 +71,24 @@ def _preference(event: dict) -> dict:
     """history[].dpo of an epoch event: the numbers it carries (none for SFT)."""
     found = {name: _round(event[key], 4) for key, name in PREFERENCE_KEYS.items()
              if isinstance(event.get(key), (int, float)) and not isinstance(event.get(key), bool)}
+    return found
+
+
+# Generation metrics of an epoch (docs/protocol.md, `epoch`): the event's key -> history[].eval's.
+GENERATION_KEYS = {"eval_exact_match": "exactMatch", "eval_rouge_l": "rougeL", "eval_bleu": "bleu"}
+
+
+def _generation(event: dict) -> dict:
+    """history[].eval of an epoch event: its generation metrics, the answers scored and where
+    they are (none without training.evaluation.generate)."""
+    found = {name: _round(event[key], 4) for key, name in GENERATION_KEYS.items()
+             if isinstance(event.get(key), (int, float)) and not isinstance(event.get(key), bool)}
+    if not found:
+        return {}
+    if isinstance(event.get("eval_generated"), int) and not isinstance(event.get("eval_generated"), bool):
+        found["examples"] = event["eval_generated"]
+    if isinstance(event.get("eval_samples_uri"), str):
+        found["samplesURI"] = event["eval_samples_uri"]
     return found
 
 

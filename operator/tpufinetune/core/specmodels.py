@@ -116,6 +116,15 @@ TRAINING_METHODS = ("full", "lora", "dpo")
 # The trainer's --dataset-format choices; preference is method dpo's.
 DATASET_FORMATS = ("auto", "dolly", "messages", "prompt-completion", "preference")
 DPO_LOSSES = ("sigmoid", "ipo")  # the trainer's --dpo-loss choices
+# training.evaluation: the scores of each epoch's generations (the trainer's --generate-metrics
+# choices) and what keeps the best checkpoint (--keep-best-by).
+GENERATION_METRICS = ("exactMatch", "rougeL", "bleu")
+KEEP_BEST_BY = ("evalLoss", *GENERATION_METRICS)
+DEFAULT_GENERATE_EXAMPLES = 64
+DEFAULT_MAX_NEW_TOKENS = 64
+MAX_GENERATE_EXAMPLES = 4096
+MAX_NEW_TOKENS = 2048
+GenerationMetric = Literal[GENERATION_METRICS]  # type: ignore[valid-type]
 
 
 class LoRA(_Model):
@@ -168,6 +177,39 @@ class DPO(_Model):
     reference_free: bool = Field(
         False, description="No reference model: its log-probabilities are taken as 0 (no reference forward, "
                            "nothing computed before the first step).")
+
+
+class Generate(_Model):
+    """Each epoch's generations: after the held-out loss, greedy answers to the first held-out
+    prompts, scored against their responses (the trainer's --generate-* flags, their defaults)."""
+
+    examples: int = Field(DEFAULT_GENERATE_EXAMPLES, ge=1, le=MAX_GENERATE_EXAMPLES,
+                          description="Held-out prompts answered each epoch (the first ones; fewer when "
+                                      "fewer are held out), shared among the devices.")
+    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1, le=MAX_NEW_TOKENS,
+                                description="Tokens generated at most per answer (greedy; every device "
+                                            "runs this many forwards, whatever its answers' lengths).")
+    metrics: list[GenerationMetric] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: list(GENERATION_METRICS), min_length=1, max_length=len(GENERATION_METRICS),
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description="Scores of the answers against the held-out responses: exactMatch (the share equal "
+                    "after stripping whitespace), rougeL (the mean ROUGE-L F1, rouge-score) and bleu "
+                    "(corpus BLEU, sacrebleu). Default: all three.")
+
+
+class Evaluation(_Model):
+    """What each epoch's evaluation does beyond the held-out loss."""
+
+    generate: Generate | None = Field(
+        None, description="Generate and score answers to held-out prompts each epoch (status.history[].eval; "
+                          "the prompts, responses and answers in <storagePath>/<run>/eval-samples/). "
+                          "Unset: off, nothing generated. Needs evalFraction > 0; not with method dpo or "
+                          "lossOn all (no held-out response to score against).")
+    keep_best_by: Literal[KEEP_BEST_BY] = Field(  # type: ignore[valid-type]
+        "evalLoss", description="What makes a checkpoint the best one (exported, kept): evalLoss, "
+                                "checkpoint.scoreAttribute as without evaluation; or one of generate.metrics, "
+                                "the highest score wins (checkpoint.scoreAttribute must then be auto, and "
+                                "scoreOrder does not apply).")
 
 
 class Training(MemorySettings):
@@ -275,6 +317,11 @@ class Training(MemorySettings):
         None, ge=1, le=1000,
         description="Stop after this many evaluations in a row without a lower eval loss, and "
                     "export the best checkpoint. Unset: off. Needs evalFraction > 0.")
+
+    # No schema default (rollbacks, as method above): unset is the held-out loss only.
+    evaluation: Evaluation | None = Field(
+        None, description="Each epoch's evaluation beyond the held-out loss: generation metrics, and which "
+                          "figure keeps the best checkpoint. Unset: the held-out loss only.")
 
     def lora_settings(self) -> LoRA | None:
         """The LoRA settings the run uses: the defaults when method lora leaves them unset;

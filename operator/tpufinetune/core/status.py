@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from tpufinetune.core.evalstatus import GenerationMetrics
 from tpufinetune.core.planstatus import MemoryPlanStatus, ModelConfigStatus  # noqa: F401  (part of the status)
 from tpufinetune.core.statusbase import _Status
 
@@ -61,6 +62,8 @@ class EpochRecord(_Status):
     checkpoint_uri: str | None = Field(None, alias="checkpointURI",
                                        description="Checkpoint written after the epoch.")
     dpo: PreferenceMetrics | None = Field(None, description="Method dpo's rewards, margin and accuracy.")
+    eval: GenerationMetrics | None = Field(None, description="Generation metrics of the epoch "
+                                                            "(training.evaluation.generate).")
 
 
 class Progress(_Status):

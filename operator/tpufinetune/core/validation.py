@@ -101,6 +101,15 @@ DPO_FORMAT_MESSAGE = ("must be auto or preference with method dpo, and preferenc
                       "DPO trains on preference pairs (chosen and rejected), the other methods on "
                       "supervised rows")
 EMBEDDINGS_CONTRADICT = "contradicts freezeEmbeddings: true; drop one of them"
+GENERATE_EVAL_MESSAGE = ("needs training.evalFraction greater than 0: it answers held-out prompts, and with "
+                         "none held out there are none; set training.evalFraction (e.g. 0.05) or remove generate")
+GENERATE_METHOD_MESSAGE = ("needs held-out responses to score against: not with method dpo (pairs) or lossOn "
+                           "all (no prompt and response told apart); remove generate")
+KEEP_BEST_METRIC_MESSAGE = ("must be evalLoss or one of generate.metrics (the figures each epoch has); add it "
+                            "to training.evaluation.generate.metrics or keep the best by evalLoss")
+METRICS_TWICE_MESSAGE = "names a metric twice; name each once"
+KEEP_BEST_SCORE_MESSAGE = ("ranks checkpoints by a generation metric itself: checkpoint.scoreAttribute must be "
+                           "auto; set it to auto or keep the best by evalLoss")
 
 
 def check_spec(spec: SpecFields, one_machine: bool = False) -> None:
@@ -114,6 +123,7 @@ def check_spec(spec: SpecFields, one_machine: bool = False) -> None:
     if training.lora is not None and training.method not in ("lora", "dpo"):
         raise SpecError("spec.training.lora", LORA_METHOD_MESSAGE)
     _check_dpo(training)
+    _check_evaluation(spec)
     if training.lora is not None and training.lora.train_embeddings and training.freeze_embeddings:
         raise SpecError("spec.training.lora.trainEmbeddings", EMBEDDINGS_CONTRADICT)
     tpu = spec.tpu
@@ -167,6 +177,25 @@ def _check_dpo(training) -> None:
     fmt = training.dataset_format
     if (dpo and fmt not in ("auto", "preference")) or (not dpo and fmt == "preference"):
         raise SpecError("spec.training.datasetFormat", DPO_FORMAT_MESSAGE)
+
+
+def _check_evaluation(spec: SpecFields) -> None:
+    """training.evaluation against the rest of the spec (the trainer's check_generation)."""
+    training, evaluation = spec.training, spec.training.evaluation
+    if evaluation is None:
+        return
+    generate = evaluation.generate
+    if generate is not None and len(set(generate.metrics)) != len(generate.metrics):  # the schema's list-type set
+        raise SpecError("spec.training.evaluation.generate.metrics", METRICS_TWICE_MESSAGE)
+    if generate is not None and training.eval_fraction == 0:
+        raise SpecError("spec.training.evaluation.generate", GENERATE_EVAL_MESSAGE)
+    if generate is not None and (training.method == "dpo" or training.loss_on == "all"):
+        raise SpecError("spec.training.evaluation.generate", GENERATE_METHOD_MESSAGE)
+    if evaluation.keep_best_by != "evalLoss":
+        if generate is None or evaluation.keep_best_by not in generate.metrics:
+            raise SpecError("spec.training.evaluation.keepBestBy", KEEP_BEST_METRIC_MESSAGE)
+        if spec.checkpoint.score_attribute != "auto":
+            raise SpecError("spec.training.evaluation.keepBestBy", KEEP_BEST_SCORE_MESSAGE)
 
 
 def mixture_of_experts_refusal(model_id: str) -> str:
