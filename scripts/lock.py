@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PLATFORM = "manylinux_2_28_x86_64"
 # Kept from the trainer's base image (its TPU build of torch), never reinstalled.
 FROM_BASE_IMAGE = ("torch", "torch-tpu", "triton", "nvidia-")
+# Pure-Python packages published as source only (installed from their hashed sdist).
+SDIST_ONLY = ("rouge-score",)
 
 
 def extra(name: str) -> list[str]:
@@ -33,17 +35,40 @@ def extra(name: str) -> list[str]:
     return project["optional-dependencies"][name]
 
 
-def resolve(requirements: list[str], python: str) -> list[dict]:
-    """pip's report of what it would install for `python` (e.g. '3.12') on linux x86_64."""
+def kept_pins(lock: Path) -> list[str]:
+    """`name==version` of every package `lock` pins: constraints of its re-resolution, so a
+    package added to an extra changes no other pin."""
+    if not lock.exists():
+        return []
+    return [line.split()[0] for line in lock.read_text().splitlines() if "==" in line and not line.startswith("#")]
+
+
+def resolve(requirements: list[str], python: str, keep: list[str] = ()) -> list[dict]:
+    """pip's report of what it would install for `python` (e.g. '3.12') on linux x86_64,
+    within the pins `keep` (constraints)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
+        constraints = Path(tmp) / "constraints.txt"
+        constraints.write_text("".join(f"{pin}\n" for pin in keep))
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed",
              "--only-binary=:all:", f"--python-version={python}", f"--platform={PLATFORM}",
              "--platform=manylinux2014_x86_64", "--platform=linux_x86_64",
-             f"--target={tmp}/target", "--report", str(report), *requirements],
+             f"--target={tmp}/target", "--report", str(report), "--constraint", str(constraints), *requirements],
             check=True)
         return json.loads(report.read_text())["install"]
+
+
+def resolve_sdist(requirement: str) -> dict:
+    """pip's report of a source-only package alone (it builds nothing but its metadata): its
+    sdist's hash, and what it requires."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed", "--no-deps",
+             f"--target={tmp}/target", "--report", str(report), requirement],
+            check=True)
+        return json.loads(report.read_text())["install"][0]
 
 
 def lock_text(installs: list[dict], header: str, skip: tuple[str, ...] = ()) -> str:
@@ -68,14 +93,19 @@ extra or the base pins in pyproject.toml."""
 
 
 def lock_trainer() -> None:
+    wanted = [r for r in extra("train") if not r.startswith(FROM_BASE_IMAGE)]
+    # A pure-Python package PyPI has only as an sdist: pinned by its sdist's hash, what it
+    # requires resolved with the rest as wheels (--only-binary refuses it).
+    sdists = [resolve_sdist(r) for r in wanted if r.startswith(SDIST_ONLY)]
+    needs = [d for s in sdists for d in s["metadata"].get("requires_dist", []) if "extra ==" not in d]
     for python in TRAINER_PYTHONS:
-        wanted = [r for r in extra("train") if not r.startswith(FROM_BASE_IMAGE)]
-        installs = resolve(wanted, python)
+        path = ROOT / "requirements" / f"trainer-py{python.replace('.', '')}.lock.txt"
+        keep = [pin for pin in kept_pins(path) if not pin.startswith(SDIST_ONLY)]
+        installs = resolve([r for r in wanted if not r.startswith(SDIST_ONLY)] + needs, python, keep) + sdists
         header = f"""The trainer image's Python set (Dockerfile.trainer) when its base image runs CPython
 {python}: the `train` extra resolved for linux/amd64, every package pinned with the hash of the
 file pip chose, without torch (the base image's TPU build stays).
 Written by `python scripts/lock.py trainer`; rerun it after changing the `train` extra."""
-        path = ROOT / "requirements" / f"trainer-py{python.replace('.', '')}.lock.txt"
         path.write_text(lock_text(installs, header, FROM_BASE_IMAGE))
 
 

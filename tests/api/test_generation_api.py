@@ -103,7 +103,7 @@ def test_generate_unset_is_off_and_its_defaults_are_the_documented_ones():
 
 
 # The last operator without training.evaluation.
-PRE_EVALUATION_COMMIT = "e5796e6"
+PRE_EVALUATION_COMMIT = "e5796e6e118ae4f6101934e9ca4b16b3f7b80bbe"
 
 
 def test_an_operator_older_than_evaluation_runs_the_spec_without_it_and_names_it_ignored(tmp_path):

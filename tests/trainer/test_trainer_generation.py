@@ -117,7 +117,7 @@ def test_keep_best_by_ranks_the_checkpoints_by_the_metric(memorised):
 
 
 def test_score_is_the_libraries_on_small_cases():
-    outputs = ["the cat sat on the mat", " blue fish ", "nothing alike here"]
+    outputs = ["the cat sat on the mat", " blue fish ", "a cat sat here"]
     references = ["the cat sat on the mat", "blue fish", "a cat on a mat today"]
     found = generation.score(outputs, references, list(generation.GENERATION_METRICS))
     assert found["exactMatch"] == pytest.approx(2 / 3)

@@ -94,7 +94,8 @@ def generate_share(model, prompts: list[list[int]], rank: int, world: int, max_n
     indices, per_rank = rank_share(len(prompts), rank, world)
     if per_rank == 0:
         return {}
-    batch = [prompts[i] for i in indices] + [prompts[0]] * (per_rank - len(indices))
+    filler = prompts[indices[0] if indices else 0]  # a copy of its own first prompt where it has one
+    batch = [prompts[i] for i in indices] + [filler] * (per_rank - len(indices))
     width = max(len(p) for p in batch)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], dtype=torch.long, device=device)
