@@ -106,23 +106,55 @@ def test_generate_unset_is_off_and_its_defaults_are_the_documented_ones():
 PRE_EVALUATION_COMMIT = "e5796e6e118ae4f6101934e9ca4b16b3f7b80bbe"
 
 
-def test_an_operator_older_than_evaluation_runs_the_spec_without_it_and_names_it_ignored(tmp_path):
-    """A rollback: the older operator drops training.evaluation as an unknown field and says so
-    (the IgnoredFields condition), and the run trains as before, with no generation."""
+@pytest.fixture(scope="module")
+def older_operator(tmp_path_factory) -> Path:
+    """The operator package of PRE_EVALUATION_COMMIT, extracted from this clone's history."""
+    out = tmp_path_factory.mktemp("pre-evaluation")
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", PRE_EVALUATION_COMMIT, "operator/tpufinetune"],
                              capture_output=True)
     if archive.returncode != 0:
         pytest.fail(f"the pre-evaluation operator is not in this clone ({archive.stderr.decode().strip()}); "
                     "fetch its history (`git fetch --unshallow`)", pytrace=False)
-    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out / "operator"
+
+
+def run_older(operator: Path, probe: str, *args: str) -> dict:
+    older = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True,
+                           env={"PYTHONPATH": str(operator), "PATH": "/usr/bin:/bin"}, check=True)
+    return json.loads(older.stdout)
+
+
+def test_an_operator_older_than_evaluation_runs_the_spec_without_it_and_names_it_ignored(older_operator):
+    """A rollback: the older operator drops training.evaluation as an unknown field and says so
+    (the IgnoredFields condition), and the run trains as before, with no generation."""
     spec = spec_with(training={"evaluation": {"generate": {"examples": 8}, "keepBestBy": "rougeL"}})
     parse_spec(spec)  # this operator runs it
     probe = ("import json, sys\nfrom tpufinetune.core.api import parse_stored_spec\n"
              "from tpufinetune.core.jobspec import trainer_argv\n"
              "parsed, ignored = parse_stored_spec(json.loads(sys.argv[1]))\n"
              "print(json.dumps({'ignored': list(ignored), 'argv': trainer_argv(parsed)}))\n")
-    older = subprocess.run([sys.executable, "-c", probe, json.dumps(spec)], capture_output=True, text=True,
-                           env={"PYTHONPATH": str(tmp_path / "operator"), "PATH": "/usr/bin:/bin"}, check=True)
-    answer = json.loads(older.stdout)
+    answer = run_older(older_operator, probe, json.dumps(spec))
     assert answer["ignored"] == ["spec.training.evaluation"]
     assert not [a for a in answer["argv"] if a.startswith(("--generate-", "--keep-best-by"))]
+
+
+def test_an_older_operator_folds_a_newer_trainers_epoch_and_carries_this_versions_eval_entries(older_operator):
+    """A newer trainer image's epoch event (eval_* keys) and a status this version wrote
+    (history[].eval): the older operator folds the event without them and writes its status
+    beside the carried entries, refusing nothing."""
+    from tpufinetune.core.runevents import apply_event
+
+    written: dict = {}
+    apply_event(written, {"event": "epoch", "epoch": 1, "epochs": 2, "loss": 1.0, "eval_loss": 0.9,
+                          "eval_exact_match": 0.5, "eval_rouge_l": 0.6, "eval_bleu": 10.0, "eval_generated": 8,
+                          "eval_samples_uri": "gs://b/r/eval-samples/epoch-1.jsonl"})
+    assert written["history"][0]["eval"]["examples"] == 8
+    probe = ("import copy, json, sys\nfrom tpufinetune.core.runevents import apply_event\n"
+             "from tpufinetune.core.status import checked_status\n"
+             "previous = json.loads(sys.argv[1]); status = copy.deepcopy(previous)\n"
+             "apply_event(status, {'event': 'epoch', 'epoch': 2, 'epochs': 2, 'loss': 0.5, 'eval_loss': 0.4,"
+             " 'eval_exact_match': 0.75, 'eval_rouge_l': 0.8, 'eval_bleu': 20.0, 'eval_generated': 8})\n"
+             "checked_status(status, previous)\nprint(json.dumps(status['history']))\n")
+    first, second = run_older(older_operator, probe, json.dumps(written))
+    assert first["eval"] == written["history"][0]["eval"] and "eval" not in second

@@ -59,6 +59,14 @@ def test_a_figure_the_status_cannot_hold_drops_its_event_not_every_later_one():
     assert len(dropped) == 1 and "exactMatch" in dropped[0][1]
 
 
+def test_an_eval_key_a_newer_operator_wrote_is_carried_beside_this_versions_entries():
+    read_back = {"history": [{"epoch": 1, "loss": 1.0, "eval": {"exactMatch": 0.5, "chrFNewer": 31.0}}]}
+    status = copy.deepcopy(read_back)
+    apply_event(status, epoch(2, **generated(2, 0.75, 0.8, 20.0)))
+    assert status["history"][0]["eval"]["chrFNewer"] == 31.0 and status["history"][1]["eval"]["exactMatch"] == 0.75
+    assert checked_status(status, read_back) is status
+
+
 def test_the_keys_read_are_the_trainers():
     from tpufinetune_trainer import generation
 
