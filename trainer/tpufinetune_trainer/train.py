@@ -696,6 +696,11 @@ class Trainer:
     def report(self, m: dict, epoch_end: bool, evaluate: bool = True, synchronous: bool = False) -> None:
         cfg = self.cfg
         eval_loss = self.evaluate() if evaluate else None  # overlaps the previous save's writes
+        # Each epoch's generation metrics (collective; --generate-examples), before a notice's
+        # agreement as the loss: a SIGTERM during either makes this epoch's save the notice's.
+        generated, samples = ({}, {})
+        if epoch_end and eval_loss is not None and self.generation_items:
+            generated, samples = generation.evaluate_generation(self)
         # A SIGTERM during the epoch's evaluation: the epoch's own checkpoint is the notice's,
         # written now (synchronously) instead of after the next step.
         terminating = epoch_end and not synchronous and self.agreed_at_epoch_end() == notice.TERMINATING
@@ -713,10 +718,6 @@ class Trainer:
         if eval_loss is not None:
             extra.update(self.method.eval_sums(self))
         metrics.update({k: round(v, 4) for k, v in extra.items()})
-        # Each epoch's generation metrics (collective; --generate-examples), after its held-out loss.
-        generated, samples = ({}, {})
-        if epoch_end and eval_loss is not None and self.generation_items:
-            generated, samples = generation.evaluate_generation(self)
         metrics.update(generated)
         if self.rank == 0 and epoch_end:
             self.print_epoch(metrics)
