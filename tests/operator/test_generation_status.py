@@ -51,6 +51,10 @@ def test_a_run_without_generation_has_no_eval_entry_and_a_replay_changes_nothing
     twice = copy.deepcopy(once)
     apply_event(twice, epoch(1, **generated(1, 0.25, 0.5, 10.0), replayed=True))
     assert twice == once
+    # The trainer's replay of a restored checkpoint's epochs carries the figures, not the samples' URI.
+    replayed = {k: v for k, v in generated(1, 0.25, 0.5, 10.0).items() if k not in ("eval_samples_uri", "generate_s")}
+    apply_event(twice, epoch(1, **replayed, replayed=True))
+    assert twice == once
 
 
 def test_a_figure_the_status_cannot_hold_drops_its_event_not_every_later_one():

@@ -53,8 +53,8 @@ def _on_epoch(status: dict, event: dict) -> None:
     if preference:
         entry["dpo"] = preference
     generated = _generation(event)
-    if generated:
-        entry["eval"] = generated
+    if generated:  # merged: a replayed epoch (after a restore) carries no samplesURI
+        entry["eval"] = {**entry.get("eval", {}), **generated}
     if epoch >= int(status.get("epoch") or 0):
         status.update({k: v for k, v in metrics.items() if k != "step"}, epoch=epoch, epochs=epochs, epochProgress=f"{epoch}/{epochs}")
         loss = f"loss={metrics['loss']}" if "loss" in metrics else ""
