@@ -153,8 +153,9 @@ def write_samples(uri: str, text: str) -> None:
 
 def evaluate_generation(trainer) -> tuple[dict, dict]:
     """Collective, after an epoch's held-out loss: every rank answers its share; rank 0 scores
-    the answers and writes the samples. Returns (the epoch's metrics: METRIC_KEYS' and
-    EXAMPLES_KEY, on rank 0 only; rank 0's record: samples' URI, texts, seconds)."""
+    the answers and writes the samples. Returns (the epoch's metrics, METRIC_KEYS' and
+    EXAMPLES_KEY, on every rank; rank 0's record, {} elsewhere: the samples' URI and texts,
+    the seconds it all took)."""
     import torch.distributed as dist
 
     cfg = trainer.cfg
