@@ -173,7 +173,16 @@ def test_a_killed_head_then_a_deleted_raycluster_are_each_retried_from_the_last_
     first, lost, last = status["attempts"]
     # The head's restart lost attempt 1's job, the delete attempt 2's: both are ClusterLost.
     assert [a["reason"] for a in status["attempts"]] == ["ClusterLost", "ClusterLost", "Succeeded"], status["attempts"]
-    assert lost["resumedFrom"] == checkpoint, status["attempts"]
+    # Attempt 2 was submitted with attempt 1's last reported checkpoint; the trainer takes the
+    # newest complete one of the run's folder, which may be newer: attempt 1's workers outlive
+    # its killed head and can finish a checkpoint no job reported (train.py resume_choice).
+    name = checkpoint.rsplit("/", 1)[1]  # epoch_0001-<start> (its step in history) or step_0000040-<start>
+    reported_step = (int(name.split("-")[0].removeprefix("step_")) if name.startswith("step_") else
+                     next(e["step"] for e in status["history"] if e.get("checkpointURI") == checkpoint))
+    assert lost["resumedFrom"].rsplit("/", 1)[0] == checkpoint.rsplit("/", 1)[0], (checkpoint, status["attempts"])
+    assert lost["resumedStep"] >= reported_step, (checkpoint, reported_step, status["attempts"])
+    assert lost["resumedFrom"] == checkpoint or lost["resumedStep"] > reported_step, status["attempts"]
+    assert first["lostSteps"] == max(0, first["lastStep"] - lost["resumedStep"]), status["attempts"]
     # From the checkpoint attempt 2 wrote last (an epoch's, or its notice's on SIGTERM).
     assert newest != checkpoint and last["resumedFrom"] == newest, (newest, status["attempts"])
     # A lost cluster is never trusted again: each retry ran on a RayCluster of its own.

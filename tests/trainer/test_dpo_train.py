@@ -74,7 +74,9 @@ def test_full_dpo_learns_the_preferred_answers(trainer_assets, process_group, tm
     """The stored reference (the starting model's sums): rewards start at 0; after 3 epochs
     most held-out pairs are preferred by their reward, the margin rising every epoch. 72
     pairs to stay short (about 40 s); the 168-pair run reaching >= 0.9 is bench_dpo.py's."""
-    trainer = dpo_trainer(trainer_assets, tmp_path, wrong=3, learning_rate=2e-3)
+    # 1e-3: on a CPU whose kernels round otherwise, 2e-3 held 11 of the 14 held-out pairs
+    # (0.786) from epoch 2 on; 1e-3 reaches 13 (0.929) by epoch 2, clear of the bound.
+    trainer = dpo_trainer(trainer_assets, tmp_path, wrong=3, learning_rate=1e-3)
     assert trainer.examples.reference is not None and np.abs(trainer.examples.reference).sum() > 0
     for pair in (0, 5, 17):  # the packed pair blocks' sums are each sequence's own, in its column
         alone = [sequence_logp(trainer, ids, labels) for ids, labels in sequences(trainer.examples, pair)]

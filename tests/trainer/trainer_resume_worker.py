@@ -62,7 +62,10 @@ def stall_mid_write(marker: Path) -> None:
         def write(self, data):
             written = self.stream.write(data)
             self.stream.flush()
-            marker.write_text(str(self.path))
+            # Named whole or not at all: the test reads it as soon as it exists.
+            partial = marker.with_name(marker.name + ".tmp")
+            partial.write_text(str(self.path))
+            partial.rename(marker)
             while True:
                 time.sleep(60)
             return written
