@@ -386,6 +386,16 @@ GENERATION_INVALID: list[Invalid] = [
 ]
 INVALID += GENERATION_INVALID
 
+# Accepted by parse_spec and by the apiserver (test_crd_admission.py's VALID).
+GENERATION_ACCEPTED = [
+    spec_with(training={"evaluation": {"generate": {}}}),
+    spec_with(training={"evaluation": {"generate": {"metrics": ["bleu"]}, "keepBestBy": "bleu"}}),
+    spec_with(training={"evaluation": {"keepBestBy": "evalLoss"}}),
+    spec_with(training={"evaluation": {"generate": {"examples": 1, "maxNewTokens": 2048}}}),
+    spec_with(training={"evalFraction": 0, "evaluation": {}}),
+    spec_with(training={"method": "dpo", "evaluation": {"keepBestBy": "evalLoss"}}),
+]
+
 # spec.training's memory fields (apimodels.MemorySettings, which Training takes them from).
 MEMORY_INVALID: list[Invalid] = [
     Invalid("unknown-activation-checkpointing", spec_with(training={"activationCheckpointing": "full"}),
