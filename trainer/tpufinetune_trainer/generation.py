@@ -8,8 +8,9 @@ prompts greedily and the answers are scored against the held-out responses:
 - bleu: corpus BLEU (sacrebleu's corpus_bleu, one reference per answer).
 
 A prompt is a held-out example's tokens before its first label, its response the labelled
-tokens that follow (the first answer); the examples are taken in the held-out blocks' order. The prompts are shared among the ranks, each generating its
-own share on its own shard of the model: FSDP2 gathers one block's parameters at a time
+tokens that follow (the first answer); the examples are taken in the held-out blocks' order.
+The prompts are shared among the ranks, each generating its own share on its own shard of
+the model: FSDP2 gathers one block's parameters at a time
 inside every forward, so no rank ever holds the whole model, and every rank must run as
 many forwards as the others. Each rank's share is therefore padded to the same count, and
 transformers' `generate(synced_gpus=True)` keeps a rank that is done stepping until every
