@@ -47,7 +47,9 @@ def test_two_ranks_answer_as_one_process_does_without_holding_the_whole_model(tr
     # rank 0, and must go on stepping with it (each of rank 0's forwards gathers from it).
     plain = single_process_answers(trainer_assets.model, prompts, pad_id, [tokenizer.eos_token_id])
     eos_ids = [tokenizer.eos_token_id, plain[1][0], plain[3][0]]
-    spec = {"prompts": prompts, "max_new_tokens": MAX_NEW_TOKENS, "pad_id": pad_id, "eos_ids": eos_ids}
+    # Two prompts a batch: rank 0 answers [0, 2] then [4], rank 1 [1, 3] then its filler.
+    spec = {"prompts": prompts, "max_new_tokens": MAX_NEW_TOKENS, "pad_id": pad_id, "eos_ids": eos_ids,
+            "batch_size": 2}
     (tmp_path / "prompts.json").write_text(json.dumps(spec))
     run_rank_processes(WORKER, 2, lambda rank, port: [str(trainer_assets.model), str(tmp_path / "prompts.json"),
                                                       str(tmp_path / "out"), str(port), str(rank), "2"])

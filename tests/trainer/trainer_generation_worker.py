@@ -53,7 +53,7 @@ def main(model_dir: str, prompts_path: str, out_prefix: str, port: int, rank: in
     forwards = [0]
     model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     answers = generation.generate_share(model, spec["prompts"], rank, world, spec["max_new_tokens"], spec["pad_id"],
-                                        spec["eos_ids"], torch.device("cpu"))
+                                        spec["eos_ids"], torch.device("cpu"), batch_size=spec["batch_size"])
     sharded = all(isinstance(p, DTensor) for p in blocks())
     with open(f"{out_prefix}.{rank}.json", "w") as f:
         json.dump({"answers": {str(k): v for k, v in answers.items()}, "peak_bytes": peak[0], "full_bytes": full,

@@ -86,17 +86,32 @@ def rank_share(total: int, rank: int, world: int) -> tuple[list[int], int]:
 
 
 def generate_share(model, prompts: list[list[int]], rank: int, world: int, max_new_tokens: int, pad_id: int,
-                   eos_ids: list[int], device) -> dict[int, list[int]]:
+                   eos_ids: list[int], device, batch_size: int | None = None) -> dict[int, list[int]]:
     """Greedy answers (token ids, up to the first end token) to this rank's share of `prompts`,
-    by index. Collective: every rank calls it with the same prompts; one batch a rank, left
-    padded, its share padded with copies of a prompt to the common count."""
-    import torch
-
+    by index. Collective: every rank calls it with the same prompts; its share padded with
+    copies of a prompt to the common count, answered `batch_size` prompts at a time (the
+    training micro-batch: its cache holds far less a token than a training step's saved
+    activations), each batch left padded."""
     indices, per_rank = rank_share(len(prompts), rank, world)
     if per_rank == 0:
         return {}
     filler = prompts[indices[0] if indices else 0]  # a copy of its own first prompt where it has one
     batch = [prompts[i] for i in indices] + [filler] * (per_rank - len(indices))
+    size = batch_size or per_rank
+    answers = {}
+    for first in range(0, per_rank, size):  # as many batches on every rank (per_rank is common)
+        chunk = batch[first:first + size]
+        for offset, tokens in enumerate(_greedy(model, chunk, max_new_tokens, pad_id, eos_ids, device, world)):
+            if first + offset < len(indices):
+                answers[indices[first + offset]] = tokens
+    return answers
+
+
+def _greedy(model, batch: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids: list[int], device,
+            world: int) -> list[list[int]]:
+    """One left-padded batch's greedy answers, each up to its first end token."""
+    import torch
+
     width = max(len(p) for p in batch)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], dtype=torch.long, device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], dtype=torch.long, device=device)
@@ -109,11 +124,11 @@ def generate_share(model, prompts: list[list[int]], rank: int, world: int, max_n
                                  synced_gpus=world > 1)
     finally:
         model.train(was_training)
-    answers = {}
-    for row, index in enumerate(indices):
+    answers = []
+    for row in range(len(batch)):
         tokens = out[row, width:].tolist()
         end = next((k for k, t in enumerate(tokens) if t in eos_ids), len(tokens))
-        answers[index] = tokens[:end]
+        answers.append(tokens[:end])
     return answers
 
 
@@ -168,7 +183,7 @@ def evaluate_generation(trainer) -> tuple[dict, dict]:
     dist.broadcast_object_list(ends, src=0, group=trainer.cpu_group)
     eos_ids = ends[0]
     mine = generate_share(trainer.model, prompts, trainer.rank, trainer.world, cfg.generate_max_new_tokens,
-                          trainer.pad_id, eos_ids, trainer.device)
+                          trainer.pad_id, eos_ids, trainer.device, batch_size=cfg.batch_size_per_device)
     gathered = [None] * trainer.world if trainer.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0, group=trainer.cpu_group)
     metrics, record = _score_on_rank0(trainer, items, gathered) if trainer.rank == 0 else ({}, {})
