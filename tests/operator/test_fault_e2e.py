@@ -140,8 +140,13 @@ def test_a_killed_head_then_a_deleted_raycluster_are_each_retried_from_the_last_
 
     # Then, once attempt 2 wrote a checkpoint of its own, its RayCluster deleted outside the
     # operator: attempt 3 must resume from that one, not from attempt 1's.
-    kube.wait_for(lambda: kube.status("head-killed").get("checkpointURI") != checkpoint,
-                  "attempt 2's first checkpoint", timeout=300)
+    # A checkpoint name ends with the start that wrote it (resume.py: epoch_0002-<start>):
+    # attempt 2's replay of attempt 1's epochs reports attempt 1's checkpoints again.
+    def start_of(uri: str) -> str:
+        return uri.rsplit("/", 1)[1].split("-", 1)[1]
+
+    kube.wait_for(lambda: start_of(kube.status("head-killed").get("checkpointURI") or checkpoint)
+                  != start_of(checkpoint), "attempt 2's first checkpoint", timeout=300)
     assert kube.status("head-killed")["epoch"] < 5, "the run ended before its second fault"
     old_pods = [p["metadata"]["uid"] for p in kube.pods_of(cluster)]
     old_cluster = kube.get("raycluster", cluster)["metadata"]["uid"]
@@ -176,15 +181,24 @@ def test_a_killed_head_then_a_deleted_raycluster_are_each_retried_from_the_last_
     # Attempt 2 was submitted with attempt 1's last reported checkpoint; the trainer takes the
     # newest complete one of the run's folder, which may be newer: attempt 1's workers outlive
     # its killed head and can finish a checkpoint no job reported (train.py resume_choice).
-    name = checkpoint.rsplit("/", 1)[1]  # epoch_0001-<start> (its step in history) or step_0000040-<start>
-    reported_step = (int(name.split("-")[0].removeprefix("step_")) if name.startswith("step_") else
-                     next(e["step"] for e in status["history"] if e.get("checkpointURI") == checkpoint))
+    def step_of(uri: str) -> int:
+        """step_0000040-<start>: 40; epoch_0002-<start>: the step epoch 2 ended at (history)."""
+        kind, number = uri.rsplit("/", 1)[1].split("-", 1)[0].split("_")
+        return int(number) if kind == "step" else next(e["step"] for e in status["history"]
+                                                        if e["epoch"] == int(number))
+
+    reported_step = step_of(checkpoint)
     assert lost["resumedFrom"].rsplit("/", 1)[0] == checkpoint.rsplit("/", 1)[0], (checkpoint, status["attempts"])
     assert lost["resumedStep"] >= reported_step, (checkpoint, reported_step, status["attempts"])
     assert lost["resumedFrom"] == checkpoint or lost["resumedStep"] > reported_step, status["attempts"]
     assert first["lostSteps"] == max(0, first["lastStep"] - lost["resumedStep"]), status["attempts"]
-    # From the checkpoint attempt 2 wrote last (an epoch's, or its notice's on SIGTERM).
-    assert newest != checkpoint and last["resumedFrom"] == newest, (newest, status["attempts"])
+    # From attempt 2's work: the checkpoint reported last, or a newer complete one that
+    # attempt 2's workers finished as its cluster went (the trainer takes the newest).
+    assert start_of(newest) != start_of(checkpoint), (newest, checkpoint)
+    assert start_of(last["resumedFrom"]) != start_of(checkpoint), (checkpoint, status["attempts"])
+    assert last["resumedStep"] >= step_of(newest), (newest, status["attempts"])
+    assert last["resumedFrom"] == newest or last["resumedStep"] > step_of(newest), status["attempts"]
+    assert lost["lostSteps"] == max(0, lost["lastStep"] - last["resumedStep"]), status["attempts"]
     # A lost cluster is never trusted again: each retry ran on a RayCluster of its own.
     assert len({a["rayClusterUID"] for a in (first, lost, last)}) == 3, status["attempts"]
     lost_events = [e for e in kube.items("events", "--field-selector", "involvedObject.name=head-killed")

@@ -272,6 +272,19 @@ def test_terminal_phase_keeps_releasing_until_the_cluster_is_gone():
     assert step(done, cluster=ClusterView(exists=False)).actions == []
 
 
+def test_deleting_a_finished_released_run_keeps_its_phase_and_posts_nothing():
+    """Nothing to stop or release: no Deleting phase, no Event (in a namespace being deleted
+    the operator's RoleBinding is already gone), no action, so the finalizer goes."""
+    done = step(running_status(), cluster=READY, job=JobView("SUCCEEDED")).status
+    released = step(done, cluster=ClusterView(exists=False)).status
+    d = step(released, cluster=ClusterView(exists=False), deleting=True)
+    assert (d.phase, d.actions) == (phases.SUCCEEDED, [])  # no RecordEvent, no DeleteCluster
+    assert d.status == released
+    # Its RayCluster still up (or not seen: observation failed): it is released, as before.
+    assert step(released, cluster=READY, deleting=True).phase == phases.DELETING
+    assert phases.DeleteCluster("demo-rc") in step(released, cluster=None, deleting=True).actions
+
+
 @pytest.mark.parametrize("job,cluster,complete", [
     (JobView("RUNNING"), READY, False),
     (JobView("STOPPED"), READY, False),

@@ -458,14 +458,20 @@ def _terminal(plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
 def _deleting(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
     """Release the slice; never wait on Ray. The head lives in the RayCluster and dies
     with it, and so does any job on it: stopping the job first is a courtesy (the trainer
-    ends cleanly), not a condition."""
+    ends cleanly), not a condition. A finished run that holds nothing (its RayCluster
+    released) has nothing to stop or release: it keeps the phase it ended with and no Event
+    is posted, and the finalizer goes (a namespace being deleted has already lost the
+    operator's RoleBinding, so an Event there would be refused)."""
+    cluster_up = obs.cluster is not None and obs.cluster.exists and obs.cluster.owned
+    cluster_unknown = bool(s.get("rayClusterName")) and obs.cluster is None
+    if s.get("phase") in TERMINAL and not cluster_up and not cluster_unknown:
+        return
     if s.get("phase") != DELETING:
         attempts.end(s, obs.now, "Stopped", "the TPUFineTune was deleted")
         _enter(s, d, DELETING, "Deleting", "stopping the job and releasing the RayCluster")
-    cluster_up = obs.cluster is not None and obs.cluster.exists and obs.cluster.owned
     if cluster_up and obs.job is not None and obs.job.status in JOB_ACTIVE and s.get("jobId"):
         d.actions.append(StopJob(s["jobId"]))
-    if s.get("rayClusterName") and (obs.cluster is None or cluster_up):
+    if s.get("rayClusterName") and (cluster_unknown or cluster_up):
         d.actions.append(DeleteCluster(s["rayClusterName"]))
 
 
