@@ -176,10 +176,6 @@ def _build(config: dict):
 def measure(name: str, warm_up: bool = True) -> dict:
     """Run in a fresh process: build, shard, train `steps` steps; bytes of peak over baseline.
     With `warm_up`, one step of the smallest model first (WARM_UP), outside the figure."""
-    import gc
-
-    import torch
-    import torch.distributed as dist
     # What _build imports, imported before the baseline (as before WARM_UP: --cold's figure).
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration  # noqa: F401
 
@@ -187,16 +183,27 @@ def measure(name: str, warm_up: bool = True) -> dict:
     import tpufinetune_trainer.lora, tpufinetune_trainer.loss, tpufinetune_trainer.masks  # noqa: E401,F401
     import tpufinetune_trainer.train  # noqa: F401
 
-    config = CONFIGS[name]
+    return peak_over_steps(name, CONFIGS[name], _build, warm_up)
+
+
+def peak_over_steps(name: str, config: dict, build, warm_up: bool = True) -> dict:
+    """`build(config)`'s step run `steps` times on one gloo rank: bytes of peak over the
+    baseline (what the caller imported before is in the baseline). With `warm_up`, one step
+    of the smallest model first (WARM_UP), outside the figure. bench_memplan_dpo's too."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
     if warm_up:
-        _build(dict(config, text=WARM_UP, length=32, blocks=1))()
+        build(dict(config, text=WARM_UP, length=32, blocks=1))()
         gc.collect()
     baseline = _status_kib("VmRSS") * 1024
-    step = _build(config)
+    step = build(config)
     _reset_peak()
     started = time.perf_counter()
     for _ in range(config["steps"]):

@@ -30,11 +30,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_memplan import H1, H2, H3, MIB, NARROW, S1, TOLERANCE, WARM_UP, _reset_peak, _status_kib, case  # noqa: E402
+from bench_memplan import H1, H2, H3, MIB, NARROW, S1, TOLERANCE, case, peak_over_steps  # noqa: E402
 
 # Gemma's final-logit softcap (the planner counts its saved tanh output; transformers'
 # Gemma4TextConfig leaves it unset, the "Loss head" benchmark and loss.py use 30).
@@ -160,32 +159,13 @@ def _build(config: dict):
 
 def measure(name: str) -> dict:
     """Run in a fresh process: build, shard, train `steps` DPO steps; bytes of peak over baseline."""
-    import gc
-
-    import torch
-    import torch.distributed as dist
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration  # noqa: F401
 
     import peft  # noqa: F401
     import tpufinetune_trainer.lora, tpufinetune_trainer.masks, tpufinetune_trainer.train  # noqa: E401,F401
     import tpufinetune_trainer.methods.dpo  # noqa: F401
 
-    config = CONFIGS[name]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
-    _build(dict(config, text=WARM_UP, length=32, blocks=1))()
-    gc.collect()
-    baseline = _status_kib("VmRSS") * 1024
-    step = _build(config)
-    _reset_peak()
-    started = time.perf_counter()
-    for _ in range(config["steps"]):
-        step()
-    peak = _status_kib("VmHWM") * 1024
-    dist.destroy_process_group()
-    return {"name": name, "measured": peak - baseline, "seconds": time.perf_counter() - started}
+    return peak_over_steps(name, CONFIGS[name], _build)
 
 
 def head(dtype: str, reference: bool, tokens: int = 2048, vocab: int = 32768, hidden: int = 64) -> float:
