@@ -7,18 +7,16 @@ by name, and the run's defaults need nothing new stored in every object."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import older_operator as older_operator_package
 from api_spec_cases import GENERATION_ACCEPTED, GENERATION_INVALID, spec_with
 
 from tpufinetune import crdgen
 from tpufinetune.core import validation
 from tpufinetune.core.api import parse_spec
 
-ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = {validation.GENERATE_EVAL_MESSAGE, validation.GENERATE_METHOD_MESSAGE,
             validation.KEEP_BEST_METRIC_MESSAGE, validation.KEEP_BEST_SCORE_MESSAGE}
 
@@ -60,21 +58,8 @@ PRE_EVALUATION_COMMIT = "e5796e6e118ae4f6101934e9ca4b16b3f7b80bbe"
 
 @pytest.fixture(scope="module")
 def older_operator(tmp_path_factory) -> Path:
-    """The operator package of PRE_EVALUATION_COMMIT, extracted from this clone's history."""
-    out = tmp_path_factory.mktemp("pre-evaluation")
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", PRE_EVALUATION_COMMIT, "operator/tpufinetune"],
-                             capture_output=True)
-    if archive.returncode != 0:
-        pytest.fail(f"the pre-evaluation operator is not in this clone ({archive.stderr.decode().strip()}); "
-                    "fetch its history (`git fetch --unshallow`)", pytrace=False)
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
-    return out / "operator"
-
-
-def run_older(operator: Path, probe: str, *args: str) -> dict:
-    older = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True,
-                           env={"PYTHONPATH": str(operator), "PATH": "/usr/bin:/bin"}, check=True)
-    return json.loads(older.stdout)
+    return older_operator_package.extract(PRE_EVALUATION_COMMIT, tmp_path_factory.mktemp("pre-evaluation"),
+                                          "pre-evaluation")
 
 
 def test_an_operator_older_than_evaluation_runs_the_spec_without_it_and_names_it_ignored(older_operator):
@@ -86,7 +71,7 @@ def test_an_operator_older_than_evaluation_runs_the_spec_without_it_and_names_it
              "from tpufinetune.core.jobspec import trainer_argv\n"
              "parsed, ignored = parse_stored_spec(json.loads(sys.argv[1]))\n"
              "print(json.dumps({'ignored': list(ignored), 'argv': trainer_argv(parsed)}))\n")
-    answer = run_older(older_operator, probe, json.dumps(spec))
+    answer = older_operator_package.run(older_operator, probe, json.dumps(spec))
     assert answer["ignored"] == ["spec.training.evaluation"]
     assert not [a for a in answer["argv"] if a.startswith(("--generate-", "--keep-best-by"))]
 
@@ -108,5 +93,5 @@ def test_an_older_operator_folds_a_newer_trainers_epoch_and_carries_this_version
              "apply_event(status, {'event': 'epoch', 'epoch': 2, 'epochs': 2, 'loss': 0.5, 'eval_loss': 0.4,"
              " 'eval_exact_match': 0.75, 'eval_rouge_l': 0.8, 'eval_bleu': 20.0, 'eval_generated': 8})\n"
              "checked_status(status, previous)\nprint(json.dumps(status['history']))\n")
-    first, second = run_older(older_operator, probe, json.dumps(written))
+    first, second = older_operator_package.run(older_operator, probe, json.dumps(written))
     assert first["eval"] == written["history"][0]["eval"] and "eval" not in second

@@ -182,23 +182,13 @@ def test_an_operator_older_than_dpo_refuses_a_dpo_run_by_its_method_rather_than_
     """training.dpo alone an older operator would ignore (an unknown field), but the CRD
     admits it only beside method: dpo, which that operator's closed set refuses, naming the
     field: the run is refused, never trained as a full fine-tune on preference data."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    import older_operator
 
-    root = Path(__file__).resolve().parents[2]
-    archive = subprocess.run(["git", "-C", str(root), "archive", PRE_DPO_COMMIT, "operator/tpufinetune"],
-                             capture_output=True)
-    if archive.returncode != 0:
-        pytest.fail(f"the pre-DPO operator is not in this clone ({archive.stderr.decode().strip()}); "
-                    "fetch its history (`git fetch --unshallow`)", pytrace=False)
-    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    operator = older_operator.extract(PRE_DPO_COMMIT, tmp_path, "pre-DPO")
     dpo = spec_with(training={"method": "dpo", "lora": {"rank": 8}, "dpo": {"beta": 0.2}})
     parse_spec(dpo)  # this operator runs it
     probe = ("import json, sys\nfrom tpufinetune.core.api import SpecError, parse_stored_spec\n"
              "try:\n    print(json.dumps({'ran': list(parse_stored_spec(json.loads(sys.argv[1]))[1])}))\n"
              "except SpecError as e:\n    print(json.dumps({'refused': e.field, 'why': str(e)}))\n")
-    older = subprocess.run([sys.executable, "-c", probe, json.dumps(dpo)], capture_output=True, text=True,
-                           env={"PYTHONPATH": str(tmp_path / "operator"), "PATH": "/usr/bin:/bin"}, check=True)
-    answer = json.loads(older.stdout)
+    answer = older_operator.run(operator, probe, json.dumps(dpo))
     assert answer.get("refused") == "spec.training.method" and '"dpo" is not valid' in answer["why"], answer
