@@ -16,6 +16,7 @@ from datetime import datetime
 
 from tpufinetune.core import conditions as cond
 from tpufinetune.core.jobspec import logs_uri
+from tpufinetune.core.runevents import is_step
 from tpufinetune.core.status import ATTEMPT_REASONS
 
 LIMIT = 20
@@ -126,10 +127,6 @@ def resumed_from(s: dict, uri: str) -> None:
         _lost_steps(s, previous)
 
 
-def _is_step(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def note_steps(s: dict, events, running: bool) -> None:
     """The highest optimizer step the trainer reported, on the attempt whose job sent it:
     the running one, or (the last lines of a stopped job, read after its end) the last
@@ -138,7 +135,7 @@ def note_steps(s: dict, events, running: bool) -> None:
     checkpoint it restored (the run directory's newest complete one) can be newer than the
     last one the previous job reported (a save on notice, or one that landed after its
     driver died)."""
-    steps = [e.get("step") for e in events if _is_step(e.get("step"))
+    steps = [e.get("step") for e in events if is_step(e.get("step"))
              and e.get("event") in ("progress", "epoch", "checkpoint", "notice")]
     restored = next((e for e in events if e.get("event") == "plan"), None)
     entry = current(s) if running else last_ended(s)
@@ -147,7 +144,7 @@ def note_steps(s: dict, events, running: bool) -> None:
     if restored is not None and running and "resumedStep" not in entry:
         # The first plan of the attempt: a worker group restarted inside the job (the
         # trainer's --max-failures) plans again from a later step, which is its own loss.
-        entry["resumedStep"] = restored["resumed_step"] if _is_step(restored.get("resumed_step")) else 0
+        entry["resumedStep"] = restored["resumed_step"] if is_step(restored.get("resumed_step")) else 0
         if isinstance(restored.get("resumed_from"), str) and restored["resumed_from"]:
             entry["resumedFrom"] = restored["resumed_from"][:2048]
         previous = last_ended(s)
@@ -171,7 +168,7 @@ def _lost_steps(s: dict, entry: dict, succeeded: bool = False) -> None:
         return
     found = entries(s)
     later = found[found.index(entry) + 1:] if entry in found else []
-    restored = next((e["resumedStep"] for e in later if _is_step(e.get("resumedStep"))), None)
+    restored = next((e["resumedStep"] for e in later if is_step(e.get("resumedStep"))), None)
     base = restored if restored is not None else int(s.get("checkpointStep") or 0)
     entry["lostSteps"] = max(0, int(entry["lastStep"]) - base)
 

@@ -40,7 +40,7 @@ def _on_epoch(status: dict, event: dict) -> None:
     epoch = int(event["epoch"])
     epochs = int(event.get("epochs") or status.get("epochs") or epoch)
     metrics = {
-        "step": event.get("step") if _is_step(event.get("step")) else None,
+        "step": event.get("step") if is_step(event.get("step")) else None,
         "loss": _round(event.get("loss"), 4),
         "evalLoss": _round(event.get("eval_loss"), 4),
         "tokensPerSecond": _round(event.get("tokens_per_s"), 1),
@@ -67,11 +67,18 @@ PREFERENCE_KEYS = {"rewards_chosen": "rewardsChosen", "rewards_rejected": "rewar
 PREFERENCE_KEYS.update({f"eval_{key}": "eval" + name[0].upper() + name[1:] for key, name in PREFERENCE_KEYS.items()})
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numbers(event: dict, keys: dict[str, str]) -> dict:
+    """The numbers `event` carries under `keys`' names, renamed to their values, 4 decimals."""
+    return {name: _round(event[key], 4) for key, name in keys.items() if _is_number(event.get(key))}
+
+
 def _preference(event: dict) -> dict:
     """history[].dpo of an epoch event: the numbers it carries (none for SFT)."""
-    found = {name: _round(event[key], 4) for key, name in PREFERENCE_KEYS.items()
-             if isinstance(event.get(key), (int, float)) and not isinstance(event.get(key), bool)}
-    return found
+    return _numbers(event, PREFERENCE_KEYS)
 
 
 # Generation metrics of an epoch (docs/protocol.md, `epoch`): the event's key -> history[].eval's.
@@ -81,11 +88,10 @@ GENERATION_KEYS = {"eval_exact_match": "exactMatch", "eval_rouge_l": "rougeL", "
 def _generation(event: dict) -> dict:
     """history[].eval of an epoch event: its generation metrics, the answers scored and where
     they are (none without training.evaluation.generate)."""
-    found = {name: _round(event[key], 4) for key, name in GENERATION_KEYS.items()
-             if isinstance(event.get(key), (int, float)) and not isinstance(event.get(key), bool)}
+    found = _numbers(event, GENERATION_KEYS)
     if not found:
         return {}
-    if isinstance(event.get("eval_generated"), int) and not isinstance(event.get("eval_generated"), bool):
+    if is_step(event.get("eval_generated")):  # a count, as a step is
         found["examples"] = event["eval_generated"]
     if isinstance(event.get("eval_samples_uri"), str):
         found["samplesURI"] = event["eval_samples_uri"]
@@ -103,13 +109,14 @@ def _on_checkpoint(status: dict, event: dict) -> None:
         _history_entry(status, int(event["epoch"]))["checkpointURI"] = uri
 
 
-def _is_step(step) -> bool:
+def is_step(step) -> bool:
+    """A step count an event can carry (JSON: an int, not a bool, not negative)."""
     return isinstance(step, int) and not isinstance(step, bool) and step >= 0
 
 
 def _checkpoint_step(status: dict, step) -> None:
     """The step of checkpointURI (a new checkpoint without one has none known)."""
-    if _is_step(step):
+    if is_step(step):
         status["checkpointStep"] = step
     else:
         status.pop("checkpointStep", None)
@@ -136,7 +143,7 @@ def _on_progress(status: dict, event: dict) -> None:
                                ("tokens_per_s", "tokensPerSecond", 1), ("step_time_s", "stepTimeSeconds", 4),
                                ("grad_norm", "gradNorm", 4)):
         value = event.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if _is_number(value):
             progress[field] = int(value) if digits is None else round(float(value), digits)
     summary = f"{progress['percent']:g}% {step}/{total}"
     step_time = progress.get("stepTimeSeconds")
