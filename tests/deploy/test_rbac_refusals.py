@@ -6,15 +6,38 @@ of other tests), and the refusal must appear."""
 from __future__ import annotations
 
 import copy
+from datetime import datetime
 
 import pytest
 import yaml
 
 from harness.operator_process import OperatorProcess
-from harness.service_account import DEPLOY_BASE, RUNS_ROLE, rbac_objects, refusals, service_account_kubeconfig
+from harness.service_account import (DEPLOY_BASE, RUNS_ROLE, rbac_objects, refusals, refused_after_deletion,
+                                     service_account_kubeconfig)
 from harness.waiting import wait_for
 
-pytestmark = pytest.mark.cluster
+
+REFUSED_EVENT = ('[2026-12-07 02:19:38,819] kopf._core.engines.p [ERROR   ] Request attempt #9/9 failed; '
+                 'escalating: POST https://127.0.0.1:24835/api/v1/namespaces/t-run-a1/events -> '
+                 'APIForbiddenError(\'events is forbidden: User "system:serviceaccount:tpufinetune-system:'
+                 'tpufinetune-operator" cannot create resource "events" in API group "" in the namespace "t-run-a1"\')')
+GAVE_UP = ('[2026-12-07 02:19:38,819] kopf._core.engines.p [WARNING ] Failed to post an event. Ignoring and '
+           'continuing. Code: 403. Message: events is forbidden: User "system:serviceaccount:x:y" cannot create '
+           'resource "events" in API group "" in the namespace "t-run-a1". Details: {}')
+
+
+@pytest.mark.parametrize("line", [REFUSED_EVENT, GAVE_UP])
+def test_a_refusal_counts_unless_its_namespace_was_being_deleted_when_it_was_logged(line, tmp_path):
+    """The namespace controller deletes the operator's RoleBinding of a namespace being
+    deleted: a refusal there afterwards is not a missing rule. Before the deletion, in
+    another namespace, or at a time the log does not give, it still counts."""
+    log = tmp_path / "operator.log"
+    log.write_text(line + "\n")
+    assert refusals(log) == [line]
+    assert refusals(log, {"t-run-a1": datetime(2026, 12, 7, 2, 19, 38, 819000)}) == []
+    assert refusals(log, {"t-run-a1": datetime(2026, 12, 7, 2, 19, 39)}) == [line]
+    assert refusals(log, {"t-run-a2": datetime(2026, 12, 7, 2, 0)}) == [line]
+    assert not refused_after_deletion(line.split("] ", 1)[1], {"t-run-a1": datetime(2026, 12, 7, 2, 0)})
 
 
 def narrowed(objects: list[dict], without: str, namespace: str) -> list[dict]:
@@ -46,6 +69,7 @@ def narrowed(objects: list[dict], without: str, namespace: str) -> list[dict]:
     return objects
 
 
+@pytest.mark.cluster
 def test_a_rule_taken_away_shows_up_as_a_refusal_in_the_operator_log(control_plane, namespace, tmp_path):
     rbac = narrowed(rbac_objects(control_plane, DEPLOY_BASE), "customresourcedefinitions", namespace)
     env = control_plane.env()
@@ -60,6 +84,7 @@ def test_a_rule_taken_away_shows_up_as_a_refusal_in_the_operator_log(control_pla
         process.stop()
 
 
+@pytest.mark.cluster
 def test_without_the_workloads_rule_a_queued_run_is_refused_reading_kueues_workload(
         control_plane, kuberay_crd, namespace, tmp_path):
     """The Kueue rule (list workloads) is used, and only by a queued run: with it taken away,

@@ -596,6 +596,12 @@ def pod_log(ground, kube, name: str) -> str:
     return path.read_text() if path.exists() else ""
 
 
+def printed(ground, kube, name: str, line: str) -> bool:
+    """Whether a container printed this line (the log's header lines repeat each container's
+    command, so a substring would match before the command ran)."""
+    return line in pod_log(ground, kube, name).splitlines()
+
+
 def last_json(ground, kube, name: str) -> dict:
     return json.loads([line for line in pod_log(ground, kube, name).splitlines() if line.startswith("{")][-1])
 
@@ -616,7 +622,7 @@ def test_a_pod_sees_its_own_tmp_and_only_the_env_its_spec_gives(ground, kube, tm
     kube.apply({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
                 "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}})
     kube.apply(plain_pod("writer", ["sh", "-c", "touch /tmp/writers-file && echo written && sleep 600"]))
-    kube.wait_for(lambda: "written" in pod_log(ground, kube, "writer"), "the other pod's /tmp file written")
+    kube.wait_for(lambda: printed(ground, kube, "writer", "written"), "the other pod's /tmp file written")
     kube.apply(plain_pod("reader", [sys.executable, "-c", PROBE, str(host_file)], container={
         "env": [{"name": "GIVEN", "value": "yes"},
                 {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "mode"}}}],
@@ -810,7 +816,7 @@ def test_a_pods_cgroups_weigh_its_cpu_requests_as_a_kubelets(ground, kube):
     pod["spec"]["containers"].append(
         {"name": "second", "image": "python:3.11", "command": ["true"], "resources": {"requests": {"cpu": "1.5"}}})
     kube.apply(pod)
-    kube.wait_for(lambda: "started" in pod_log(ground, kube, "weighed"), "the container started")
+    kube.wait_for(lambda: printed(ground, kube, "weighed", "started"), "the container started")
     cgroup = podcgroup.ground_cgroup(ground.ground_id) / kube.get("pod", "weighed")["metadata"]["uid"]
     assert podcgroup.cpu_shares(cgroup) == 1792  # (250m + 1500m) * 1024 / 1000
     assert podcgroup.cpu_shares(cgroup / "main") == 256
