@@ -33,8 +33,37 @@ def test_a_running_status_gives_every_gauge_from_its_freshest_source():
         "tpufinetune_run_eta_seconds": 45, "tpufinetune_run_attempts": 2,
         "tpufinetune_run_chip_seconds": 1800.0,
     }
-    assert set(runmetrics.values(RUNNING)) == set(runmetrics.GAUGES)
-    assert runmetrics.SERIES_PER_RUN == 12
+    # Every gauge but the method's and the generation's (test_dpo_and_generation_figures_...).
+    assert set(runmetrics.values(RUNNING)) | set(PREFERENCE_AND_GENERATION) == set(runmetrics.GAUGES)
+    assert runmetrics.SERIES_PER_RUN == 23
+
+
+PREFERENCE_AND_GENERATION = {
+    "tpufinetune_run_rewards_chosen": 0.25, "tpufinetune_run_rewards_rejected": -0.5,
+    "tpufinetune_run_reward_margin": 0.75, "tpufinetune_run_preference_accuracy": 0.875,
+    "tpufinetune_run_eval_rewards_chosen": 0.125, "tpufinetune_run_eval_rewards_rejected": -0.25,
+    "tpufinetune_run_eval_reward_margin": 0.375, "tpufinetune_run_eval_preference_accuracy": 0.75,
+    "tpufinetune_run_eval_exact_match": 0.5, "tpufinetune_run_eval_rouge_l": 0.625, "tpufinetune_run_eval_bleu": 31.5,
+}
+
+
+def test_dpo_and_generation_figures_come_from_the_last_epoch_that_has_them():
+    """history[].dpo of the last epoch with one (training and held-out pairs), and
+    history[].eval of the last epoch evaluated (an epoch without generation leaves the
+    previous figures standing); the model declares every key read."""
+    status = {"history": [
+        {"epoch": 1, "dpo": {"rewardsChosen": 0.0, "margin": 0.0, "accuracy": 0.5}, "eval": {"exactMatch": 0.0}},
+        {"epoch": 2, "dpo": {"rewardsChosen": 0.25, "rewardsRejected": -0.5, "margin": 0.75, "accuracy": 0.875,
+                             "evalRewardsChosen": 0.125, "evalRewardsRejected": -0.25, "evalMargin": 0.375,
+                             "evalAccuracy": 0.75},
+         "eval": {"exactMatch": 0.5, "rougeL": 0.625, "bleu": 31.5, "examples": 8}},
+        {"epoch": 3, "loss": 1.0},
+    ]}
+    assert runmetrics.values(status) == PREFERENCE_AND_GENERATION
+    dumped = TPUFineTuneStatus.model_validate(status).model_dump(by_alias=True, exclude_none=True)
+    assert runmetrics.values(dumped) == PREFERENCE_AND_GENERATION
+    sft = {"history": [{"epoch": 1, "loss": 1.5, "evalLoss": 1.6}]}
+    assert not set(runmetrics.values(sft)) & set(PREFERENCE_AND_GENERATION)  # absent, not 0
 
 
 def test_the_status_model_declares_every_key_read():

@@ -32,9 +32,12 @@ all of a run's series go when the run is deleted:
 | tpufinetune_run_eta_seconds | gauge | namespace, name | estimated seconds of training left |
 | tpufinetune_run_attempts | gauge | namespace, name | attempts so far, the current one included |
 | tpufinetune_run_chip_seconds | gauge | namespace, name | TPU chip-seconds held so far (status.usage) |
+| tpufinetune_run_{rewards_chosen,rewards_rejected,reward_margin,preference_accuracy} | gauge | namespace, name | method dpo: the last epoch's figures on its training pairs (status.history[].dpo) |
+| tpufinetune_run_eval_{rewards_chosen,rewards_rejected,reward_margin,preference_accuracy} | gauge | namespace, name | the same on the held-out pairs |
+| tpufinetune_run_eval_{exact_match,rouge_l,bleu} | gauge | namespace, name | the last generation evaluation (status.history[].eval) |
 
-Cardinality: at most 12 series per run (runmetrics.SERIES_PER_RUN), so 12,000 at 1,000 runs
-(kept or finished, until deleted); a finished run keeps its last values (its final loss) until
+Cardinality: at most 23 series per run (runmetrics.SERIES_PER_RUN), 12 for an SFT run
+without generation metrics, so 12,000 at 1,000 such runs (kept or finished, until deleted); a finished run keeps its last values (its final loss) until
 it is deleted. Everything else here is bounded by phases, reasons and namespaces, not runs.
 
 The driver (Run.step) and one kopf watch handler (handlers.resource_seen) report through the

@@ -29,7 +29,28 @@ GAUGES: dict[str, str] = {
     PREFIX + "attempts": "Attempts so far, the current one included (status.attempt).",
     PREFIX + "chip_seconds": "TPU chip-seconds the run's slices were held so far (status.usage.chipHours x 3600).",
 }
-SERIES_PER_RUN = 1 + len(GAUGES)  # the phase series and at most one series per gauge
+# Method dpo's figures of its last epoch (status.history[].dpo): gauge suffix -> the key there.
+PREFERENCE_GAUGES: dict[str, tuple[str, str]] = {
+    "rewards_chosen": ("rewardsChosen", "Mean beta x (policy - reference) log-probability of the chosen responses"),
+    "rewards_rejected": ("rewardsRejected", "The same for the rejected responses"),
+    "reward_margin": ("margin", "Mean reward margin, chosen minus rejected"),
+    "preference_accuracy": ("accuracy", "Share of pairs whose chosen reward is the higher, 0 to 1"),
+}
+# Generation metrics of the last epoch evaluated (status.history[].eval): suffix -> key.
+GENERATION_GAUGES: dict[str, tuple[str, str]] = {
+    "eval_exact_match": ("exactMatch", "Share of held-out answers equal to their response, 0 to 1"),
+    "eval_rouge_l": ("rougeL", "Mean ROUGE-L F1 of the held-out answers, 0 to 1"),
+    "eval_bleu": ("bleu", "Corpus BLEU of the held-out answers, 0 to 100"),
+}
+GAUGES.update({PREFIX + suffix: f"{text}, on the training pairs of the last epoch (method dpo)."
+               for suffix, (_, text) in PREFERENCE_GAUGES.items()})
+GAUGES.update({PREFIX + "eval_" + suffix: f"{text}, on the held-out pairs of the last epoch (method dpo)."
+               for suffix, (_, text) in PREFERENCE_GAUGES.items()})
+GAUGES.update({PREFIX + suffix: f"{text} (training.evaluation.generate)."
+               for suffix, (_, text) in GENERATION_GAUGES.items()})
+# The phase series and at most one series per gauge (an SFT run has no preference series,
+# a run without evaluation.generate no generation series).
+SERIES_PER_RUN = 1 + len(GAUGES)
 
 
 def values(status: dict | None) -> dict[str, float]:
@@ -49,6 +70,12 @@ def values(status: dict | None) -> dict[str, float]:
         "attempts": s.get("attempt"),
         "chip_seconds": _times((s.get("usage") or {}).get("chipHours"), 3600),
     }
+    preference = _last_of(s, "dpo")
+    found.update({suffix: preference.get(key) for suffix, (key, _) in PREFERENCE_GAUGES.items()})
+    found.update({"eval_" + suffix: preference.get("eval" + key[0].upper() + key[1:])
+                  for suffix, (key, _) in PREFERENCE_GAUGES.items()})
+    generation = _last_of(s, "eval")
+    found.update({suffix: generation.get(key) for suffix, (key, _) in GENERATION_GAUGES.items()})
     return {PREFIX + key: number for key, value in found.items()
             if (number := _number(value)) is not None}
 
@@ -81,6 +108,14 @@ def _last_eval_loss(s: dict) -> float | None:
         if isinstance(record, dict) and _number(record.get("evalLoss")) is not None:
             return record["evalLoss"]
     return None
+
+
+def _last_of(s: dict, key: str) -> dict:
+    """status.history's last epoch record that has `key` (dpo, eval): its figures, or {}."""
+    for record in reversed(s.get("history") or []):
+        if isinstance(record, dict) and isinstance(record.get(key), dict):
+            return record[key]
+    return {}
 
 
 def _first(*candidates):
