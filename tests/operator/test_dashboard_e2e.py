@@ -42,7 +42,14 @@ RUN = "dashboard-run"
 MAY_BE_EMPTY = {
     "tpufinetune_chip_seconds": "TPU chip-seconds of ended attempts: a cpu run has no chips, so the counter "
                                 "is never incremented and has no series",
+    **{f"tpufinetune_run_{pairs}{figure}": "method dpo's figures: this run is SFT (the DPO run of "
+                                           "test_node_failures_e2e.py reads them off /metrics)"
+       for pairs in ("", "eval_")
+       for figure in ("rewards_chosen", "rewards_rejected", "reward_margin", "preference_accuracy")},
 }
+# The run also answers its held-out prompts (training.evaluation.generate, a few short
+# answers): the generation panels have the run's series.
+GENERATE = {"examples": 4, "maxNewTokens": 8}
 TARGET_LABELS = {"namespace": "tpufinetune-system", "pod": "tpufinetune-operator-0",
                  "service": "tpufinetune-operator-metrics", "container": "operator", "endpoint": "metrics"}
 
@@ -76,7 +83,8 @@ def finished_run(request, ground, operator, prometheus, ground_assets) -> Finish
         prometheus.wait_scraped()  # what the operator served before the run is in the TSDB at `start`
         start = time.time()
         kube.apply(resource(RUN, ground_assets, ground.gcs.unique_uri("runs", "dashboard"), epochs=1,
-                            dataset={"split": "train[:64]"}, training={"maxSeqLen": 64}))
+                            dataset={"split": "train[:64]"},
+                            training={"maxSeqLen": 64, "evaluation": {"generate": GENERATE}}))
         kube.kubectl("wait", f"tpufinetune/{RUN}", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
         prometheus.wait_scraped()
         yield FinishedRun(prometheus, namespace, RUN, start, time.time(), kube.status(RUN))
@@ -142,3 +150,9 @@ def test_the_runs_series_hold_its_final_status(finished_run):
     assert max(values(series("tpufinetune_run_step"))) == progress["step"], progress
     succeeded = series("tpufinetune_run_phase", phase="Succeeded")
     assert values(succeeded)[-1] == 1, succeeded
+    # The epoch's generation metrics, in status (the trainer's eval event, folded) and as series.
+    generation = history[-1].get("eval") or {}
+    assert 1 <= generation.get("examples", 0) <= GENERATE["examples"], history[-1]
+    assert generation.get("samplesURI", "").endswith("/eval-samples/epoch-1.jsonl"), generation
+    for metric, key in (("eval_exact_match", "exactMatch"), ("eval_rouge_l", "rougeL"), ("eval_bleu", "bleu")):
+        assert values(series(f"tpufinetune_run_{metric}"))[-1] == pytest.approx(generation[key]), (metric, generation)

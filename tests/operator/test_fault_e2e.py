@@ -89,7 +89,12 @@ def test_a_refused_token_rebuilds_the_run_with_a_new_token_and_never_blocks_a_de
     old_pods = {p["metadata"]["uid"] for p in kube.pods_of(refused_cluster)}
     # The signing key replaced without keeping the old one (a rotation done too early): the
     # running heads refuse every key the operator has.
+    logged = operator.log_path.stat().st_size
     with operator_with(operator, other_signing_key(ground), TPUFT_RAY_UNREACHABLE_TIMEOUT="600"):
+        # The killed operator's Lease must lapse (TPUFT_LEASE_DURATION) before the new one
+        # acts: the 30 s of a delete are a leading operator's.
+        kube.wait_for(lambda: "leading as" in operator.log_path.read_bytes()[logged:].decode(errors="replace"),
+                      "the restarted operator leading", timeout=within(LEASE.lease_duration) + 30)
         delete_within_30s(kube, operator, "token-delete")
         # At once (not after the unreachable bound): a new RayCluster with a token of the
         # current key, no retry used (maxRetries is 0 here).

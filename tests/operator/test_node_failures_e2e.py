@@ -35,7 +35,8 @@ from harness.kubewatch import KubeWatch
 from harness.nodeagent import pod_log_path
 from harness.nodelife import SHUTDOWN_MESSAGE, shutdown_status
 from harness.nodepools import MAINTENANCE_LABEL, SPOT_TAINT, cpu_pool, node_manifest, tpu_host
-from ground_runs import resource, running, start_run
+from harness.waiting import wait_for
+from ground_runs import resource, running, scrape, start_run
 from tpufinetune.core.generations import SPOT_LABEL
 
 
@@ -172,6 +173,23 @@ def _check_dpo_history(history: list[dict]) -> None:
         print(f"DPO epoch {entry['epoch']}: loss {entry.get('loss')} eval loss {entry.get('evalLoss')} {entry['dpo']}")
 
 
+def _check_dpo_series(operator, namespace: str, name: str, last: dict) -> None:
+    """The run's own series on the operator's /metrics hold its last epoch's DPO figures
+    (the watch brings the final status a moment after the test read it)."""
+    labels = (("name", name), ("namespace", namespace))
+    wanted = {f"tpufinetune_run_{pairs}{figure}": last[key if not pairs else "eval" + key[0].upper() + key[1:]]
+              for pairs in ("", "eval_")
+              for figure, key in (("rewards_chosen", "rewardsChosen"), ("rewards_rejected", "rewardsRejected"),
+                                  ("reward_margin", "margin"), ("preference_accuracy", "accuracy"))}
+
+    def served():
+        samples = scrape(operator)
+        return {metric: samples.get((metric, labels)) for metric in wanted}
+    seen = wait_for(lambda: (now := served()) == pytest.approx(wanted) and now, 30,
+                    "the run's DPO series on /metrics", details=lambda: f"{served()} != {wanted}")
+    print(f"DPO series of {namespace}/{name}: {seen}")
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_killed_node_fails_over_and_the_run_resumes_from_its_checkpoint(
@@ -227,6 +245,7 @@ def test_a_killed_node_fails_over_and_the_run_resumes_from_its_checkpoint(
         assert status["phase"] == "Succeeded", status.get("message")
         assert status["attempt"] == 1 and [e["epoch"] for e in status["history"]] == [1, 2, 3]
         _check_dpo_history(status["history"])
+        _check_dpo_series(operator, kube.ns, "node-killed", status["history"][-1]["dpo"])
         _check_lora_exports(ground.gcs, ground_assets.model, storage, status, tmp_path)
     finally:
         ground.restore_node(victim)
