@@ -112,3 +112,29 @@ def test_event_module_imports_without_torch_or_ray():
             "bad = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([str(python), "-c", code], check=True, cwd=str(REPO))
+
+
+def test_startup_stages_count_from_the_drivers_mark_and_never_go_back(monkeypatch):
+    from tpufinetune_trainer import startup
+
+    clock = iter([1000.0 + 5, 1000.0 + 3, 1000.0 + 9])  # a worker's wall clock, a little behind at first
+    monkeypatch.setattr(startup.time, "time", lambda: next(clock))
+    driver = startup.Startup(origin=1000.0, stages={"data_ready": 4.0})
+    worker = startup.Startup.of(driver.handover())  # as Ray hands it to each worker
+    assert worker.mark("workers_ready") == 5.0
+    assert worker.mark("model_loaded") == 5.0  # 3 s by its clock: never before an earlier stage
+    assert worker.mark("first_step") == 9.0
+    assert worker.fields() == {"started_at": 1000.0, "data_ready_s": 4.0, "workers_ready_s": 5.0,
+                               "model_loaded_s": 5.0, "first_step_s": 9.0}
+    assert format_event("startup", step=1, **worker.fields()).startswith(PREFIX)
+    with pytest.raises(ValueError, match="unknown start-up stage 'compiled'"):
+        worker.mark("compiled")
+
+
+def test_the_entrypoint_takes_the_drivers_mark_before_its_heavy_imports():
+    python = VENV_BIN / "python" if (VENV_BIN / "python").exists() else sys.executable
+    code = ("import sys, tpufinetune_trainer.cli; order = list(sys.modules); "  # in import order
+            "first = order.index('tpufinetune_trainer.startup'); "
+            "late = [m for m in order[:first] if m.split('.')[0] in ('torch', 'numpy', 'tpufinetune_trainer')]; "
+            "assert late == ['tpufinetune_trainer'], late")
+    subprocess.run([str(python), "-c", code], check=True, cwd=str(REPO))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
+import torch
 
 from tpufinetune_trainer import notice, tboard, train
 from tpufinetune_trainer.errors import Preempted
@@ -95,6 +97,14 @@ def test_every_step_and_epoch_is_in_the_runs_storage_at_its_global_step(run, tmp
     (plan,) = [fields for kind, fields in events if kind == "plan"]
     assert plan["tensorboard_uri"] == tboard.run_uri(str(tmp_path / "storage"), "tb")
     assert os.listdir(tmp_path / "storage" / "tb" / "tensorboard") == ["attempt-1"]
+    # The start-up stages, once, after the first step: in order, compile off on cpu.
+    (startup,) = [fields for kind, fields in events if kind == "startup"]
+    assert startup["step"] == 1 and "first_step_compiled_s" not in startup
+    assert 0 <= startup["model_loaded_s"] <= startup["first_step_s"], startup
+    assert startup["started_at"] <= time.time() - startup["first_step_s"] + 1
+    trainer.rank, trainer.startup.reported = 1, False  # another rank's first step reports nothing
+    trainer.first_step_done(torch.zeros(()))
+    assert [kind for kind, _ in events].count("startup") == 1
 
 
 def test_a_resumed_attempt_continues_the_step_axis_in_its_own_folder(run, tmp_path, monkeypatch):

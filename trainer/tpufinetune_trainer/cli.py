@@ -7,6 +7,9 @@ operator can say why.
 
 from __future__ import annotations
 
+# First: its import is the driver's start mark (the attempt's start-up stages count from it).
+from . import startup  # noqa: F401  isort: skip
+
 import argparse
 import contextlib
 import io

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from . import backends, storage
+from . import backends, startup, storage
 from .config import FinetuneConfig
 from .data import Examples, PreparedData, epoch_step_count, pad_id_of, prepare
 from .errors import ConfigError, StorageError
@@ -163,7 +163,8 @@ def build_trainer(cfg: FinetuneConfig, data: PreparedData, pad_id: int):
     return TorchTrainer(
         train_loop_per_worker=train_func,
         train_loop_config={"cfg": cfg.to_dict(), "backend": backend.name, "data": data_ref,
-                           "prompt_format": data.prompt_format, "dataset_format": data.dataset_format},
+                           "prompt_format": data.prompt_format, "dataset_format": data.dataset_format,
+                           "startup": startup.DRIVER.handover()},
         torch_config=backends.torch_config(backend, cfg.compile_cache_dir, cfg.num_slices),
         scaling_config=scaling,
         run_config=RunConfig(
@@ -189,6 +190,7 @@ def run(cfg: FinetuneConfig) -> int:
     data, pad_id = prepare_data(cfg)
     epoch_step_count(data.train.lengths, cfg.batch_plan())  # refuses data too small for one step, before Ray
     check_resume(cfg, data)
+    startup.DRIVER.mark("data_ready")
     ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
     result = build_trainer(cfg, data, pad_id).fit()
     print(f"Training completed! Final metrics: {result.metrics}", flush=True)

@@ -31,6 +31,7 @@ from . import loss as head
 from . import notice
 from . import resume
 from . import storage
+from .startup import Startup
 from . import generation, tboard
 from .backends import BACKENDS, Backend, compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .config import FinetuneConfig
@@ -128,8 +129,11 @@ class DeviceBlocks:
 
 
 class Trainer:
-    def __init__(self, cfg: FinetuneConfig, backend: Backend, data: dict, rank: int, world: int, local_rank: int):
+    def __init__(self, cfg: FinetuneConfig, backend: Backend, data: dict, rank: int, world: int, local_rank: int,
+                 startup: Startup | None = None):
         self.cfg, self.backend, self.rank, self.world = cfg, backend, rank, world
+        # This attempt's start-up stages (startup.py), reported once after the first step.
+        self.startup = startup if startup is not None else Startup()
         # Before torch_tpu is imported and anything compiles: both read the cache's place then.
         self.compile_cache = use_compile_cache(cfg.compile_cache_dir, backend)
         self.device = setup_device(backend, local_rank)
@@ -162,6 +166,7 @@ class Trainer:
                                           lora=cfg if cfg.uses_lora else None,
                                           reshard_after_forward=cfg.reshard_after_forward,
                                           fallback=cfg.model_load == "sharded-or-full")
+        self.startup.mark("model_loaded")
         if rank == 0:
             say(f"Model {cfg.model_id}: {loaded}")
         # Both before the parameter list and the optimizer (a frozen weight gets no state).
@@ -312,6 +317,7 @@ class Trainer:
         self.stale_evals = int(state.get("stale_evals", 0))
         self.saved_step = self.global_step
         self.step_counter.fill_(min(self.global_step, max(self.total_steps - 1, 0)))  # once, at start
+        self.startup.mark("model_loaded")  # the restored weights are the ones the first step trains
         if self.rank == 0:
             self.replay_record(self.history)
             where = f"epoch {epoch - 1}" if not done else f"epoch {epoch} step {done}/{self.epoch_steps}"
@@ -499,6 +505,19 @@ class Trainer:
             self.board.close()
         notice.done()
 
+    def first_step_done(self, loss_sum: torch.Tensor) -> None:
+        """This start's first optimizer step: rank 0 reports the start-up stages (event
+        `startup`). With torch.compile the host calls return once the step is traced and
+        compiled; one host read then waits for the device to finish it (once a start)."""
+        self.startup.reported = True
+        if self.rank != 0:
+            return
+        if self.compiled:
+            self.startup.mark("first_step_compiled")
+        float(loss_sum.item())
+        self.startup.mark("first_step")
+        emit("startup", step=self.global_step, **self.startup.fields())
+
     def training_s(self) -> float:
         """Seconds of training so far, earlier attempts included (loading and export not)."""
         return self.training_s_before + time.perf_counter() - self.started
@@ -572,6 +591,8 @@ class Trainer:
             self.train_step(loss_sum)  # its input is the table's row (epoch_inputs)
             self.epoch_step += 1
             self.global_step += 1
+            if not self.startup.reported:
+                self.first_step_done(loss_sum)
             if self.global_step == cfg.fail_at_step and not self.restored:
                 self.settle_checkpoint(wait=True)  # the test's resume point is then deterministic
                 raise RuntimeError(f"injected failure after step {self.global_step} (--fail-at-step)")
@@ -974,6 +995,8 @@ def _train_worker(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     backend = BACKENDS[config["backend"]]
     cfg = FinetuneConfig(**config["cfg"])
+    startup = Startup.of(config.get("startup"))
+    startup.mark("workers_ready")
     if rank == 0:
         emit("start", mode="finetune", world_size=world, backend=backend.dist_backend, device=backend.device_type,
              devices=device_layout(backend, world, ctx.get_local_world_size()), run_name=cfg.run_name,
@@ -981,7 +1004,7 @@ def _train_worker(config: dict) -> None:
     data = ray.get(config["data"])
     # On GPU, Ray Train decides which visible CUDA device is this worker's.
     local = ray.train.torch.get_device().index if backend.name == "cuda" else ctx.get_local_rank()
-    trainer = Trainer(cfg, backend, data, rank, world, local)
+    trainer = Trainer(cfg, backend, data, rank, world, local, startup)
     trainer.notice = notice.ray_kv_watch(rank, cfg.run_name)
     registered = ray.train.get_checkpoint()
     trainer.restore(ckpt.checkpoint_location(registered) if registered is not None else None)
