@@ -36,6 +36,9 @@ PRINTER_COLUMNS = [
     # Attempts so far (status.attempts says why each ended and what it cost).
     {"name": "Attempts", "type": "integer", "jsonPath": ".status.attempt", "priority": 1},
     {"name": "Chip-hours", "type": "number", "jsonPath": ".status.usage.chipHours", "priority": 1},
+    # The latest attempt's seconds from its start to its first optimizer step (empty until then).
+    {"name": "First step (s)", "type": "number", "jsonPath": ".status.attempts[-1:].startup.firstStepSeconds",
+     "priority": 1},
     # Why a run waits or failed (e.g. "waiting for RayCluster ... to be ready").
     {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
 ]

@@ -54,13 +54,16 @@ def test_names_scope_and_subresources(crd):
 def test_printer_columns(crd):
     columns = {c["name"]: c for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
     assert list(columns) == ["Generation", "Topology", "Mode", "Phase", "Epoch", "Progress", "Loss",
-                             "Tokens/s", "Age", "Checkpoint", "Attempts", "Chip-hours", "Message"]
+                             "Tokens/s", "Age", "Checkpoint", "Attempts", "Chip-hours", "First step (s)",
+                             "Message"]
     assert columns["Epoch"]["jsonPath"] == ".status.epochProgress"
     assert columns["Progress"]["jsonPath"] == ".status.progress.summary"
     assert columns["Message"]["jsonPath"] == ".status.message"
     assert columns["Attempts"]["jsonPath"] == ".status.attempt"
     assert columns["Chip-hours"]["jsonPath"] == ".status.usage.chipHours"
-    wide = {"Checkpoint", "Attempts", "Chip-hours", "Message"}
+    # The current (latest) attempt's time to first step.
+    assert columns["First step (s)"]["jsonPath"] == ".status.attempts[-1:].startup.firstStepSeconds"
+    wide = {"Checkpoint", "Attempts", "Chip-hours", "First step (s)", "Message"}
     assert all(columns[n]["priority"] == 1 for n in wide)
     assert all("priority" not in c for n, c in columns.items() if n not in wide)
 

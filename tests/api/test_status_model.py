@@ -55,6 +55,34 @@ def test_attempts_and_usage_pass_and_a_reason_outside_the_closed_set_is_refused(
         checked_status(dict(FULL, attempts=[dict(ATTEMPTS["attempts"][0], logsURI="gs://b/" + "x" * 2048)]))
 
 
+STARTUP = {"clusterReadySeconds": 41.0, "jobSubmittedSeconds": 43.0, "driverStartedSeconds": 47.2,
+           "firstStepSeconds": 95.1,
+           "trainer": {"dataReadySeconds": 12.3, "workersReadySeconds": 20.1, "modelLoadedSeconds": 31.0,
+                       "firstStepCompiledSeconds": 40.2, "firstStepSeconds": 47.9}}
+
+
+def test_an_attempts_startup_passes_the_model_and_the_crd_declares_it():
+    from tpufinetune import crdgen
+    from tpufinetune.core.status import TPUFineTuneStatus
+
+    attempt = dict(ATTEMPTS["attempts"][0], startup=STARTUP)
+    status = dict(FULL, attempts=[attempt])
+    assert checked_status(status) is status
+    dumped = TPUFineTuneStatus.model_validate(status).model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert dumped["attempts"][0]["startup"] == STARTUP  # the same keys back, nothing dropped
+    with pytest.raises(ValueError, match="firstStepSeconds"):
+        checked_status(dict(FULL, attempts=[dict(attempt, startup=dict(STARTUP, firstStepSeconds=-1.0))]))
+    with pytest.raises(UndeclaredStatusKey, match=r"status.attempts\[0\].startup.trainer.compiledSeconds"):
+        checked_status(dict(FULL, attempts=[dict(attempt, startup=dict(STARTUP, trainer={"compiledSeconds": 1.0}))]))
+    schema = crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    declared = schema["properties"]["attempts"]["items"]["properties"]["startup"]
+    trainer = declared["properties"].pop("trainer")
+    assert set(declared["properties"]) | {"trainer"} == set(STARTUP)
+    assert set(trainer["properties"]) == set(STARTUP["trainer"])
+    for field in [*declared["properties"].values(), *trainer["properties"].values()]:
+        assert (field["type"], field["minimum"]) == ("number", 0) and field["description"]
+
+
 def test_the_export_proof_event_folds_into_status_export_which_the_model_takes():
     from tpufinetune.core.runevents import apply_event, split_malformed
     from tpufinetune.core.status import EXPORT_SAMPLE_LIMIT, EXPORT_TEXT_LIMIT

@@ -7,6 +7,7 @@
 | tpufinetune_resources | gauge | phase | TPUFineTunes the watch sees, by status.phase |
 | tpufinetune_apply_to_raycluster_seconds | histogram | | metadata.creationTimestamp → RayCluster created |
 | tpufinetune_apply_to_job_submitted_seconds | histogram | | metadata.creationTimestamp → first Ray job submitted |
+| tpufinetune_time_to_first_step_seconds | histogram | attempt_kind | an attempt's start (status.attempts[].startTime) → its trainer's first optimizer step done (status.attempts[].startup.firstStepSeconds); attempt_kind first (attempt 1) or retry; one observation per attempt |
 | tpufinetune_job_outcomes_total | counter | outcome, reason | runs that ended (Succeeded, Failed) or retried (Retried) |
 | tpufinetune_trainer_events_dropped_total | counter | | trainer event lines the status cannot hold (a wrong type, a refused value), dropped with a Warning Event |
 | tpufinetune_chip_seconds_total | counter | namespace, generation, reason | TPU chip-seconds of ended attempts (slice ready to released), by the attempt's end reason (status.attempts[].reason); counted once the attempt's slice is released |
@@ -56,7 +57,7 @@ from datetime import datetime, timezone
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from tpufinetune.core import runmetrics
+from tpufinetune.core import runmetrics, startup
 
 NEW = "New"
 PHASES = ("Pending", "Queued", "Provisioning", "Submitting", "Running", "Succeeded", "Failed",
@@ -75,6 +76,12 @@ TO_CLUSTER = Histogram(
 TO_SUBMITTED = Histogram(
     "tpufinetune_apply_to_job_submitted_seconds",
     "Seconds from the TPUFineTune's creation to its first Ray job being submitted.",
+    buckets=LATENCY_BUCKETS,
+)
+TO_FIRST_STEP = Histogram(
+    "tpufinetune_time_to_first_step_seconds",
+    "Seconds from an attempt's start to its trainer's first optimizer step, by attempt kind (first, retry).",
+    ["attempt_kind"],
     buckets=LATENCY_BUCKETS,
 )
 OUTCOMES = Counter(
@@ -105,6 +112,8 @@ DROPPED_EVENTS = Counter(
 for _phase in (NEW, *PHASES):
     RECONCILES.labels(_phase)
     ERRORS.labels(_phase)
+for _kind in startup.ATTEMPT_KINDS:
+    TO_FIRST_STEP.labels(_kind)
 
 
 TIMED = ("cluster", "job")  # the latencies from apply, each observed once per resource
@@ -264,6 +273,13 @@ def left_queue(before: dict, after: dict) -> None:
     waited = runmetrics.queue_wait(before, after)
     if waited is not None:
         QUEUE_WAIT.observe(waited)
+
+
+def first_steps(before: dict, after: dict) -> None:
+    """A step from status `before` to `after`: each attempt whose first step it folded
+    observes its time to first step (once: the next step's `before` holds it)."""
+    for kind, seconds in startup.first_steps(before, after):
+        TO_FIRST_STEP.labels(kind).observe(seconds)
 
 
 def forget(namespace: str, name: str, uid: str = "") -> None:

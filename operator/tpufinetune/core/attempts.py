@@ -15,6 +15,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from tpufinetune.core import conditions as cond
+from tpufinetune.core import startup
 from tpufinetune.core.jobspec import logs_uri
 from tpufinetune.core.runevents import is_step
 from tpufinetune.core.status import ATTEMPT_REASONS
@@ -130,7 +131,8 @@ def resumed_from(s: dict, uri: str) -> None:
 def note_steps(s: dict, events, running: bool) -> None:
     """The highest optimizer step the trainer reported, on the attempt whose job sent it:
     the running one, or (the last lines of a stopped job, read after its end) the last
-    one that ended. And the step the running attempt restored (its first `plan`): the
+    one that ended. The running attempt's start-up times (its trainer's `startup`:
+    startup.fold). And the step the running attempt restored (its first `plan`): the
     previous attempt's lost steps are counted from it, the trainer's own word, since the
     checkpoint it restored (the run directory's newest complete one) can be newer than the
     last one the previous job reported (a save on notice, or one that landed after its
@@ -141,6 +143,8 @@ def note_steps(s: dict, events, running: bool) -> None:
     entry = current(s) if running else last_ended(s)
     if entry is None:
         return
+    if running:  # an ended job's late lines tell nothing of how the running attempt started
+        startup.fold(entry, s, events)
     if restored is not None and running and "resumedStep" not in entry:
         # The first plan of the attempt: a worker group restarted inside the job (the
         # trainer's --max-failures) plans again from a later step, which is its own loss.

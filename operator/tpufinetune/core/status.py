@@ -10,6 +10,7 @@ from pydantic import Field
 
 from tpufinetune.core.evalstatus import GenerationMetrics
 from tpufinetune.core.planstatus import MemoryPlanStatus, ModelConfigStatus  # noqa: F401  (part of the status)
+from tpufinetune.core.startupstatus import StartupTimes
 from tpufinetune.core.statusbase import _Status
 
 Phase = Literal["Pending", "Queued", "Provisioning", "Submitting", "Running", "Succeeded",
@@ -293,6 +294,9 @@ class Attempt(_Status):
                                              "each worker's output, written while it runs "
                                              "and kept after the RayCluster is gone): "
                                              "`tpufinetune logs NAME --attempt N`.")
+    startup: StartupTimes | None = Field(None, description="Where its time before its first "
+                                                           "optimizer step went; absent until the "
+                                                           "trainer reports that step.")
 
 
 class Notification(_Status):

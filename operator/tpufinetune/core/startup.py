@@ -1,0 +1,75 @@
+"""status.attempts[].startup: an attempt's time before its first optimizer step. Pure.
+
+The operator's own figures (its RayCluster ready, its job submitted) count from the
+attempt's start on the operator's clock; the trainer's `startup` event (docs/protocol.md),
+sent once after its first step, carries its stages since the job's driver started and that
+start on the driver's clock. The driver's start is kept between the submission and the
+moment the event was read, so a skewed clock cannot put it outside what the operator saw.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+
+from tpufinetune.core import conditions as cond
+
+# The event's `<stage>_s` -> startup.trainer's field.
+TRAINER_STAGES = {"data_ready_s": "dataReadySeconds", "workers_ready_s": "workersReadySeconds",
+                  "model_loaded_s": "modelLoadedSeconds", "first_step_compiled_s": "firstStepCompiledSeconds",
+                  "first_step_s": "firstStepSeconds"}
+
+
+def _number(value) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
+
+
+def _since(start: datetime, when: datetime | None) -> float | None:
+    return None if when is None else round(max(0.0, (when - start).total_seconds()), 1)
+
+
+def fold(entry: dict, status: dict, events) -> None:
+    """The running attempt `entry`'s startup from its first `startup` event among `events`
+    (a worker group Ray Train restarts inside the job reports again: the attempt's first
+    counts). `status` is the run's as this step saw it: its phase is Running, entered when
+    the job was submitted (phaseTransitionTime), and lastEventTime is when `events` were read."""
+    event = next((e for e in events if e.get("event") == "startup"), None)
+    if event is None or "startup" in entry:
+        return
+    start = cond.parse_time(entry["startTime"])
+    seen = _since(start, cond.parse_time(status.get("lastEventTime")))
+    times = {"clusterReadySeconds": _since(start, cond.parse_time(entry.get("sliceReadyTime"))),
+             "jobSubmittedSeconds": _since(start, cond.parse_time(status.get("phaseTransitionTime")))}
+    trainer = {name: round(_number(event.get(key)), 3) for key, name in TRAINER_STAGES.items()
+               if _number(event.get(key)) is not None}
+    started_at = _number(event.get("started_at"))
+    if started_at is not None and seen is not None:
+        driver = _since(start, datetime.fromtimestamp(started_at, timezone.utc))
+        driver = min(max(driver, times["jobSubmittedSeconds"] or 0.0), seen)
+        times["driverStartedSeconds"] = driver
+        if "firstStepSeconds" in trainer:
+            times["firstStepSeconds"] = round(min(max(driver + trainer["firstStepSeconds"], driver), seen), 1)
+    elif seen is not None:  # no mark to count from: when the operator read it
+        times["firstStepSeconds"] = seen
+    if trainer:
+        times["trainer"] = trainer
+    entry["startup"] = {k: v for k, v in times.items() if v is not None}
+
+
+ATTEMPT_KINDS = ("first", "retry")
+
+
+def first_steps(before: dict | None, after: dict | None) -> list[tuple[str, float]]:
+    """A step from status `before` to `after`: (attempt kind, seconds to its first step) of
+    each attempt whose first step it folded (the time-to-first-step histogram observes each
+    once). Attempt 1 is `first`, any later one `retry`."""
+    had = {e.get("attempt") for e in (before or {}).get("attempts") or []
+           if "firstStepSeconds" in (e.get("startup") or {})}
+    found = []
+    for entry in (after or {}).get("attempts") or []:
+        seconds = (entry.get("startup") or {}).get("firstStepSeconds")
+        if seconds is not None and entry.get("attempt") not in had:
+            found.append((ATTEMPT_KINDS[0] if entry.get("attempt") == 1 else ATTEMPT_KINDS[1], float(seconds)))
+    return found
