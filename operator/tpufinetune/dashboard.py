@@ -35,8 +35,9 @@ def run_metric(short: str) -> str:
     return f"{metric}{{{RUN}}}"
 
 
-def quantiles(histogram: str, legend: str) -> list[tuple[str, str]]:
-    rate = f"sum by (le) (rate({histogram}_bucket[$__rate_interval]))"
+def quantiles(histogram: str, legend: str, by: str = "") -> list[tuple[str, str]]:
+    """The median and p95 of `histogram`, one series per value of the label `by` (if any)."""
+    rate = f"sum by ({', '.join(filter(None, ('le', by)))}) (rate({histogram}_bucket[$__rate_interval]))"
     return [(f"histogram_quantile({q}, {rate})", f"{legend} p{int(q * 100)}") for q in (0.5, 0.95)]
 
 
@@ -112,6 +113,10 @@ def sections() -> list[dict]:
               unit="s", width=8, description="Seconds from a TPUFineTune's creation to its RayCluster."),
         panel("Queue wait (Kueue)", quantiles("tpufinetune_queue_wait_seconds", "queued"), unit="s", width=8,
               description="Seconds runs with spec.queueName waited before Kueue admitted them."),
+        panel("Time to first step", quantiles("tpufinetune_time_to_first_step_seconds", "{{attempt_kind}}",
+                                              by="attempt_kind"), unit="s", width=8,
+              description="Seconds from an attempt's start to its trainer's first optimizer step, first "
+                          "attempts and retries apart (status.attempts[].startup says where the time went)."),
     ]
 
 

@@ -67,7 +67,11 @@ def test_panels_cover_runs_training_cost_and_operator_health_without_overlapping
     board = dashboard.dashboard()
     titles = {p["title"] for p in board["panels"]}
     assert {"Runs by phase", "Loss", "Throughput", "Step time", "Progress", "ETA", "Attempts", "Chip-hours",
-            "Reconcile errors", "Apply to RayCluster", "Queue wait (Kueue)"} <= titles
+            "Reconcile errors", "Apply to RayCluster", "Queue wait (Kueue)", "Time to first step"} <= titles
+    (first_step,) = [p for p in board["panels"] if p["title"] == "Time to first step"]
+    assert [t["legendFormat"] for t in first_step["targets"]] == ["{{attempt_kind}} p50", "{{attempt_kind}} p95"]
+    assert all("sum by (le, attempt_kind) (rate(tpufinetune_time_to_first_step_seconds_bucket" in t["expr"]
+               for t in first_step["targets"])
     cells = set()
     for p in board["panels"]:
         g = p["gridPos"]
