@@ -105,9 +105,11 @@ def test_a_skewed_driver_clock_is_kept_between_the_submit_and_the_event_being_re
                   events=(trainer_startup(2),)).status["attempts"][0]["startup"]
     assert (behind["driverStartedSeconds"], behind["firstStepSeconds"]) == (600.0, 640.0)  # not before the submit
     # Without the driver's mark (or a stage), the first step is when the operator read it.
-    bare = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
-                events=({"event": "startup", "step": 1, "first_step_s": "soon"},)).status["attempts"][0]["startup"]
-    assert bare == {"clusterReadySeconds": 600.0, "jobSubmittedSeconds": 600.0, "firstStepSeconds": 720.0}
+    for odd in ({"first_step_s": "soon"}, {"started_at": 1e20, "first_step_s": 3.0}, {"started_at": -1}):
+        bare = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+                    events=({"event": "startup", "step": 1, **odd},)).status["attempts"][0]["startup"]
+        assert {k: v for k, v in bare.items() if k != "trainer"} == {
+            "clusterReadySeconds": 600.0, "jobSubmittedSeconds": 600.0, "firstStepSeconds": 720.0}, odd
 
 
 def test_the_histogram_sees_each_attempts_first_step_once():

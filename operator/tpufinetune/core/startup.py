@@ -26,6 +26,15 @@ def _number(value) -> float | None:
     return None
 
 
+def _when(epoch_seconds) -> datetime | None:
+    """A time in seconds since the epoch; None for anything else (a year past 9999 too)."""
+    seconds = _number(epoch_seconds)
+    try:
+        return None if seconds is None else datetime.fromtimestamp(seconds, timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return None
+
+
 def _since(start: datetime, when: datetime | None) -> float | None:
     return None if when is None else round(max(0.0, (when - start).total_seconds()), 1)
 
@@ -44,9 +53,9 @@ def fold(entry: dict, status: dict, events) -> None:
              "jobSubmittedSeconds": _since(start, cond.parse_time(status.get("phaseTransitionTime")))}
     trainer = {name: round(_number(event.get(key)), 3) for key, name in TRAINER_STAGES.items()
                if _number(event.get(key)) is not None}
-    started_at = _number(event.get("started_at"))
-    if started_at is not None and seen is not None:
-        driver = _since(start, datetime.fromtimestamp(started_at, timezone.utc))
+    started = _when(event.get("started_at"))
+    if started is not None and seen is not None:
+        driver = _since(start, started)
         driver = min(max(driver, times["jobSubmittedSeconds"] or 0.0), seen)
         times["driverStartedSeconds"] = driver
         if "firstStepSeconds" in trainer:
