@@ -90,12 +90,13 @@ def test_a_refused_token_rebuilds_the_run_with_a_new_token_and_never_blocks_a_de
     # The signing key replaced without keeping the old one (a rotation done too early): the
     # running heads refuse every key the operator has.
     logged = operator.log_path.stat().st_size
-    with operator_with(operator, other_signing_key(ground), TPUFT_RAY_UNREACHABLE_TIMEOUT="600"):
+    with operator_with(operator, other_signing_key(ground), TPUFT_RAY_UNREACHABLE_TIMEOUT="600") as restarted:
         # The killed operator's Lease must lapse (TPUFT_LEASE_DURATION) before the new one
-        # acts: the 30 s of a delete are a leading operator's.
-        kube.wait_for(lambda: "leading as" in operator.log_path.read_bytes()[logged:].decode(errors="replace"),
+        # acts: the 30 s of a delete are a leading operator's (and its own step-downs, as
+        # the delete counts them, are the restarted operator's, not the killed one's).
+        kube.wait_for(lambda: "leading as" in restarted.log_path.read_bytes()[logged:].decode(errors="replace"),
                       "the restarted operator leading", timeout=within(LEASE.lease_duration) + 30)
-        delete_within_30s(kube, operator, "token-delete")
+        delete_within_30s(kube, restarted, "token-delete")
         # At once (not after the unreachable bound): a new RayCluster with a token of the
         # current key, no retry used (maxRetries is 0 here).
         status = kube.wait_for(lambda: (s := kube.status("token-refused")).get("attempt") == 2 and s,
