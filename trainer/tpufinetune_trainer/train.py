@@ -11,7 +11,7 @@ LOAD_WINDOW_STEPS steps (a step selects its row there), the attention masks are 
 from segment ids, the learning rate is read from a table on the device, and the loss is
 summed on the device in fp32, the LM head at label positions only (loss.py). The host reads
 a device value once per epoch (the loss), at a checkpoint, at most once per --progress-interval
-on rank 0, at each epoch's end, and, on rank 0, at each agreement the step counter the last
+on rank 0, once after each start's first step on rank 0 (its start-up stages, startup.py), at each epoch's end, and, on rank 0, at each agreement the step counter the last
 one left (notice.Agreements: an interval old, so the device has usually produced it)."""
 
 from __future__ import annotations
