@@ -128,6 +128,8 @@ def test_a_resumed_attempt_continues_the_step_axis_in_its_own_folder(run, tmp_pa
     assert steps(two["eval/loss"]) == [16, total]
     (plan,) = [fields for kind, fields in events if kind == "plan"]
     assert plan["resumed_step"] == 12 and plan["tensorboard_uri"] == tboard.run_uri(str(tmp_path / "storage"), "tb")
+    (startup,) = [fields for kind, fields in events if kind == "startup"]  # this start's first step
+    assert startup["step"] == 13 and startup["model_loaded_s"] <= startup["first_step_s"]
 
 
 def test_a_failed_copy_is_said_once_never_raised_and_made_at_the_next_flush(tmp_path, capfd):
