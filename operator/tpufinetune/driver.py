@@ -307,6 +307,7 @@ class Run(RunRay, RunStatus):
         self._offer_notices()
         self._note_applied(decision.status)
         ended = attempts.newly_frozen(before, decision.status)
+        metrics.first_steps(before, decision.status)
         spec = self.spec if ended else None
         for entry in ended:
             metrics.attempt_ended(self.ident.namespace, generation(spec.tpu.generation).name if spec else "",

@@ -191,6 +191,7 @@ def _finetune_with_a_takeover(operator, standby, watch, ground, kube, ground_ass
     row = table.splitlines()[1].split()
     assert row[:6] == ["tiny-finetune", "cpu", "2", "finetune", "Succeeded", "3/3"]
     assert "CHECKPOINT" in kube.kubectl("get", "tpufinetunes", "-o", "wide").stdout
+    _check_startup(kube, status)
 
     # Nothing expensive is left running.
     released(kube, ground, cluster, [p["metadata"]["uid"] for p in pods])
@@ -222,6 +223,26 @@ def _finetune_with_a_takeover(operator, standby, watch, ground, kube, ground_ass
         own["hidden_size"], own["num_hidden_layers"])
     assert "PlannedFromModelConfig" in reasons
     _check_notices(ground, kube, uid)
+
+
+def _check_startup(kube, status: dict) -> None:
+    """Where the attempt's time before its first step went (status.attempts[].startup): the
+    operator's figures from the attempt's start in the order they happen, the trainer's
+    stages in theirs (no compile stage on cpu), and the wide listing's column."""
+    (entry,) = status["attempts"]
+    startup = entry["startup"]
+    stages = startup["trainer"]
+    assert 0 <= stages["dataReadySeconds"] <= stages["workersReadySeconds"] <= stages["modelLoadedSeconds"] \
+        <= stages["firstStepSeconds"], startup
+    assert "firstStepCompiledSeconds" not in stages, startup
+    assert 0 < startup["clusterReadySeconds"] <= startup["jobSubmittedSeconds"] <= startup["driverStartedSeconds"] \
+        <= startup["firstStepSeconds"], startup
+    ran = cond.parse_time(entry["endTime"]) - cond.parse_time(entry["startTime"])
+    assert startup["firstStepSeconds"] < ran.total_seconds(), (startup, entry)
+    wide = kube.kubectl("get", "tpufinetunes", "-o", "wide").stdout
+    header, row = wide.splitlines()[0], wide.splitlines()[1]
+    column = header.index("FIRST STEP (S)")
+    assert float(row[column:].split()[0]) == pytest.approx(startup["firstStepSeconds"]), wide
 
 
 def _receiver_lines(ground, kube) -> list[dict]:
