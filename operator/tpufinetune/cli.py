@@ -179,26 +179,75 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
                                                   "context's, else default)")
     parser.add_argument("--kubeconfig", help="kubeconfig file (default $KUBECONFIG or "
                                              "~/.kube/config)")
+    parser.add_argument("--samples", action="store_true",
+                        help="print an epoch's generation samples (prompt, reference, answer) from the "
+                             "run's storage instead of the table (needs the logs extra)")
+    parser.add_argument("--epoch", type=int, help="with --samples: the epoch (default: the last that has them)")
+    parser.add_argument("--limit", type=int, metavar="K", help="with --samples: only the first K")
+    parser.add_argument("--json", action="store_true", help="with --samples: the JSON lines as stored")
+
+
+def _eval_refusal(args: argparse.Namespace) -> str:
+    """Why the options cannot go together, before reaching anything; '' when they can."""
+    if not args.samples and (args.epoch is not None or args.limit is not None or args.json):
+        return "--epoch, --limit and --json go with --samples"
+    if args.epoch is not None and args.epoch < 1:
+        return "--epoch must be 1 or more"
+    if args.limit is not None and args.limit < 1:
+        return "--limit must be 1 or more"
+    return ""
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from .adapters.runlogs import EXTRA_HINT
     from .evaltable import evaluation_table
 
+    refusal = _eval_refusal(args)
+    if refusal:
+        print(f"tpufinetune eval: {refusal}", file=sys.stderr)
+        return EXIT_INVALID
     try:
+        if args.samples:
+            import pyarrow.fs  # noqa: F401 - the bucket's client, the trainer's own
+
         from .adapters.readrun import read_tpufinetune
     except ImportError as exc:
-        print(f"tpufinetune eval: {exc.name or exc} is not installed: pip install 'tpufinetune[logs]'",
-              file=sys.stderr)
+        print(f"tpufinetune eval: {exc.name or exc} is not installed: {EXTRA_HINT}", file=sys.stderr)
         return EXIT_INVALID
     try:
         namespace, obj = read_tpufinetune(args.name, args.namespace, args.kubeconfig)
     except LookupError as exc:
         print(f"tpufinetune eval: {exc}", file=sys.stderr)
         return 1
+    if args.samples:
+        return _eval_samples(args, f"{namespace}/{args.name}", obj.get("status") or {})
     table, note = evaluation_table(obj.get("status") or {})
     sys.stdout.write(table)
     if note:
         print(f"tpufinetune eval: {namespace}/{args.name}: {note}", file=sys.stderr)
+    return 0
+
+
+def _eval_samples(args: argparse.Namespace, what: str, status: dict) -> int:
+    """An epoch's generation samples, read from the URI its status names."""
+    from .adapters.runlogs import read_text
+    from .evalsamples import first_lines, parse_samples, samples_epoch, samples_listing
+
+    try:
+        epoch, uri = samples_epoch(status.get("history"), args.epoch)
+    except LookupError as exc:
+        print(f"tpufinetune eval: {what}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        text = read_text(uri)
+        if args.json:
+            output = first_lines(text, args.limit)
+        else:
+            output = samples_listing(epoch, uri, parse_samples(text), args.limit)
+    except (OSError, ValueError) as exc:
+        print(f"tpufinetune eval: {what}: epoch {epoch}: cannot read {uri}: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(output)
     return 0
 
 
@@ -219,7 +268,8 @@ SUBCOMMANDS: list[Subcommand] = [
                        "storage, live or after its RayCluster is gone (needs the logs extra)",
                _logs_arguments, _logs),
     Subcommand("eval", "print a TPUFineTune's evaluation per epoch (eval loss and generation "
-                       "metrics) from its status",
+                       "metrics) from its status, or with --samples an epoch's prompts, references "
+                       "and answers from the run's storage (needs the logs extra)",
                _eval_arguments, _eval),
 ]
 

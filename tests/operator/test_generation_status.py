@@ -3,18 +3,27 @@ core/evalstatus.py, evaltable.py, `tpufinetune eval`): the trainer's epoch event
 exact match, ROUGE-L, BLEU, the answers scored and where the samples are (docs/protocol.md);
 each epoch's are kept in status.history[].eval, a run without generation has none, a value
 the status cannot hold drops its event, and `tpufinetune eval NAME` prints them per epoch
-beside the eval loss, or says that the run has none."""
+beside the eval loss, or says that the run has none; `tpufinetune eval NAME --samples` prints
+an epoch's prompts, references and answers from the file the trainer wrote (its own writer's
+format), or says why it cannot."""
 
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tpufinetune import cli
 from tpufinetune.core.runevents import GENERATION_KEYS, apply_event, split_malformed
 from tpufinetune.core.status import TPUFineTuneStatus, checked_status
+from tpufinetune.evalsamples import (PROMPT_TAIL_CHARS, answer_matches, first_lines, parse_samples,
+                                     samples_epoch, samples_listing)
 from tpufinetune.evaltable import NO_GENERATION, evaluation_table
+
+REPO = Path(__file__).resolve().parents[2]
 
 SAMPLES = "gs://b/runs/r-1/eval-samples/epoch-{}.jsonl"
 
@@ -140,3 +149,140 @@ def test_tpufinetune_eval_says_when_a_run_has_no_generation_metrics_or_is_not_fo
     assert out.startswith("EPOCH  EVAL_LOSS") and f"default/plain: {NO_GENERATION}" in err
     assert cli.main(["eval", "missing"]) == 1
     assert "not found" in capsys.readouterr().err
+
+
+# `tpufinetune eval NAME --samples`: an epoch's prompts, references and answers, read from the
+# samplesURI its status names, in the trainer's own format (generation.samples_text).
+
+def history_with_samples(*epochs: int, without: tuple[int, ...] = ()) -> list[dict]:
+    """Entries for `epochs`, those in `without` with figures but no samplesURI (a write that failed)."""
+    status: dict = {}
+    for n in epochs:
+        figures = generated(n, 0.5, 0.5, 10.0)
+        if n in without:
+            figures.pop("eval_samples_uri")
+        apply_event(status, epoch(n, **figures))
+    return status["history"]
+
+
+def test_the_samples_shown_are_the_last_epochs_that_has_them_or_the_one_asked_for():
+    history = history_with_samples(2, 1, 3, without=(3,))
+    assert samples_epoch(history, None) == (2, SAMPLES.format(2))
+    assert samples_epoch(history, 1) == (1, SAMPLES.format(1))
+    with pytest.raises(LookupError, match=r"epoch 3 has no generation samples \(epochs with samples: 1, 2\)"):
+        samples_epoch(history, 3)
+    for none in (None, [], status_of(epoch(1), epoch(2))["history"]):
+        with pytest.raises(LookupError, match="spec.training.evaluation.generate"):
+            samples_epoch(none, None)
+
+
+def sample_lines(*samples: tuple[str, str, str]) -> str:
+    from tpufinetune_trainer import generation
+
+    prompts, references, outputs = (list(column) for column in zip(*samples))
+    return generation.samples_text(prompts, references, outputs)
+
+
+def test_each_sample_shows_the_prompts_end_the_reference_the_answer_and_whether_they_match():
+    long_prompt = "<start_of_turn>user\n" + "context " * 40 + "What is 2+2?<end_of_turn>\n<start_of_turn>model\n"
+    text = sample_lines((long_prompt, "4", " 4\n"), ("Greet", "hello\nthere", "hi\x1b[2J"), ("Say nothing", "", ""))
+    listing = samples_listing(3, "gs://b/r/eval-samples/epoch-3.jsonl", parse_samples(text), None)
+    tail = long_prompt[-PROMPT_TAIL_CHARS:].splitlines()
+    assert listing.splitlines() == [
+        "epoch 3: 3 answers, 2 equal to their reference",
+        "(gs://b/r/eval-samples/epoch-3.jsonl)",
+        "",
+        "#1  exact match",  # whitespace stripped, as the trainer's exactMatch
+        f"  prompt     ...{tail[0]}",
+        f"             {tail[1]}",
+        "  reference  4",
+        "  answer      4",
+        "",
+        "#2  differs",
+        "  prompt     Greet",
+        "  reference  hello",
+        "             there",
+        "  answer     hi\\x1b[2J",  # a generated escape sequence is written out, never sent to the terminal
+        "",
+        "#3  exact match",
+        "  prompt     Say nothing",
+        "  reference  (empty)",
+        "  answer     (empty)",
+    ]
+    first = samples_listing(3, "u", parse_samples(text), 1).splitlines()
+    assert first[0] == "epoch 3: 3 answers, 2 equal to their reference; the first 1 below"
+    assert "#2  differs" not in first
+    assert first_lines(text, 2) == "".join(text.splitlines(keepends=True)[:2])
+    assert first_lines(text, None) == text
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        parse_samples(text.splitlines()[0] + "\n{truncated")
+
+
+def test_the_match_marked_is_the_trainers_exact_match():
+    from tpufinetune_trainer import generation
+
+    pairs = [("4", " 4\n"), ("Paris", "paris"), ("a b", "a  b"), ("", " "), ("yes", "yes.")]
+    for reference, answer in pairs:
+        assert answer_matches(answer, reference) == (generation.score([answer], [reference], ["exactMatch"])[
+            "exactMatch"] == 1.0), (reference, answer)
+
+
+def run_with_samples(tmp_path, epochs: int = 2) -> tuple[dict, dict[int, str]]:
+    """A run whose trainer wrote each epoch's samples to a local storage path, as it does (generation.py)."""
+    from tpufinetune_trainer import generation
+
+    uris = {}
+    status: dict = {}
+    for n in range(1, epochs + 1):
+        uris[n] = generation.samples_uri(str(tmp_path / "storage"), "tuned-6f1c", n)
+        generation.write_samples(uris[n], sample_lines((f"Question {n}?", f"answer {n}", f"answer {n}"),
+                                                       ("Other?", "yes", "no")))
+        figures = {**generated(n, 0.5, 0.5, 10.0), "eval_samples_uri": uris[n]}
+        apply_event(status, epoch(n, **figures))
+    return {"status": status}, uris
+
+
+def test_tpufinetune_eval_samples_prints_an_epochs_samples_from_the_runs_storage(run_read, tmp_path, capsys):
+    run_read["tuned"], uris = run_with_samples(tmp_path)
+    assert cli.main(["eval", "tuned", "-n", "team", "--samples"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.splitlines()[:2] == ["epoch 2: 2 answers, 1 equal to their reference", f"({uris[2]})"]
+    assert "  prompt     Question 2?" in out.splitlines() and "#2  differs" in out.splitlines()
+    assert cli.main(["eval", "tuned", "--samples", "--epoch", "1", "--limit", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "  reference  answer 1" in out.splitlines() and "#2" not in out
+    assert cli.main(["eval", "tuned", "--samples", "--json"]) == 0
+    assert capsys.readouterr().out == Path(uris[2]).read_text()  # the lines as the trainer wrote them
+
+
+def test_tpufinetune_eval_samples_says_why_it_has_none(run_read, tmp_path, capsys):
+    run_read["tuned"], uris = run_with_samples(tmp_path)
+    run_read["plain"] = {"status": status_of(epoch(1))}
+    assert cli.main(["eval", "plain", "--samples"]) == 1
+    assert "default/plain: it has no generation samples" in (err := capsys.readouterr().err)
+    assert "spec.training.evaluation.generate" in err
+    assert cli.main(["eval", "tuned", "--samples", "--epoch", "5"]) == 1
+    assert "epoch 5 has no generation samples (epochs with samples: 1, 2)" in capsys.readouterr().err
+    Path(uris[2]).unlink()  # removed from the bucket (a lifecycle rule), still named in status
+    assert cli.main(["eval", "tuned", "--samples"]) == 1
+    assert f"default/tuned: epoch 2: cannot read {uris[2]}: " in capsys.readouterr().err
+    Path(uris[1]).write_text('{"prompt": "cut sho')
+    assert cli.main(["eval", "tuned", "--samples", "--epoch", "1"]) == 1
+    assert f"cannot read {uris[1]}: line 1 is not JSON" in capsys.readouterr().err
+
+
+def test_tpufinetune_eval_refuses_sample_options_without_samples_before_reaching_anything(capsys):
+    for argv, refusal in ((["--epoch", "1"], "go with --samples"), (["--json"], "go with --samples"),
+                          (["--samples", "--epoch", "0"], "--epoch must be 1 or more"),
+                          (["--samples", "--limit", "0"], "--limit must be 1 or more")):
+        assert cli.main(["eval", "demo", *argv]) == cli.EXIT_INVALID
+        assert refusal in capsys.readouterr().err
+
+
+def test_tpufinetune_eval_samples_without_pyarrow_names_the_extra():
+    code = ("import sys; sys.modules['pyarrow'] = None\n"
+            "from tpufinetune import cli; sys.exit(cli.main(['eval', 'demo', '--samples']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == cli.EXIT_INVALID, proc.stderr
+    assert "pip install 'tpufinetune[logs]'" in proc.stderr

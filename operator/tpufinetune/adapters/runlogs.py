@@ -101,3 +101,14 @@ def available(uri: str) -> str:
 def stdout_bytes(data: bytes) -> None:
     sys.stdout.buffer.write(data)
     sys.stdout.buffer.flush()
+
+
+def read_text(uri: str) -> str:
+    """One object of the run's storage, whole, as text (an epoch's generation samples, for
+    `tpufinetune eval --samples`), through the trainer's storage client: a gs:// URI with
+    the user's credentials, a local path as it is. OSError or ValueError say why not."""
+    from tpufinetune_trainer import storage
+
+    fs, path = storage.filesystem(uri)
+    with fs.open_input_stream(path) as stream:
+        return stream.read().decode("utf-8")
