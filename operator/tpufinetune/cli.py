@@ -199,7 +199,6 @@ def _eval_refusal(args: argparse.Namespace) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .adapters.runlogs import EXTRA_HINT
     from .evaltable import evaluation_table
 
     refusal = _eval_refusal(args)
@@ -212,6 +211,8 @@ def _eval(args: argparse.Namespace) -> int:
 
         from .adapters.readrun import read_tpufinetune
     except ImportError as exc:
+        from .adapters.runlogs import EXTRA_HINT
+
         print(f"tpufinetune eval: {exc.name or exc} is not installed: {EXTRA_HINT}", file=sys.stderr)
         return EXIT_INVALID
     try:

@@ -1,7 +1,8 @@
 """`tpufinetune eval NAME`'s table: a run's evaluation per epoch, from its status. Pure.
 
 One row per epoch of status.history: its held-out loss and, where the run generated
-(spec.training.evaluation.generate), its generation metrics and the answers scored.
+(spec.training.evaluation.generate), its generation metrics and the answers scored. The
+answers themselves are evalsamples.py's (`--samples`).
 """
 from __future__ import annotations
 
@@ -31,5 +32,5 @@ def evaluation_table(status: dict) -> tuple[str, str]:
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     samples = [entry["eval"]["samplesURI"] for entry in history if (entry.get("eval") or {}).get("samplesURI")]
     if samples:
-        lines.append(f"samples: {samples[-1].rsplit('/', 1)[0]}/")
+        lines.append(f"samples: {samples[-1].rsplit('/', 1)[0]}/ (printed by --samples)")
     return "\n".join(lines) + "\n", "" if columns else NO_GENERATION

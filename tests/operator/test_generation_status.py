@@ -102,7 +102,7 @@ def test_the_table_has_a_row_per_epoch_with_its_loss_and_metrics():
         "EPOCH  EVAL_LOSS  EXACT_MATCH  ROUGE_L  BLEU   ANSWERS",
         "1      0.4500     0.1250       0.4123   12.35  64",
         "2      0.3500     0.5000       0.7000   30.00  64",
-        "samples: gs://b/runs/r-1/eval-samples/",
+        "samples: gs://b/runs/r-1/eval-samples/ (printed by --samples)",
     ]
 
 
