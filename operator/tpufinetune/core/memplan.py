@@ -30,7 +30,9 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
   and its fp32 reduce copy, none of it with frozen embeddings (the head is tied), and two
   fp32 chunk buffers of CHUNK_ROWS x vocab (--loss-head full: every position's logits);
 - DPO (method dpo): full or LoRA as above, over the full logits, with its reference
-  (memplan_dpo.py: stored log-probabilities for full, the base with adapters off for LoRA).
+  (memplan_dpo.py: stored log-probabilities for full, the base with adapters off for LoRA);
+- each epoch's generation (spec.training.evaluation.generate): between steps, on the
+  resident state alone, so the peak is the larger of it and the step's (memplan_generate.py).
 
 The usable share of a chip is HBM x (1 - HEADROOM): the runtime, the compiler's
 temporaries and fragmentation take the rest. Figures are estimates, checked against
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from . import generations as g
 from . import memplan_dpo as dpo
+from . import memplan_generate as gen_plan
 from .memplan_shapes import DEFAULT_LORA_TARGETS, KNOWN_MODELS, ModelShape, known_shape, shape_for, \
     shape_from_config  # noqa: F401  (re-exported: validation, the benchmarks)
 
@@ -259,6 +262,8 @@ class Request:
     model_config: dict | None = None  # the model's config.json where at hand: its widths win over the table's
     dpo_lora: bool = False  # method dpo: LoRA's adapters train (spec.training.lora), not every weight
     dpo_reference_free: bool = False  # spec.training.dpo.referenceFree
+    generate_max_new_tokens: int = 0  # spec.training.evaluation.generate.maxNewTokens; 0: nothing generated
+    generate_examples: int = 0  # its examples: with few, a device answers fewer at a time
 
 
 @dataclass(frozen=True)
@@ -278,6 +283,7 @@ class MemoryPlan:
     keep_gathered: bool = False  # planned with every block gathered from forward to backward
     widths_from: str = ""  # where the model's widths come from (the table's source or its config.json)
     reference: str = ""  # method dpo: memplan_dpo.REFERENCES, the reference planned
+    generating: gen_plan.GenerationPlan | None = None  # each epoch's generation (evaluation.generate)
     # The model's config.json the widths came from (memplan_shapes.CONFIG_KEYS), when they did.
     model_config: dict | None = field(default=None, compare=False)
 
@@ -285,6 +291,16 @@ class MemoryPlan:
     def placement(self) -> str:
         """`v6e 4x4`, or `v6e 4x4 x 2 slices` (each slice holding a whole replica)."""
         return f"{self.generation} {self.topology}" + (f" x {self.slices} slices" if self.slices > 1 else "")
+
+    @property
+    def generation_bytes(self) -> int | None:
+        """What generation adds per device beside the state kept between steps (None: none)."""
+        return self.generating.bytes if self.generating is not None else None
+
+    @property
+    def generating_sets_peak(self) -> bool:
+        return (self.generating is not None and self.breakdown is not None
+                and self.generating.peak_bytes > self.breakdown.total)
 
     @property
     def fits(self) -> bool | None:
@@ -315,6 +331,8 @@ class MemoryPlan:
             parts.append(f"{_gib(self.breakdown.margin)} of it the margin measured past {LONG_FROM} tokens")
         if self.reference:
             parts.append(dpo.WORDS[self.reference])
+        if self.generating is not None and self.breakdown is not None:
+            parts.append(self.generating.words(self.breakdown.total))
         if self.widths_from:
             parts.append(f"widths: {self.widths_from}")
         stated = " (its stated size: weights, gradients and optimizer state only)" if self.basis == "stated" else ""
@@ -325,7 +343,8 @@ class MemoryPlan:
         if self.fits is not False:
             return ""
         if self.limit_bytes and self.per_chip_bytes > self.limit_bytes:
-            what = (f"needs {_gib(self.per_chip_bytes)} of HBM per chip, more than the "
+            while_ = gen_plan.WHILE if self.generating_sets_peak else ""
+            what = (f"needs {_gib(self.per_chip_bytes)} of HBM per chip{while_}, more than the "
                     f"{_gib(self.limit_bytes)} usable on {self.generation} ({self.generation} chips hold "
                     f"{_gib(int(self.limit_bytes / (1 - HEADROOM)))}, {int(HEADROOM * 100)}% kept as headroom)")
         else:
@@ -383,6 +402,8 @@ def _plan(request: Request) -> MemoryPlan:
                         freeze_embeddings=request.freeze_embeddings, lora_embeddings=request.lora_embeddings,
                         keep_gathered=request.keep_gathered, lora_targets=request.lora_targets,
                         lora_dropout=request.lora_dropout, loss_head=request.loss_head)
+    generating = gen_plan.of_request(request, shape, part, method == "full", 2 if gen.is_tpu else 4, eager, devices)
+    peak = gen_plan.peak(part.total, generating)
     # Host: each device's process, and the host copy of its sharded state an asynchronous
     # checkpoint stages (weights and AdamW; train.py's HostStager). The cpu stand-in's
     # device is the host.
@@ -392,11 +413,11 @@ def _plan(request: Request) -> MemoryPlan:
     staged = part.weights + part.optimizer
     adapters = shape.lora_parameters(request.lora_rank, request.lora_targets) if method == "lora" else 0
     proof = 2 * (shape.parameters + shape.per_layer_embedding + adapters) + PROOF_OVERHEAD_BYTES
-    host = per_host_devices * (RUNTIME_BYTES_PER_DEVICE + staged + (0 if gen.is_tpu else part.total)) + proof
+    host = per_host_devices * (RUNTIME_BYTES_PER_DEVICE + staged + (0 if gen.is_tpu else peak)) + proof
     host_limit = int(request.host_memory_bytes * (1 - HEADROOM)) if request.host_memory_bytes else 0
     return MemoryPlan(
         basis="config" if request.model_config else "table", **common, model_config=request.model_config,
-        per_chip_bytes=part.total * gen.devices_per_chip if gen.is_tpu else 0,
+        per_chip_bytes=peak * gen.devices_per_chip if gen.is_tpu else 0, generating=generating,
         limit_bytes=int(gen.hbm_gib_per_chip * GIB * (1 - HEADROOM)) if gen.is_tpu else 0,
         host_bytes=host, host_limit_bytes=host_limit, breakdown=part, keep_gathered=request.keep_gathered,
         widths_from=shape.widths_from, reference=reference or "")
@@ -427,6 +448,9 @@ def smallest_fit(request: Request) -> str:
     gen = g.generation(request.generation)
     if not gen.is_tpu:
         return ""
+    fewer_tokens = gen_plan.fix(request, lambda candidate: _plan(candidate).fits)
+    if fewer_tokens:  # the step fits: the generation does not
+        return fewer_tokens
     larger = [t for t in gen.valid_topologies() if g.chips_in(t) > g.chips_in(request.topology)]
     # The lighter method: lora for SFT, DPO's LoRA (its reference then the base, adapters off) for DPO.
     lighter = ("dpo", True) if request.method == "dpo" else ("lora", False)

@@ -24,6 +24,8 @@ def status_of(plan: MemoryPlan) -> dict:
             out["hostRAMLimitBytes"] = plan.host_limit_bytes
         if plan.smallest_fit:
             out["smallestFit"] = plan.smallest_fit
+        if plan.generation_bytes is not None:
+            out["generationBytes"] = plan.generation_bytes
     return out
 
 
@@ -63,6 +65,8 @@ def request_of(spec) -> Request | None:
     # with them off), else every weight; spec.training.dpo.referenceFree drops the reference.
     dpo_settings = getattr(training, "dpo_settings", None)
     dpo = dpo_settings() if dpo_settings is not None and method == "dpo" else None
+    # spec.training.evaluation.generate: each epoch's answers to held-out prompts (unset: none).
+    generate = getattr(getattr(training, "evaluation", None), "generate", None)
     request = Request(
         model_id=spec.model.id, method=method, dpo_lora=method == "dpo" and lora is not None,
         dpo_reference_free=bool(getattr(dpo, "reference_free", False)),
@@ -76,5 +80,7 @@ def request_of(spec) -> Request | None:
         lora_embeddings=bool(getattr(lora, "train_embeddings", None)),
         stated_parameters=getattr(spec.model, "parameters", None), slices=spec.tpu.slices,
         lora_targets=tuple(getattr(lora, "target_modules", None) or DEFAULT_LORA_TARGETS),
-        lora_dropout=float(getattr(lora, "dropout", 0.0) or 0.0) if lora is not None else 0.0)
+        lora_dropout=float(getattr(lora, "dropout", 0.0) or 0.0) if lora is not None else 0.0,
+        generate_max_new_tokens=int(generate.max_new_tokens) if generate is not None else 0,
+        generate_examples=int(generate.examples) if generate is not None else 0)
     return replace(request, keep_gathered=True) if keeps_gathered(request) else request

@@ -57,5 +57,14 @@ class MemoryPlanStatus(_Status):
                                              description="Usable memory of a worker pod.")
     smallest_fit: str | None = Field(None, max_length=256, description="When it does not fit: the "
                                                                       "smallest topology (or method) "
-                                                                      "that would.")
+                                                                      "that would, or where only the "
+                                                                      "generation does not, its "
+                                                                      "maxNewTokens that would.")
+    generation_bytes: int | None = Field(
+        None, ge=0, description="With training.evaluation.generate: what each epoch's generation adds per device "
+                                "to the state kept between steps (the key/value cache of a micro-batch of "
+                                "prompts of up to maxSeqLen tokens and maxNewTokens new ones, the prompts' "
+                                "forward, the last position's logits). Generation runs between steps, so the "
+                                "peak (perChipHBMBytes) is the larger of the step's and the generation's, not "
+                                "their sum. Absent without generation.")
     message: str | None = Field(None, max_length=1024, description="The estimate in words.")
