@@ -128,6 +128,9 @@ def test_kubectl_get_shows_the_printer_columns(control_plane, namespace):
         "tokensPerSecond": 20545.2, "checkpointURI": "gs://my-bucket/ckpt_2",
         "message": "epoch 2 done", "progress": {"summary": "62%"}, "attempt": 2,
         "usage": {"chipHours": 12.5, "hostHours": 3.125, "provisioningSeconds": 40},
+        # The wide listing shows the latest attempt's time to first step.
+        "attempts": [{"attempt": 1, "startTime": "2026-01-01T00:00:00Z", "startup": {"firstStepSeconds": 95.5}},
+                     {"attempt": 2, "startTime": "2026-01-01T01:00:00Z", "startup": {"firstStepSeconds": 41.5}}],
         "conditions": [{"type": "Ready", "status": "True", "reason": "JobRunning",
                         "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
     }}
@@ -140,8 +143,8 @@ def test_kubectl_get_shows_the_printer_columns(control_plane, namespace):
                                "2.205", "20545.2"]
     header, row = control_plane.kubectl("get", "tpufinetunes", "-n", namespace,
                                         "-o", "wide").stdout.splitlines()[:2]
-    assert header.split()[-4:] == ["CHECKPOINT", "ATTEMPTS", "CHIP-HOURS", "MESSAGE"]
-    assert row.split()[-6:] == ["gs://my-bucket/ckpt_2", "2", "12.5", "epoch", "2", "done"]
+    assert header.split()[-7:] == ["CHECKPOINT", "ATTEMPTS", "CHIP-HOURS", "FIRST", "STEP", "(S)", "MESSAGE"]
+    assert row.split()[-7:] == ["gs://my-bucket/ckpt_2", "2", "12.5", "41.5", "epoch", "2", "done"]
 
 
 def test_kubectl_get_all_and_the_category_list_the_runs(control_plane, namespace):
