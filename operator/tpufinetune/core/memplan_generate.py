@@ -113,7 +113,9 @@ def prefill_bytes(shape: ModelShape, batch: int, prompt: int, compute_bytes: int
     layer = tokens * (compute_bytes * (PREFILL_PER_HIDDEN * shape.hidden + PREFILL_PER_INTERMEDIATE * shape.intermediate
                                        + PREFILL_PER_ATTENTION_WIDTH * widest_attention)
                       + upcast * PREFILL_UPCAST_PER_HIDDEN * shape.hidden)
-    scores = batch * prompt ** 2 * ((2 * compute_bytes + 4) * shape.heads if eager else compute_bytes)
+    # Eager: the masked scores beside softmax's fp32 output, and in a narrower dtype its cast back.
+    per_score = compute_bytes + 4 + (compute_bytes if compute_bytes < 4 else 0)
+    scores = batch * prompt ** 2 * (per_score * shape.heads if eager else compute_bytes)
     masks = 2 * batch * prompt ** 2 * (compute_bytes if eager else 1)
     per_layer_inputs = PREFILL_PLE_COPIES * tokens * shape.layers * shape.ple_width * compute_bytes
     return layer + scores + masks + per_layer_inputs
