@@ -291,19 +291,26 @@ def recorded() -> str:
     return "\n".join(out).rstrip()
 
 
+def in_child(script: str, name: str, *args: str, env: dict | None = None) -> tuple[dict | None, str]:
+    """Row `name` measured by `script --child name` in a fresh process (its peak is its
+    own): (its JSON result, "") or (None, why it failed: the child's last stderr line)."""
+    out = subprocess.run([sys.executable, script, "--child", name, *args], capture_output=True, text=True,
+                         env=None if env is None else dict(os.environ, **env))
+    if out.returncode:
+        return None, out.stderr.strip().splitlines()[-1] if out.stderr.strip() else str(out.returncode)
+    return json.loads(out.stdout.strip().splitlines()[-1]), ""
+
+
 def run(names: list[str], cold: bool) -> list[bool]:
     from tpufinetune.core.memplan import shape_from_config
 
     within = []
     for name in names:
-        out = subprocess.run([sys.executable, __file__, "--child", name] + (["--cold"] if cold else []),
-                             capture_output=True, text=True)
-        if out.returncode:
-            print(f"{name:5} failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}",
-                  flush=True)
+        result, failure = in_child(__file__, name, *(["--cold"] if cold else []))
+        if result is None:
+            print(f"{name:5} failed: {failure}", flush=True)
             within.append(False)
             continue
-        result = json.loads(out.stdout.strip().splitlines()[-1])
         config = CONFIGS[name]
         estimate, margin = planned(name)
         ratio = estimate / result["measured"]

@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_memplan import H1, H2, H3, MIB, NARROW, S1, TOLERANCE, case, peak_over_steps  # noqa: E402
+from bench_memplan import H1, H2, H3, MIB, NARROW, S1, TOLERANCE, case, in_child, peak_over_steps  # noqa: E402
 
 # Gemma's final-logit softcap (the planner counts its saved tanh output; transformers'
 # Gemma4TextConfig leaves it unset, the "Loss head" benchmark and loss.py use 30).
@@ -275,13 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER + f" {'s':>6}", flush=True)
     within = []
     for name in [n for n in CONFIGS if not args.only or n in args.only]:
-        out = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True)
-        if out.returncode:
-            print(f"{name:5} failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}",
-                  flush=True)
+        result, failure = in_child(__file__, name)
+        if result is None:
+            print(f"{name:5} failed: {failure}", flush=True)
             within.append(False)
             continue
-        result = json.loads(out.stdout.strip().splitlines()[-1])
         measured = result["measured"] / MIB
         within.append(abs(planned(name) / MIB / measured - 1) <= TOLERANCE)
         print(f"{row(name, measured)} {result['seconds']:6.1f}", flush=True)

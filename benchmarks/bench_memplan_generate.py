@@ -23,12 +23,11 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_memplan import MIB, TOLERANCE, WARM_UP, _reset_peak, _status_kib, _text  # noqa: E402
+from bench_memplan import MIB, TOLERANCE, WARM_UP, _reset_peak, _status_kib, _text, in_child  # noqa: E402
 
 WINDOW = 256  # the random models' sliding window
 # glibc keeps freed heap memory resident (the training step's gradients, its transients) and
@@ -198,14 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER + f" {'plan+gathered':>8} {'added':>8} {'ratio':>6} {'s':>6}", flush=True)
     within = []
     for name in args.only or list(CONFIGS):
-        out = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True,
-                             env=dict(os.environ, **LIVE_BYTES))
-        if out.returncode:
-            print(f"{name:4} failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}",
-                  flush=True)
+        result, failure = in_child(__file__, name, env=LIVE_BYTES)
+        if result is None:
+            print(f"{name:4} failed: {failure}", flush=True)
             within.append(False)
             continue
-        result = json.loads(out.stdout.strip().splitlines()[-1])
         print(_row(name, result["measured"], result["added"], result["seconds"]), flush=True)
         within.append(abs(planned(name)["peak"] / result["measured"] - 1) <= TOLERANCE)
     print(f"within {TOLERANCE:.0%} of the measured peak: {sum(within)} of {len(within)}")
