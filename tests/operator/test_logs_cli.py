@@ -149,9 +149,11 @@ def test_the_command_refuses_bad_numbers_before_reaching_anything(capsys):
     assert cli.main(["logs", "demo", "--worker", "-1"]) == cli.EXIT_INVALID
 
 
-def test_without_pyarrow_the_command_names_the_extra():
+@pytest.mark.parametrize("argv", [["logs", "demo"], ["eval", "demo", "--samples"]], ids=["logs", "eval-samples"])
+def test_without_pyarrow_the_command_names_the_extra(argv):
+    """Both readers of a run's storage (tpufinetune logs, tpufinetune eval --samples)."""
     code = ("import sys; sys.modules['pyarrow'] = None\n"
-            "from tpufinetune import cli; sys.exit(cli.main(['logs', 'demo']))")
+            f"from tpufinetune import cli; sys.exit(cli.main({argv!r}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={"PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == cli.EXIT_INVALID, proc.stderr
