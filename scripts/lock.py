@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PLATFORM = "manylinux_2_28_x86_64"
 # Kept from the trainer's base image (its TPU build of torch), never reinstalled.
 FROM_BASE_IMAGE = ("torch", "torch-tpu", "triton", "nvidia-")
-# Pure-Python packages published as source only (installed from their hashed sdist).
-SDIST_ONLY = ("rouge-score",)
+# Pure-Python packages published as source only (installed from their hashed sdist): the
+# extra's own (rouge-score) and lm-eval's dependencies (sqlitedict, word2number).
+SDIST_ONLY = ("rouge-score", "sqlitedict", "word2number")
 
 
 def extra(name: str) -> list[str]:
@@ -43,9 +44,9 @@ def kept_pins(lock: Path) -> list[str]:
     return [line.split()[0] for line in lock.read_text().splitlines() if "==" in line and not line.startswith("#")]
 
 
-def resolve(requirements: list[str], python: str, keep: list[str] = ()) -> list[dict]:
+def resolve(requirements: list[str], python: str, keep: list[str] = (), wheelhouse: str = "") -> list[dict]:
     """pip's report of what it would install for `python` (e.g. '3.12') on linux x86_64,
-    within the pins `keep` (constraints)."""
+    within the pins `keep` (constraints), with the wheels in `wheelhouse` (if any) beside PyPI's."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         constraints = Path(tmp) / "constraints.txt"
@@ -54,7 +55,8 @@ def resolve(requirements: list[str], python: str, keep: list[str] = ()) -> list[
             [sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--ignore-installed",
              "--only-binary=:all:", f"--python-version={python}", f"--platform={PLATFORM}",
              "--platform=manylinux2014_x86_64", "--platform=linux_x86_64",
-             f"--target={tmp}/target", "--report", str(report), "--constraint", str(constraints), *requirements],
+             f"--target={tmp}/target", "--report", str(report), "--constraint", str(constraints),
+             *([f"--find-links={wheelhouse}"] if wheelhouse else []), *requirements],
             check=True)
         return json.loads(report.read_text())["install"]
 
@@ -94,19 +96,31 @@ extra or the base pins in pyproject.toml."""
 
 def lock_trainer() -> None:
     wanted = [r for r in extra("train") if not r.startswith(FROM_BASE_IMAGE)]
-    # A pure-Python package PyPI has only as an sdist: pinned by its sdist's hash, what it
-    # requires resolved with the rest as wheels (--only-binary refuses it).
-    sdists = [resolve_sdist(r) for r in wanted if r.startswith(SDIST_ONLY)]
-    needs = [d for s in sdists for d in s["metadata"].get("requires_dist", []) if "extra ==" not in d]
-    for python in TRAINER_PYTHONS:
-        path = ROOT / "requirements" / f"trainer-py{python.replace('.', '')}.lock.txt"
-        keep = [pin for pin in kept_pins(path) if not pin.startswith(SDIST_ONLY)]
-        installs = resolve([r for r in wanted if not r.startswith(SDIST_ONLY)] + needs, python, keep) + sdists
-        header = f"""The trainer image's Python set (Dockerfile.trainer) when its base image runs CPython
+    locks = [ROOT / "requirements" / f"trainer-py{python.replace('.', '')}.lock.txt" for python in TRAINER_PYTHONS]
+    # A pure-Python package PyPI has only as an sdist (--only-binary refuses it, and a
+    # platform resolution takes nothing else): built once as a wheel, which serves every
+    # Python, so the resolution sees it and what it requires; pinned by its sdist's hash.
+    # Each at the extra's pin, else the locks', else the newest.
+    pins = {pin.split("==")[0]: pin for pin in [*(p for lock in locks for p in kept_pins(lock)), *wanted]}
+    sources = [pins.get(name, name) for name in SDIST_ONLY]
+    sdists = {s["metadata"]["name"].lower().replace("_", "-"): s for s in map(resolve_sdist, sources)}
+    with tempfile.TemporaryDirectory() as wheelhouse:
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-binary=:all:",
+                        f"--wheel-dir={wheelhouse}", *(f"{name}=={s['metadata']['version']}"
+                                                       for name, s in sdists.items())], check=True)
+        for python, path in zip(TRAINER_PYTHONS, locks):
+            keep = kept_pins(path) + [f"{name}=={s['metadata']['version']}" for name, s in sdists.items()]
+            resolved = resolve(wanted, python, list(dict.fromkeys(keep)), wheelhouse)
+            installs = [sdists.get(i["metadata"]["name"].lower().replace("_", "-"), i) for i in resolved]
+            _write_trainer_lock(path, python, installs)
+
+
+def _write_trainer_lock(path: Path, python: str, installs: list[dict]) -> None:
+    header = f"""The trainer image's Python set (Dockerfile.trainer) when its base image runs CPython
 {python}: the `train` extra resolved for linux/amd64, every package pinned with the hash of the
 file pip chose, without torch (the base image's TPU build stays).
 Written by `python scripts/lock.py trainer`; rerun it after changing the `train` extra."""
-        path.write_text(lock_text(installs, header, FROM_BASE_IMAGE))
+    path.write_text(lock_text(installs, header, FROM_BASE_IMAGE))
 
 
 TRAINER_PYTHONS = ("3.11", "3.12", "3.13")
