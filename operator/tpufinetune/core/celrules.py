@@ -9,6 +9,7 @@ schema carries which rules, and crdgen writes them into `crds/`.
 from __future__ import annotations
 
 from . import generations as g
+from .lmevalrules import lm_eval_rules
 from .specmodels import Training
 from .validation import (
     DPO_FORMAT_MESSAGE, DPO_LOSS_ON_MESSAGE, DPO_METHOD_MESSAGE, DPO_TOKENS_MESSAGE, EARLY_STOP_FIELDS, EARLY_STOP_MESSAGE, EMBEDDINGS_CONTRADICT, ENV_RESERVED_MESSAGE, ENV_VALUE_MESSAGE, EVAL_SCORE_MESSAGE, GENERATE_EVAL_MESSAGE, GENERATE_METHOD_MESSAGE, GLOBAL_BATCH_MESSAGE, KEEP_BEST_METRIC_MESSAGE, KEEP_BEST_SCORE_MESSAGE, IPO_SMOOTHING_MESSAGE, LABEL_MESSAGE, LABEL_SMOOTHING_MESSAGE, LORA_METHOD_MESSAGE, MIN_NO_PROGRESS_TIMEOUT, MOUNT_VOLUME_MESSAGE, NO_PROGRESS_MESSAGE, PRIORITY_QUEUE_MESSAGE, RAY_VERSION_AT_LEAST, RAY_VERSION_MESSAGE, RESERVED_ENV, RESERVED_ENV_PREFIX, RESERVED_LABEL_PREFIX, SHARED_STORAGE_MESSAGE, SHM_MOUNT_MESSAGE, SHM_PATH, SHM_VOLUME, SHM_VOLUME_MESSAGE, SLICES_MESSAGE, STORAGE_MESSAGE, TOKENS_PER_STEP_MESSAGE, TPU_OVERRIDE_MESSAGE, VOLUME_SOURCES, VOLUME_SOURCE_MESSAGE,
@@ -240,6 +241,7 @@ def spec_rules() -> list[dict]:
         },
         _global_batch_rule(is_collectives),
         _tokens_per_step_rule(is_collectives),
+        *lm_eval_rules(),
         {
             "rule": ("!has(self.noProgressTimeoutSeconds) || self.noProgressTimeoutSeconds == 0 "
                      f"|| self.noProgressTimeoutSeconds >= {MIN_NO_PROGRESS_TIMEOUT}"),

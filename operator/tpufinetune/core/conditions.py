@@ -17,6 +17,9 @@ JOB_SUBMITTED = "JobSubmitted"
 RUNNING = "Running"
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
+# Only with spec.evaluation.lmEval: True once lm-eval ran on the export; False with why it did not
+# (the run still Succeeded: an evaluation never fails it).
+EVALUATED = "Evaluated"
 # Only once the spec had a field this operator version does not know (a newer CRD).
 SPEC_FIELDS_IGNORED = "SpecFieldsIgnored"
 # Only once the head did not answer in Submitting or Running: False since when it stopped
@@ -31,7 +34,7 @@ STATUS_WRITABLE = "StatusWritable"
 # and the applied generation's plan stays in force; True once a valid spec is back.
 SPEC_VALID = "SpecValid"
 
-ALL_TYPES = (ADMITTED, CLUSTER_READY, JOB_SUBMITTED, RUNNING, SUCCEEDED, FAILED, SPEC_FIELDS_IGNORED,
+ALL_TYPES = (ADMITTED, CLUSTER_READY, JOB_SUBMITTED, RUNNING, SUCCEEDED, FAILED, EVALUATED, SPEC_FIELDS_IGNORED,
              RAY_REACHABLE, STATUS_WRITABLE, SPEC_VALID)
 MESSAGE_LIMIT = 1024
 

@@ -1,8 +1,10 @@
-"""status.history[].eval: an epoch's generation metrics, part of the status (status.py)."""
+"""status.history[].eval: an epoch's generation metrics, part of the status (status.py); and status.evaluation's
+model (lmevalstatus.py), re-exported."""
 from __future__ import annotations
 
 from pydantic import Field
 
+from tpufinetune.core.lmevalstatus import LmEvalStatus  # noqa: F401  (status.evaluation: status.py imports it here)
 from tpufinetune.core.statusbase import _Status
 
 
@@ -17,3 +19,4 @@ class GenerationMetrics(_Status):
     examples: int | None = Field(None, ge=0, description="Answers scored.")
     samples_uri: str | None = Field(None, alias="samplesURI", max_length=4096,
                                     description="The prompts, responses and answers, one JSON line each.")
+

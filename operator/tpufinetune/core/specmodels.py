@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from .apimodels import DNS_SUBDOMAIN, PRINTABLE, MemorySettings, PodGroup, SecretKeyRef, _Model
 from .generations import ALL_GENERATION_NAMES, MAX_CHIPS_PER_HOST, MAX_CPU_WORKERS, MAX_SLICES
+from .lmevalspec import ExportEvaluation
 from .notify import NOTIFY_FIELD, NotifySubscription
 
 # Every value the operator passes to the trainer defaults to the trainer's own default, and
@@ -402,6 +403,9 @@ class SpecFields(_Model):
     preflight: Preflight | None = Field(
         None, description="Check the slice with the collectives entrypoint before the fine-tune "
                           "(mode finetune). Unset: no preflight.")
+    evaluation: ExportEvaluation | None = Field(
+        None, description="Benchmarks run on the export after the fine-tune, on the same RayCluster before "
+                          "it is released (status.evaluation). Unset: none.")
     max_retries: int = Field(0, ge=0, le=10,
                              description="Times a failed job is resubmitted; a retry "
                                          "resumes from the latest checkpoint.")

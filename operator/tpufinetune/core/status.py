@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from tpufinetune.core.evalstatus import GenerationMetrics
+from tpufinetune.core.evalstatus import GenerationMetrics, LmEvalStatus
 from tpufinetune.core.planstatus import MemoryPlanStatus, ModelConfigStatus  # noqa: F401  (part of the status)
 from tpufinetune.core.startupstatus import StartupTimes
 from tpufinetune.core.statusbase import _Status
@@ -435,6 +435,7 @@ class TPUFineTuneStatus(_Status):
     notifications: list[Notification] | None = Field(
         None, max_length=50, description="Delivery of spec.notify's notices, newest last (at "
                                          "most 50).")
+    evaluation: LmEvalStatus | None = Field(None, description="lm-eval on the export (spec.evaluation.lmEval).")
     plan: MemoryPlanStatus | None = Field(
         None, description="The memory planner's estimate (HBM per chip, memory per host) and "
                           "whether it fits; a run that does not fit fails with reason DoesNotFit "

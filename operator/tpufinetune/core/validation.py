@@ -19,6 +19,7 @@ from .errors import SpecError
 from .memplan import KNOWN_MODELS, known_shape
 from .quantity import parse_quantity
 from .sizing import SLICE_INDEX_ENV, plan_resources, slice_shape
+from .lmevalrules import check_lm_eval
 from .specmodels import MIN_NO_PROGRESS_TIMEOUT
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ def check_spec(spec: SpecFields, one_machine: bool = False) -> None:
             _check_overrides(f"spec.{group}.resources", resources)
         _check_pod_group(f"spec.{group}", getattr(spec, group))
     _check_merged_resources(spec)
+    check_lm_eval(spec)  # its fit reads the merged worker memory
 
 
 def _check_dpo(training) -> None:
