@@ -12,14 +12,14 @@ from datetime import datetime, timedelta, timezone
 from typing import Protocol
 
 from tpufinetune.adapters import metrics
-from tpufinetune.core import applied, attempts, conditions, notify, phases
+from tpufinetune.core import applied, attempts, conditions, notify, phaselmeval, phases
 from tpufinetune.core.api import SpecError, parse_stored_spec
 from tpufinetune.adapters.lease import LeaseLost
 from tpufinetune.core.errors import CreateRefused, StatusConflict
 from tpufinetune.core.jobspec import job_submission, preflight_submission
 from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
-from tpufinetune.core.phasemodel import recorded_cluster_uid
+from tpufinetune.core.phasemodel import SubmitEvaluation, recorded_cluster_uid
 from tpufinetune.core.podstatus import SliceHealth
 from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.adapters.logfollow import LogFollower
@@ -185,7 +185,7 @@ class Run(RunRay, RunStatus):
         down = unreachable = ""
         try:
             if address and phase in (phases.SUBMITTING, phases.RUNNING) and self.status.get("jobId") and not lost:
-                job = await self._ray(address, self.jobs.job, self.status["jobId"])
+                job = await self._ray(address, self.jobs.job, phaselmeval.followed_job(self.status))
                 if self.plan.queue and (job is None or job.status not in phases.JOB_ACTIVE):
                     # An eviction ends the job: Kueue suspends the RayCluster before KubeRay
                     # deletes its pods, so a cluster read after the job shows why it ended.
@@ -211,7 +211,8 @@ class Run(RunRay, RunStatus):
         stopped) are taken and its log stream closed."""
         job = None
         if phase in (phases.SUBMITTING, phases.RUNNING) and address and self.status.get("jobId"):
-            job = await self._ray_while_deleting("reading the evicted job", address, self.jobs.job, self.status["jobId"])
+            job = await self._ray_while_deleting("reading the evicted job", address, self.jobs.job,
+                                                 phaselmeval.followed_job(self.status))
         if self.follower is not None:
             self.keep_unwritten(self.follower.drain())
             if phase == phases.QUEUED:
@@ -378,6 +379,8 @@ class Run(RunRay, RunStatus):
                                 request.entrypoint, request.runtime_env, request.metadata)
             elif isinstance(action, phases.RequestCheckpoint):
                 await self._request_checkpoint(action)
+            elif isinstance(action, SubmitEvaluation):
+                await self._submit_evaluation(address, action)
             elif isinstance(action, phases.StopJob) and decision.phase in (phases.DELETING, phases.QUEUED,
                                                                            phases.PENDING):
                 # The slice is going (a delete, an eviction, a retry on a new RayCluster):

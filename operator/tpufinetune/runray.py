@@ -28,11 +28,11 @@ from tpufinetune.adapters.lease import LeaseLost
 from tpufinetune.adapters.logfollow import LogFollower
 from tpufinetune.adapters.raytokens import SigningKeyError
 from tpufinetune.adapters import metrics
-from tpufinetune.core import conditions, phases, raytoken, runevents
+from tpufinetune.core import conditions, phaselmeval, phases, raytoken, runevents
 from tpufinetune.core.errors import CreateRefused
 from tpufinetune.core.phaseattempts import token_refused
 from tpufinetune.core.generations import generation
-from tpufinetune.core.jobspec import checkpoint_request, submission_id
+from tpufinetune.core.jobspec import checkpoint_request, lmeval_submission, submission_id
 from tpufinetune.core.phases import ClusterView, Observations
 from tpufinetune.core.sizing import total_devices
 
@@ -163,7 +163,8 @@ class RunRay:
         not answer in time."""
         if not (address and self.status.get("jobId") and cluster is not None and cluster.exists and cluster.ready):
             return None
-        return await self._ray_while_deleting("reading the job", address, self.jobs.job, self.status["jobId"])
+        return await self._ray_while_deleting("reading the job", address, self.jobs.job,
+                                              phaselmeval.followed_job(self.status))
 
     async def _ray_while_deleting(self, what: str, address: str, call, *args):
         """Best effort and bounded: deletion (and an eviction) never waits on Ray, nor on
@@ -179,7 +180,7 @@ class RunRay:
     async def _new_events(self, address: str, job) -> tuple[dict, ...]:
         if job is None or self.status.get("phase") != phases.RUNNING:
             return ()
-        job_id = self.status["jobId"]
+        job_id = phaselmeval.followed_job(self.status)  # the lm-eval job's once the export is evaluated
         if self.follower is None or self.follower.submission_id != job_id:
             await self._close_follower()  # the previous attempt's stream
             same_job = self.status.get("logJobId") == job_id
@@ -271,6 +272,17 @@ class RunRay:
             log.warning("%s/%s: asking for a checkpoint failed: %s", self.ident.namespace, self.ident.name, error)
             self.backend.record(self.ident, "Warning", "CheckpointRequestFailed",
                                 f"could not ask the trainer for a checkpoint: {_one_line(error)}")
+
+    async def _submit_evaluation(self, address: str, action) -> None:
+        """The attempt's lm-eval job (core/phaselmeval.py) on its export, on the same head with
+        the run's token; a duplicate submit after a crash is Ray's to refuse (its id is fixed)."""
+        spec = self.spec
+        if spec is None or spec.evaluation is None or spec.evaluation.lm_eval is None:
+            return  # an edit removed it: the next step finds no job and its watchdog ends the wait
+        request = lmeval_submission(self.ident.name, self.ident.namespace, self.ident.uid, spec, action.attempt,
+                                    action.model_uri)
+        await self._ray(address, self.jobs.submit, request.submission_id, request.entrypoint,
+                        request.runtime_env, request.metadata)
 
     async def _previous_attempt_ended(self, attempt: int) -> None:
         """Never two trainers on one slice: before attempt N is submitted, attempt N-1 must

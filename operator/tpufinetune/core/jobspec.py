@@ -229,6 +229,43 @@ def preflight_submission(name: str, namespace: str, uid: str, spec: TPUFineTuneS
     )
 
 
+def lmeval_id(uid: str, attempt: int) -> str:
+    """Ray submission id of `attempt`'s lm-eval job (spec.evaluation.lmEval, on its export)."""
+    return f"{submission_id(uid, attempt)}-lmeval"
+
+
+def lmeval_argv(spec: TPUFineTuneSpec, run: str, model_uri: str) -> list[str]:
+    """`tpufinetune-train lmeval` on the export at `model_uri`: one --task= per task, and the
+    optional settings only when set (lm-eval's own defaults otherwise)."""
+    lm_eval = spec.evaluation.lm_eval
+    argv = [TRAINER, "lmeval", f"--run-name={run}", f"--storage-path={spec.checkpoint.storage_path}",
+            f"--model-uri={model_uri}", *(f"--task={task}" for task in lm_eval.tasks)]
+    if lm_eval.num_fewshot is not None:
+        argv.append(f"--num-fewshot={lm_eval.num_fewshot}")
+    if lm_eval.limit is not None:  # a whole number of documents, or a fraction of them below 1
+        limit = lm_eval.limit
+        argv.append(f"--limit={int(limit) if limit >= 1 else limit!r}")
+    if lm_eval.include_path is not None:
+        argv.append(f"--include-path={lm_eval.include_path}")
+    return argv
+
+
+def lmeval_submission(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec, attempt: int,
+                      model_uri: str) -> JobSubmission:
+    """The lm-eval job on the run's own RayCluster once `attempt`'s fine-tune succeeded: the
+    fine-tune's runtime env (its logs shipped beside the attempt's, as the trainer finds them
+    from --storage-path, --run-name and TPUFINETUNE_ATTEMPT) and the same token."""
+    fine_tune = job_submission(name, namespace, uid, spec, attempt)
+    argv = lmeval_argv(spec, run_name(name, uid), model_uri)
+    return JobSubmission(
+        submission_id=lmeval_id(uid, attempt),
+        entrypoint_argv=argv,
+        entrypoint=shlex.join(argv),
+        runtime_env=fine_tune.runtime_env,
+        metadata={**fine_tune.metadata, f"{LABEL_PREFIX}lmeval": "true"},
+    )
+
+
 def checkpoint_request(name: str, namespace: str, uid: str, attempt: int, request: int, reason: str,
                        detail: str) -> JobSubmission:
     """A short job on the run's head that asks its running trainer for a step checkpoint

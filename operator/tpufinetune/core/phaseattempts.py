@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from tpufinetune.core import attempts
 from tpufinetune.core import conditions as cond
+from tpufinetune.core import lmevalevents
 from tpufinetune.core.jobspec import submission_id
 from tpufinetune.core.phasemodel import (
-    JOB_ACTIVE, PENDING, PROVISIONING, QUEUED, RUNNING, SUBMITTING, FAILED,
+    JOB_ACTIVE, PENDING, PROVISIONING, QUEUED, RUNNING, SUBMITTING, SUCCEEDED, FAILED,
     Decision, DeleteCluster, Identity, JobView, Observations, Plan, RecordEvent, StopJob,
     _applied, _enter, _first_and_last_line, _set, cluster_lost,
 )
@@ -98,7 +99,23 @@ def _success_message(s: dict) -> str:
         parts.append(f"checkpoint {s['checkpointURI']}")
     if s.get("collectives"):
         parts.append("collectives passed" if s["collectives"].get("passed") else "collectives FAILED")
+    evaluation = s.get("evaluation") or {}
+    if evaluation.get("state") == "Succeeded":
+        parts.append(f"lm-eval: {lmevalevents.summary(evaluation) or 'no figures'}")
+    elif evaluation.get("state") == "Failed":
+        parts.append(f"lm-eval not done ({evaluation.get('reason') or 'Failed'})")
     return ", ".join(parts)
+
+
+def _succeed(plan: Plan, s: dict, obs: Observations, d: Decision) -> None:
+    """The run succeeded (its fine-tune job, and any evaluation of its export, ended): the
+    attempt ends and the slice is released (or kept for spec.ttlSecondsAfterFinished from now)."""
+    _set(s, obs, cond.RUNNING, False, "Completed", "the job finished")
+    _set(s, obs, cond.SUCCEEDED, True, "JobSucceeded", _success_message(s))
+    s["completionTime"] = cond.timestamp(obs.now)
+    _enter(s, d, SUCCEEDED, "Succeeded", _success_message(s))
+    attempts.end(s, obs.now, "Succeeded", _success_message(s))
+    _release(plan, s, obs, d)
 
 
 def _fail(plan: Plan, s: dict, obs: Observations, d: Decision, reason: str, message: str,

@@ -68,6 +68,7 @@ class Plan:
     # model's own config.json (its `model` event); None: not planned.
     memory_request: object | None = field(default=None, hash=False, compare=False)
     logs_root: str = ""  # jobspec.run_logs_root: status.attempts[].logsURI ('': none kept)
+    lm_eval_tasks: tuple[str, ...] = ()  # spec.evaluation.lmEval.tasks: run on the export before the release
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,15 @@ class SubmitJob:
 class SubmitPreflight:
     submission_id: str
     attempt: int
+
+
+@dataclass(frozen=True)
+class SubmitEvaluation:
+    """Submit the attempt's lm-eval job on its export (spec.evaluation.lmEval)."""
+
+    submission_id: str
+    attempt: int
+    model_uri: str
 
 
 @dataclass(frozen=True)

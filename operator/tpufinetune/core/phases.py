@@ -25,14 +25,14 @@ import json
 from dataclasses import replace
 from datetime import datetime, timedelta
 
-from tpufinetune.core import attempts
+from tpufinetune.core import attempts, phaselmeval
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import memplan, memplan_spec
 from tpufinetune.core.api import TPUFineTuneSpec
 from tpufinetune.core.jobspec import run_logs_root, submission_id
 from tpufinetune.core.phaseattempts import (  # noqa: F401  (attempt_reason: part of the API)
     NOT_RETRIED, _count_attempts, _fail, _job_failure, _lost_cluster, _rebuild_or_fail, _release, _retry, _stop_and_fail,
-    _success_message, _suspended, attempt_reason,
+    _succeed, _suspended, attempt_reason,
 )
 from tpufinetune.core.phasechecks import (  # noqa: F401  (ray_down_since: the driver's)
     _maintenance, _preflight_passed, _ray_clock, _ray_down, _spec_validity, maintenance_time, plan_from_config,
@@ -78,6 +78,7 @@ def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: t
         memory=memplan_spec.status_of(memory) if memory is not None else None,
         does_not_fit=memory.refusal() if memory is not None and memplan.refuses(memory) else "",
         memory_request=request,
+        lm_eval_tasks=phaselmeval.lm_eval_tasks(spec),
         logs_root=run_logs_root(ident.name, ident.uid, spec),
     )
 
@@ -127,7 +128,8 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
     new = _copy(status)
     decision = Decision(new)
     refused_by_config = ""
-    for event in obs.events:
+    evaluating = phaselmeval.evaluating(new)
+    for event in phaselmeval.fold_evaluation_events(new, obs.events):  # the rest: the fine-tune's
         if event.get("event") == "model":
             refused_by_config = plan_from_config(plan, new, event, decision) or refused_by_config
             continue
@@ -152,6 +154,8 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
         _deleting(ident, new, obs, decision)
     elif phase in TERMINAL:
         _terminal(plan, new, obs, decision)
+    elif evaluating:
+        phaselmeval.step(ident, plan, new, obs, decision)
     elif obs.spec_error and phase in (PENDING, QUEUED, PROVISIONING, SUBMITTING):
         # An edit made the spec invalid before the job started: nothing to run.
         _applied(new, ident)
@@ -366,12 +370,8 @@ def _running(ident: Identity, plan: Plan, s: dict, obs: Observations, d: Decisio
         _maintenance(ident, s, obs, d)
         return
     if job is not None and job.status == "SUCCEEDED":
-        _set(s, obs, cond.RUNNING, False, "Completed", "the job finished")
-        _set(s, obs, cond.SUCCEEDED, True, "JobSucceeded", _success_message(s))
-        s["completionTime"] = cond.timestamp(obs.now)
-        _enter(s, d, SUCCEEDED, "Succeeded", _success_message(s))
-        attempts.end(s, obs.now, "Succeeded", _success_message(s))
-        _release(plan, s, obs, d)
+        if not phaselmeval.begin(ident, plan, s, obs, d):  # else its export is evaluated first
+            _succeed(plan, s, obs, d)
         return
     # The log's last lines (kept with the attempt: they outlive the cluster) and the
     # slice's pods and nodes (why the attempt ended; whether a retry may keep the slice).
@@ -470,7 +470,7 @@ def _deleting(ident: Identity, s: dict, obs: Observations, d: Decision) -> None:
         attempts.end(s, obs.now, "Stopped", "the TPUFineTune was deleted")
         _enter(s, d, DELETING, "Deleting", "stopping the job and releasing the RayCluster")
     if cluster_up and obs.job is not None and obs.job.status in JOB_ACTIVE and s.get("jobId"):
-        d.actions.append(StopJob(s["jobId"]))
+        d.actions.append(StopJob(phaselmeval.followed_job(s)))
     if s.get("rayClusterName") and (cluster_unknown or cluster_up):
         d.actions.append(DeleteCluster(s["rayClusterName"]))
 
