@@ -199,7 +199,7 @@ def _eval_refusal(args: argparse.Namespace) -> str:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .evaltable import evaluation_table
+    from .evaltable import evaluation_table, lm_eval_table
 
     refusal = _eval_refusal(args)
     if refusal:
@@ -223,7 +223,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.samples:
         return _eval_samples(args, f"{namespace}/{args.name}", obj.get("status") or {})
     table, note = evaluation_table(obj.get("status") or {})
-    sys.stdout.write(table)
+    sys.stdout.write(table + "\n" + lm_eval_table(obj.get("status") or {}))
     if note:
         print(f"tpufinetune eval: {namespace}/{args.name}: {note}", file=sys.stderr)
     return 0
@@ -269,7 +269,8 @@ SUBCOMMANDS: list[Subcommand] = [
                        "storage, live or after its RayCluster is gone (needs the logs extra)",
                _logs_arguments, _logs),
     Subcommand("eval", "print a TPUFineTune's evaluation per epoch (eval loss and generation "
-                       "metrics) from its status, or with --samples an epoch's prompts, references "
+                       "metrics) and lm-eval's on its export from its status, or with --samples an "
+                       "epoch's prompts, references "
                        "and answers from the run's storage (needs the logs extra)",
                _eval_arguments, _eval),
 ]
