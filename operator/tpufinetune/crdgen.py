@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from .core.api import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION, TPUFineTuneSpec, schema_rules
-from .core.celrules import cel_string
+from .core.celrules import cel_string, object_rules
 from .core.status import TPUFineTuneStatus
 
 CRD_FILENAME = f"{PLURAL}.{GROUP}.yaml"
@@ -128,6 +128,7 @@ def openapi_schema() -> dict:
         "description": "Operator framework bookkeeping (internal)."}
     return {
         "type": "object",
+        "x-kubernetes-validations": [dict(sorted(rule.items())) for rule in object_rules()],
         "description": "TPUFineTune runs LLM fine-tuning (or an interconnect check) on a "
                        "Cloud TPU slice through a KubeRay RayCluster and the Ray Job API.",
         "required": ["spec"],

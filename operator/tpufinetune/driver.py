@@ -17,6 +17,7 @@ from tpufinetune.core.api import SpecError, parse_stored_spec
 from tpufinetune.adapters.lease import LeaseLost
 from tpufinetune.core.errors import CreateRefused, StatusConflict
 from tpufinetune.core.jobspec import job_submission, preflight_submission
+from tpufinetune.core.initsource import source_view
 from tpufinetune.core.skew import report_ignored_fields
 from tpufinetune.core.phases import ClusterView, Decision, Identity, Observations
 from tpufinetune.core.phasemodel import SubmitEvaluation, recorded_cluster_uid
@@ -69,6 +70,7 @@ class Run(RunRay, RunStatus):
         # The status above was read at this version; each write must find it unchanged.
         self.resource_version = str(body["metadata"].get("resourceVersion") or "")
         self.generation = None
+        self.planned_init: dict | None = None  # status.initFrom the plan was made with (a chained run's source)
         # (generation, spec source, plan) of the last valid generation a step applied: its
         # plan stays in force while a later edit is refused, and scales the attempt's usage
         # until the edit is applied (the next attempt). None: not known (an operator that
@@ -114,9 +116,9 @@ class Run(RunRay, RunStatus):
     def _refresh_spec(self) -> None:
         meta = self.body["metadata"]
         generation = int(meta.get("generation") or 1)
-        if generation == self.generation:
-            return
-        self.generation = generation
+        if generation == self.generation and self.status.get("initFrom") == self.planned_init:
+            return  # a chained run plans again once its source is recorded: its model is the source's
+        self.generation, self.planned_init = generation, self.status.get("initFrom")
         self.ident = Identity(meta["name"], meta.get("namespace", "default"), meta["uid"], generation)
         # This generation's spec, as stored, kept as JSON: the body's dicts are replaced at
         # every event, and a copy of the old ones held here costs a few KB a waiting run.
@@ -127,7 +129,7 @@ class Run(RunRay, RunStatus):
             spec, self.ignored_fields = self._parse_spec(self._spec_source)
         except SpecError as error:
             spec, self.spec_error = None, str(error)
-        self.latest_plan = phases.plan_for(self.ident, spec, *self._bounds())
+        self.latest_plan = phases.plan_for(self.ident, spec, *self._bounds(), init_from=self.planned_init)
         if self.applied is None and spec is not None and self.status.get("observedGeneration") in (None, generation):
             self.applied = (generation, self._spec_source, self.latest_plan)
         elif self.applied is None:  # a restart: status.appliedSpec says what is in force
@@ -176,6 +178,10 @@ class Run(RunRay, RunStatus):
         if deleting:  # never waits on Ray, nor on the signing key: best effort, bounded
             job = await self._job_while_deleting(address, cluster)
             return Observations(now=now, spec_error=self.spec_error, cluster=cluster, job=job, deleting=True)
+        if phases.waits_for_source(self.plan, self.status):  # nothing of its own yet: only its source to read
+            read = getattr(self.backend, "read_run", None)
+            source = source_view(await read(self.ident.namespace, self.plan.init_from.run)) if read else None
+            return Observations(now=now, spec_error=self.spec_error, cluster=cluster, init_source=source)
         kueue_holds = bool(self.plan.queue) and cluster is not None and cluster.suspended  # head gone or going
         if kueue_holds or (phase == phases.QUEUED and self.follower is not None):
             return await self._observe_evicted(now, address, cluster, phase)
@@ -221,6 +227,11 @@ class Run(RunRay, RunStatus):
                             events=tuple(self.unwritten))
 
     # ---- one step ---------------------------------------------------------------------
+
+    @property
+    def waits_on(self) -> str:
+        """The TPUFineTune of its namespace whose changes wake it (spec.model.initFrom), '' for none."""
+        return self.plan.init_from.run if phases.waits_for_source(self.plan, self.status) else ""
 
     def end_with_namespace(self) -> None:
         self.namespace_ending = True
@@ -366,8 +377,8 @@ class Run(RunRay, RunStatus):
                 # A retry resumes from the last checkpoint the previous attempt reported.
                 resume = self.status.get("checkpointURI") if action.attempt > 1 else None
                 submission = job_submission(
-                    self.ident.name, self.ident.namespace, self.ident.uid, self.spec, action.attempt, resume_from=resume
-                )
+                    self.ident.name, self.ident.namespace, self.ident.uid, self.spec, action.attempt, resume_from=resume,
+                    init_from=self.status.get("initFrom"))
                 await self._ray(address, self.jobs.submit, action.submission_id,
                                 submission.entrypoint, submission.runtime_env, submission.metadata)
                 if action.attempt == 1:

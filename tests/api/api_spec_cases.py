@@ -409,6 +409,25 @@ MEMORY_INVALID: list[Invalid] = [
 ]
 INVALID += MEMORY_INVALID
 
+# spec.model.initFrom (a chained run): naming itself is the object's rule, test_crd_admission's.
+INIT_FROM_INVALID = [
+    # A CEL twin: the apiserver and parse_spec print the same words.
+    Invalid("init-from-with-collectives",
+            spec_with(mode="collectives", checkpoint=None, model={"initFrom": {"run": "sft"}}),
+            "spec.model.initFrom", validation.INIT_FROM_MODE_MESSAGE),
+    Invalid("init-from-unknown-artifact", spec_with(model={"initFrom": {"run": "sft", "artifact": "weights"}}),
+            "spec.model.initFrom.artifact", '"weights" is not valid',
+            admission='Unsupported value: "weights"', python_exact=False),
+    Invalid("init-from-run-not-a-name", spec_with(model={"initFrom": {"run": "Team-A/sft"}}),
+            "spec.model.initFrom.run", "must match pattern", admission="should match", python_exact=False),
+    # Never another namespace: there is no field for one.
+    Invalid("init-from-other-namespace", spec_with(model={"initFrom": {"run": "sft", "namespace": "team-b"}}),
+            "spec.model.initFrom.namespace", "unknown field", admission='unknown field "spec.model.initFrom.namespace"'),
+    Invalid("init-from-without-run", spec_with(model={"initFrom": {"artifact": "export"}}),
+            "spec.model.initFrom.run", "is required", admission="Required value"),
+]
+INVALID += INIT_FROM_INVALID
+
 # Ids, URIs and paths with a control character: a line break in one would become a line of
 # its own wherever it is printed (`tpufinetune render`'s comments, logs, command lines).
 CONTROL_ADMISSION = f"should match '{PRINTABLE}'"

@@ -172,3 +172,16 @@ def test_rendered_rayclusters_pass_the_real_kuberay_crd(control_plane, kuberay_c
     result = apply(control_plane, namespace, yaml.safe_dump_all(documents),
                    "--dry-run=server")
     assert result.returncode == 0, result.stderr
+
+
+def test_a_run_that_starts_from_itself_is_refused_and_a_chained_one_is_stored_as_written(control_plane, namespace):
+    """spec.model.initFrom.run naming the object itself: only the object's own CEL rule reads
+    metadata.name (parse_spec never sees it; the operator refuses it again at the first step)."""
+    from tpufinetune.core.api import INIT_FROM_SELF_MESSAGE
+
+    result = apply(control_plane, namespace, manifest("dpo", spec_with(model={"initFrom": {"run": "dpo"}})))
+    error = " ".join(result.stderr.split())
+    assert result.returncode != 0 and "spec.model.initFrom.run" in error and INIT_FROM_SELF_MESSAGE in error, error
+    assert apply(control_plane, namespace, manifest("dpo", spec_with(model={"initFrom": {"run": "sft"}}))).returncode == 0
+    stored = json.loads(control_plane.kubectl("get", "tft", "dpo", "-n", namespace, "-o", "json").stdout)["spec"]
+    assert stored["model"]["initFrom"] == {"run": "sft", "artifact": "export"}

@@ -236,6 +236,7 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
     """Every change to a TPUFineTune, from kopf's watch:
     - the tpufinetune_resources gauge and the per-run series follow it, deletions included
       (a deleted run's series go);
+    - any change wakes the runs that wait for this one to succeed (spec.model.initFrom);
     - an edit (a new generation: spec.suspend, a deadline) or a deletion wakes its run, which
       acts now instead of after its sleep (a waiting run sleeps up to a minute); so does any
       change while a new run waits for kopf's first writes (Run.settle).
@@ -247,6 +248,8 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
     drop_managed_fields(body)
     meta = body.get("metadata", {})
     key = (meta.get("namespace"), meta.get("name"))
+    for waiting in [r for (namespace, _), r in RUNS.items() if namespace == key[0] and r.waits_on == key[1]]:
+        waiting.wake.set()  # a run chained to this one (spec.model.initFrom) looks at it now
     if type == "DELETED":
         metrics.forget(*key, meta.get("uid", ""))
         return

@@ -425,6 +425,17 @@ class KubeBackend:
             raise
         return dict(body.get("status") or {}), body["metadata"].get("resourceVersion", "")
 
+    async def read_run(self, namespace: str, name: str) -> dict | None:
+        """Another TPUFineTune of the namespace (a chained run's source, spec.model.initFrom) as the
+        API server holds it now; None if there is none (RBAC: get tpufinetunes)."""
+        try:
+            return await self._call(self.objects.get_namespaced_custom_object, GROUP, VERSION, namespace,
+                                    PLURAL, name, _request_timeout=self._timeout)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
     async def drop_finalizer(self, ident: Identity, finalizer: str) -> str:
         """`finalizer` off the run's object, and nothing else of it touched (RBAC: patch
         tpufinetunes cluster-wide, which holds in a namespace being deleted): "removed";

@@ -35,7 +35,7 @@ from .specmodels import (  # noqa: F401  (re-exported)
     DatasetSource, GenerationName, LoRA, LoraModuleName, ModelSource, Preflight, ScoreAttribute,
     SpecFields, TPUSlice, Training,
 )
-from .validation import EMBEDDINGS_CONTRADICT, mixture_of_experts_refusal  # noqa: F401  (re-exported)
+from .validation import EMBEDDINGS_CONTRADICT, INIT_FROM_SELF_MESSAGE, mixture_of_experts_refusal  # noqa: F401  (re-exported)
 
 
 class TPUFineTuneSpec(SpecFields):

@@ -12,7 +12,7 @@ from . import generations as g
 from .lmevalrules import lm_eval_rules
 from .specmodels import Training
 from .validation import (
-    DPO_FORMAT_MESSAGE, DPO_LOSS_ON_MESSAGE, DPO_METHOD_MESSAGE, DPO_TOKENS_MESSAGE, EARLY_STOP_FIELDS, EARLY_STOP_MESSAGE, EMBEDDINGS_CONTRADICT, ENV_RESERVED_MESSAGE, ENV_VALUE_MESSAGE, EVAL_SCORE_MESSAGE, GENERATE_EVAL_MESSAGE, GENERATE_METHOD_MESSAGE, GLOBAL_BATCH_MESSAGE, KEEP_BEST_METRIC_MESSAGE, KEEP_BEST_SCORE_MESSAGE, IPO_SMOOTHING_MESSAGE, LABEL_MESSAGE, LABEL_SMOOTHING_MESSAGE, LORA_METHOD_MESSAGE, MIN_NO_PROGRESS_TIMEOUT, MOUNT_VOLUME_MESSAGE, NO_PROGRESS_MESSAGE, PRIORITY_QUEUE_MESSAGE, RAY_VERSION_AT_LEAST, RAY_VERSION_MESSAGE, RESERVED_ENV, RESERVED_ENV_PREFIX, RESERVED_LABEL_PREFIX, SHARED_STORAGE_MESSAGE, SHM_MOUNT_MESSAGE, SHM_PATH, SHM_VOLUME, SHM_VOLUME_MESSAGE, SLICES_MESSAGE, STORAGE_MESSAGE, TOKENS_PER_STEP_MESSAGE, TPU_OVERRIDE_MESSAGE, VOLUME_SOURCES, VOLUME_SOURCE_MESSAGE,
+    DPO_FORMAT_MESSAGE, DPO_LOSS_ON_MESSAGE, DPO_METHOD_MESSAGE, DPO_TOKENS_MESSAGE, EARLY_STOP_FIELDS, EARLY_STOP_MESSAGE, EMBEDDINGS_CONTRADICT, ENV_RESERVED_MESSAGE, ENV_VALUE_MESSAGE, EVAL_SCORE_MESSAGE, GENERATE_EVAL_MESSAGE, GENERATE_METHOD_MESSAGE, GLOBAL_BATCH_MESSAGE, INIT_FROM_MODE_MESSAGE, INIT_FROM_SELF_MESSAGE, KEEP_BEST_METRIC_MESSAGE, KEEP_BEST_SCORE_MESSAGE, IPO_SMOOTHING_MESSAGE, LABEL_MESSAGE, LABEL_SMOOTHING_MESSAGE, LORA_METHOD_MESSAGE, MIN_NO_PROGRESS_TIMEOUT, MOUNT_VOLUME_MESSAGE, NO_PROGRESS_MESSAGE, PRIORITY_QUEUE_MESSAGE, RAY_VERSION_AT_LEAST, RAY_VERSION_MESSAGE, RESERVED_ENV, RESERVED_ENV_PREFIX, RESERVED_LABEL_PREFIX, SHARED_STORAGE_MESSAGE, SHM_MOUNT_MESSAGE, SHM_PATH, SHM_VOLUME, SHM_VOLUME_MESSAGE, SLICES_MESSAGE, STORAGE_MESSAGE, TOKENS_PER_STEP_MESSAGE, TPU_OVERRIDE_MESSAGE, VOLUME_SOURCES, VOLUME_SOURCE_MESSAGE,
 )
 
 
@@ -256,6 +256,12 @@ def spec_rules() -> list[dict]:
             "reason": "FieldValueInvalid",
         },
         {
+            "rule": f"!{is_collectives} || !has(self.model) || !has(self.model.initFrom)",
+            "message": INIT_FROM_MODE_MESSAGE,
+            "fieldPath": ".model.initFrom",
+            "reason": "FieldValueForbidden",
+        },
+        {
             "rule": "!has(self.workloadPriorityClassName) || has(self.queueName)",
             "message": PRIORITY_QUEUE_MESSAGE,
             "fieldPath": ".workloadPriorityClassName",
@@ -362,3 +368,12 @@ def evaluation_rules(dpo: str) -> list[dict]:
                   f"(!has(self.evaluation.generate.metrics) || {keep} in self.evaluation.generate.metrics))"),
          "message": KEEP_BEST_METRIC_MESSAGE, "fieldPath": ".evaluation.keepBestBy", "reason": "FieldValueInvalid"},
     ]
+
+
+def object_rules() -> list[dict]:
+    """CEL rules on the whole object: only there can a rule read metadata.name (pydantic never
+    sees it; the operator refuses the same at the run's first step)."""
+    return [{"rule": ("!has(self.spec.model) || !has(self.spec.model.initFrom) || "
+                      "self.spec.model.initFrom.run != self.metadata.name"),
+             "message": INIT_FROM_SELF_MESSAGE, "fieldPath": ".spec.model.initFrom.run",
+             "reason": "FieldValueInvalid"}]

@@ -34,8 +34,12 @@ STATUS_WRITABLE = "StatusWritable"
 # and the applied generation's plan stays in force; True once a valid spec is back.
 SPEC_VALID = "SpecValid"
 
+# Only with spec.model.initFrom: False while the run waits for its source run to succeed (the
+# message says what it waits for), True once status.initFrom is recorded.
+INIT_FROM_READY = "InitFromReady"
+
 ALL_TYPES = (ADMITTED, CLUSTER_READY, JOB_SUBMITTED, RUNNING, SUCCEEDED, FAILED, EVALUATED, SPEC_FIELDS_IGNORED,
-             RAY_REACHABLE, STATUS_WRITABLE, SPEC_VALID)
+             RAY_REACHABLE, STATUS_WRITABLE, SPEC_VALID, INIT_FROM_READY)
 MESSAGE_LIMIT = 1024
 
 

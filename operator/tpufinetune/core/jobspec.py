@@ -9,7 +9,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
-from . import memplan_spec
+from . import initsource
+from .memplan import estimate
 from .api import TPUFineTuneSpec
 from .apimodels import MemorySettings
 from .sizing import slice_shape, total_devices
@@ -126,15 +127,15 @@ def evaluation_flags(training) -> list[str]:
 
 
 def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
-                 resume_from: str | None = None) -> list[str]:
+                 resume_from: str | None = None, init_from: dict | None = None) -> list[str]:
     """The trainer command for `spec`. `--flag=value` keeps a value that starts with '-'
-    from being read as an option."""
+    from being read as an option. `init_from`: status.initFrom, a chained run's source resolved."""
     if spec.mode == "collectives":
         return [TRAINER, "collectives", *_slice_flags(spec)]
     training, checkpoint = spec.training, spec.checkpoint
     argv = [
         TRAINER, "finetune",
-        f"--model-id={spec.model.id}",
+        *initsource.model_flags(spec, init_from),
         f"--dataset={spec.dataset.id}",
         f"--dataset-split={spec.dataset.split}",
         *_slice_flags(spec),
@@ -177,7 +178,8 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
         if lora.train_embeddings:  # only when on: an older trainer image knows no such flag
             argv.append("--lora-train-embeddings=true")
     argv += memory_flags(training)
-    plan = memplan_spec.plan_spec(spec)  # status.plan's: the flag and the figure shown are one decision
+    request = initsource.memory_request(spec, init_from)
+    plan = estimate(request) if request is not None else None  # status.plan's: the flag and the figure shown are one decision
     if plan is not None and plan.keep_gathered:  # only then: an older trainer knows no such flag
         argv.append("--reshard-after-forward=false")
     if training.tokens_per_step is not None:  # only when set: an older trainer image knows no such flag
@@ -284,9 +286,10 @@ def checkpoint_request(name: str, namespace: str, uid: str, attempt: int, reques
 
 
 def job_submission(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec,
-                   attempt: int, resume_from: str | None = None) -> JobSubmission:
-    """The job for `attempt` (from 1); pass `resume_from` (a checkpoint URI) on retries."""
-    argv = trainer_argv(spec, run_name=run_name(name, uid), resume_from=resume_from)
+                   attempt: int, resume_from: str | None = None, init_from: dict | None = None) -> JobSubmission:
+    """The job for `attempt` (from 1); pass `resume_from` (a checkpoint URI) on retries, and
+    `init_from` (status.initFrom) for a chained run."""
+    argv = trainer_argv(spec, run_name=run_name(name, uid), resume_from=resume_from, init_from=init_from)
     # Only non-secret settings: the runtime env is visible in the Ray dashboard and job
     # API. The Hugging Face token reaches the trainer through the pods' environment.
     env_vars = {

@@ -44,8 +44,9 @@ def with_model_config(request: Request, config: dict) -> MemoryPlan:
     return estimate(replace(request, model_config=config))
 
 
-def request_of(spec) -> Request | None:
-    """The planner's request of a spec (None for mode collectives), with the keep-gathered
+def request_of(spec, model_id: str | None = None) -> Request | None:
+    """The planner's request of a spec (None for mode collectives; `model_id`, a chained run's
+    source's base model, in place of spec.model.id), with the keep-gathered
     decision made. The method (with DPO, whether adapters train and its reference), LoRA rank
     and memory settings are read defensively: older specs have none (full, no checkpointing,
     the device's attention, trained embeddings)."""
@@ -68,7 +69,7 @@ def request_of(spec) -> Request | None:
     # spec.training.evaluation.generate: each epoch's answers to held-out prompts (unset: none).
     generate = getattr(getattr(training, "evaluation", None), "generate", None)
     request = Request(
-        model_id=spec.model.id, method=method, dpo_lora=method == "dpo" and lora is not None,
+        model_id=model_id or spec.model.id, method=method, dpo_lora=method == "dpo" and lora is not None,
         dpo_reference_free=bool(getattr(dpo, "reference_free", False)),
         generation=spec.tpu.generation, topology=spec.tpu.topology, max_seq_len=training.max_seq_len,
         batch_per_device=training.batch_size_per_device,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from tpufinetune.core import conditions as cond
+from tpufinetune.core.initsource import InitRequest, SourceView
 from tpufinetune.core.podstatus import PodProblem, SliceHealth
 
 PENDING = "Pending"
@@ -68,6 +69,7 @@ class Plan:
     # model's own config.json (its `model` event); None: not planned.
     memory_request: object | None = field(default=None, hash=False, compare=False)
     logs_root: str = ""  # jobspec.run_logs_root: status.attempts[].logsURI ('': none kept)
+    init_from: InitRequest | None = None  # spec.model.initFrom: wait for that run, then train from its result
     lm_eval_tasks: tuple[str, ...] = ()  # spec.evaluation.lmEval.tasks: run on the export before the release
 
 
@@ -123,6 +125,8 @@ class Observations:
     # The attempt's preflight job (None: Ray has none) and, once it ended, its events.
     preflight_job: JobView | None = None
     preflight_events: tuple[dict, ...] = ()
+    # spec.model.initFrom's source, read while the run waits for it (None: not read).
+    init_source: SourceView | None = None
 
 
 # ---- actions (performed by the driver) -------------------------------------------------

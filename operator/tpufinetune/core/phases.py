@@ -27,7 +27,8 @@ from datetime import datetime, timedelta
 
 from tpufinetune.core import attempts, phaselmeval
 from tpufinetune.core import conditions as cond
-from tpufinetune.core import memplan, memplan_spec
+from tpufinetune.core import initsource, memplan, memplan_spec
+from tpufinetune.core.phaseinit import await_source, waits_for_source
 from tpufinetune.core.api import TPUFineTuneSpec
 from tpufinetune.core.jobspec import run_logs_root, submission_id
 from tpufinetune.core.phaseattempts import (  # noqa: F401  (attempt_reason: part of the API)
@@ -51,14 +52,15 @@ from tpufinetune.core.sizing import raycluster_name, slice_shape
 
 
 def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: timedelta,
-             submit_timeout: timedelta | None = None) -> Plan:
+             submit_timeout: timedelta | None = None, init_from: dict | None = None) -> Plan:
     """The Plan of a spec (None: the spec is invalid, and only the names are known). The
-    timeouts are the operator's settings (TPUFT_PROVISION_TIMEOUT, TPUFT_SUBMIT_TIMEOUT)."""
+    timeouts are the operator's settings (TPUFT_PROVISION_TIMEOUT, TPUFT_SUBMIT_TIMEOUT);
+    `init_from` is status.initFrom (a chained run's source, once resolved)."""
     name = raycluster_name(ident.name)
     if spec is None:
         return Plan(cluster_name=name, epochs=0, provision_timeout=provision_timeout, submit_timeout=submit_timeout)
     raycluster = raycluster_with_pod_settings(ident.name, ident.namespace, ident.uid, spec)
-    request = memplan_spec.request_of(spec)
+    request = initsource.memory_request(spec, init_from)  # a chained run's: its source's base, once recorded
     memory = memplan.estimate(request) if request is not None else None
     return Plan(
         cluster_name=name,
@@ -79,7 +81,7 @@ def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: t
         does_not_fit=memory.refusal() if memory is not None and memplan.refuses(memory) else "",
         memory_request=request,
         lm_eval_tasks=phaselmeval.lm_eval_tasks(spec),
-        logs_root=run_logs_root(ident.name, ident.uid, spec),
+        logs_root=run_logs_root(ident.name, ident.uid, spec), init_from=initsource.request_of(spec),
     )
 
 
@@ -184,8 +186,10 @@ def transition(ident: Identity, plan: Plan, status: dict, obs: Observations) -> 
         _rebuild_or_fail(ident, plan, new, obs, decision, "RayUnreachable", obs.ray_unreachable)
     elif obs.ray_down and phase in (SUBMITTING, RUNNING):
         _ray_down(new, obs, decision)
+    elif waits_for_source(plan, new):
+        await_source(ident, plan, new, obs, decision)
     else:
-        STEPS.get(phase, _start)(ident, plan, new, obs, decision)
+        STEPS.get(phase if new.get("rayClusterName") else "", _start)(ident, plan, new, obs, decision)
     if new.get("phase") != phase:
         # Timers of a phase (provisioning timeout, no-progress) count from here.
         new["phaseTransitionTime"] = cond.timestamp(obs.now)

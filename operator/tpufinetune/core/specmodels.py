@@ -73,11 +73,32 @@ class TPUSlice(_Model):
 
 
 
+INIT_FROM_ARTIFACTS = ("export", "checkpoint")  # what of a source run a chained run starts from
+
+
+class InitFrom(_Model):
+    """Another TPUFineTune of the same namespace whose result this run starts from."""
+
+    run: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                     description="Name of a TPUFineTune in this run's namespace (never another namespace). This "
+                                 "run holds no RayCluster until it has Succeeded.")
+    artifact: Literal[INIT_FROM_ARTIFACTS] = Field(  # type: ignore[valid-type]
+        "export", description="export: its exported model (status.exportedModelURI; the merged model of a LoRA "
+                              "run). checkpoint: its best checkpoint's weights (status.checkpointURI) loaded into "
+                              "its base model (--init-checkpoint), without optimizer state, step or data position.")
+
+
 class ModelSource(_Model):
     id: str = Field(DEFAULT_MODEL_ID, min_length=1, max_length=512, pattern=PRINTABLE,
                     description="Hugging Face model id, a model directory in a bucket "
                                 "(gs://bucket/path, downloaded once per host), or a path inside "
-                                "the image or on a shared filesystem.")
+                                "the image or on a shared filesystem. With initFrom: the source run's "
+                                "base model is used; left at its default or equal to that base.")
+    # No schema default (an older operator, after a rollback, reports it as an unknown field).
+    init_from: InitFrom | None = Field(
+        None, description="Start from another TPUFineTune's result (an SFT run before a DPO run): wait, "
+                          "holding no slice, until it has Succeeded, then record its URI in status.initFrom "
+                          "and train every attempt from that. Unset: from id.")
     parameters: int | None = Field(
         None, ge=1, le=10**13,
         description="Parameter count of a model the memory planner does not know (a bucket path "

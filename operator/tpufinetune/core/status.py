@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from tpufinetune.core.evalstatus import GenerationMetrics, LmEvalStatus
+from tpufinetune.core.initstatus import InitFromStatus
 from tpufinetune.core.planstatus import MemoryPlanStatus, ModelConfigStatus  # noqa: F401  (part of the status)
 from tpufinetune.core.startupstatus import StartupTimes
 from tpufinetune.core.statusbase import _Status
@@ -436,6 +437,7 @@ class TPUFineTuneStatus(_Status):
         None, max_length=50, description="Delivery of spec.notify's notices, newest last (at "
                                          "most 50).")
     evaluation: LmEvalStatus | None = Field(None, description="lm-eval on the export (spec.evaluation.lmEval).")
+    init_from: InitFromStatus | None = Field(None, description="spec.model.initFrom resolved: the source's result every attempt trains from.")
     plan: MemoryPlanStatus | None = Field(
         None, description="The memory planner's estimate (HBM per chip, memory per host) and "
                           "whether it fits; a run that does not fit fails with reason DoesNotFit "

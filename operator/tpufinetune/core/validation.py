@@ -109,6 +109,8 @@ GENERATE_METHOD_MESSAGE = ("needs held-out responses to score against: not with 
 KEEP_BEST_METRIC_MESSAGE = ("must be evalLoss or one of generate.metrics (the figures each epoch has); add it "
                             "to training.evaluation.generate.metrics or keep the best by evalLoss")
 METRICS_TWICE_MESSAGE = "names a metric twice; name each once"
+INIT_FROM_MODE_MESSAGE = "applies to mode finetune only: a collectives check trains no model; remove initFrom"
+INIT_FROM_SELF_MESSAGE = "names this TPUFineTune itself: name the run this one starts from (e.g. its SFT run)"
 KEEP_BEST_SCORE_MESSAGE = ("ranks checkpoints by a generation metric itself: checkpoint.scoreAttribute must be "
                            "auto; set it to auto or keep the best by evalLoss")
 
@@ -120,6 +122,8 @@ def check_spec(spec: SpecFields, one_machine: bool = False) -> None:
     refusal = mixture_of_experts_refusal(spec.model.id)
     if refusal:
         raise SpecError("spec.model.id", refusal)
+    if spec.model.init_from is not None and spec.mode == "collectives":
+        raise SpecError("spec.model.initFrom", INIT_FROM_MODE_MESSAGE)
     training = spec.training
     if training.lora is not None and training.method not in ("lora", "dpo"):
         raise SpecError("spec.training.lora", LORA_METHOD_MESSAGE)
