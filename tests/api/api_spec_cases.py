@@ -401,6 +401,8 @@ MEMORY_INVALID: list[Invalid] = [
     Invalid("unknown-activation-checkpointing", spec_with(training={"activationCheckpointing": "full"}),
             "spec.training.activationCheckpointing", '"full" is not valid',
             admission='Unsupported value: "full"', python_exact=False),
+    Invalid("unknown-sharding", spec_with(training={"sharding": "zero3"}), "spec.training.sharding",
+            '"zero3" is not valid', admission='Unsupported value: "zero3"', python_exact=False),
     Invalid("unknown-attention", spec_with(training={"attention": "flash"}), "spec.training.attention",
             '"flash" is not valid', admission='Unsupported value: "flash"', python_exact=False),
     Invalid("freeze-embeddings-not-a-bool", spec_with(training={"freezeEmbeddings": "sometimes"}),

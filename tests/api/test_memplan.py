@@ -14,6 +14,10 @@ from tpufinetune.core.api import parse_spec
 from tpufinetune.core.status import TPUFineTuneStatus
 
 GIB = 2**30
+# What a spec pins to compare its plan with a Request's (whose defaults these are): the
+# plan would otherwise choose (memplan_sharding; tests/api/test_memplan_sharding.py).
+FULL_SHARDING = {"sharding": "full"}
+KEPT = {"activationCheckpointing": "none"}
 
 
 def request(model: str, generation: str = "v6e", topology: str = "4x4", method: str = "full", **overrides):
@@ -79,9 +83,11 @@ def test_lora_with_trained_embeddings_counts_their_master_gradient_and_moments()
     assert embeddings.per_chip_bytes > adapters.per_chip_bytes
     # From the spec: spec.training.lora.trainEmbeddings reaches the plan.
     on = memplan_spec.plan_spec(spec("google/gemma-4-31B-it", training={"method": "lora", "batchSizePerDevice": 1,
-                                                                    "lora": {"trainEmbeddings": True, "dropout": 0}}))
+                                                                    "lora": {"trainEmbeddings": True, "dropout": 0},
+                                                                    **KEPT, **FULL_SHARDING}))
     off = memplan_spec.plan_spec(spec("google/gemma-4-31B-it", training={"method": "lora", "batchSizePerDevice": 1,
-                                                                     "lora": {"dropout": 0}}))
+                                                                     "lora": {"dropout": 0}, **KEPT,
+                                                                     **FULL_SHARDING}))
     assert on.breakdown == embeddings.breakdown and off.breakdown == adapters.breakdown
 
 
@@ -135,8 +141,10 @@ def test_every_tpu_generation_has_its_hbm_and_the_cpu_none():
 
 
 def test_the_plan_of_a_spec_reads_its_training_and_worker_memory():
-    plan = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"maxSeqLen": 2048, "batchSizePerDevice": 1}))
-    shorter = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"maxSeqLen": 512, "batchSizePerDevice": 1}))
+    plan = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"maxSeqLen": 2048, "batchSizePerDevice": 1,
+                                                                          **KEPT}))
+    shorter = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"maxSeqLen": 512, "batchSizePerDevice": 1,
+                                                                             **KEPT}))
     assert plan.breakdown.activations > 4 * shorter.breakdown.activations  # scores grow with L^2
     assert plan.host_limit_bytes == int(200 * GIB * (1 - memplan.HEADROOM))  # ct6e-standard-4t's pod
     assert memplan_spec.plan_spec(spec("google/gemma-4-31B-it", mode="collectives", checkpoint=None)) is None
@@ -219,7 +227,7 @@ def test_the_loss_head_counts_one_weight_gradient_not_its_product_too():
 
 
 def test_the_plan_of_a_spec_reads_its_memory_settings():
-    settings = {"maxSeqLen": 8192, "batchSizePerDevice": 1}
+    settings = {"maxSeqLen": 8192, "batchSizePerDevice": 1, **KEPT}
     plain = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training=settings))
     lighter = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={
         **settings, "activationCheckpointing": "block", "attention": "sdpa", "freezeEmbeddings": True}))
@@ -279,7 +287,8 @@ def test_every_block_stays_gathered_only_where_the_plan_holds_it_within_the_marg
     assert not memplan.keeps_gathered(request("google/gemma-4-E2B-it", generation="cpu", topology="2"))
     assert not memplan.keeps_gathered(request("google/gemma-4-31B-it", generation="v7x", topology="2x2x2"))
     # A spec's plan is what the trainer will run: kept where jobspec asks for it.
-    on_v7x = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2"))
+    on_v7x = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", generation="v7x", topology="2x2x2",
+                                         training=FULL_SHARDING))
     assert on_v7x.keep_gathered and "every block kept gathered" in on_v7x.summary()
     assert on_v7x.per_chip_bytes == memplan.estimate(request("google/gemma-4-E2B-it", generation="v7x",
                                                              topology="2x2x2", keep_gathered=True)).per_chip_bytes
@@ -302,8 +311,9 @@ def test_lora_dropout_counts_each_adapted_layers_dropped_input_and_mask():
     # In bf16 (2 B an element): more than the dropped copy, less than it and its noise
     # (bench_memplan's l3 against l4: 3.2 B).
     assert 2 < per_element < 4
-    default = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora"}))
-    off = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora", "lora": {"dropout": 0}}))
+    default = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora", **KEPT, **FULL_SHARDING}))
+    off = memplan_spec.plan_spec(spec("google/gemma-4-E2B-it", training={"method": "lora", "lora": {"dropout": 0},
+                                                                       **KEPT, **FULL_SHARDING}))
     assert default.breakdown.activations - off.breakdown.activations == dropped.activations - without.activations
 
 

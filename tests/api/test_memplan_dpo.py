@@ -67,8 +67,10 @@ def test_the_lora_reference_forward_is_counted_where_it_exceeds_the_backward(mon
 
 
 def test_the_spec_picks_the_reference_the_trainer_holds_and_the_plan_says_it():
-    full = memplan_spec.plan_spec(dpo_spec({"maxSeqLen": 512, "batchSizePerDevice": 1}))
-    lora = memplan_spec.plan_spec(dpo_spec({"maxSeqLen": 512, "batchSizePerDevice": 1, "lora": {"rank": 8}}))
+    # Sharded alike (the plan would replicate the LoRA run's state: memplan_sharding).
+    full = memplan_spec.plan_spec(dpo_spec({"maxSeqLen": 512, "batchSizePerDevice": 1, "sharding": "full"}))
+    lora = memplan_spec.plan_spec(dpo_spec({"maxSeqLen": 512, "batchSizePerDevice": 1, "lora": {"rank": 8},
+                                            "sharding": "full"}))
     free = memplan_spec.plan_spec(dpo_spec({"maxSeqLen": 512, "batchSizePerDevice": 1, "lora": {},
                                             "dpo": {"referenceFree": True}}))
     assert (full.method, full.reference, lora.reference, free.reference) == ("dpo", "stored", "adapters-off", "none")

@@ -52,8 +52,12 @@ NOT_PASSED = {
              "training.lora given"
        for flag in ("--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-target-modules",
                     "--lora-export-merged")},
-    "--activation-checkpointing": "passed only when training.activationCheckpointing is block or selective "
-                                  "(none is the trainer's default; an older trainer image knows no such flag)",
+    "--activation-checkpointing": "passed only when the plan's activation checkpointing (training."
+                                  "activationCheckpointing, or the plan's choice when auto) is block or "
+                                  "selective (none is the trainer's default)",
+    "--shard-group": "passed only when the plan's sharding (training.sharding, or the plan's choice when auto) "
+                     "is hybrid or replicate (full, the whole slice, is the trainer's default; an older trainer "
+                     "image knows no such flag)",
     "--attention": "passed only when training.attention is set (unset: the device's kernel, the trainer's auto)",
     "--freeze-embeddings": "passed only when training.freezeEmbeddings is true",
     "--lora-train-embeddings": "passed only when training.lora.trainEmbeddings is true (an older trainer image "
@@ -309,12 +313,13 @@ def test_the_memory_fields_closed_sets_are_the_trainers():
     choices = {action.dest: tuple(action.choices) for action in _finetune_parser()._actions
                if action.choices}
     fields = MemorySettings.model_fields
-    assert fields["activation_checkpointing"].annotation.__args__[0].__args__ == choices[
-        "activation_checkpointing"] == trainer_config.ACTIVATION_CHECKPOINTING
+    # auto is the operator's: the memory plan passes what it chose (memplan_sharding).
+    assert fields["activation_checkpointing"].annotation.__args__[0].__args__ == ("auto", *choices[
+        "activation_checkpointing"]) == ("auto", *trainer_config.ACTIVATION_CHECKPOINTING)
     # The API leaves auto out: unset is the device's kernel.
     assert ("auto", *fields["attention"].annotation.__args__[0].__args__) == choices["attention"]
     assert {case.field.rsplit(".", 1)[1] for case in MEMORY_INVALID} == {
-        "activationCheckpointing", "attention", "freezeEmbeddings"}
+        "activationCheckpointing", "attention", "freezeEmbeddings", "sharding"}
 
 
 def test_the_memory_settings_of_a_spec_reach_the_trainer():

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     _slice_flags(ft)
     ft.add_argument("--num-slices", type=int, default=1,
                     help="TPU slices the workers span: HSDP, the model sharded within a slice and replicated across")
+    ft.add_argument("--shard-group", type=int, default=0,
+                    help="devices one copy of the model state is sharded over, within a slice, replicated "
+                         "across the groups (1: every device holds it all); 0: the whole slice")
     ft.add_argument("--num-epochs", type=int, default=3)
     ft.add_argument("--batch-size-per-device", type=int, default=DEFAULT_BATCH_SIZE_PER_DEVICE,
                     help="examples per device per optimizer step (the tutorial's batch size), packed into "
@@ -231,7 +234,7 @@ def _config(args: argparse.Namespace):
     if args.command == "finetune":
         return FinetuneConfig(
             topology=args.topology, accelerator_type=args.accelerator_type, num_workers=args.num_workers,
-            device=args.device, num_slices=args.num_slices,
+            device=args.device, num_slices=args.num_slices, shard_group=args.shard_group,
             model_id=args.model_id, dataset=args.dataset, dataset_split=args.dataset_split,
             num_epochs=args.num_epochs, batch_size_per_device=args.batch_size_per_device,
             global_batch_examples=args.global_batch_examples, tokens_per_step=args.tokens_per_step,

@@ -70,6 +70,9 @@ class FinetuneConfig(SliceConfig):
     num_epochs: int = 3
     batch_size_per_device: int = DEFAULT_BATCH_SIZE_PER_DEVICE
     num_slices: int = 1  # --num-slices: HSDP, sharded within a slice, replicated across (slices.py)
+    # --shard-group: the devices one copy of the model state is sharded over, within a slice,
+    # replicated across the groups (slices.py); 0, the whole slice (plain FSDP on one slice).
+    shard_group: int = 0
     global_batch_examples: int = 0  # 0: devices x batch_size_per_device (no accumulation)
     tokens_per_step: int = 0  # --tokens-per-step: a step of full blocks (0: of examples)
     storage_path: str = ""
@@ -209,6 +212,10 @@ class FinetuneConfig(SliceConfig):
             (self.num_slices >= 1 and self.num_workers % self.num_slices == 0,
              f"--num-slices {self.num_slices} must be at least 1 and divide --num-workers {self.num_workers} "
              "(every slice holds as many devices; spec.tpu.slices)"),
+            (self.shard_group == 0 or (self.shard_group >= 1 and self.num_slices >= 1
+                                       and (self.num_workers // self.num_slices) % self.shard_group == 0),
+             f"--shard-group {self.shard_group} must be 0 (the whole slice) or divide the "
+             f"{self.num_workers // max(self.num_slices, 1)} devices of a slice (spec.training.sharding)"),
             (self.batch_size_per_device >= 1, "--batch-size-per-device must be at least 1"),
             (self.global_batch_examples >= 0, "--global-batch-examples must be 0 (devices x batch size) or more"),
             (self.tokens_per_step >= 0, "--tokens-per-step must be 0 (a step of examples) or more"),

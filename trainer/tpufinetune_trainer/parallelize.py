@@ -1,5 +1,5 @@
 """FSDP2 sharding (and optional torch.compile) of a causal LM over a 1-D device mesh (one
-slice), or HSDP over a 2-D one (several slices: slices.py).
+slice), or HSDP over a 2-D one (several slices, or shard groups within a slice: slices.py).
 
 Mixed precision: the model arrives in fp32 and its parameters stay fp32 (the master
 weights, and so AdamW's state); FSDP casts the all-gathered copy to the compute dtype
@@ -58,16 +58,19 @@ from .model import decoder_blocks, freeze_per_layer_embeddings
 RESHARD_AFTER_FORWARD = True
 
 
-def build_mesh(device_type: str, world_size: int, num_slices: int = 1, group=None):
-    """The 1-D mesh of one slice; with several slices the 2-D (replicate, shard) mesh of
-    slices.py, on which fully_shard is HSDP: sharded within a slice, replicated across,
-    each step's gradients reduce-scattered within and all-reduced across slices once.
-    Collective with several slices (every rank tells its slice over the gloo `group`)."""
-    if num_slices <= 1:
+def build_mesh(device_type: str, world_size: int, num_slices: int = 1, group=None, shard_group: int = 0):
+    """The 1-D mesh of one slice; with several slices, or a `shard_group` smaller than the
+    slice (--shard-group: 1 replicates the state on every device), the 2-D (replicate,
+    shard) mesh of slices.py, on which fully_shard is HSDP: sharded within a slice (or
+    group), replicated across, each step's gradients reduce-scattered within and all-reduced
+    across once. Collective on a 2-D mesh (every rank tells its slice and host over the gloo
+    `group`)."""
+    per_slice = world_size // max(num_slices, 1)
+    if num_slices <= 1 and shard_group in (0, per_slice):
         return init_device_mesh(device_type, (world_size,))
     from .slices import build_slice_mesh
 
-    return build_slice_mesh(device_type, num_slices, group)
+    return build_slice_mesh(device_type, num_slices, group, 0 if shard_group == per_slice else shard_group)
 
 
 # Graphs dynamo may keep for the decoder blocks' forward. They all share one code object

@@ -190,12 +190,26 @@ class MemorySettings(_Model):
     "Memory at length")."""
 
     # No schema defaults (an older operator would report a filled-in default as unknown).
-    activation_checkpointing: Literal["none", "block", "selective"] | None = Field(
-        None, description="Recompute activations in the backward instead of keeping them. none "
-                          "(unset): keep every activation. block: recompute every decoder block (one "
-                          "more forward per step; only each block's input is kept). selective: "
-                          "recompute each block's self-attention only (queries, keys, values and, with "
-                          "eager attention, the heads x length^2 scores), keeping the MLP's activations.")
+    activation_checkpointing: Literal["auto", "none", "block", "selective"] | None = Field(
+        None, description="Recompute activations in the backward instead of keeping them. auto "
+                          "(unset): the memory plan chooses, none when the run fits, else the cheapest "
+                          "that does, selective then block (status.plan.activationCheckpointing; on the "
+                          "cpu stand-in and for a model the plan does not know: none). none: keep every "
+                          "activation. block: recompute every decoder block (one more forward per step; "
+                          "only each block's input is kept). selective: recompute each block's "
+                          "self-attention only (queries, keys, values and, with eager attention, the "
+                          "heads x length^2 scores), keeping the MLP's activations. A set value is kept, "
+                          "and refused (DoesNotFit) when the run does not fit with it.")
+    sharding: Literal["auto", "full", "hybrid", "replicate"] | None = Field(
+        None, description="How the model state (fp32 weights, gradients, optimizer state) is spread over "
+                          "the slice's devices. auto (unset): the memory plan chooses the least sharding "
+                          "that fits: replicate, else hybrid, else full (status.plan.sharding; on the cpu "
+                          "stand-in and for a model the plan does not know: full). full: sharded over every "
+                          "device of the slice (FSDP). hybrid: sharded within groups of devices, the "
+                          "smallest power of two that fits, replicated across the groups (HSDP). "
+                          "replicate: every device holds the whole state (one gradient all-reduce a "
+                          "step). With several slices the state is also replicated across slices. A set "
+                          "value is kept, and refused (DoesNotFit) when the run does not fit with it.")
     attention: Literal["eager", "sdpa"] | None = Field(
         None, description="The attention kernel: eager (the tutorial's; every head's length x length "
                           "scores in memory) or sdpa (torch's scaled_dot_product_attention, which need "

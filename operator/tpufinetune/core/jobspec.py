@@ -96,12 +96,16 @@ def _slice_flags(spec: TPUFineTuneSpec) -> list[str]:
     return flags
 
 
-def memory_flags(memory: MemorySettings) -> list[str]:
-    """The trainer flags of spec.training's memory fields, only those set away from the
-    trainer's default (an older trainer image knows none of them)."""
+def memory_flags(memory: MemorySettings, choices=None) -> list[str]:
+    """The trainer flags of spec.training's memory fields, only those away from the trainer's
+    default (an older trainer image knows none of them). `choices` (memplan_sharding.Choices,
+    the plan's): the activation checkpointing and shard group the plan chose or kept."""
     flags = []
-    if memory.activation_checkpointing not in (None, "none"):
-        flags.append(f"--activation-checkpointing={memory.activation_checkpointing}")
+    checkpointing = choices.checkpointing if choices is not None else memory.activation_checkpointing
+    if checkpointing not in (None, "none", "auto"):
+        flags.append(f"--activation-checkpointing={checkpointing}")
+    if choices is not None and choices.group_flag:  # not for full: the trainer's default
+        flags.append(f"--shard-group={choices.group_flag}")
     if memory.attention is not None:
         flags.append(f"--attention={memory.attention}")
     if memory.freeze_embeddings:
@@ -177,9 +181,9 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
                  f"--lora-export-merged={'true' if lora.export_merged else 'false'}"]
         if lora.train_embeddings:  # only when on: an older trainer image knows no such flag
             argv.append("--lora-train-embeddings=true")
-    argv += memory_flags(training)
     request = initsource.memory_request(spec, init_from)
-    plan = estimate(request) if request is not None else None  # status.plan's: the flag and the figure shown are one decision
+    plan = estimate(request) if request is not None else None  # status.plan's: the flags and the figures shown are one decision
+    argv += memory_flags(training, plan.choices if plan is not None else None)
     if plan is not None and plan.keep_gathered:  # only then: an older trainer knows no such flag
         argv.append("--reshard-after-forward=false")
     if training.tokens_per_step is not None:  # only when set: an older trainer image knows no such flag

@@ -5,9 +5,9 @@ Pure (no I/O): the operator checks a spec with it before any RayCluster exists, 
 (trainer/tpufinetune_trainer: parallelize.py, train.py, loss.py), per device:
 
 - full fine-tune (FSDP2): fp32 master weights, fp32 gradients and AdamW's two fp32 moments,
-  16 B per trainable parameter sharded over every device of the slice (with several slices,
-  HSDP: sharded within each slice, replicated across slices, so a device holds what it holds
-  in a single slice of the topology, whatever spec.tpu.slices);
+  16 B per trainable parameter sharded over the shard group (memplan_sharding.py: the slice's
+  devices, fewer or one), replicated across groups and slices (a device holds the same
+  whatever spec.tpu.slices);
 - LoRA: the frozen base in bf16 (lora.inject), sharded; the 16 B only for the adapters of
   the layers spec.training.lora.targetModules names; bytes per element of the adapted
   layers' inputs beyond a full step's activations, and with dropout for each one's dropped
@@ -119,9 +119,7 @@ MASK_BOOLEANS = 4
 # 25% of the measured peaks, docs/trainer.md "Memory plan").
 KEEP_GATHERED_SHARE = 0.75
 LOSS_HEADS = ("labels", "full")  # the trainer's --loss-head
-# --loss-head full: fp32 [tokens, vocab] tensors transformers' head and cross-entropy hold
-# (docs/trainer.md, "Loss head": five, measured).
-FULL_LOGITS = 5
+FULL_LOGITS = 5  # --loss-head full: fp32 [tokens, vocab] tensors held (docs/trainer.md, "Loss head")
 METHODS = ("full", "lora", "dpo")
 CHECKED = ("table", "config", "stated")  # the bases a plan is checked on
 CHECKPOINTING = ("none", "block", "selective")
@@ -254,6 +252,8 @@ class Request:
     freeze_embeddings: bool = False
     lora_embeddings: bool = False  # spec.training.lora.trainEmbeddings
     stated_parameters: int | None = None  # spec.model.parameters, for a model not in the table
+    shard_group: int = 0  # devices the state is sharded over (memplan_sharding); 0: the slice's
+    choices: object | None = None  # memplan_sharding.Choices: what was chosen for the run, and by whom
     slices: int = 1  # replicas of the slice (HSDP): named in the plan, never dividing the state
     keep_gathered: bool = False  # every block's gathered copy kept from forward to backward
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS  # spec.training.lora.targetModules
@@ -284,6 +284,7 @@ class MemoryPlan:
     widths_from: str = ""  # where the model's widths come from (the table's source or its config.json)
     reference: str = ""  # method dpo: memplan_dpo.REFERENCES, the reference planned
     generating: gen_plan.GenerationPlan | None = None  # each epoch's generation (evaluation.generate)
+    choices: object | None = None  # memplan_sharding.Choices, the request's
     # The model's config.json the widths came from (memplan_shapes.CONFIG_KEYS), when they did.
     model_config: dict | None = field(default=None, compare=False)
 
@@ -333,6 +334,7 @@ class MemoryPlan:
             parts.append(dpo.WORDS[self.reference])
         if self.generating is not None and self.breakdown is not None:
             parts.append(self.generating.words(self.breakdown.total))
+        parts += [self.choices.words()] if self.choices is not None else []
         if self.widths_from:
             parts.append(f"widths: {self.widths_from}")
         stated = " (its stated size: weights, gradients and optimizer state only)" if self.basis == "stated" else ""
@@ -362,10 +364,11 @@ def _gib(value: int) -> str:
 
 
 def estimate(request: Request) -> MemoryPlan:
-    """The plan of `request`; when it does not fit, with the smallest fit named."""
+    """The plan of `request`; when it does not fit, with the smallest fit named (a pinned
+    sharding's first: memplan_sharding's `fits_instead`)."""
     plan = _plan(request)
     if plan.fits is False:
-        plan = replace(plan, smallest_fit=smallest_fit(request))
+        plan = replace(plan, smallest_fit=getattr(request.choices, "fits_instead", "") or smallest_fit(request))
     return plan
 
 
@@ -379,7 +382,7 @@ def _plan(request: Request) -> MemoryPlan:
     gen = g.generation(request.generation)
     shape = shape_for(request.model_id, request.model_config)
     common = dict(method=request.method, generation=gen.name, topology=request.topology, model=request.model_id,
-                  slices=request.slices)
+                  slices=request.slices, choices=request.choices)
     if request.method not in METHODS:  # a method this planner does not know: not checked
         return MemoryPlan(basis="unknown", **common)
     if shape is None:
@@ -396,7 +399,7 @@ def _plan(request: Request) -> MemoryPlan:
     eager = gen.is_tpu if request.attention is None else request.attention == "eager"
     method = dpo.trainable(request.method, request.dpo_lora)
     reference = dpo.reference_of(request.dpo_lora, request.dpo_reference_free) if request.method == "dpo" else None
-    part = device_bytes(shape, method, devices, request.max_seq_len, request.batch_per_device,
+    part = device_bytes(shape, method, request.shard_group or devices, request.max_seq_len, request.batch_per_device,
                         compute_bytes=2 if gen.is_tpu else 4, eager_attention=eager, dpo_reference=reference,
                         lora_rank=request.lora_rank, checkpointing=request.activation_checkpointing,
                         freeze_embeddings=request.freeze_embeddings, lora_embeddings=request.lora_embeddings,
@@ -405,11 +408,10 @@ def _plan(request: Request) -> MemoryPlan:
     generating = gen_plan.of_request(request, shape, part, method == "full", 2 if gen.is_tpu else 4, eager, devices)
     peak = gen_plan.peak(part.total, generating)
     # Host: each device's process, and the host copy of its sharded state an asynchronous
-    # checkpoint stages (weights and AdamW; train.py's HostStager). The cpu stand-in's
-    # device is the host.
-    # Rank 0's pod (every pod has the same limit) also holds the export proof at the run's
-    # end, the trainer's export.proof_host_bytes: the exported model in bf16 (its text
-    # weights and per-layer table; with LoRA the adapter's on its base) and an allowance.
+    # checkpoint stages (weights and AdamW; HostStager); the cpu stand-in's device is the host.
+    # Rank 0's pod (every pod has the same limit) also holds the export proof at the run's end
+    # (export.proof_host_bytes): the exported model in bf16 (text weights, per-layer table; with
+    # LoRA the adapter's on its base) and an allowance.
     staged = part.weights + part.optimizer
     adapters = shape.lora_parameters(request.lora_rank, request.lora_targets) if method == "lora" else 0
     proof = 2 * (shape.parameters + shape.per_layer_embedding + adapters) + PROOF_OVERHEAD_BYTES
@@ -432,19 +434,18 @@ def _stated_plan(request: Request, gen, common: dict) -> MemoryPlan:
     devices = g.chips_in(request.topology) * gen.devices_per_chip
     sized = ModelShape(f"{request.stated_parameters} parameters", request.stated_parameters, layers=1, hidden=0,
                        intermediate=0, heads=0, head_dim=0, vocab=0)
-    part = device_bytes(sized, dpo.trainable(request.method, request.dpo_lora), devices, request.max_seq_len,
-                        request.batch_per_device)
+    part = device_bytes(sized, dpo.trainable(request.method, request.dpo_lora), request.shard_group or devices,
+                        request.max_seq_len, request.batch_per_device)
     per_device = part.weights + part.grads + part.optimizer
     return MemoryPlan(basis="stated", **common, per_chip_bytes=per_device * gen.devices_per_chip,
                       limit_bytes=int(gen.hbm_gib_per_chip * GIB * (1 - HEADROOM)))
 
 
 def smallest_fit(request: Request) -> str:
-    """What would fit, smallest change first: activation checkpointing per block, then a
-    larger topology of the same generation (each with and without it); then method lora
-    (on the requested topology, then larger ones); then a smaller batchSizePerDevice with
-    either method. '' when nothing does. Every candidate keeps the request's worker pod
-    memory."""
+    """What would fit, smallest change first: activation checkpointing per block, then a larger
+    topology of the same generation (each with and without it); then method lora (on the
+    requested topology, then larger ones); then a smaller batchSizePerDevice with either
+    method. '' when nothing does. Every candidate keeps the request's worker pod memory."""
     gen = g.generation(request.generation)
     if not gen.is_tpu:
         return ""
@@ -473,11 +474,10 @@ def smallest_fit(request: Request) -> str:
 
 
 def keeps_gathered(request: Request) -> bool:
-    """Whether the trainer should keep every block's gathered copy from forward to backward:
-    a model of the table on a TPU slice whose plan with it fits (the worker pod's memory
-    included: the copy is in HBM, not on the host), within KEEP_GATHERED_SHARE of the usable
-    HBM. Never for a model the table does not know, nor on the cpu stand-in: there is no
-    figure to hold it to."""
+    """Whether the trainer should keep every block's gathered copy from forward to backward: a
+    model of the table on a TPU slice whose plan with it fits (the worker pod's memory included:
+    the copy is in HBM, not on the host), within KEEP_GATHERED_SHARE of the usable HBM. Never for
+    a model the table does not know, nor on the cpu stand-in: no figure to hold it to."""
     if request.method not in METHODS or shape_for(request.model_id, request.model_config) is None \
             or not g.generation(request.generation).is_tpu:
         return False

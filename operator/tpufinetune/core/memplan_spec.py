@@ -1,11 +1,13 @@
 """The memory plan of a TPUFineTune spec: the planner's request as the spec asks (with the
-keep-gathered decision made), its plan again once the trainer reports the model's own
+activation checkpointing, the shard group and the keep-gathered decision made:
+memplan_sharding.py), its plan again once the trainer reports the model's own
 config.json, and the plan as status.plan shows it. Pure (no I/O)."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from .memplan import DEFAULT_LORA_TARGETS, CHECKED, MemoryPlan, Request, estimate, keeps_gathered
+from . import memplan_sharding
+from .memplan import DEFAULT_LORA_TARGETS, CHECKED, MemoryPlan, Request, estimate
 from .memplan_shapes import config_status
 
 
@@ -26,28 +28,32 @@ def status_of(plan: MemoryPlan) -> dict:
             out["smallestFit"] = plan.smallest_fit
         if plan.generation_bytes is not None:
             out["generationBytes"] = plan.generation_bytes
+    if plan.choices is not None:
+        out.update(plan.choices.status())
     return out
 
 
 def plan_spec(spec) -> MemoryPlan | None:
     """The plan of a TPUFineTune spec (None for mode collectives: nothing is trained), as
-    the trainer will run it: with every block kept gathered where `keeps_gathered` (jobspec
-    passes the trainer's flag from this plan)."""
+    the trainer will run it: with the activation checkpointing and shard group chosen, and
+    every block kept gathered where `keeps_gathered` (jobspec passes the trainer's flags
+    from this plan)."""
     request = request_of(spec)
     return estimate(request) if request is not None else None
 
 
 def with_model_config(request: Request, config: dict) -> MemoryPlan:
     """The plan again once the trainer has read the model's own config.json (its `model`
-    event): its widths win over the table's. The keep-gathered choice stays the request's:
-    the trainer already runs with it."""
-    return estimate(replace(request, model_config=config))
+    event): its widths win over the table's. The choices (activation checkpointing, shard
+    group, keep-gathered) stay the request's: the trainer already runs with them; where the
+    config's widths would choose otherwise the plan says so (memplan_sharding.replanned)."""
+    return estimate(memplan_sharding.replanned(request, config))
 
 
 def request_of(spec, model_id: str | None = None) -> Request | None:
     """The planner's request of a spec (None for mode collectives; `model_id`, a chained run's
-    source's base model, in place of spec.model.id), with the keep-gathered
-    decision made. The method (with DPO, whether adapters train and its reference), LoRA rank
+    source's base model, in place of spec.model.id), with the choices made
+    (memplan_sharding.decide). The method (with DPO, whether adapters train and its reference), LoRA rank
     and memory settings are read defensively: older specs have none (full, no checkpointing,
     the device's attention, trained embeddings)."""
     if spec.mode != "finetune":
@@ -75,7 +81,6 @@ def request_of(spec, model_id: str | None = None) -> Request | None:
         batch_per_device=training.batch_size_per_device,
         lora_rank=int(getattr(lora, "rank", 0) or 16),
         host_memory_bytes=int(parse_quantity(str(memory))) if memory else None,
-        activation_checkpointing=getattr(training, "activation_checkpointing", None) or "none",
         attention=getattr(training, "attention", None),
         freeze_embeddings=bool(getattr(training, "freeze_embeddings", None)),
         lora_embeddings=bool(getattr(lora, "train_embeddings", None)),
@@ -84,4 +89,17 @@ def request_of(spec, model_id: str | None = None) -> Request | None:
         lora_dropout=float(getattr(lora, "dropout", 0.0) or 0.0) if lora is not None else 0.0,
         generate_max_new_tokens=int(generate.max_new_tokens) if generate is not None else 0,
         generate_examples=int(generate.examples) if generate is not None else 0)
-    return replace(request, keep_gathered=True) if keeps_gathered(request) else request
+    return memplan_sharding.decide(request, getattr(training, "sharding", None),
+                                   getattr(training, "activation_checkpointing", None), _micro_batches(spec))
+
+
+def _micro_batches(spec) -> int:
+    """A step's gradient accumulation: globalBatchBlocks (or tokensPerStep) over one
+    micro-batch of every device (1 when unset)."""
+    from .sizing import total_devices
+
+    training = spec.training
+    micro = total_devices(spec) * training.batch_size_per_device
+    if getattr(training, "tokens_per_step", None):
+        return max(1, -(-training.tokens_per_step // (micro * training.max_seq_len)))
+    return max(1, (getattr(training, "global_batch_blocks", 0) or micro) // micro)

@@ -29,6 +29,40 @@ class ModelConfigStatus(_Status):
                                                                         "sequence (from layer_types).")
 
 
+class CheckpointingPlanStatus(_Status):
+    """The activation checkpointing the run trains with (core/memplan_sharding.py)."""
+
+    mode: Literal["none", "selective", "block"] | None = Field(None, description="The trainer's "
+                                                                                 "--activation-checkpointing.")
+    chosen_by: Literal["plan", "spec"] | None = Field(
+        None, description="plan: spec.training.activationCheckpointing is auto (unset) and the memory plan "
+                          "chose the cheapest mode that fits; spec: as the spec sets it.")
+
+
+class ShardingPlanStatus(_Status):
+    """How the model state is spread over the slice's devices (core/memplan_sharding.py)."""
+
+    mode: Literal["full", "hybrid", "replicate"] | None = Field(
+        None, description="full: sharded over every device of the slice; hybrid: within groups of "
+                          "shardGroup devices, replicated across them; replicate: every device holds it all.")
+    shard_group: int | None = Field(None, ge=1, description="Devices one copy of the state is sharded over "
+                                                            "(the trainer's --shard-group).")
+    replicas: int | None = Field(None, ge=1, description="Copies of the state: groups per slice x slices.")
+    chosen_by: Literal["plan", "spec"] | None = Field(
+        None, description="plan: spec.training.sharding is auto (unset) and the memory plan chose the "
+                          "least sharding that fits; spec: as the spec sets it.")
+    collective_bytes_per_step: int | None = Field(
+        None, ge=0, description="Bytes each device sends in one optimizer step: allGatherBytes + "
+                                "reduceScatterBytes + allReduceBytes, counted from the plan's model shape "
+                                "(ring algorithms; docs/trainer.md, \"Sharding chosen by the plan\").")
+    all_gather_bytes: int | None = Field(None, ge=0, description="The weights gathered in the compute dtype, "
+                                                                 "forward and backward, every micro-batch.")
+    reduce_scatter_bytes: int | None = Field(None, ge=0, description="The fp32 gradients reduce-scattered "
+                                                                     "within the group, every micro-batch.")
+    all_reduce_bytes: int | None = Field(None, ge=0, description="The gradient shard all-reduced across "
+                                                                 "the replicas, once a step.")
+
+
 class MemoryPlanStatus(_Status):
     """The memory planner's estimate for the run (core/memplan.py), written before any
     RayCluster exists, and again from the model's own config.json once the trainer has
@@ -67,4 +101,12 @@ class MemoryPlanStatus(_Status):
                                 "forward, the last position's logits). Generation runs between steps, so the "
                                 "peak (perChipHBMBytes) is the larger of the step's and the generation's, not "
                                 "their sum. Absent without generation.")
+    activation_checkpointing: CheckpointingPlanStatus | None = Field(
+        None, description="The activation checkpointing planned (and passed to the trainer).")
+    sharding: ShardingPlanStatus | None = Field(None, description="The sharding planned (and passed to the "
+                                                                  "trainer).")
+    replanned: str | None = Field(
+        None, max_length=512, description="Planned again from the model's config.json: what its widths would "
+                                          "have chosen where that differs from what the run was started "
+                                          "with (kept: the trainer runs it; the next run chooses again).")
     message: str | None = Field(None, max_length=1024, description="The estimate in words.")

@@ -1,0 +1,140 @@
+"""spec.evaluation.lmEval in the API: what parse_spec refuses, naming the field, and what a
+real kube-apiserver refuses with the generated CRD (the same words for the CEL twins); what both
+accept; the Python-only refusal of an export too big for the evaluating host, naming the
+figure; and an operator older than the field (a rollback) ignoring it by name."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import older_operator as older_operator_package
+import yaml
+from api_spec_cases import Invalid, spec_with
+
+from tpufinetune import crdgen
+from tpufinetune.core import lmevalrules
+from tpufinetune.core.api import parse_spec
+from tpufinetune.core.errors import SpecError
+
+FIELD = "spec.evaluation.lmEval"
+
+
+def lm_eval(**fields) -> dict:
+    return {"lmEval": {"tasks": ["hellaswag"], **fields}}
+
+
+LM_EVAL_INVALID = [
+    Invalid("lmeval-no-task", spec_with(evaluation={"lmEval": {"tasks": []}}), f"{FIELD}.tasks",
+            "at least 1 item", admission="should have at least 1 items", python_exact=False),
+    Invalid("lmeval-no-tasks-field", spec_with(evaluation={"lmEval": {}}), f"{FIELD}.tasks", "is required",
+            admission="Required value", python_exact=False),
+    Invalid("lmeval-task-twice", spec_with(evaluation=lm_eval(tasks=["arc_easy", "arc_easy"])), f"{FIELD}.tasks",
+            lmevalrules.TASKS_TWICE_MESSAGE, admission='Duplicate value: "arc_easy"'),
+    Invalid("lmeval-task-not-a-name", spec_with(evaluation=lm_eval(tasks=["--output_path=/tmp"])), f"{FIELD}.tasks[0]",
+            "must match pattern", admission="should match", python_exact=False),
+    Invalid("lmeval-limit-zero", spec_with(evaluation=lm_eval(limit=0)), f"{FIELD}.limit",
+            "must be greater than 0", admission="should be greater than 0", python_exact=False),
+    Invalid("lmeval-limit-fractional-count", spec_with(evaluation=lm_eval(limit=2.5)), f"{FIELD}.limit",
+            lmevalrules.LIMIT_MESSAGE),
+    Invalid("lmeval-negative-fewshot", spec_with(evaluation=lm_eval(numFewshot=-1)), f"{FIELD}.numFewshot",
+            "must be greater than or equal to 0", admission="should be greater than or equal to 0",
+            python_exact=False),
+    Invalid("lmeval-collectives", spec_with(mode="collectives", checkpoint=None, evaluation=lm_eval()), FIELD,
+            lmevalrules.COLLECTIVES_MESSAGE),
+    Invalid("lmeval-unmerged-lora", spec_with(training={"method": "lora", "lora": {"exportMerged": False}},
+                                              evaluation=lm_eval()), FIELD, lmevalrules.UNMERGED_MESSAGE),
+    Invalid("lmeval-include-path-line-break", spec_with(evaluation=lm_eval(includePath="gs://b/t\nx")),
+            f"{FIELD}.includePath", "must hold no control character", admission="should match", python_exact=False),
+]
+LM_EVAL_ACCEPTED = [
+    spec_with(evaluation=lm_eval()),
+    spec_with(evaluation=lm_eval(tasks=["hellaswag", "arc_easy", "mmlu_abstract_algebra", "my-task.v2"],
+                                 numFewshot=0, limit=0.05, includePath="gs://bucket/tasks")),
+    spec_with(evaluation=lm_eval(limit=1)),
+    spec_with(evaluation=lm_eval(limit=200)),
+    spec_with(training={"method": "lora"}, evaluation=lm_eval()),
+    spec_with(training={"method": "dpo"}, evaluation=lm_eval()),
+    spec_with(evaluation={}),
+]
+
+
+@pytest.mark.parametrize("case", LM_EVAL_INVALID, ids=lambda c: c.id)
+def test_parse_spec_refuses_each_case_naming_its_field(case):
+    with pytest.raises(SpecError) as caught:
+        parse_spec(case.spec)
+    assert caught.value.field == case.field
+    assert case.message in str(caught.value)
+
+
+@pytest.mark.parametrize("spec", LM_EVAL_ACCEPTED, ids=str)
+def test_parse_spec_accepts_each_spec(spec):
+    parse_spec(spec)
+
+
+def test_every_cel_twin_is_in_the_crd_with_its_message():
+    spec = crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    messages = {rule["message"] for rule in spec["x-kubernetes-validations"]}
+    assert {lmevalrules.LIMIT_MESSAGE, lmevalrules.COLLECTIVES_MESSAGE, lmevalrules.UNMERGED_MESSAGE} <= messages
+    tasks = spec["properties"]["evaluation"]["properties"]["lmEval"]["properties"]["tasks"]
+    assert tasks["x-kubernetes-list-type"] == "set" and tasks["minItems"] == 1
+
+
+def test_an_export_too_big_for_the_evaluating_host_is_refused_naming_the_figure():
+    big = spec_with(tpu={"generation": "v5e", "topology": "1x1"}, model={"id": "google/gemma-4-31B-it"},
+                    evaluation=lm_eval())
+    with pytest.raises(SpecError) as caught:
+        parse_spec(big)
+    assert caught.value.field == FIELD
+    assert "google/gemma-4-31B-it in bfloat16 needs 58.2 GiB on the evaluating worker host" in str(caught.value)
+    assert "28.8 GiB usable of a ct5lp-hightpu-1t worker pod (32Gi memory limit" in str(caught.value)
+    # The same model on a host that holds it, a model the table does not know, the cpu stand-in: not refused.
+    parse_spec(spec_with(tpu={"generation": "v6e", "topology": "4x4"}, model={"id": "google/gemma-4-31B-it"},
+                         training={"method": "lora"}, evaluation=lm_eval()))
+    parse_spec(spec_with(tpu={"generation": "v5e", "topology": "1x1"}, model={"id": "gs://bucket/my-70b"},
+                         evaluation=lm_eval()))
+    parse_spec(spec_with(tpu={"generation": "cpu", "topology": "1"}, evaluation=lm_eval()))
+
+
+# The last operator without spec.evaluation.
+PRE_LM_EVAL_COMMIT = "3681d761b006cb1fb520fbee70a4c188af6e5141"
+
+
+def test_an_operator_older_than_lm_eval_runs_the_spec_without_it_and_names_it_ignored(tmp_path):
+    """A rollback: the older operator drops spec.evaluation as an unknown field and says so (the
+    SpecFieldsIgnored condition), and runs the fine-tune as before; it never evaluates."""
+    older = older_operator_package.extract(PRE_LM_EVAL_COMMIT, tmp_path, "pre-lmEval")
+    spec = spec_with(evaluation=lm_eval(limit=8))
+    parse_spec(spec)  # this operator runs it
+    probe = ("import json, sys\nfrom tpufinetune.core.api import parse_stored_spec\n"
+             "from tpufinetune.core.skew import ignored_fields_message\n"
+             "parsed, ignored = parse_stored_spec(json.loads(sys.argv[1]))\n"
+             "print(json.dumps({'ignored': list(ignored), 'message': ignored_fields_message(ignored)}))\n")
+    answer = older_operator_package.run(older, probe, json.dumps(spec))
+    assert answer["ignored"] == ["spec.evaluation"]
+    assert answer["message"].startswith("this operator version does not know spec.evaluation and runs without it")
+
+
+# ---- the real apiserver -----------------------------------------------------------------------
+
+
+def manifest(name: str, spec: dict) -> str:
+    return yaml.safe_dump({"apiVersion": "tpufinetune.dev/v1alpha1", "kind": "TPUFineTune",
+                           "metadata": {"name": name}, "spec": spec})
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("case", LM_EVAL_INVALID, ids=lambda c: c.id)
+def test_the_apiserver_refuses_each_case(control_plane, namespace, case):
+    result = control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=manifest("bad", case.spec), check=False)
+    assert result.returncode != 0, f"admitted: {case.id}"
+    error = " ".join(result.stderr.split())
+    assert case.field.removeprefix("spec.").split("[")[0] in error, error
+    assert (case.admission or case.message) in error, error
+
+
+@pytest.mark.cluster
+def test_the_apiserver_admits_each_accepted_spec(control_plane, namespace):
+    for index, spec in enumerate(LM_EVAL_ACCEPTED):
+        result = control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=manifest(f"lmeval-{index}", spec),
+                                       check=False)
+        assert result.returncode == 0, result.stderr
