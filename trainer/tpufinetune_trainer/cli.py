@@ -215,7 +215,36 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fail when the measured all_reduce bus bandwidth is under this many GB/s (0: no floor)")
     co.add_argument("--corrupt-rank", type=int, default=None,
                     help="fault injection for tests: perturb this rank's weight shard (the check must fail)")
+    _lmeval_parser(sub)
     return parser
+
+
+def _lmeval_parser(sub) -> None:
+    from .backends import COMPUTE_DTYPES as DTYPES
+    from .lmeval import parse_limit
+
+    ev = sub.add_parser("lmeval", help="lm-evaluation-harness on a fine-tune's export, on one worker host")
+    ev.add_argument("--run-name", required=True, help="the fine-tune's run: results go to <storage>/<run>/evaluation/")
+    ev.add_argument("--storage-path", default=os.environ.get("STORAGE_PATH", ""),
+                    help="the run's storage (gs://... or a shared path); default $STORAGE_PATH")
+    ev.add_argument("--model-uri", required=True, help="the export to evaluate: a from_pretrained directory, path or "
+                                                       "gs:// URI (<storage>/<run>/export)")
+    ev.add_argument("--task", dest="tasks", action="append", default=[], required=True,
+                    help="an lm-eval task or group (hellaswag, arc_easy, mmlu, a task of --include-path); repeat "
+                         "for more")
+    ev.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: each "
+                                                                  "task's own)")
+    ev.add_argument("--limit", type=parse_limit, default=None,
+                    help="documents per task: a fraction below 1 (0.1) or a whole number (default: every document)")
+    ev.add_argument("--include-path", default=None,
+                    help="a folder of task YAML files and their data, path or gs:// URI (lm-eval's --include_path)")
+    ev.add_argument("--batch-size", type=int, default=1, help="requests per forward (lm-eval's default 1)")
+    ev.add_argument("--dtype", default="auto", choices=list(DTYPES),
+                    help="dtype the export is loaded in (auto: bfloat16 on TPU and GPU, float32 on CPU)")
+    ev.add_argument("--max-length", type=int, default=None,
+                    help="tokens of context at most (default: the model config's)")
+    ev.add_argument("--device", default="auto", choices=["auto", "tpu", "cuda", "cpu"],
+                    help="auto picks what the Ray cluster advertises (TPU, then GPU, else CPU)")
 
 
 def request_checkpoint(args: argparse.Namespace) -> int:
@@ -272,6 +301,15 @@ def _config(args: argparse.Namespace):
                              min_bus_bandwidth_gbps=args.min_bus_bandwidth_gbps, num_slices=args.num_slices)
 
 
+def _lmeval_config(args: argparse.Namespace):
+    from .lmeval import LmevalConfig
+
+    return LmevalConfig(run_name=args.run_name, storage_path=normalise_storage(args.storage_path) if args.storage_path
+                        else "", model_uri=args.model_uri, tasks=tuple(args.tasks), num_fewshot=args.num_fewshot,
+                        limit=args.limit, include_path=args.include_path, batch_size=args.batch_size,
+                        dtype=args.dtype, max_length=args.max_length, device=args.device)
+
+
 def root_cause(exc: BaseException) -> BaseException:
     """The worker's own exception inside Ray's wrappers (TrainingFailedError, RayTaskError)."""
     for _ in range(10):
@@ -306,7 +344,7 @@ def _logs_uri(argv: list[str] | None) -> str:
             args = build_parser().parse_args(argv)
     except (UsageError, SystemExit):
         return ""
-    if args.command != "finetune":
+    if args.command not in ("finetune", "lmeval"):  # lmeval's driver: after the fine-tune's, in the same stream
         return ""
     return attempt_logs_uri(normalise_storage(args.storage_path) if args.storage_path else "", args.run_name)
 
@@ -316,6 +354,10 @@ def _command(argv: list[str] | None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "checkpoint-now":
             return request_checkpoint(args)
+        if args.command == "lmeval":
+            from . import lmeval
+
+            return lmeval.run(_lmeval_config(args))
         cfg = _config(args)
         if args.command == "finetune":
             from .finetune import run

@@ -50,3 +50,9 @@ class Preempted(TrainerError):
 class ExportUnloadable(TrainerError):
     """The export was written but does not load back (with transformers, or the adapter with
     peft) or does not generate: the run fails with this; its checkpoints are kept."""
+
+
+class EvaluationFailed(TrainerError):
+    """`lmeval`: lm-eval could not evaluate the export (a task it does not know, an include
+    folder it cannot read, an export that does not load, a task that fails); the message
+    names which and the fix. The fine-tune's own result stands."""

@@ -19,7 +19,8 @@ from typing import Any, Iterator, TextIO
 PREFIX = "TPUFT-EVENT "
 VERSION = 1
 KINDS = frozenset({"start", "model", "plan", "progress", "epoch", "checkpoint", "result", "failure", "collectives",
-                   "notice", "early_stop", "export_proof", "startup"})
+                   "notice", "early_stop", "export_proof", "startup", "lmeval_start", "lmeval_task",
+                   "lmeval_result"})
 
 # A line longer than this (in bytes) without a newline is not one of ours; drop it rather
 # than buffer a runaway log line forever.
