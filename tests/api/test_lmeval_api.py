@@ -1,7 +1,7 @@
 """spec.evaluation.lmEval in the API: what parse_spec refuses, naming the field, and what a
 real kube-apiserver refuses with the generated CRD (the same words for the CEL twins); what both
-accept; the Python-only refusal of an export too big for the evaluating host, naming the
-figure; and an operator older than the field (a rollback) ignoring it by name."""
+accept; the Python-only refusal of an export too big for the one TPU chip lm-eval runs on,
+naming the figure; and an operator older than the field (a rollback) ignoring it by name."""
 from __future__ import annotations
 
 import json
@@ -79,19 +79,28 @@ def test_every_cel_twin_is_in_the_crd_with_its_message():
     assert tasks["x-kubernetes-list-type"] == "set" and tasks["minItems"] == 1
 
 
-def test_an_export_too_big_for_the_evaluating_host_is_refused_naming_the_figure():
-    big = spec_with(tpu={"generation": "v5e", "topology": "1x1"}, model={"id": "google/gemma-4-31B-it"},
-                    evaluation=lm_eval())
+def refusal(spec: dict) -> str:
     with pytest.raises(SpecError) as caught:
-        parse_spec(big)
+        parse_spec(spec)
     assert caught.value.field == FIELD
-    assert "google/gemma-4-31B-it in bfloat16 needs 58.2 GiB on the evaluating worker host" in str(caught.value)
-    assert "28.8 GiB usable of a ct5lp-hightpu-1t worker pod (32Gi memory limit" in str(caught.value)
-    # The same model on a host that holds it, a model the table does not know, the cpu stand-in: not refused.
-    parse_spec(spec_with(tpu={"generation": "v6e", "topology": "4x4"}, model={"id": "google/gemma-4-31B-it"},
+    return str(caught.value)
+
+
+def test_an_export_too_big_for_the_one_chip_lm_eval_runs_on_is_refused_naming_the_figure():
+    """The trainer loads the whole export on one worker's TPU device: its bf16 weights and lm-eval's
+    allowance must fit that device's HBM (the planner's headroom kept)."""
+    on_v6e = refusal(spec_with(model={"id": "google/gemma-4-31B-it"}, training={"method": "lora"},
+                               evaluation=lm_eval()))
+    assert ("google/gemma-4-31B-it in bfloat16 needs 58.2 GiB (its weights and 1 GiB for lm-eval's forward) on the "
+            "one v6e chip lm-eval runs on, more than the 28.8 GiB usable of its 32 GiB of HBM") in on_v6e
+    assert "14.4 GiB usable of its 16 GiB" in refusal(spec_with(
+        tpu={"generation": "v5e", "topology": "2x2"}, model={"id": "google/gemma-4-E4B-it"}, evaluation=lm_eval()))
+    # A chip that holds it (v5p; a v7x chiplet), a model the table does not know, the cpu stand-in: not refused.
+    parse_spec(spec_with(tpu={"generation": "v5p", "topology": "2x2x1"}, model={"id": "google/gemma-4-31B-it"},
                          training={"method": "lora"}, evaluation=lm_eval()))
-    parse_spec(spec_with(tpu={"generation": "v5e", "topology": "1x1"}, model={"id": "gs://bucket/my-70b"},
-                         evaluation=lm_eval()))
+    parse_spec(spec_with(tpu={"generation": "v7x", "topology": "2x2x1"}, model={"id": "google/gemma-4-31B-it"},
+                         training={"method": "lora"}, evaluation=lm_eval()))
+    parse_spec(spec_with(model={"id": "gs://bucket/my-70b"}, evaluation=lm_eval()))
     parse_spec(spec_with(tpu={"generation": "cpu", "topology": "1"}, evaluation=lm_eval()))
 
 

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tpufinetune_trainer import generation, train
+from tpufinetune_trainer import finish, generation, run_events
 from trainer_helpers import make_trainer, write_jsonl
 
 NAMES = ["Aron", "Belo", "Cira", "Doma", "Efra", "Gilo"]
@@ -41,8 +41,8 @@ def memorised(trainer_assets, process_group, tmp_path_factory):
     events, lines = [], []
     patch = pytest.MonkeyPatch()
     patch.setattr(ray.train, "report", lambda *args, **kwargs: None)
-    patch.setattr(train, "emit", lambda kind, **fields: events.append((kind, fields)))
-    patch.setattr(train, "say", lines.append)
+    patch.setattr(run_events, "emit", lambda kind, **fields: events.append((kind, fields)))
+    patch.setattr(run_events, "say", lines.append)
     try:
         trainer = make_trainer(trainer_assets.model, data, tmp / "storage", run_name="gen", num_epochs=EPOCHS,
                                batch_size_per_device=8, max_seq_len=128, generate_examples=12,
@@ -109,7 +109,7 @@ def test_keep_best_by_ranks_the_checkpoints_by_the_metric(memorised):
     trainer, epochs, _, _ = memorised
     cfg = trainer.cfg
     assert (cfg.checkpoint_score_attribute, cfg.checkpoint_score_order) == ("eval_rouge_l", "max")
-    best = train.best_entry(trainer.history, cfg.checkpoint_score_attribute, cfg.checkpoint_score_order)
+    best = finish.best_entry(trainer.history, cfg.checkpoint_score_attribute, cfg.checkpoint_score_order)
     highest = max(epochs, key=lambda e: e["eval_rouge_l"])  # the earliest on a tie, as Ray
     assert best["epoch"] == highest["epoch"] and best["eval_rouge_l"] == highest["eval_rouge_l"]
     assert best["epoch"] != min(epochs, key=lambda e: e["eval_rouge_l"])["epoch"]

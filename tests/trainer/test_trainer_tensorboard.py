@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tpufinetune_trainer import notice, tboard, train
+from tpufinetune_trainer import notice, run_events, tboard
 from tpufinetune_trainer.errors import Preempted
 from tpufinetune_trainer.logship import ATTEMPT_ENV
 from trainer_helpers import make_trainer
@@ -59,7 +59,7 @@ def run(trainer_assets, prepared, process_group, tmp_path, monkeypatch):
             if kind == "progress" and fields["step"] == sigterm_at:
                 os.kill(os.getpid(), signal.SIGTERM)  # the pod's notice (notice.install_sigterm_handler's)
 
-        monkeypatch.setattr(train, "emit", record)
+        monkeypatch.setattr(run_events, "emit", record)
         monkeypatch.setenv(ATTEMPT_ENV, str(attempt))
         settings = dict(run_name="tb", num_epochs=EPOCHS, batch_size_per_device=BATCH, progress_interval_s=1e-6,
                         lr_schedule="cosine", warmup_ratio=0.2, **overrides)

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 
 from tpufinetune_trainer import checkpoint as ckpt
 from tpufinetune_trainer import storage
-from tpufinetune_trainer import train
+from tpufinetune_trainer import run_events, train
 from tpufinetune_trainer.parallelize import build_mesh
 
 log: list[dict] = []  # in order: save starts, reports to Ray Train, events
@@ -103,7 +103,7 @@ def main(storage_uri: str, out_prefix: str, port: int, rank: int, world: int) ->
         log.append({"what": "start", "location": location, "step": state["step"]})
         return start_save(model, optimizer, location, state, group, stager)
 
-    ray.train.report, train.emit, ckpt.async_save_sharded = report, emit, logged_start
+    ray.train.report, run_events.emit, ckpt.async_save_sharded = report, emit, logged_start
     trainer = stub_trainer(storage_uri, rank, world)
     model, optimizer = trainer.model, trainer.optimizer
     checks: dict = {}

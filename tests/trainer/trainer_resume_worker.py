@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tpufinetune_trainer import train
+from tpufinetune_trainer import run_events, train
 from tpufinetune_trainer.backends import BACKENDS
 from tpufinetune_trainer.config import FinetuneConfig
 from tpufinetune_trainer.data import pad_id_of, prepare
@@ -104,7 +104,7 @@ def main(mode: str, out: str, port: int, rank: int, world: int, settings: dict) 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     reports: list[str] = []
     ray.train.report = lambda metrics, checkpoint=None, **kwargs: reports.append(checkpoint.path)
-    train.emit = lambda kind, **fields: None
+    run_events.emit = lambda kind, **fields: None
     trainer = rank_trainer(settings, rank, world)
     result: dict = {"start_id": trainer.start_id}
     if mode == "resume":

@@ -1,12 +1,15 @@
 """spec.evaluation.lmEval's rules across the spec, in Python (validation.check_spec calls
 `check_lm_eval`) and as their CEL twins (celrules.spec_rules takes `lm_eval_rules`), with the
-same messages; and the one check CEL cannot make, whether the export fits the evaluating host.
+same messages; and the one check CEL cannot make, whether the export fits where it is evaluated.
 
-The evaluating host: the trainer's `lmeval` entry loads the export in bfloat16 into one worker
-host's memory, as its export proof does (memplan's `proof` term), so what must fit is the
-model's bf16 weights and the proof's allowance within that worker pod's memory less the
-planner's headroom. Only models the planner's table knows are checked (any other is not
-refused, as in the memory plan), and never the cpu stand-in.
+Where it is evaluated: the trainer's `lmeval` entry runs lm-eval as one Ray task holding one of
+a worker's `TPU` resources (a chip; a chiplet on v7x), on one worker host, and loads the whole
+export in bfloat16 onto that device as its export proof loads it (memplan's `proof` term: the
+text weights and per-layer table, and an allowance). So it must fit one device's HBM less the
+planner's headroom (every TPU worker pod's memory, which it passes through while loading, holds
+more than a device's HBM). Only models the planner's
+table knows are checked (any other is not refused, as in the memory plan), never the cpu
+stand-in.
 """
 from __future__ import annotations
 
@@ -15,8 +18,7 @@ from typing import TYPE_CHECKING
 from .errors import SpecError
 from .memplan import GIB, HEADROOM, PROOF_OVERHEAD_BYTES
 from .memplan_shapes import known_shape
-from .quantity import parse_quantity
-from .sizing import plan_resources, slice_shape
+from .sizing import slice_shape
 
 if TYPE_CHECKING:
     from .specmodels import SpecFields
@@ -50,37 +52,38 @@ def check_lm_eval(spec: SpecFields) -> None:
     lora = spec.training.lora_settings()
     if lora is not None and not lora.export_merged:
         raise SpecError(FIELD, UNMERGED_MESSAGE)
-    refusal = host_fit_refusal(spec)
+    refusal = fit_refusal(spec)
     if refusal:
         raise SpecError(FIELD, refusal)
 
 
-def evaluation_host_bytes(model_id: str) -> int | None:
-    """What loading the export for lm-eval takes on the evaluating host: its bf16 text weights
-    and per-layer table, and the export proof's allowance (None: a model the table does not know)."""
+def evaluation_bytes(model_id: str) -> int | None:
+    """What loading the export for lm-eval takes, on its device and on its host: its bf16 text
+    weights and per-layer table, and the export proof's allowance (None: a model the table does
+    not know)."""
     shape = known_shape(model_id)
     if shape is None:
         return None
     return 2 * (shape.parameters + shape.per_layer_embedding) + PROOF_OVERHEAD_BYTES
 
 
-def host_fit_refusal(spec: SpecFields) -> str:
-    """Why the export cannot be evaluated on one worker host ('' when it can, or is not known)."""
-    if not slice_shape(spec).generation.is_tpu:
+def fit_refusal(spec: SpecFields) -> str:
+    """Why the export cannot be evaluated on one device of one worker host ('' when it can, or
+    is not known)."""
+    shape = slice_shape(spec)
+    need = evaluation_bytes(spec.model.id)
+    if not shape.generation.is_tpu or need is None:
         return ""
-    need = evaluation_host_bytes(spec.model.id)
-    memory = plan_resources(spec)["workers"][1].get("memory")
-    if need is None or not memory:
-        return ""
-    usable = int(int(parse_quantity(str(memory))) * (1 - HEADROOM))
-    if need <= usable:
-        return ""
-    machine = slice_shape(spec).machine.machine_type
-    return (f"{spec.model.id} in bfloat16 needs {need / GIB:.1f} GiB on the evaluating worker host (its weights "
-            f"and {PROOF_OVERHEAD_BYTES // GIB} GiB for the loader), more than the {usable / GIB:.1f} GiB usable of "
-            f"a {machine} worker pod ({memory} memory limit, {int(HEADROOM * 100)}% headroom): use a machine "
-            f"with more memory per host (tpu.chipsPerHost, a larger topology, workers.resources.limits.memory) "
-            f"or remove evaluation.lmEval")
+    gen, what = shape.generation, f"{spec.model.id} in bfloat16 needs {need / GIB:.1f} GiB"
+    fix = "evaluate on a generation with more HBM per chip, or remove evaluation.lmEval"
+    device_hbm = gen.hbm_gib_per_chip / gen.devices_per_chip * GIB
+    usable = int(device_hbm * (1 - HEADROOM))
+    if need > usable:
+        device = "chip" if gen.devices_per_chip == 1 else f"chiplet (1/{gen.devices_per_chip} of a chip)"
+        return (f"{what} (its weights and {PROOF_OVERHEAD_BYTES // GIB} GiB for lm-eval's forward) on the one "
+                f"{gen.name} {device} lm-eval runs on, more than the {usable / GIB:.1f} GiB usable of its "
+                f"{device_hbm / GIB:g} GiB of HBM ({int(HEADROOM * 100)}% headroom): {fix}")
+    return ""
 
 
 def lm_eval_rules() -> list[dict]:

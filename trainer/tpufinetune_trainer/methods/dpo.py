@@ -77,7 +77,7 @@ class DPO:
         """[pairs, 2] fp32: the current (starting) model's summed response log-probabilities.
         Every rank runs the same number of forwards (FSDP's collectives), each on its own
         share of the blocks; one all_reduce puts every pair's figures on every rank."""
-        from ..train import DeviceBlocks
+        from ..device_blocks import DeviceBlocks
 
         blocks, per = self.pair_blocks(pairs), trainer.plan.blocks
         world, rank = trainer.world, trainer.rank
