@@ -6,7 +6,7 @@ and CEL rules of the generated CRD) accepts it in a server-side dry run."""
 from __future__ import annotations
 
 import pytest
-from manifests import DEPLOY, load
+from manifests import DEPLOY, documents, load
 
 from tpufinetune.core.api import parse_spec
 
@@ -22,19 +22,21 @@ SAMPLES = {
     "finetune-v6e-4x4-lora.yaml": ("v6e", "4x4", "finetune"),
     "finetune-v6e-16-two-slices.yaml": ("v6e", "4x4", "finetune"),
     "dpo-lora-e4b-v6e.yaml": ("v6e", "2x4", "finetune"),
+    "dpo-after-sft-e4b-v6e.yaml": ("v6e", "2x4", "finetune"),  # two runs, the second chained to the first
 }
 
 
 def test_the_samples_folder_holds_exactly_these():
     assert sorted(p.name for p in (DEPLOY / "samples").glob("*.yaml")) == sorted(SAMPLES)
-    names = [load((DEPLOY / "samples" / f).read_text())["metadata"]["name"] for f in SAMPLES]
+    names = [d["metadata"]["name"] for f in SAMPLES for d in documents((DEPLOY / "samples" / f).read_text())]
     assert len(set(names)) == len(names)
 
 
 @pytest.mark.parametrize("sample", sorted(SAMPLES))
 def test_sample_validates_as_the_operator_does(sample):
-    spec = parse_spec(load((DEPLOY / "samples" / sample).read_text())["spec"])
-    assert (spec.tpu.generation, spec.tpu.topology, spec.mode) == SAMPLES[sample]
+    for document in documents((DEPLOY / "samples" / sample).read_text()):
+        spec = parse_spec(document["spec"])
+        assert (spec.tpu.generation, spec.tpu.topology, spec.mode) == SAMPLES[sample]
 
 
 @pytest.mark.parametrize("sample", ["finetune-v6e-4x4.yaml", "finetune-v7x-2x2x2.yaml"])
@@ -79,8 +81,9 @@ def test_the_two_slice_sample_renders_one_raycluster_of_two_replicas_on_two_pool
 @pytest.mark.parametrize("sample", sorted(SAMPLES))
 def test_sample_passes_a_server_side_dry_run(control_plane, namespace, sample):
     result = control_plane.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", DEPLOY / "samples" / sample)
-    name = load((DEPLOY / "samples" / sample).read_text())["metadata"]["name"]
-    assert result.stdout.strip() == f"tpufinetune.tpufinetune.dev/{name} created (server dry run)"
+    names = [d["metadata"]["name"] for d in documents((DEPLOY / "samples" / sample).read_text())]
+    assert result.stdout.strip().splitlines() == [f"tpufinetune.tpufinetune.dev/{n} created (server dry run)"
+                                                  for n in names]
 
 
 def test_the_dpo_sample_trains_adapters_with_preference_pairs():
@@ -91,3 +94,16 @@ def test_the_dpo_sample_trains_adapters_with_preference_pairs():
         "google/gemma-4-E4B-it", "dpo", 16)
     argv = trainer_argv(spec, run_name="r")
     assert "--method=dpo" in argv and "--dpo-lora=true" in argv and "--dpo-beta=0.1" in argv
+
+
+def test_the_chained_sample_starts_its_dpo_run_from_the_sft_runs_merged_export():
+    from tpufinetune.core.render import load_documents, render
+
+    sample = DEPLOY / "samples" / "dpo-after-sft-e4b-v6e.yaml"
+    sft, dpo = (parse_spec(d["spec"]) for d in documents(sample.read_text()))
+    sft_name = documents(sample.read_text())[0]["metadata"]["name"]
+    assert (dpo.model.init_from.run, dpo.model.init_from.artifact, dpo.training.method) == (sft_name, "export", "dpo")
+    assert sft.training.lora_settings().export_merged and dpo.training.lora_settings() is not None
+    out = render(load_documents(sample.read_text(), sample.name), sample.name)
+    assert out.count("memory plan: lora fine-tune of google/gemma-4-E4B-it") == 1
+    assert out.count("memory plan: dpo fine-tune of google/gemma-4-E4B-it") == 1  # the SFT's base, not the default

@@ -160,3 +160,17 @@ def memory_request(spec, recorded: dict | None) -> Request | None:
     if request_of(spec) is None:
         return memory_request_of(spec)
     return memory_request_of(spec, model_id=recorded["modelId"]) if recorded else None
+
+
+def preview(spec, sources: dict) -> dict | None:
+    """What status.initFrom would record, for `tpufinetune render`: the source among `sources`
+    (the file's other specs, by name), its base model from its spec, its URI a placeholder until it
+    has Succeeded. None when the spec is not chained or its source is not among them."""
+    request = request_of(spec)
+    source = sources.get(request.run) if request is not None else None
+    if source is None:
+        return None
+    others = {name: other for name, other in sources.items() if name != request.run}  # a loop ends here
+    base = (preview(source, others) or {}).get("modelId", source.model.id)
+    return {"run": request.run, "uid": "", "artifact": request.artifact, "modelId": base,
+            "uri": f"(the {request.artifact} of TPUFineTune {request.run}, once it has Succeeded)"}

@@ -20,11 +20,11 @@ from dataclasses import asdict
 
 import yaml
 
-from .api import API_VERSION, DNS_SUBDOMAIN, KIND, TPUFineTuneSpec, parse_spec
+from .api import API_VERSION, DNS_SUBDOMAIN, INIT_FROM_SELF_MESSAGE, KIND, TPUFineTuneSpec, parse_spec
 from .errors import SpecError
 from .jobspec import job_submission
-from .memplan import refuses
-from .memplan_spec import plan_spec
+from . import initsource
+from .memplan import estimate, refuses
 from .podtemplate import raycluster_with_pod_settings
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
@@ -88,18 +88,25 @@ def render(documents: list[dict], source: str, jobs: bool = False) -> str:
             spec = parse_spec(raw_spec if raw_spec is not None else {})
         except SpecError as exc:
             raise RenderError(f'{source}: TPUFineTune "{name}": {exc}') from None
-        memory = plan_spec(spec)
+        if spec.model.init_from is not None and spec.model.init_from.run == name:
+            raise RenderError(f'{source}: TPUFineTune "{name}": spec.model.initFrom.run: {INIT_FROM_SELF_MESSAGE}')
+        validated.append((name, namespace, uid, spec))
+    sources = {name: spec for name, _, _, spec in validated}  # a chained run's source may be in the same file
+    for name, namespace, uid, spec in validated:
+        memory = _plan(spec, sources)
         if memory is not None and refuses(memory):
             # What the operator would do: fail the run (DoesNotFit) before any RayCluster.
             raise RenderError(f'{source}: TPUFineTune "{name}": does not fit: {memory.refusal()}')
-        validated.append((name, namespace, uid, spec))
 
     out = []
     for name, namespace, uid, spec in validated:
         header = f"TPUFineTune {namespace}/{name}"
-        memory = plan_spec(spec)
+        memory = _plan(spec, sources)
         planned = comment(f"{header}: memory plan: {memory.summary()}") if memory is not None else ""
-        job = _job_document(name, namespace, uid or PLACEHOLDER_UID, spec)
+        if memory is None and spec.model.init_from is not None:
+            planned = comment(f"{header}: memory plan: made for TPUFineTune {spec.model.init_from.run}'s base "
+                              "model once it has Succeeded (it is not in this file)")
+        job = _job_document(name, namespace, uid or PLACEHOLDER_UID, spec, initsource.preview(spec, sources))
         if jobs:
             out.append("---\n" + comment(f"{header}: the Ray job the operator submits (attempt "
                                           f"{FIRST_ATTEMPT}).") + planned + _dump(job))
@@ -120,8 +127,14 @@ def render(documents: list[dict], source: str, jobs: bool = False) -> str:
     return "".join(out)
 
 
-def _job_document(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec) -> dict:
-    job = asdict(job_submission(name, namespace, uid, spec, FIRST_ATTEMPT))
+def _plan(spec: TPUFineTuneSpec, sources: dict):
+    """The memory plan the operator makes; a chained run's for its source's base model."""
+    request = initsource.memory_request(spec, initsource.preview(spec, sources))
+    return estimate(request) if request is not None else None
+
+
+def _job_document(name: str, namespace: str, uid: str, spec: TPUFineTuneSpec, init_from: dict | None = None) -> dict:
+    job = asdict(job_submission(name, namespace, uid, spec, FIRST_ATTEMPT, init_from=init_from))
     return {"rayJobSubmission": {
         "submissionId": job["submission_id"],
         "submissionIdScheme": "tft-<metadata.uid>-<attempt>, attempt 1, 2, ... "
