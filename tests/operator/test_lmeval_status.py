@@ -130,3 +130,22 @@ def test_tpufinetune_eval_prints_the_lm_eval_table_after_the_epochs(run_read, ca
     run_read["plain"] = {"status": {"history": [{"epoch": 1, "evalLoss": 0.45}]}}
     assert cli.main(["eval", "plain"]) == 0
     assert capsys.readouterr().out.endswith(NO_LM_EVAL + "\n")
+
+
+@pytest.mark.parametrize("lm_eval", [{}, {"numFewshot": 5, "limit": 0.25, "includePath": "gs://bucket/tasks"},
+                                     {"limit": 16, "numFewshot": 0}], ids=["tasks", "every-setting", "a-count"])
+def test_the_trainers_lmeval_parser_reads_the_argv_as_meant(lm_eval):
+    """The argv the operator builds, parsed and checked by the trainer's own `lmeval` entry."""
+    from tpufinetune_trainer import cli as trainer_cli
+
+    spec = lm_eval_spec(**lm_eval)
+    argv = lmeval_argv(spec, "tft-demo-6f1c2a7e", EXPORT)
+    config = trainer_cli._lmeval_config(trainer_cli.build_parser().parse_args(argv[1:]))
+    config.validate()
+    settings = spec.evaluation.lm_eval
+    assert (config.run_name, config.storage_path, config.model_uri) == ("tft-demo-6f1c2a7e", "gs://bucket/ckpt", EXPORT)
+    assert config.tasks == ("hellaswag", "arc_easy")
+    assert (config.num_fewshot, config.include_path) == (settings.num_fewshot, settings.include_path)
+    assert config.limit == settings.limit
+    if settings.limit is not None and settings.limit >= 1:
+        assert isinstance(config.limit, int)  # a count of documents, as lm-eval reads --limit
