@@ -16,8 +16,8 @@ loads it) onto the device backends.py brings up (torch_tpu imported only on a TP
 event, then `lmeval_result` (docs/protocol.md). Whatever fails ends in one `failure`
 (`EvaluationFailed`, naming the task, the include folder or the export, and the fix).
 
-`evaluate` is the whole flow in one process (what the tests run); `run` is the Ray job's,
-which hands the host's part to a Ray task.
+`evaluate` is the whole flow, its host part in this process (InProcess: what the tests run) or
+as one Ray task (RayTask: the job's, `run`).
 """
 
 from __future__ import annotations
@@ -236,14 +236,17 @@ class _TaskIndex:
 
     managers: dict = field(default_factory=dict)
 
-    def get(self, include_dir: Path | None):
+    def get(self, include_dir: Path | None, defaults: bool = True):
+        """The TaskManager of `include_dir` (and of lm-eval's own tasks, with `defaults`)."""
         from lm_eval.tasks import TaskManager
 
         files = (tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(include_dir.rglob("*"))
                        if p.is_file()) if include_dir is not None else ())
-        key = (str(include_dir), files)
+        key = (str(include_dir), files, defaults)
         if key not in self.managers:
-            self.managers = {key: TaskManager(include_path=str(include_dir) if include_dir is not None else None)}
+            self.managers = {k: v for k, v in self.managers.items() if k[:2] == key[:2]}  # this folder's only
+            self.managers[key] = TaskManager(include_path=str(include_dir) if include_dir is not None else None,
+                                             include_defaults=defaults)
         return self.managers[key]
 
 
@@ -251,8 +254,12 @@ TASK_INDEX = _TaskIndex()
 
 
 def check_tasks(tasks: tuple[str, ...], include_path: str | None) -> None:
-    """Every task is one lm-eval knows, its own or under the include folder."""
+    """Every task is one lm-eval knows, under the include folder or its own (indexed only
+    for a name the folder does not define: lm-eval's own index takes seconds to build)."""
     include_dir = local_include(include_path) if include_path else None
+    defined = set(TASK_INDEX.get(include_dir, defaults=False).all_tasks) if include_dir is not None else set()
+    if all(task in defined for task in tasks):
+        return
     known = TASK_INDEX.get(include_dir).all_tasks
     unknown = [task for task in tasks if task not in set(known)]
     if unknown:
@@ -338,19 +345,62 @@ def write_results(uri: str, results: dict) -> None:
         out.write((json.dumps(results, indent=2, sort_keys=False) + "\n").encode())
 
 
-def evaluate(cfg: LmevalConfig, on_host: Callable[[LmevalConfig, str], dict] | None = None,
-             backend: Backend | None = None, emit: Callable[..., Any] | None = None) -> dict:
-    """The whole evaluation: checks, `lmeval_start`, the host's part (`on_host`, in this process
-    by default), results.json, one `lmeval_task` per task and `lmeval_result`. Returns the
-    results as written."""
+class InProcess:
+    """The host's part in this process: the tests', or a run by hand on one machine (the
+    device: --device, auto from this host's devices, never by initialising a TPU)."""
+
+    def __init__(self, device: str = "auto"):
+        self.device = device
+
+    def backend(self) -> Backend:
+        return resolve(self.device)
+
+    def evaluate(self, cfg: LmevalConfig, backend: Backend) -> dict:
+        return evaluate_on_host(cfg, backend.name)
+
+
+class RayTask:
+    """The host's part as one Ray task with one worker's resources (host_resources), so it
+    runs on a worker host of the job's cluster, never on the head."""
+
+    def __init__(self, device: str = "auto"):
+        self.device = device
+
+    def backend(self) -> Backend:
+        import ray
+
+        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
+        backend = resolve(self.device, ray.cluster_resources())
+        options = host_resources(backend)
+        need = {**options.get("resources", {}), "CPU": options["num_cpus"], "GPU": options.get("num_gpus", 0)}
+        have = ray.cluster_resources()
+        short = {name: amount for name, amount in need.items() if amount and have.get(name, 0) < amount}
+        if short:
+            raise EvaluationFailed(f"the Ray cluster has no worker with {short} to evaluate on (it advertises "
+                                   f"{have}): the run's workers must still be up")
+        return backend
+
+    def evaluate(self, cfg: LmevalConfig, backend: Backend) -> dict:
+        import ray
+
+        task = ray.remote(evaluate_on_host).options(**host_resources(backend), max_retries=0, name="lmeval")
+        return ray.get(task.remote(cfg, backend.name))
+
+
+def evaluate(cfg: LmevalConfig, host: InProcess | RayTask | None = None,
+             emit: Callable[..., Any] | None = None) -> dict:
+    """The whole evaluation: the checks (before any cluster or device is touched),
+    `lmeval_start`, the host's part (in this process by default), results.json, one
+    `lmeval_task` per task and `lmeval_result`. Returns the results as written."""
     from .events import emit as emit_event
 
     say = emit or emit_event
     check(cfg)
-    backend = backend or resolve(cfg.device)
+    host = host or InProcess(cfg.device)
+    backend = host.backend()
     say("lmeval_start", tasks=list(cfg.tasks), num_fewshot=cfg.num_fewshot, limit=cfg.limit,
         model_uri=cfg.model_uri, include_path=cfg.include_path, device=backend.name)
-    outcome = (on_host or evaluate_on_host)(cfg, backend.name)
+    outcome = host.evaluate(cfg, backend)
     results = outcome["results"]
     results["tpufinetune"] = {"run_name": cfg.run_name, "model_uri": cfg.model_uri, "include_path": cfg.include_path,
                               "device": outcome["device"], "evaluate_s": outcome["evaluate_s"]}
@@ -371,17 +421,6 @@ def evaluate(cfg: LmevalConfig, on_host: Callable[[LmevalConfig, str], dict] | N
 
 
 def run(cfg: LmevalConfig) -> int:
-    """The Ray job's driver: the host's part as one Ray task with one worker's resources."""
-    import ray
-
-    cfg.validate()
-    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True)
-    backend = resolve(cfg.device, ray.cluster_resources())
-    options = host_resources(backend)
-
-    def on_host(config: LmevalConfig, backend_name: str) -> dict:
-        task = ray.remote(evaluate_on_host).options(**options, max_retries=0, name="lmeval")
-        return ray.get(task.remote(config, backend_name))
-
-    evaluate(cfg, on_host, backend)
+    """The Ray job's entry (cli.py): the host's part as one Ray task."""
+    evaluate(cfg, RayTask(cfg.device))
     return 0
