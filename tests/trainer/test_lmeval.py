@@ -185,3 +185,28 @@ def test_the_job_evaluates_on_a_worker_through_ray(ray_head, trainer_assets, inc
     assert task["samples"] == written["n-samples"]["tiny_mc"]["effective"] == 2
     assert task["metrics"][0]["value"] == written["results"]["tiny_mc"]["acc,none"]
     assert "(lmeval pid=" in run.output  # the task's own process, its lines forwarded by Ray
+
+
+@pytest.mark.parametrize("lm_eval, read", [
+    ({"tasks": ["hellaswag", "arc_easy"]}, dict(tasks=("hellaswag", "arc_easy"), num_fewshot=None, limit=None,
+                                                include_path=None)),
+    ({"tasks": ["tiny_mc"], "numFewshot": 5, "limit": 0.1, "includePath": "gs://bucket/tasks"},
+     dict(tasks=("tiny_mc",), num_fewshot=5, limit=0.1, include_path="gs://bucket/tasks")),
+    ({"tasks": ["mmlu"], "limit": 20}, dict(tasks=("mmlu",), num_fewshot=None, limit=20, include_path=None)),
+])
+def test_the_operators_lmeval_job_is_read_as_its_spec_says(lm_eval, read):
+    """jobspec.lmeval_argv's command line, parsed by this trainer's own parser."""
+    from tpufinetune.core.api import parse_spec
+    from tpufinetune.core.jobspec import lmeval_argv
+
+    spec = parse_spec({"tpu": {"generation": "v6e", "topology": "4x4"}, "image": "example.com/trainer:1",
+                       "checkpoint": {"storagePath": "gs://bucket/runs"}, "evaluation": {"lmEval": lm_eval}})
+    argv = lmeval_argv(spec, "run-7", "gs://bucket/runs/run-7/export")
+    assert argv[:2] == ["tpufinetune-train", "lmeval"]
+    cfg = cli._lmeval_config(cli.build_parser().parse_args(argv[1:]))
+    cfg.validate()
+    assert (cfg.run_name, cfg.storage_path, cfg.model_uri) == ("run-7", "gs://bucket/runs",
+                                                               "gs://bucket/runs/run-7/export")
+    assert {name: getattr(cfg, name) for name in read} == read
+    assert type(cfg.limit) is type(read["limit"])  # a whole number stays a count of documents
+    assert cfg.results_uri() == "gs://bucket/runs/run-7/evaluation/results.json"
