@@ -147,3 +147,36 @@ def test_the_apiserver_admits_each_accepted_spec(control_plane, namespace):
         result = control_plane.kubectl("apply", "-n", namespace, "-f", "-", input=manifest(f"lmeval-{index}", spec),
                                        check=False)
         assert result.returncode == 0, result.stderr
+
+
+def test_an_older_operator_meeting_a_run_mid_evaluation_ends_it_succeeded_and_releases_the_slice(tmp_path):
+    """Why the phase stays Running while the export is evaluated: after a rollback the older
+    operator reads the attempt's own job (the fine-tune's, succeeded), ends the run Succeeded and
+    releases the slice, carrying status.evaluation as it found it."""
+    from datetime import datetime, timezone
+
+    from tpufinetune.core import phaselmeval, phases
+    from tpufinetune.core.phases import ClusterView, Identity, JobView, Observations, Plan
+
+    now = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+    ident, plan = Identity("demo", "ns", "uid-1"), Plan(cluster_name="demo-rc", epochs=1, lm_eval_tasks=("hellaswag",))
+    ready = ClusterView(exists=True, owned=True, ready=True, dashboard_url="http://head:8265", uid="rc-1")
+    status: dict = {}
+    for cluster, job in ((None, None), (None, None), (ready, None), (ready, JobView("RUNNING"))):
+        status = phases.transition(ident, plan, status, Observations(now=now, cluster=cluster, job=job)).status
+    result = {"event": "result", "exported_model_uri": "gs://b/ckpt/run/export", "best_checkpoint_uri": "gs://b/c"}
+    status = phases.transition(ident, plan, status, Observations(now=now, cluster=ready, job=JobView("SUCCEEDED"),
+                                                                 events=(result,))).status
+    assert phaselmeval.evaluating(status)
+    older = older_operator_package.extract(PRE_LM_EVAL_COMMIT, tmp_path, "pre-lmEval")
+    probe = ("import json, sys\nfrom datetime import datetime, timezone\nfrom tpufinetune.core import phases\n"
+             "from tpufinetune.core.phases import ClusterView, Identity, JobView, Observations, Plan\n"
+             "status = json.loads(sys.argv[1])\n"
+             "d = phases.transition(Identity('demo', 'ns', 'uid-1'), Plan(cluster_name='demo-rc', epochs=1), status,"
+             " Observations(now=datetime(2026, 1, 1, 12, 5, tzinfo=timezone.utc), job=JobView('SUCCEEDED'),"
+             " cluster=ClusterView(exists=True, owned=True, ready=True, dashboard_url='http://head:8265')))\n"
+             "print(json.dumps({'phase': d.phase, 'actions': [type(a).__name__ for a in d.actions],"
+             " 'evaluation': d.status.get('evaluation')}))\n")
+    answer = older_operator_package.run(older, probe, json.dumps(status))
+    assert answer["phase"] == "Succeeded" and "DeleteCluster" in answer["actions"]
+    assert answer["evaluation"] == status["evaluation"]
