@@ -12,6 +12,7 @@ last test runs the CLI as the Ray job does, the host part a Ray task on a local 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -170,6 +171,17 @@ def test_an_export_that_does_not_load_fails_naming_it(trainer_assets, include, t
     assert f"the export at --model-uri {broken} does not load" in str(failed.value)
     assert [e.kind for e in _events(capsys)] == ["lmeval_start"]
     assert not (tmp_path / "run-1" / "evaluation" / "results.json").exists()
+
+
+def test_the_jobs_driver_output_is_kept_with_the_attempts_logs(trainer_assets, tmp_path):
+    """Under the operator's attempt number, as the fine-tune driver's: its failure event too."""
+    env = offline_env(dict(os.environ, TPUFINETUNE_ATTEMPT="2"))
+    run = run_trainer(["lmeval", "--run-name=run-l", f"--storage-path={tmp_path}",
+                       f"--model-uri={trainer_assets.model}", "--task=tiny_mc",
+                       f"--include-path={tmp_path / 'no-such-folder'}"], env, timeout=120)
+    assert run.rc == cli.EXIT_FAILURE and [e.kind for e in run.events] == ["failure"], run.tail()
+    kept = "".join(p.read_text() for p in sorted((tmp_path / "run-l" / "logs" / "attempt-2" / "driver").glob("*.log")))
+    assert parse_text(kept) == run.events
 
 
 @pytest.mark.ray
