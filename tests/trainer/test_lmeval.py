@@ -222,3 +222,26 @@ def test_the_operators_lmeval_job_is_read_as_its_spec_says(lm_eval, read):
     assert {name: getattr(cfg, name) for name in read} == read
     assert type(cfg.limit) is type(read["limit"])  # a whole number stays a count of documents
     assert cfg.results_uri() == "gs://bucket/runs/run-7/evaluation/results.json"
+
+
+def test_a_groups_rows_come_after_what_was_asked_for_with_lm_evals_gaps_as_null():
+    """A group (mmlu-like): the row asked for first, then its subtasks in lm-eval's order;
+    "N/A" (no standard error, a group's version) is null, a figure that is not a number too."""
+    import numpy as np
+
+    results = lmeval.json_safe({
+        "results": {"sub_a": {"alias": " - a", "acc,none": np.float64(0.5), "acc_stderr,none": "N/A"},
+                    "grp": {"alias": "grp", "acc,none": 0.25, "acc_stderr,none": 0.1, "sample_len": 7},
+                    "sub_b": {"acc,none": float("nan"), "acc_stderr,none": np.float32(0.5),
+                              "f1,strict-match": "x", "f1_stderr,strict-match": 0.2}},
+        "versions": {"grp": "N/A", "sub_a": 1, "sub_b": "2.1"}, "n-shot": {"sub_a": 0, "sub_b": 5},
+        "n-samples": {"sub_a": {"original": 9, "effective": 4}, "sub_b": {"original": 3, "effective": np.int64(3)}}})
+    assert json.loads(json.dumps(results, allow_nan=False)) == results
+    assert lmeval.task_reports(results, ["grp"]) == [
+        {"task": "grp", "metrics": [{"metric": "acc", "filter": "none", "value": 0.25, "stderr": 0.1}],
+         "samples": 7, "num_fewshot": None, "version": None},
+        {"task": "sub_a", "metrics": [{"metric": "acc", "filter": "none", "value": 0.5, "stderr": None}],
+         "samples": 4, "num_fewshot": 0, "version": 1},
+        {"task": "sub_b", "metrics": [{"metric": "acc", "filter": "none", "value": None, "stderr": 0.5},
+                                      {"metric": "f1", "filter": "strict-match", "value": None, "stderr": 0.2}],
+         "samples": 3, "num_fewshot": 5, "version": "2.1"}]

@@ -38,7 +38,7 @@ from .errors import EvaluationFailed, UsageError
 
 # Where the results go under the run's storage (the `lmeval_result` event's results_uri).
 RESULTS_PATH = "evaluation/results.json"
-# What lm-eval writes where a figure has no standard error.
+# What lm-eval writes where a figure has no standard error (or a group no version).
 NO_STDERR = "N/A"
 CLOSE_NAMES = 5  # close task names offered for an unknown one
 
@@ -130,8 +130,8 @@ def json_safe(value: Any) -> Any:
     dtype, a path, a function) as its string."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
+    if isinstance(value, float):  # numpy's float64 among them
+        return float(value) if math.isfinite(value) else None
     if isinstance(value, dict):
         return {str(key): json_safe(item) for key, item in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
@@ -174,9 +174,10 @@ def task_reports(results: dict, requested: tuple[str, ...] | list[str]) -> list[
         figures = rows[name]
         counted = (results.get("n-samples") or {}).get(name) or {}
         samples = counted.get("effective", figures.get("sample_len"))
+        version = (results.get("versions") or {}).get(name)
         reports.append({"task": name, "metrics": task_metrics(figures), "samples": samples,
                         "num_fewshot": (results.get("n-shot") or {}).get(name),
-                        "version": (results.get("versions") or {}).get(name)})
+                        "version": None if version == NO_STDERR else version})
     return reports
 
 
