@@ -1,4 +1,4 @@
-"""`tpufinetune-train finetune|collectives`: the Ray job entrypoint.
+"""`tpufinetune-train finetune|collectives|lmeval|checkpoint-now`: the Ray job entrypoint.
 
 Whatever goes wrong (a bad flag, bad input, a worker crash) ends with one `failure`
 event naming the problem and a non-zero exit status, so the Ray job is FAILED and the
