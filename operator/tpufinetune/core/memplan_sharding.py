@@ -46,7 +46,6 @@ from . import generations as g
 from . import memplan_dpo as dpo
 from .memplan import Request, _plan, keeps_gathered, shape_for, smallest_fit
 
-MODES = ("auto", "full", "hybrid", "replicate")
 CHECKPOINTING_AUTO = ("none", "selective", "block")  # cheapest first
 PLAN, SPEC = "plan", "spec"  # who chose (status.plan's chosenBy)
 
@@ -146,7 +145,7 @@ def _with_group(request: Request, mode: str, devices: int) -> tuple[str, int] | 
     A hybrid with no group below the slice is the whole slice's: full."""
     if mode == "full" or (mode == "auto" and not choosable(request)):
         return "full", devices
-    candidates = [1] if mode == "replicate" else ([1] if mode == "auto" else []) + groups(devices)
+    candidates = {"replicate": [1], "hybrid": groups(devices), "auto": [1, *groups(devices)]}[mode]
     if mode == "hybrid" and not candidates:
         return "full", devices
     if not choosable(request):
