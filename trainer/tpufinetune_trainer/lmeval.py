@@ -216,7 +216,7 @@ def local_include(include_path: str) -> Path:
     when it cannot be read or holds no task YAML."""
     try:
         local = storage.local_copy(include_path) if storage.is_uri(include_path) else Path(include_path)
-        yamls = sorted(local.rglob("*.yaml")) + sorted(local.rglob("*.yml")) if local.is_dir() else []
+        yamls = sorted(local.rglob("*.yaml")) if local.is_dir() else []  # what lm-eval indexes
     except Exception as exc:  # noqa: BLE001
         raise EvaluationFailed(f"--include-path {include_path}: cannot read it: {type(exc).__name__}: {exc}. Give a "
                                "folder of lm-eval task YAML files (and their data) this cluster can read: "
@@ -290,8 +290,8 @@ def _load_export(cfg: LmevalConfig, backend: Backend):
     from .backends import compute_dtype, setup_device
     from .model import load_causal_lm, load_tokenizer, model_source
 
+    device = setup_device(backend, 0)  # Ray gives the task its own chip or GPU: index 0
     try:
-        device = setup_device(backend, 0)  # Ray gives the task its own chip or GPU: index 0
         source = model_source(cfg.model_uri)
         model = load_causal_lm(source, compute_dtype(backend, cfg.dtype), backend.attn_implementation)
         return model.to(device).eval(), load_tokenizer(source)
