@@ -134,29 +134,6 @@ def test_a_fraction_limit_and_a_figure_without_stderr(trainer_assets, include, t
     assert written["results"]["tiny_gen"]["exact_match_stderr,none"] == "N/A"
 
 
-def test_the_export_the_tasks_and_the_results_in_a_bucket(gcs, trainer_assets, include, tmp_path, monkeypatch,
-                                                         capsys):
-    """gs:// throughout, as the operator passes them: the export and the include folder copied
-    to this host with the trainer's storage code, results.json written to the run's bucket."""
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.endpoint)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    base = gcs.unique_uri("lmeval")
-    cfg = _config(trainer_assets, include, f"{base}/runs", tasks=("tiny_mc",), limit=2,
-                  model_uri=gcs.upload(trainer_assets.model, f"{base}/runs/run-1/export"),
-                  include_path=gcs.upload(include, f"{base}/tasks"))
-    lmeval.evaluate(cfg)
-    events = _events(capsys)
-    assert [e.kind for e in events] == ["lmeval_start", "lmeval_task", "lmeval_result"]
-    assert events[-1]["results_uri"] == f"{base}/runs/run-1/evaluation/results.json"
-    written = json.loads(gcs.read(events[-1]["results_uri"]))
-    assert events[1]["metrics"][0]["value"] == written["results"]["tiny_mc"]["acc,none"]
-    assert events[1]["samples"] == written["n-samples"]["tiny_mc"]["effective"] == 2
-    assert written["tpufinetune"]["model_uri"] == cfg.model_uri
-    # A prefix with nothing under it is named as the folder that cannot be read.
-    with pytest.raises(EvaluationFailed, match=f"--include-path {base}/no-tasks: cannot read it: FileNotFoundError"):
-        lmeval.evaluate(_config(trainer_assets, include, f"{base}/runs", include_path=f"{base}/no-tasks"))
-
-
 def _cli(argv: list[str], capsys) -> tuple[int, list]:
     rc = cli.main(["lmeval", *argv])
     return rc, _events(capsys)
@@ -194,6 +171,30 @@ def test_an_export_that_does_not_load_fails_naming_it(trainer_assets, include, t
     assert f"the export at --model-uri {broken} does not load" in str(failed.value)
     assert [e.kind for e in _events(capsys)] == ["lmeval_start"]
     assert not (tmp_path / "run-1" / "evaluation" / "results.json").exists()
+
+
+# After the tests of the include folder on disk: its task index is the one kept.
+def test_the_export_the_tasks_and_the_results_in_a_bucket(gcs, trainer_assets, include, tmp_path, monkeypatch,
+                                                         capsys):
+    """gs:// throughout, as the operator passes them: the export and the include folder copied
+    to this host with the trainer's storage code, results.json written to the run's bucket."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.endpoint)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    base = gcs.unique_uri("lmeval")
+    cfg = _config(trainer_assets, include, f"{base}/runs", tasks=("tiny_mc",), limit=2,
+                  model_uri=gcs.upload(trainer_assets.model, f"{base}/runs/run-1/export"),
+                  include_path=gcs.upload(include, f"{base}/tasks"))
+    lmeval.evaluate(cfg)
+    events = _events(capsys)
+    assert [e.kind for e in events] == ["lmeval_start", "lmeval_task", "lmeval_result"]
+    assert events[-1]["results_uri"] == f"{base}/runs/run-1/evaluation/results.json"
+    written = json.loads(gcs.read(events[-1]["results_uri"]))
+    assert events[1]["metrics"][0]["value"] == written["results"]["tiny_mc"]["acc,none"]
+    assert events[1]["samples"] == written["n-samples"]["tiny_mc"]["effective"] == 2
+    assert written["tpufinetune"]["model_uri"] == cfg.model_uri
+    # A prefix with nothing under it is named as the folder that cannot be read.
+    with pytest.raises(EvaluationFailed, match=f"--include-path {base}/no-tasks: cannot read it: FileNotFoundError"):
+        lmeval.evaluate(_config(trainer_assets, include, f"{base}/runs", include_path=f"{base}/no-tasks"))
 
 
 def test_the_jobs_driver_output_is_kept_with_the_attempts_logs(trainer_assets, tmp_path):
