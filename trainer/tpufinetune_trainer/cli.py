@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto: eval_loss when there is an eval split, else loss")
     ft.add_argument("--checkpoint-score-order", default="min", choices=["min", "max"])
     ft.add_argument("--resume-from", default=None, help="checkpoint directory or URI to continue from")
+    ft.add_argument("--init-checkpoint", default=None,
+                    help="a new run from the weights of a checkpoint (directory or URI) of this trainer, on the "
+                         "base of --model-id (that run's): a full fine-tune's weights, or LoRA's adapters merged in; "
+                         "no optimizer state, step or data position")
     ft.add_argument("--run-name", default="", help="Ray Train run name (default: from the model id + time)")
     ft.add_argument("--long-prompts", default="skip", choices=["skip", "fail"],
                     help="examples whose prompt alone exceeds --max-seq-len: skip them (counted) or fail")
@@ -276,6 +280,7 @@ def _config(args: argparse.Namespace):
             checkpoint_every_steps=args.checkpoint_every_steps,
             checkpoint_score_attribute=args.checkpoint_score_attribute,
             checkpoint_score_order=args.checkpoint_score_order, resume_from=args.resume_from,
+            init_checkpoint=args.init_checkpoint,
             run_name=args.run_name, long_prompts=args.long_prompts, prompt_format=args.prompt_format,
             loss_on=args.loss_on,
             dataset_format=args.dataset_format, compile=args.compile, compile_cache_dir=args.compile_cache_dir,

@@ -92,6 +92,9 @@ class FinetuneConfig(SliceConfig):
     checkpoint_score_attribute: str = "auto"
     checkpoint_score_order: str = "min"
     resume_from: str | None = None
+    # --init-checkpoint (spec.model.initFrom): a new run from the weights of a checkpoint of this
+    # trainer, on the base of model_id (init_checkpoint.py).
+    init_checkpoint: str | None = None
     run_name: str = ""
     long_prompts: str = "skip"
     prompt_format: str = "auto"
@@ -207,6 +210,8 @@ class FinetuneConfig(SliceConfig):
         self.storage_path = normalise_storage(self.storage_path)
         if self.resume_from:
             self.resume_from = normalise_storage(self.resume_from)
+        if self.init_checkpoint:
+            self.init_checkpoint = normalise_storage(self.init_checkpoint)
         checks = [
             (self.num_epochs >= 1, "--num-epochs must be at least 1"),
             (self.num_slices >= 1 and self.num_workers % self.num_slices == 0,

@@ -40,6 +40,7 @@ SETTINGS = ("model_id", "dataset", "dataset_split", "dataset_format", "prompt_fo
 DERIVED = ("world_size", "train_examples", "steps_per_epoch", "total_steps")
 LABELS = {"world_size": "world size (--num-workers)", "num_slices": "slices (--num-slices, spec.tpu.slices)", "train_examples": "training examples",
           "steps_per_epoch": "steps per epoch", "total_steps": "total steps",
+          "init_checkpoint": "the checkpoint the run started from (--init-checkpoint, spec.model.initFrom)",
           "lora": "LoRA settings (--lora-rank, --lora-alpha, --lora-dropout, --lora-target-modules, "
                   "--lora-train-embeddings)"}
 
@@ -65,6 +66,8 @@ def fingerprint(cfg, world: int, examples: Examples) -> dict:
         settings["freeze_embeddings"] = True
     if getattr(cfg, "num_slices", 1) > 1:  # HSDP's mesh; absent for one slice, so older checkpoints match
         settings["num_slices"] = cfg.num_slices
+    if getattr(cfg, "init_checkpoint", None):  # the weights the run started from; absent when none
+        settings["init_checkpoint"] = cfg.init_checkpoint
     return json.loads(json.dumps({**settings, "world_size": world, "train_examples": examples_digest(examples),
                                   "steps_per_epoch": epoch_steps,
                                   "total_steps": min(total, cfg.max_steps) if cfg.max_steps else total}))

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from . import generation, resume, run_events
+from . import generation, init_checkpoint, resume, run_events
 from . import loss as head
 from .backends import compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .data import BatchPlan, EpochPlan, epoch_step_count, plan_run, rank_eval_share
@@ -108,6 +108,11 @@ class Setup:
         self.startup.mark("model_loaded")
         if self.rank == 0:
             run_events.say(f"Model {cfg.model_id}: {loaded}")
+        if cfg.init_checkpoint:  # before the method uses the weights: a new run from another's checkpoint
+            words = init_checkpoint.load(self.model, cfg.init_checkpoint, cfg.model_id, self.cpu_group)
+            self.startup.mark("model_loaded")
+            if self.rank == 0:
+                run_events.say(words)
         # Both before the parameter list and the optimizer (a frozen weight gets no state).
         apply_activation_checkpointing(self.model, cfg.activation_checkpointing)
         if cfg.freeze_embeddings:
