@@ -43,6 +43,13 @@ LM_EVAL_INVALID = [
             lmevalrules.COLLECTIVES_MESSAGE),
     Invalid("lmeval-unmerged-lora", spec_with(training={"method": "lora", "lora": {"exportMerged": False}},
                                               evaluation=lm_eval()), FIELD, lmevalrules.UNMERGED_MESSAGE),
+    # The fit's twin: the apiserver names the figures too (the model id as the planner matches it, lower case).
+    Invalid("lmeval-export-too-big", spec_with(model={"id": "google/gemma-4-31B-it"}, training={"method": "lora"},
+                                               evaluation=lm_eval()), FIELD,
+            "in bfloat16 needs 58.2 GiB (its weights and 1 GiB for lm-eval's forward) on the one v6e chip",
+            admission="google/gemma-4-31b-it in bfloat16 needs 58.2 GiB (its weights and 1 GiB for lm-eval's "
+                      "forward) on the one v6e chip lm-eval runs on, more than the 28.8 GiB usable",
+            python_exact=False),
     Invalid("lmeval-include-path-line-break", spec_with(evaluation=lm_eval(includePath="gs://b/t\nx")),
             f"{FIELD}.includePath", "must hold no control character", admission="should match", python_exact=False),
 ]
@@ -55,6 +62,9 @@ LM_EVAL_ACCEPTED = [
     spec_with(training={"method": "lora"}, evaluation=lm_eval()),
     spec_with(training={"method": "dpo"}, evaluation=lm_eval()),
     spec_with(evaluation={}),
+    # A chip that holds 31B's export (v5p): admitted by the fit's twin as by parse_spec.
+    spec_with(tpu={"generation": "v5p", "topology": "2x2x1"}, model={"id": "google/gemma-4-31B-it"},
+              training={"method": "lora"}, evaluation=lm_eval()),
 ]
 
 
@@ -73,7 +83,7 @@ def test_parse_spec_accepts_each_spec(spec):
 
 def test_every_cel_twin_is_in_the_crd_with_its_message():
     spec = crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    messages = {rule["message"] for rule in spec["x-kubernetes-validations"]}
+    messages = {rule.get("message") for rule in spec["x-kubernetes-validations"]}
     assert {lmevalrules.LIMIT_MESSAGE, lmevalrules.COLLECTIVES_MESSAGE, lmevalrules.UNMERGED_MESSAGE} <= messages
     tasks = spec["properties"]["evaluation"]["properties"]["lmEval"]["properties"]["tasks"]
     assert tasks["x-kubernetes-list-type"] == "set" and tasks["minItems"] == 1

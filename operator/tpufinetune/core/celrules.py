@@ -9,6 +9,7 @@ schema carries which rules, and crdgen writes them into `crds/`.
 from __future__ import annotations
 
 from . import generations as g
+from .cel import cel_string
 from .lmevalrules import lm_eval_rules
 from .specmodels import Training
 from .validation import (
@@ -18,10 +19,6 @@ from .validation import (
 
 def _cel_list(values: list[str]) -> str:
     return "[" + ", ".join(f"'{v}'" for v in values) + "]"
-
-
-def cel_string(text: str) -> str:
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def _is_generation(gen: g.Generation) -> str:

@@ -1,6 +1,7 @@
 """spec.evaluation.lmEval's rules across the spec, in Python (validation.check_spec calls
 `check_lm_eval`) and as their CEL twins (celrules.spec_rules takes `lm_eval_rules`), with the
-same messages; and the one check CEL cannot make, whether the export fits where it is evaluated.
+same messages; and whether the export fits where it is evaluated (its CEL twin a lookup in the
+table of the planner's models and generations that do not fit, unfit_pairs).
 
 Where it is evaluated: the trainer's `lmeval` entry runs lm-eval as one Ray task holding one of
 a worker's `TPU` resources (a chip; a chiplet on v7x), on one worker host, and loads the whole
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .cel import cel_string
 from .errors import SpecError
 from .memplan import GIB, HEADROOM, PROOF_OVERHEAD_BYTES
-from .memplan_shapes import known_shape
+from .generations import GENERATIONS
+from .memplan_shapes import KNOWN_MODELS, known_shape
 from .sizing import slice_shape
 
 if TYPE_CHECKING:
@@ -70,11 +73,15 @@ def evaluation_bytes(model_id: str) -> int | None:
 def fit_refusal(spec: SpecFields) -> str:
     """Why the export cannot be evaluated on one device of one worker host ('' when it can, or
     is not known)."""
-    shape = slice_shape(spec)
-    need = evaluation_bytes(spec.model.id)
-    if not shape.generation.is_tpu or need is None:
+    return device_refusal(spec.model.id, slice_shape(spec).generation)
+
+
+def device_refusal(model_id: str, gen) -> str:
+    """fit_refusal for a model id and a TPU generation (the topology does not matter: one device)."""
+    need = evaluation_bytes(model_id)
+    if not gen.is_tpu or need is None:
         return ""
-    gen, what = shape.generation, f"{spec.model.id} in bfloat16 needs {need / GIB:.1f} GiB"
+    what = f"{model_id} in bfloat16 needs {need / GIB:.1f} GiB"
     fix = "evaluate on a generation with more HBM per chip, or remove evaluation.lmEval"
     device_hbm = gen.hbm_gib_per_chip / gen.devices_per_chip * GIB
     usable = int(device_hbm * (1 - HEADROOM))
@@ -86,12 +93,25 @@ def fit_refusal(spec: SpecFields) -> str:
     return ""
 
 
+def unfit_pairs() -> dict[str, str]:
+    """Every '<generation as written>/<known model id, lower case>' whose export cannot be evaluated,
+    with its refusal: the table the CEL twin of fit_refusal looks a spec up in."""
+    return {f"{alias}/{model_id}": device_refusal(model_id, gen)
+            for gen in GENERATIONS for alias in gen.aliases for model_id in KNOWN_MODELS
+            if device_refusal(model_id, gen)}
+
+
 def lm_eval_rules() -> list[dict]:
-    """The CEL twins of check_lm_eval's rules, on spec (the fit is Python-only: the planner's table
-    and merged quantities)."""
+    """The CEL twins of check_lm_eval's rules, on spec; the fit's twin looks the spec's generation and
+    model up in unfit_pairs (the planner's models: model.id as the planner matches it, trimmed and
+    lower case), its message the Python one with the figures."""
     lm_eval = "(has(self.evaluation) && has(self.evaluation.lmEval))"
     limit = "self.evaluation.lmEval.limit"
     merged = "self.training.lora.exportMerged"
+    pair = "(self.tpu.generation + '/' + self.model.id.trim().lowerAscii())"
+    unfit = unfit_pairs()
+    unfit_keys = "[" + ", ".join(cel_string(key) for key in unfit) + "]"
+    unfit_messages = "{" + ", ".join(f"{cel_string(key)}: {cel_string(text)}" for key, text in unfit.items()) + "}"
     return [
         # limit is a number, so CEL sees a double; its schema bound keeps int() in range.
         {"rule": f"!{lm_eval} || !has({limit}) || {limit} < 1.0 || double(int({limit})) == {limit}",
@@ -101,6 +121,10 @@ def lm_eval_rules() -> list[dict]:
         # training.lora unset is its defaults (exportMerged true); it is refused without lora or dpo.
         {"rule": (f"!{lm_eval} || !has(self.training) || !has(self.training.lora) || !has({merged}) || {merged}"),
          "message": UNMERGED_MESSAGE, "fieldPath": ".evaluation.lmEval", "reason": "FieldValueInvalid"},
+        {"rule": (f"!{lm_eval} || !has(self.tpu) || !has(self.tpu.generation) || !has(self.model) "
+                  f"|| !has(self.model.id) || !({pair} in {unfit_keys})"),
+         "messageExpression": f"{unfit_messages}[{pair}]",
+         "fieldPath": ".evaluation.lmEval", "reason": "FieldValueInvalid"},
     ]
 
 
