@@ -62,11 +62,11 @@ def join(port: int, rank: int, world: int) -> None:
     import torch.distributed as dist
     import ray.train
 
-    from tpufinetune_trainer import train
+    from tpufinetune_trainer import run_events
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     ray.train.report = lambda *args, **kwargs: None
-    train.emit = lambda kind, **fields: None
+    run_events.emit = lambda kind, **fields: None
 
 
 def checkpoint_bytes(uri: str) -> int:

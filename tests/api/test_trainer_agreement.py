@@ -26,6 +26,8 @@ DERIVED_FLAGS = {"--topology", "--accelerator-type", "--num-workers", "--device"
 # Trainer flags the operator does not pass, each with its reason.
 NOT_PASSED = {
     "--resume-from": "passed only on retries and resumes, from status.checkpointURI",
+    "--init-checkpoint": "passed only when spec.model.initFrom's artifact is checkpoint, with status.initFrom's URI "
+                         "(tests/operator/test_init_from.py)",
     "--long-prompts": "the trainer's default (skip, counted in the start event) applies",
     "--compute-dtype": "the backend decides (bfloat16 on TPU and GPU, float32 on the cpu stand-in)",
     "--loss-head": "the trainer's default (labels) applies; full is the reference and a fallback for a run started by hand",
