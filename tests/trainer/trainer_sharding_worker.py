@@ -5,7 +5,8 @@ Run as a process by tests/trainer/test_trainer_sharding.py, once per rank:
 `python trainer_sharding_worker.py MODEL DATA.pkl OUT PORT RANK WORLD SHARD_GROUP STEPS [RESTORE]`.
 SHARD_GROUP 0 is the whole slice (plain FSDP), 1 every rank holding the whole state. With
 RESTORE (a checkpoint's location) the model and optimizer are loaded from it before the
-steps. Rank 0 writes each step's global loss, the mesh's rows and where it saved.
+steps; without it the trained model is also exported (checkpoint.export_hf, as a run's end
+does). Rank 0 writes each step's global loss, the mesh's rows and where it saved and exported.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ def main(model: str, data_file: str, out: str, port: int, rank: int, world: int,
         losses.append(float(loss_sum) / float(trainer.epoch_inputs[step, -1]))
     location = ckpt.join_uri(storage, "sharding", "step")
     ckpt.save_sharded(trainer.model, trainer.optimizer, location, {"step": steps}, group=trainer.cpu_group)
+    export = "" if restore else str(Path(out).with_suffix(".export"))
+    if export:
+        ckpt.export_hf(trainer.model, None, export, group=trainer.cpu_group)
     if rank == 0:
         torch.save({"losses": losses, "mesh": mesh.mesh.tolist(), "dims": mesh.mesh_dim_names,
-                    "checkpoint": location}, out)
+                    "checkpoint": location, "export": export}, out)
     dist.barrier()
     dist.destroy_process_group()
 
