@@ -15,6 +15,7 @@ from pathlib import Path
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import phases
+from tpufinetune.core.initsource import InitRequest
 from tpufinetune.driver import Run
 
 from phase_helpers import PLAN, READY, T0, step
@@ -139,7 +140,10 @@ def test_a_valid_edit_holds_only_the_attempts_slice_until_the_next_attempt():
                      "submit_timeout": timedelta(2), "suspended": True, "cluster_hash": "h", "hosts": 4, "chips": 16,
                      "active_deadline": timedelta(3), "ttl_after_finished": timedelta(4),
                      "no_progress_timeout": timedelta(5), "queue": "q", "preflight": True, "memory": {"m": 1},
-                     "does_not_fit": "no", "logs_root": "gs://l", "memory_request": "r"}
+                     "does_not_fit": "no", "logs_root": "gs://l", "memory_request": "r",
+                     # A chained run's source is recorded once in status.initFrom, which every attempt
+                     # uses; lm-eval's tasks act after the fine-tune, so an edit takes them at once.
+                     "init_from": InitRequest(run="sft"), "lm_eval_tasks": ("arc_easy",)}
     assert set(latest_values) == {f.name for f in dataclasses.fields(phases.Plan)}  # a new field is decided here
     in_force = phases.plan_in_force(phases.Plan(**latest_values), applied, refused=False)
     held = {name for name in latest_values if getattr(in_force, name) == getattr(applied, name)}

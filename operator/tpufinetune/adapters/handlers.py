@@ -248,9 +248,7 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
     drop_managed_fields(body)
     meta = body.get("metadata", {})
     key = (meta.get("namespace"), meta.get("name"))
-    # The plain attribute first: at thousands of runs this loop runs on every event.
-    for waiting in [r for (namespace, _), r in RUNS.items()
-                    if r.plan.init_from is not None and namespace == key[0] and r.waits_on == key[1]]:
+    for waiting in [r for (namespace, _), r in RUNS.items() if namespace == key[0] and r.waits_on == key[1]]:
         waiting.wake.set()  # a run chained to this one (spec.model.initFrom) looks at it now
     if type == "DELETED":
         metrics.forget(*key, meta.get("uid", ""))
