@@ -3,8 +3,7 @@ Prometheus (`make prometheus`) that scrapes the operator on the test ground ever
 while one short cpu run goes to Succeeded: every query of every panel, and every query
 variable, returns the series it should (harness/dashboard_check.py), and the run's series
 hold what its status says. A metric or label renamed in the operator or the dashboard fails
-here. The same run evaluates its export with lm-eval (spec.evaluation.lmEval, a custom task
-from the ground's bucket) before its RayCluster is released.
+here. (lm-eval on the ground: the Spot preemption run of test_node_failures_e2e.py.)
 
 Prometheus scrapes the operator as the chart's ServiceMonitor does (tests/README.md: where
 the ground differs from GKE): the target labels a Kubernetes scrape attaches (`namespace`
@@ -51,31 +50,6 @@ MAY_BE_EMPTY = {
 # The run also answers its held-out prompts (training.evaluation.generate, a few short
 # answers): the generation panels have the run's series.
 GENERATE = {"examples": 4, "maxNewTokens": 8}
-# ... and lm-eval runs a custom task on its export before the slice goes (spec.evaluation.lmEval):
-# lm-eval's own task format, multiple choice (loglikelihoods only: nothing generated), a few
-# documents from a JSONL beside the YAML, both in the bucket (includePath).
-LM_EVAL_TASK = "tft_ground_choice"
-LM_EVAL_LIMIT = 4
-LM_EVAL_YAML = f"""task: {LM_EVAL_TASK}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: docs.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: question
-doc_to_choice: choices
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
-LM_EVAL_DOCS = [("The sky on a clear day is", " blue", " green"), ("Two plus two is", " four", " seven"),
-                ("Ice is made of", " water", " sand"), ("The opposite of hot is", " cold", " loud"),
-                ("A cat says", " meow", " moo"), ("The sun rises in the", " east", " west")]
 TARGET_LABELS = {"namespace": "tpufinetune-system", "pod": "tpufinetune-operator-0",
                  "service": "tpufinetune-operator-metrics", "container": "operator", "endpoint": "metrics"}
 
@@ -88,7 +62,6 @@ class FinishedRun:
     start: float  # Unix seconds: just before it was applied, after a scrape
     end: float  # Prometheus has scraped the operator after Succeeded
     status: dict
-    released: bool  # its RayCluster was deleted after Succeeded (checked before the namespace goes)
 
 
 @pytest.fixture(scope="module")
@@ -100,31 +73,21 @@ def prometheus(operator, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def finished_run(request, ground, operator, prometheus, ground_assets, tmp_path_factory) -> FinishedRun:
+def finished_run(request, ground, operator, prometheus, ground_assets) -> FinishedRun:
     """One short cpu run (the smallest the e2e tests run: 64 rows, one epoch) to Succeeded,
-    in a namespace of its own, scraped all along; its export evaluated with lm-eval first."""
+    in a namespace of its own, scraped all along."""
     namespace = namespace_name(request)
     bind_namespace(ground.cp, namespace, create=True)  # watched (t-*), and bound as the operator's namespaces are
     kube = Kube(ground, namespace)
-    tasks = tmp_path_factory.mktemp("lmeval-tasks")
-    (tasks / f"{LM_EVAL_TASK}.yaml").write_text(LM_EVAL_YAML)
-    (tasks / "docs.jsonl").write_text("".join(json.dumps({"question": q, "choices": [right, wrong], "label": 0}) + "\n"
-                                              for q, right, wrong in LM_EVAL_DOCS))
-    include = ground.gcs.upload(tasks, ground.gcs.unique_uri("lmeval-tasks"))
     try:
         prometheus.wait_scraped()  # what the operator served before the run is in the TSDB at `start`
         start = time.time()
         kube.apply(resource(RUN, ground_assets, ground.gcs.unique_uri("runs", "dashboard"), epochs=1,
                             dataset={"split": "train[:64]"},
-                            training={"maxSeqLen": 64, "evaluation": {"generate": GENERATE}},
-                            evaluation={"lmEval": {"tasks": [LM_EVAL_TASK], "includePath": include,
-                                                   "limit": LM_EVAL_LIMIT}}))
+                            training={"maxSeqLen": 64, "evaluation": {"generate": GENERATE}}))
         kube.kubectl("wait", f"tpufinetune/{RUN}", "--for=condition=Succeeded", "--timeout=600s", timeout=620)
         prometheus.wait_scraped()
-        status = kube.status(RUN)
-        cluster = status["rayClusterName"]
-        kube.wait_for(lambda: kube.get("raycluster", cluster) is None, "RayCluster released", timeout=120)
-        yield FinishedRun(prometheus, namespace, RUN, start, time.time(), status, released=True)
+        yield FinishedRun(prometheus, namespace, RUN, start, time.time(), kube.status(RUN))
     finally:
         delete_namespace(ground, namespace)
 
@@ -193,31 +156,3 @@ def test_the_runs_series_hold_its_final_status(finished_run):
     assert generation.get("samplesURI", "").endswith("/eval-samples/epoch-1.jsonl"), generation
     for metric, key in (("eval_exact_match", "exactMatch"), ("eval_rouge_l", "rougeL"), ("eval_bleu", "bleu")):
         assert values(series(f"tpufinetune_run_{metric}"))[-1] == pytest.approx(generation[key]), (metric, generation)
-
-
-def test_the_export_is_evaluated_with_lm_eval_before_the_slice_is_released(finished_run, ground):
-    """spec.evaluation.lmEval on the ground: the lm-eval job ran on the run's own RayCluster
-    after the fine-tune, its figures are in status.evaluation and its whole results in the
-    bucket, condition Evaluated is True, the run Succeeded, and the RayCluster went only then."""
-    status = finished_run.status
-    print(json.dumps({"evaluation": status.get("evaluation"), "conditions": status.get("conditions")}))
-    evaluation = status.get("evaluation") or {}
-    assert status["phase"] == "Succeeded" and evaluation.get("state") == "Succeeded", evaluation
-    assert evaluation["jobId"] == f"{status['jobId']}-lmeval" and evaluation["attempt"] == status["attempt"]
-    assert evaluation["modelURI"] == status["exportedModelURI"]
-    [task] = evaluation["tasks"]
-    assert task["task"] == LM_EVAL_TASK and task["samples"] == LM_EVAL_LIMIT, task
-    acc = next(m for m in task["metrics"] if m["metric"] == "acc")
-    assert acc["filter"] == "none" and 0 <= acc["value"] <= 1 and acc["value"] * LM_EVAL_LIMIT == round(
-        acc["value"] * LM_EVAL_LIMIT), acc  # a share of 4 documents
-    results = json.loads(ground.gcs.read(evaluation["resultsURI"]))
-    assert results["results"][LM_EVAL_TASK]["acc,none"] == pytest.approx(acc["value"]), results["results"]
-    evaluated = next(c for c in status["conditions"] if c["type"] == "Evaluated")
-    assert evaluated["status"] == "True" and evaluated["reason"] == "Evaluated", evaluated
-    succeeded = next(c for c in status["conditions"] if c["type"] == "Succeeded")
-    assert succeeded["status"] == "True"
-    # The slice was held through the evaluation: released after it ended, never before.
-    [attempt] = status["attempts"]
-    assert evaluation["startTime"] <= evaluation["completionTime"] <= status["completionTime"]
-    assert attempt.get("sliceReleaseTime", status["completionTime"]) >= evaluation["completionTime"]
-    assert finished_run.released

@@ -21,13 +21,19 @@ On the ground (two runs, each proving several things):
   graceful node shutdown, before the node
   goes away. The pool refills the node, and the run ends Succeeded: its first attempt
   `Preempted`, with at most the step in flight lost (its preStop hook saved the step), the
-  next one resumed from that checkpoint.
+  next one resumed from that checkpoint. The same run evaluates: each epoch's generation
+  metrics (status.history[].eval), lm-eval on its export with a custom task from the bucket
+  (status.evaluation), and its TensorBoard event files, read back from the bucket with
+  TensorBoard's own reader, hold every epoch's loss once and every step's loss once across
+  the two attempts' folders: attempt 1's up to the step its notice checkpoint held, attempt
+  2's from the next.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +43,7 @@ from harness.nodelife import SHUTDOWN_MESSAGE, shutdown_status
 from harness.nodepools import MAINTENANCE_LABEL, SPOT_TAINT, cpu_pool, node_manifest, tpu_host
 from harness.waiting import wait_for
 from ground_runs import resource, running, scrape, start_run
+from lmeval_ground import check_evaluated, lm_eval_spec, upload_task
 from tpufinetune.core.generations import SPOT_LABEL
 
 
@@ -251,19 +258,69 @@ def test_a_killed_node_fails_over_and_the_run_resumes_from_its_checkpoint(
         ground.restore_node(victim)
 
 
+# The Spot run's epochs also answer a few held-out prompts, briefly (generation metrics).
+SPOT_GENERATE = {"examples": 2, "maxNewTokens": 4}
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of an attempt's event files, as TensorBoard reads them: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every point
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+def _check_tensorboard(gcs, storage: str, status: dict, tmp_path: Path) -> None:
+    """The run's event files in the bucket, one folder per attempt: every epoch's loss once at
+    its step, and the per-step loss from step 1 to the last with no gap and no repeat, attempt
+    1's up to the step the checkpoint attempt 2 resumed from held, attempt 2's from the next."""
+    uri = status.get("tensorboardURI")
+    run_folder = status["attempts"][0]["logsURI"].rsplit("/logs/", 1)[0]  # <storage>/<the trainer's run name>
+    assert run_folder.startswith(f"{storage}/") and uri == f"{run_folder}/tensorboard", (uri, run_folder)
+    names = gcs.list(uri)
+    assert {name.split("/", 1)[0] for name in names} == {"attempt-1", "attempt-2"}, names
+    one, two = (tensorboard_scalars(gcs.download(f"{uri}/{attempt}", tmp_path / "tensorboard" / attempt))
+                for attempt in ("attempt-1", "attempt-2"))
+    preempted, resumed, history = status["attempts"][0], status["attempts"][-1]["resumedStep"], status["history"]
+    first_steps, second_steps = ([step for step, _ in s.get("train/loss", [])] for s in (one, two))
+    print(json.dumps({"resumedStep": resumed, "attempt-1": first_steps, "attempt-2": second_steps,
+                      "history": [(e["epoch"], e["step"]) for e in history]}))
+    # Attempt 1 wrote every step once up to its notice checkpoint; steps it ran after it (at
+    # most the one in flight) show there too, and attempt 2's are the run's.
+    assert resumed >= 1 and first_steps[:resumed] == list(range(1, resumed + 1)), (resumed, first_steps)
+    assert first_steps[resumed:] == list(range(resumed + 1, len(first_steps) + 1)), first_steps
+    assert len(first_steps) - resumed <= 1, (first_steps, preempted)
+    assert second_steps == list(range(resumed + 1, history[-1]["step"] + 1)), (resumed, second_steps)
+    run_steps = first_steps[:resumed] + second_steps
+    assert run_steps == list(range(1, history[-1]["step"] + 1))
+    # Each epoch's loss once, at its step, in the attempt that ended it; the same for its
+    # generation metrics.
+    epoch_losses = ([(step, v) for step, v in one.get("epoch/loss", []) if step <= resumed]
+                    + two.get("epoch/loss", []))
+    assert [step for step, _ in epoch_losses] == [e["step"] for e in history], (epoch_losses, history)
+    assert [v for _, v in epoch_losses] == pytest.approx([e["loss"] for e in history], abs=1e-4)  # status: 4 decimals
+    exact = [(step, v) for step, v in one.get("eval/exact_match", []) if step <= resumed] + two["eval/exact_match"]
+    assert exact == [(e["step"], pytest.approx(e["eval"]["exactMatch"], abs=1e-4)) for e in history], exact
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_preemption(
-        operator, ground, kube, ground_assets, storage):
+        operator, ground, kube, ground_assets, storage, tmp_path):
     pool = cpu_pool("cpu-spot", nodes=1, spot=True)
     spot_node = pool.node_names()[0]
     ground.add_pools([pool])
     try:
         toleration = {"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+        (tmp_path / "lmeval-task").mkdir()
+        include = upload_task(ground.gcs, tmp_path / "lmeval-task")
         # Far more epochs than the first attempt can train before its node is preempted; the
-        # retry gets fewer (below).
+        # retry gets fewer (below). Each epoch's end answers a few prompts, and the export is
+        # evaluated with lm-eval before the run succeeds.
         manifest = resource("spot", ground_assets, storage, epochs=50, maxRetries=1,
-                            tpu={"topology": "1", "spot": True}, workers={"tolerations": [toleration]})
+                            tpu={"topology": "1", "spot": True}, workers={"tolerations": [toleration]},
+                            training={"evaluation": {"generate": SPOT_GENERATE}}, evaluation=lm_eval_spec(include))
         _, cluster = start_run(kube, manifest)
         running(kube, "spot")
         # The trainer steps: a notice then has a step to save (before, the job would only
@@ -332,6 +389,15 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
         status = kube.wait_for(lambda: (s := kube.status("spot")).get("phase") in ("Succeeded", "Failed") and s,
                                "the run to end", timeout=600, interval=2)
         assert status["phase"] == "Succeeded", status.get("message")
+        # Each epoch's generation metrics, lm-eval's on the export (on the retry's cluster),
+        # and the TensorBoard curves across the two attempts.
+        for epoch in status["history"]:
+            generation = epoch.get("eval") or {}
+            assert 1 <= generation.get("examples", 0) <= SPOT_GENERATE["examples"], epoch
+            assert {"exactMatch", "rougeL", "bleu"} <= generation.keys(), epoch
+            assert generation.get("samplesURI", "").endswith(f"/eval-samples/epoch-{epoch['epoch']}.jsonl"), epoch
+        check_evaluated(status, ground.gcs)
+        _check_tensorboard(ground.gcs, storage, status, tmp_path)
         preempted = [a for a in status["attempts"] if a.get("reason") == "Preempted"]
         assert len(preempted) == 1 and preempted[0]["attempt"] == 1, [
             (a["attempt"], a.get("reason"), a.get("message"), a.get("lastStep")) for a in status["attempts"]]
