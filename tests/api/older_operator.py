@@ -29,3 +29,18 @@ def run(operator: Path, probe: str, *args: str):
     older = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True,
                            env={"PYTHONPATH": str(operator), "PATH": "/usr/bin:/bin"}, check=True)
     return json.loads(older.stdout)
+
+
+# What an older operator makes of a spec: the fields it ignores (an unknown field after a
+# rollback), what its condition says of them, and the trainer argv it would submit.
+READ_SPEC = ("import json, sys\nfrom tpufinetune.core.api import parse_stored_spec\n"
+             "from tpufinetune.core.jobspec import trainer_argv\n"
+             "from tpufinetune.core.skew import ignored_fields_message\n"
+             "parsed, ignored = parse_stored_spec(json.loads(sys.argv[1]))\n"
+             "print(json.dumps({'ignored': list(ignored), 'says': ignored_fields_message(ignored),\n"
+             "                  'argv': trainer_argv(parsed)}))\n")
+
+
+def reads(operator: Path, spec: dict) -> dict:
+    """How the older `operator` reads `spec`: {ignored, says, argv} (READ_SPEC)."""
+    return run(operator, READ_SPEC, json.dumps(spec))

@@ -67,11 +67,7 @@ def test_an_operator_older_than_evaluation_runs_the_spec_without_it_and_names_it
     (the IgnoredFields condition), and the run trains as before, with no generation."""
     spec = spec_with(training={"evaluation": {"generate": {"examples": 8}, "keepBestBy": "rougeL"}})
     parse_spec(spec)  # this operator runs it
-    probe = ("import json, sys\nfrom tpufinetune.core.api import parse_stored_spec\n"
-             "from tpufinetune.core.jobspec import trainer_argv\n"
-             "parsed, ignored = parse_stored_spec(json.loads(sys.argv[1]))\n"
-             "print(json.dumps({'ignored': list(ignored), 'argv': trainer_argv(parsed)}))\n")
-    answer = older_operator_package.run(older_operator, probe, json.dumps(spec))
+    answer = older_operator_package.reads(older_operator, spec)
     assert answer["ignored"] == ["spec.training.evaluation"]
     assert not [a for a in answer["argv"] if a.startswith(("--generate-", "--keep-best-by"))]
 

@@ -124,13 +124,10 @@ def test_an_operator_older_than_lm_eval_runs_the_spec_without_it_and_names_it_ig
     older = older_operator_package.extract(PRE_LM_EVAL_COMMIT, tmp_path, "pre-lmEval")
     spec = spec_with(evaluation=lm_eval(limit=8))
     parse_spec(spec)  # this operator runs it
-    probe = ("import json, sys\nfrom tpufinetune.core.api import parse_stored_spec\n"
-             "from tpufinetune.core.skew import ignored_fields_message\n"
-             "parsed, ignored = parse_stored_spec(json.loads(sys.argv[1]))\n"
-             "print(json.dumps({'ignored': list(ignored), 'message': ignored_fields_message(ignored)}))\n")
-    answer = older_operator_package.run(older, probe, json.dumps(spec))
+    answer = older_operator_package.reads(older, spec)
     assert answer["ignored"] == ["spec.evaluation"]
-    assert answer["message"].startswith("this operator version does not know spec.evaluation and runs without it")
+    assert answer["says"].startswith("this operator version does not know spec.evaluation and runs without it")
+    assert not [a for a in answer["argv"] if "lmeval" in a]
 
 
 # ---- the real apiserver -----------------------------------------------------------------------
