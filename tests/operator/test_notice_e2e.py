@@ -119,6 +119,12 @@ def test_a_crash_maintenance_then_a_deleted_worker_each_get_their_attempt_and_th
     kube.wait_for(lambda: (note_ready(kube, cluster, ready_at), kube.status("notice").get("checkpointURI"))[1],
                   "a first checkpoint", timeout=400, interval=1)
     checkpoint = kube.status("notice")["checkpointURI"]
+    # A worker's log is shipped every few seconds (logship.FLUSH_S), and the crash kills the
+    # workers with the driver: it comes once attempt 1's shipped worker log holds its plan,
+    # which the end of this test reads again after attempt 1's cluster is gone.
+    kube.wait_for(lambda: any(e.kind == "plan" for e in parse_text(subprocess.run(
+        logs_argv(kube, "--attempt", "1", "--worker", "0"), capture_output=True, text=True, env=logs_env(ground),
+        timeout=60).stdout)), "attempt 1's shipped worker log to hold its plan event", timeout=60, interval=2)
     driver = kube.head_job_client(cluster).get_job_info(f"tft-{uid}-1").driver_info
     os.kill(int(driver.pid), signal.SIGKILL)
     crashed_at = datetime.now(timezone.utc)

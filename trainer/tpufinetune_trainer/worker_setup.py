@@ -63,9 +63,13 @@ class Setup:
         # pair them differently on different ranks.
         self.save_group = ckpt.cpu_group()
         mesh = build_mesh(backend.device_type, world, cfg.num_slices, self.cpu_group, cfg.shard_group)
-        if rank == 0 and mesh.ndim > 1:
-            run_events.say(f"HSDP over {cfg.num_slices} slice(s), shard group {mesh.size(1)}: sharded within a group, "
-                           f"replicated across; mesh {mesh.mesh_dim_names} rows {mesh.mesh.tolist()}")
+        if rank == 0 and mesh.ndim > 1 and cfg.shard_group:
+            run_events.say(f"HSDP over {cfg.num_slices} slice(s) in shard groups of {mesh.size(1)}: sharded within a "
+                           f"group, replicated across; mesh {mesh.mesh_dim_names} rows (ranks by group) "
+                           f"{mesh.mesh.tolist()}")
+        elif rank == 0 and mesh.ndim > 1:
+            run_events.say(f"HSDP over {cfg.num_slices} slices: sharded within a slice, replicated across; mesh "
+                           f"{mesh.mesh_dim_names} rows (ranks by slice) {mesh.mesh.tolist()}")
         self.probe_checkpoint_storage(mesh)
         self.examples = data["train"]
         self.eval_data = data.get("eval")
