@@ -298,15 +298,16 @@ def test_long_prompts_fail_stops_reading_at_the_first_chunk_that_has_one(tokeniz
     assert sum(chunks) == 60 and skipped.skipped_long_prompts > 1  # skip reads every row
 
 
-def test_the_driver_publishes_mapped_examples_only_for_workers_on_other_hosts(trainer_assets, tokenizer, tmp_path):
-    """finetune's choice: one node (the workers beside the driver) ships the examples as they
-    are; more nodes publish them to the run's storage and ship the description; examples in
-    memory ship as they are; a storage that refuses the upload fails naming the flag."""
+def test_the_driver_publishes_mapped_examples_to_the_runs_storage(trainer_assets, tokenizer, tmp_path):
+    """finetune's choice: mapped examples are published to the run's storage (for later
+    attempts, and for workers on other hosts) on one node or many, and ship as their
+    description; examples in memory ship as they are; a storage that refuses the upload
+    fails naming the flag."""
     path = dataset_file(trainer_assets, tmp_path)
     train = data.prepare(str(path), "train", tokenizer, MAX_SEQ_LEN, 0.1, 5, cache_dir=tmp_path / "cache").train
     cfg = FinetuneConfig(model_id="m", storage_path=f"file://{tmp_path / 'storage'}", run_name="run-1")
-    assert finetune.shipped_examples(train, cfg, alive_nodes=1) is train
-    assert not (tmp_path / "storage").exists()
+    assert finetune.shipped_examples(train, cfg, alive_nodes=1).input_ids.part.mirror
+    assert (tmp_path / "storage" / "run-1" / "data" / train.input_ids.part.fingerprint / data_stream.META).exists()
     shipped = finetune.shipped_examples(train, cfg, alive_nodes=5)
     assert shipped.input_ids.part.mirror.endswith(f"/run-1/data/{train.input_ids.part.fingerprint}")
     assert len(pickle.dumps(shipped, protocol=5)) < 2000 < len(pickle.dumps(train, protocol=5))

@@ -203,12 +203,13 @@ def renew_megascale_env(worker_group, num_slices: int) -> list[dict[str, str]]:
     return held
 
 
-def torch_config(backend: Backend, compile_cache_dir: str = "", num_slices: int = 1):
+def torch_config(backend: Backend, compile_cache_dir: str = "", num_slices: int = 1, run_cache: str = ""):
     """Ray Train's TorchConfig, whose backend first runs on every worker (an actor call, so
     on the worker's main thread): with several slices the MEGASCALE variables, renewed from
     the live group (renew_megascale_env); the SIGTERM handler of checkpoint on notice
     (notice.py); and on TPU the device check (tpu_guard.py) and torch_tpu's import
-    (load_tpu_runtime) before tpu_dist starts."""
+    (load_tpu_runtime) before tpu_dist starts. `run_cache`: the run's compile cache in its
+    storage (compile_cache.run_cache_uri), seeded into each host's directory there."""
     from ray.train.torch import TorchConfig
     from ray.train.torch.config import _TorchBackend
 
@@ -228,7 +229,7 @@ def torch_config(backend: Backend, compile_cache_dir: str = "", num_slices: int 
                 ray.get([worker_group.execute_single_async(i, require_tpu_device, worker_rank=i, world_size=size)
                          for i in range(size)])
                 # tpu_dist, which super().on_start starts, exists once torch_tpu is imported.
-                ray.get([worker_group.execute_single_async(i, load_tpu_runtime, compile_cache_dir)
+                ray.get([worker_group.execute_single_async(i, load_tpu_runtime, compile_cache_dir, run_cache)
                          for i in range(size)])
             ray.get([worker_group.execute_single_async(i, install_sigterm_handler) for i in range(size)])
             super().on_start(worker_group, backend_config)
@@ -287,12 +288,17 @@ def use_compile_cache(cache_dir: str, backend: Backend) -> dict[str, str]:
     return env
 
 
-def load_tpu_runtime(compile_cache_dir: str = "") -> None:
+def load_tpu_runtime(compile_cache_dir: str = "", run_cache: str = "") -> None:
     """Import torch_tpu: it registers the `tpu` device and the `tpu_dist` process group
     backend. Jobs run with TORCH_DEVICE_BACKEND_AUTOLOAD=0 (the operator's JOB_ENV), so
     `import torch` no longer does it in every process; a worker on a TPU host does it here,
     before Ray Train starts `tpu_dist` and before the first use of the device. The compile
-    cache's place is set first (`compile_cache_dir`): torch_tpu reads it at import."""
+    cache's place is set first (`compile_cache_dir`, else the host's copy of the run's cache
+    `run_cache`, compile_cache.seed): torch_tpu reads it at import."""
+    if run_cache and not compile_cache_dir:
+        from .compile_cache import seed
+
+        compile_cache_dir = str(seed(run_cache)[0])
     use_compile_cache(compile_cache_dir, BACKENDS["tpu"])
     importlib.import_module("torch_tpu")
 

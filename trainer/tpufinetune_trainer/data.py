@@ -467,6 +467,12 @@ class PreparedData:
     truncated: int
     dataset_format: str = "dolly"
     prompt_format: str = "tutorial"
+    source: str = "tokenized"  # or where a streamed prepare found them (data_stream.ensure)
+
+    @property
+    def tokenized_examples(self) -> int:
+        """Rows tokenized by this prepare: none when the examples were found prepared."""
+        return self.examples + self.eval_examples + self.skipped_long_prompts if self.source == "tokenized" else 0
 
 
 def held_out(n: int, eval_fraction: float, seed: int) -> np.ndarray:
@@ -509,12 +515,14 @@ def check_long_prompts(skipped: int, read: int, first: int | None, kept: int, ma
 
 def prepare(dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction: float, seed: int,
             long_prompts: str = "skip", prompt_format: str = "auto", dataset_format: str = "auto",
-            loss_on: str = "responses", stream: bool = True, cache_dir: str | Path | None = None) -> PreparedData:
+            loss_on: str = "responses", stream: bool = True, cache_dir: str | Path | None = None,
+            published: str | None = None) -> PreparedData:
     """The training examples (tokenized, not packed) and the held-out ones (packed).
     `stream` (the default) tokenizes a chunk of rows at a time into this host's cache
     (`cache_dir`, else data_stream.cache_root()) and maps the files, so neither the text
     nor the tokens need to fit in memory (data_stream.py); otherwise every row is
-    tokenized in memory. Both give the same examples."""
+    tokenized in memory. Both give the same examples. `published`: the run's folder of
+    published entries (data_stream.run_data_uri), looked in before tokenizing."""
     rows = load_rows(dataset, split)
     dataset_format = validate_rows(rows, dataset, split, dataset_format)
     if dataset_format == "preference":
@@ -525,7 +533,7 @@ def prepare(dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction
         from . import data_stream
 
         return data_stream.prepare(rows, dataset, split, tokenizer, max_seq_len, eval_fraction, seed, long_prompts,
-                                   prompt_format, dataset_format, loss_on, cache_dir)
+                                   prompt_format, dataset_format, loss_on, cache_dir, published)
     enc = encode_rows(rows, tokenizer, max_seq_len, prompt_format, dataset_format, loss_on)
     skipped = enc.skipped_long_prompts
     check_long_prompts(len(skipped), len(rows), skipped[0] if skipped else None, len(enc.input_ids), max_seq_len,

@@ -21,6 +21,12 @@ that host sees it (a shared disk), else the copy `publish` uploaded to the run's
 path, fetched once per host (`storage.local_copy`); until the driver publishes one, the
 pickle also carries the arrays as out-of-band buffers (what Ray shipped before), used only
 where no complete copy is found.
+
+A retry of the run (a new attempt, perhaps on a new head host whose disk is empty): the
+driver that finds no entry of its fingerprint on its own disk looks for the published copy
+(`published_uri`) before tokenizing, fetches it once (`storage.local_copy`) and maps it;
+`prepare` says where the data came from (`PreparedData.source`: `tokenized`,
+`local_cache` or `published`; the `startup` event's `data_source`).
 """
 
 from __future__ import annotations
@@ -355,11 +361,38 @@ def build(rows, directory: Path, fp: str, tokenizer, max_seq_len: int, eval_frac
     return meta
 
 
+def published_uri(published: str, fp: str) -> str:
+    """Where the entry of fingerprint `fp` is published under a run's data folder
+    (`<storage>/<run>/data`, run_data_uri)."""
+    return f"{published.rstrip('/')}/{fp}"
+
+
+def run_data_uri(storage_path: str, run_name: str) -> str:
+    """The run's folder of published entries."""
+    return f"{storage_path.rstrip('/')}/{run_name}/data"
+
+
+def fetch_published(published: str | None, fp: str) -> tuple[Path, dict] | None:
+    """The published entry of `fp` fetched to this host (once per host) and its meta, or
+    None when none complete is there (or it cannot be read: the driver then tokenizes)."""
+    if not published:
+        return None
+    try:
+        where = storage.local_copy(published_uri(published, fp)) if storage.is_uri(published) \
+            else Path(published_uri(published, fp))
+    except (OSError, FileNotFoundError):
+        return None
+    meta = read_meta(where, fp)
+    return (where, meta) if meta else None
+
+
 def ensure(rows, dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction: float, seed: int,
            long_prompts: str, prompt_format: str, dataset_format: str, loss_on: str,
-           cache_dir: str | Path | None = None) -> tuple[Path, dict]:
-    """The complete cache entry of these rows and settings, built when there is none: one
-    writer per host (a file lock); the others wait and then take its entry."""
+           cache_dir: str | Path | None = None, published: str | None = None) -> tuple[Path, dict, str]:
+    """The complete cache entry of these rows and settings and where it came from
+    (startup.DATA_SOURCES): this host's cache, else the run's published copy (`published`,
+    the run's data folder), else built here: one writer per host (a file lock); the others
+    wait and then take its entry."""
     settings = {"max_seq_len": max_seq_len, "eval_fraction": eval_fraction, "seed": seed,
                 "long_prompts": long_prompts, "prompt_format": prompt_format, "dataset_format": dataset_format,
                 "loss_on": loss_on}
@@ -369,7 +402,10 @@ def ensure(rows, dataset: str, split: str, tokenizer, max_seq_len: int, eval_fra
     meta = read_meta(entry, fp)
     if meta:
         touch(entry)
-        return entry, meta
+        return entry, meta, "local_cache"
+    found = fetch_published(published, fp)
+    if found:
+        return (*found, "published")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -378,12 +414,12 @@ def ensure(rows, dataset: str, split: str, tokenizer, max_seq_len: int, eval_fra
         root = Path(tempfile.gettempdir()) / "tpufinetune-data"  # a read-only home
         root.mkdir(parents=True, exist_ok=True)
         return ensure(rows, dataset, split, tokenizer, max_seq_len, eval_fraction, seed, long_prompts,
-                      prompt_format, dataset_format, loss_on, root)
+                      prompt_format, dataset_format, loss_on, root, published)
     with open(root / f"{fp}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         meta = read_meta(entry, fp)
         if meta:  # another process of this host built it meanwhile
-            return entry, meta
+            return entry, meta, "local_cache"
         prune(root, keep=fp)
         shutil.rmtree(entry, ignore_errors=True)  # an entry without a valid marker is never read
         for dead in root.glob(f"{fp}.partial-*"):  # a killed writer's (the lock is ours now)
@@ -396,7 +432,7 @@ def ensure(rows, dataset: str, split: str, tokenizer, max_seq_len: int, eval_fra
             os.rename(partial, entry)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
-    return entry, meta
+    return entry, meta, "tokenized"
 
 
 def opened(entry: Path, meta: dict, name: str) -> data.Examples:
@@ -411,11 +447,12 @@ def opened(entry: Path, meta: dict, name: str) -> data.Examples:
 
 def prepare(rows, dataset: str, split: str, tokenizer, max_seq_len: int, eval_fraction: float, seed: int,
             long_prompts: str, prompt_format: str, dataset_format: str, loss_on: str,
-            cache_dir: str | Path | None = None) -> data.PreparedData:
-    """`data.prepare` streamed: the examples tokenized to this host's cache (or found there)
-    and mapped; the held-out examples packed in memory, as `data.prepare` packs them."""
-    entry, meta = ensure(rows, dataset, split, tokenizer, max_seq_len, eval_fraction, seed, long_prompts,
-                         prompt_format, dataset_format, loss_on, cache_dir)
+            cache_dir: str | Path | None = None, published: str | None = None) -> data.PreparedData:
+    """`data.prepare` streamed: the examples tokenized to this host's cache (or found there,
+    or fetched from the run's published copy, `published`) and mapped; the held-out
+    examples packed in memory, as `data.prepare` packs them."""
+    entry, meta, source = ensure(rows, dataset, split, tokenizer, max_seq_len, eval_fraction, seed, long_prompts,
+                                 prompt_format, dataset_format, loss_on, cache_dir, published)
     train = opened(entry, meta, "train")
     if train.digest is None:  # an entry written before meta.json kept it: hashed once, here on the driver
         data.with_digest(train)
@@ -426,7 +463,8 @@ def prepare(rows, dataset: str, split: str, tokenizer, max_seq_len: int, eval_fr
     return data.PreparedData(train=train, eval=packed, examples=len(train),
                              eval_examples=meta["parts"].get("eval", {"rows": 0})["rows"],
                              skipped_long_prompts=meta["skipped_long_prompts"], truncated=meta["truncated"],
-                             dataset_format=meta["dataset_format"], prompt_format=meta["prompt_format"])
+                             dataset_format=meta["dataset_format"], prompt_format=meta["prompt_format"],
+                             source=source)
 
 
 # --------------------------------------------------------------------------- other hosts
@@ -440,7 +478,7 @@ def publish(examples: data.Examples, storage_path: str, run_name: str) -> data.E
     if not isinstance(examples.input_ids, MappedRagged):
         return examples
     part = examples.input_ids.part
-    uri = f"{storage_path.rstrip('/')}/{run_name}/data/{part.fingerprint}"
+    uri = published_uri(run_data_uri(storage_path, run_name), part.fingerprint)
     fs, path = storage.filesystem(uri)
     if not _published(fs, path, part.fingerprint):
         fs.create_dir(path, recursive=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from . import backends, startup, storage
+from . import backends, compile_cache, startup, storage
 from .config import FinetuneConfig
 from .data import Examples, PreparedData, epoch_step_count, pad_id_of, prepare
 from .errors import ConfigError, StorageError
@@ -111,31 +111,35 @@ def prepare_data(cfg: FinetuneConfig) -> tuple[PreparedData, int]:
         data = prepare_pairs(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction,
                              cfg.seed, cfg.long_prompts, cfg.prompt_format, cfg.dataset_format)
         return data, pad_id_of(tokenizer)
+    from .data_stream import run_data_uri
+
+    # An earlier attempt's published entry is taken before anything is tokenized (a retry
+    # on a new head host, whose disk has no entry).
     data = prepare(cfg.dataset, cfg.dataset_split, tokenizer, cfg.max_seq_len, cfg.eval_fraction, cfg.seed,
-                   cfg.long_prompts, cfg.prompt_format, cfg.dataset_format, cfg.loss_on)
+                   cfg.long_prompts, cfg.prompt_format, cfg.dataset_format, cfg.loss_on,
+                   published=run_data_uri(cfg.storage_path, cfg.run_name))
     return data, pad_id_of(tokenizer)
 
 
 def shipped_examples(train: Examples, cfg: FinetuneConfig, alive_nodes: int) -> Examples:
-    """The training examples as the workers receive them. On a cluster of more than one
-    node the workers run on other hosts than this driver (GKE: the driver in the head
-    pod, the workers on TPU hosts), which cannot map the driver's prepared files: they are
-    published to the run's storage once (data_stream.publish; a retry finds them there)
-    and the examples pickle as a description, each host fetching and mapping one copy.
-    Otherwise, or for examples held in memory, they ship as they are (Ray's object
-    store, shared by a host's workers)."""
+    """The training examples as the workers receive them. Prepared files are published to
+    the run's storage once (data_stream.publish; uploads nothing when a complete copy is
+    there): a later attempt's driver takes them instead of tokenizing, and workers on
+    other hosts than this driver (GKE: the driver in the head pod, the workers on TPU
+    hosts), which cannot map the driver's files, fetch and map one copy per host (the
+    examples pickle as a description). Examples held in memory ship as they are (Ray's
+    object store, shared by a host's workers)."""
     from . import data_stream
 
-    if alive_nodes <= 1:
-        return train
     try:
         shipped = data_stream.publish(train, cfg.storage_path, cfg.run_name)
     except OSError as e:
         raise StorageError(f"could not publish the prepared dataset to the run's storage {cfg.storage_path} "
-                           f"(--storage-path) for the workers on other hosts: {e}") from e
+                           f"(--storage-path), kept there for later attempts and the workers on other hosts: {e}") from e
     if shipped is not train:
-        print(f"Data: published to {shipped.input_ids.part.mirror} for the workers' hosts "
-              "(each fetches one copy and maps it)", flush=True)
+        print(f"Data: published to {shipped.input_ids.part.mirror} for later attempts"
+              + (" and the workers' hosts (each fetches one copy and maps it)" if alive_nodes > 1 else ""),
+              flush=True)
     return shipped
 
 
@@ -165,7 +169,8 @@ def build_trainer(cfg: FinetuneConfig, data: PreparedData, pad_id: int):
         train_loop_config={"cfg": cfg.to_dict(), "backend": backend.name, "data": data_ref,
                            "prompt_format": data.prompt_format, "dataset_format": data.dataset_format,
                            "startup": startup.DRIVER.handover()},
-        torch_config=backends.torch_config(backend, cfg.compile_cache_dir, cfg.num_slices),
+        torch_config=backends.torch_config(backend, cfg.compile_cache_dir, cfg.num_slices,
+                                           compile_cache.run_cache_uri(cfg, backend)),
         scaling_config=scaling,
         run_config=RunConfig(
             name=cfg.run_name,
@@ -188,6 +193,8 @@ def run(cfg: FinetuneConfig) -> int:
 
     quiet_progress_bars()
     data, pad_id = prepare_data(cfg)
+    startup.DRIVER.note(data_source=getattr(data, "source", "tokenized"),
+                        tokenized_examples=getattr(data, "tokenized_examples", data.examples))
     epoch_step_count(data.train.lengths, cfg.batch_plan())  # refuses data too small for one step, before Ray
     check_resume(cfg, data)
     startup.DRIVER.mark("data_ready")

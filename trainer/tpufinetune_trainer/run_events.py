@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from . import generation, tboard
+from . import compile_cache, generation, tboard
 from .events import emit
 
 
@@ -83,7 +83,7 @@ class RunEvents:
             f"float32{self.method_words()}; "
             + ("blocks resharded after forward" if cfg.reshard_after_forward
                else "blocks kept gathered from forward to backward") + f"; compile {'on' if self.compiled else 'off'}"
-            + (f" (cache {cfg.compile_cache_dir})" if self.compile_cache else "") + "; loss head "
+            + (f" (cache {self.compile_cache_dir})" if self.compile_cache else "") + "; loss head "
             + (f"at label positions ({self.train_cap} rows of {plan.blocks * cfg.max_seq_len} per micro-batch)"
                if self.label_head else "over every position (full logits)"))
         emit("plan", global_batch_examples=0 if plan.tokens_per_step else plan.global_examples,
@@ -127,6 +127,7 @@ class RunEvents:
             return
         if self.compiled:
             self.startup.mark("first_step_compiled")
+            self.startup.note(**compile_cache.counters())
         float(loss_sum.item())
         self.startup.mark("first_step")
         emit("startup", step=self.global_step, **self.startup.fields())

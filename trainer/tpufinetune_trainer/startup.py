@@ -19,6 +19,11 @@ import time
 # torch.compile on, the first step's host calls returned (it traces and compiles there);
 # the first step is done on rank 0's device.
 STAGES = ("data_ready", "workers_ready", "model_loaded", "first_step_compiled", "first_step")
+# What the start did not have to do again (a retry starts warm): where the driver took the
+# prepared data from and how many examples it tokenized; with torch.compile, rank 0's
+# inductor FX-graph cache hits and misses up to its first step.
+DATA_SOURCES = ("tokenized", "local_cache", "published")
+FACTS = ("data_source", "tokenized_examples", "compile_cache_hits", "compile_cache_misses")
 
 _STARTED_WALL, _STARTED = time.time(), time.monotonic()
 
@@ -27,9 +32,11 @@ class Startup:
     """An attempt's stage times. `origin`: the driver's mark (wall clock, seconds since the
     epoch); `stages`: the ones the driver already measured."""
 
-    def __init__(self, origin: float | None = None, stages: dict[str, float] | None = None) -> None:
+    def __init__(self, origin: float | None = None, stages: dict[str, float] | None = None,
+                 facts: dict | None = None) -> None:
         self.origin = time.time() if origin is None else float(origin)
         self.stages: dict[str, float] = dict(stages or {})
+        self.facts: dict = dict(facts or {})
         self.reported = False
 
     @classmethod
@@ -38,11 +45,11 @@ class Startup:
         Trainer built outside a job) it counts from now."""
         if not handed:
             return cls()
-        return cls(handed.get("origin"), handed.get("stages"))
+        return cls(handed.get("origin"), handed.get("stages"), handed.get("facts"))
 
     def handover(self) -> dict:
         """What a worker needs to go on counting (plain data: Ray pickles it)."""
-        return {"origin": self.origin, "stages": dict(self.stages)}
+        return {"origin": self.origin, "stages": dict(self.stages), "facts": dict(self.facts)}
 
     def elapsed(self) -> float:
         return time.time() - self.origin
@@ -56,10 +63,20 @@ class Startup:
         self.stages[stage] = round(max([self.elapsed(), *earlier, 0.0]), 3)
         return self.stages[stage]
 
+    def note(self, **facts) -> None:
+        """Facts of this start (FACTS), reported with the stages."""
+        unknown = set(facts) - set(FACTS)
+        if unknown:
+            raise ValueError(f"unknown start-up facts {sorted(unknown)}; expected some of {FACTS}")
+        if facts.get("data_source", DATA_SOURCES[0]) not in DATA_SOURCES:
+            raise ValueError(f"unknown data_source {facts['data_source']!r}; expected one of {DATA_SOURCES}")
+        self.facts.update(facts)
+
     def fields(self) -> dict:
-        """The `startup` event's fields: `<stage>_s` for each stage reached, and the
-        driver's mark (`started_at`, for the operator's own clock)."""
-        return {"started_at": round(self.origin, 3), **{f"{s}_s": self.stages[s] for s in STAGES if s in self.stages}}
+        """The `startup` event's fields: `<stage>_s` for each stage reached, the driver's
+        mark (`started_at`, for the operator's own clock) and the facts noted."""
+        return {"started_at": round(self.origin, 3), **{f"{s}_s": self.stages[s] for s in STAGES if s in self.stages},
+                **{f: self.facts[f] for f in FACTS if f in self.facts}}
 
 
 class _DriverStartup(Startup):

@@ -19,6 +19,7 @@ one left (notice.Agreements: an interval old, so the device has usually produced
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
+from . import compile_cache
 from . import logship
 from . import loss as head
 from . import notice
@@ -110,13 +112,29 @@ class Trainer(Setup, Restore, Evaluation, Checkpointing, Finish, RunEvents):
                     if self.agreed_at_epoch_end() == notice.TERMINATING:
                         self.on_notice(notice.TERMINATING, lambda: metrics)
                     self.report(metrics, epoch_end=True)
+                    self.share_compile_cache()
                     # The next epoch's first step agrees: a SIGTERM during the epoch's end
                     # (after the checks in report) waits one step, not a stretch of them.
                     self.agreements.soon(self.global_step)
             self.export()
         finally:  # the end, a failure or a preemption: what was written is in storage
             self.board.close()
+            self.share_compile_cache()
         notice.done()
+
+    def share_compile_cache(self) -> None:
+        """Local rank 0 of each host, at each checkpoint and at the end: the compile cache's
+        files the run's storage lacks uploaded (compile_cache.py), so a retry compiles
+        nothing this attempt compiled. A failed upload costs a retry compiles, never the run."""
+        if not getattr(self, "shares_compile_cache", False):
+            return
+        try:
+            copied = compile_cache.upload(Path(self.compile_cache_dir), self.run_compile_cache)
+        except OSError as e:
+            run_events.say(f"Compile cache: could not upload to {self.run_compile_cache}: {e}")
+            return
+        if copied:
+            run_events.say(f"Compile cache: {copied} new file(s) uploaded to {self.run_compile_cache}")
 
     def training_s(self) -> float:
         """Seconds of training so far, earlier attempts included (loading and export not)."""
@@ -154,6 +172,7 @@ class Trainer(Setup, Restore, Evaluation, Checkpointing, Finish, RunEvents):
                 elapsed = time.perf_counter() - start
                 self.report(self.epoch_metrics(loss_sum, label_tokens, real_tokens, elapsed, steps),
                             epoch_end=False)
+                self.share_compile_cache()
                 self.model.train()
             if self.agreements.due(self.global_step):  # a notice, and the save in flight (checkpointing.py)
                 self.agree(lambda: self.epoch_metrics(loss_sum, label_tokens, real_tokens,

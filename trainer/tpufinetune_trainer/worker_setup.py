@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from . import generation, init_checkpoint, resume, run_events
+from . import compile_cache, generation, init_checkpoint, resume, run_events
 from . import loss as head
 from .backends import compile_enabled, compute_dtype, setup_device, use_compile_cache
 from .data import BatchPlan, EpochPlan, epoch_step_count, plan_run, rank_eval_share
@@ -46,7 +46,17 @@ class Setup:
     def set_up(self, data: dict, local_rank: int) -> None:
         cfg, backend, rank, world = self.cfg, self.backend, self.rank, self.world
         # Before torch_tpu is imported and anything compiles: both read the cache's place then.
-        self.compile_cache = use_compile_cache(cfg.compile_cache_dir, backend)
+        # Without --compile-cache-dir, this host's copy of the run's cache in its storage
+        # (compile_cache.py; on TPU seeded already by load_tpu_runtime, nothing fetched again).
+        self.run_compile_cache = compile_cache.run_cache_uri(cfg, backend)
+        self.compile_cache_dir = cfg.compile_cache_dir
+        if self.run_compile_cache:
+            local, fetched = compile_cache.seed(self.run_compile_cache)
+            self.compile_cache_dir = str(local)
+            if local_rank == 0:
+                run_events.say(f"Compile cache: {local} from {self.run_compile_cache} ({fetched} file(s) fetched)")
+        self.compile_cache = use_compile_cache(self.compile_cache_dir, backend)
+        self.shares_compile_cache = bool(self.run_compile_cache) and local_rank == 0
         self.device = setup_device(backend, local_rank)
         self.cpu_group = ckpt.cpu_group()  # DCP plans and barriers: pickled objects, never over ICI
         # DCP's background writes only: a group shared with this thread's collectives could
