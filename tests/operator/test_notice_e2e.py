@@ -73,6 +73,15 @@ def logs_env(ground) -> dict:
     return {**os.environ, "STORAGE_EMULATOR_HOST": ground.gcs.endpoint}  # the bucket, as the trainer reaches it
 
 
+def shipped_events(ground, logs_uri: str, stream: str) -> list:
+    """The events of one stream of an attempt's logs in the bucket, read as the trainer ships them."""
+    probe = ("import sys\nfrom tpufinetune_trainer.logship import StreamReader\n"
+             "sys.stdout.buffer.write(b''.join(StreamReader(sys.argv[1], sys.argv[2]).read()))\n")
+    read = subprocess.run([sys.executable, "-c", probe, logs_uri, stream], capture_output=True, env=logs_env(ground),
+                          timeout=60)
+    return parse_text(read.stdout.decode("utf-8", errors="replace"))
+
+
 def only_get_tpufinetunes(kube) -> None:
     kube.kubectl("create", "role", "logs-reader", "--verb=get", "--resource=tpufinetunes.tpufinetune.dev")
     kube.kubectl("create", "rolebinding", "logs-reader", "--role=logs-reader", f"--user={TEST_USER}")
@@ -121,10 +130,11 @@ def test_a_crash_maintenance_then_a_deleted_worker_each_get_their_attempt_and_th
     checkpoint = kube.status("notice")["checkpointURI"]
     # A worker's log is shipped every few seconds (logship.FLUSH_S), and the crash kills the
     # workers with the driver: it comes once attempt 1's shipped worker log holds its plan,
-    # which the end of this test reads again after attempt 1's cluster is gone.
-    kube.wait_for(lambda: any(e.kind == "plan" for e in parse_text(subprocess.run(
-        logs_argv(kube, "--attempt", "1", "--worker", "0"), capture_output=True, text=True, env=logs_env(ground),
-        timeout=60).stdout)), "attempt 1's shipped worker log to hold its plan event", timeout=60, interval=2)
+    # which the end of this test reads again, through `tpufinetune logs`, after attempt 1's
+    # cluster is gone. Read here from the bucket (the test user may not read the run yet).
+    logs_uri = kube.status("notice")["attempts"][0]["logsURI"]
+    kube.wait_for(lambda: any(e.kind == "plan" for e in shipped_events(ground, logs_uri, "worker-0")),
+                  "attempt 1's shipped worker log to hold its plan event", timeout=60, interval=2)
     driver = kube.head_job_client(cluster).get_job_info(f"tft-{uid}-1").driver_info
     os.kill(int(driver.pid), signal.SIGKILL)
     crashed_at = datetime.now(timezone.utc)
