@@ -61,3 +61,44 @@ async def test_the_driver_reads_the_source_while_waiting_then_plans_its_base_and
     await run.step()
     assert cluster.calls.count("create") == 1 and cluster.status["phase"] == phases.PROVISIONING
     assert cluster.reads == 3 and cluster.status["initFrom"]["uri"] == EXPORT
+
+
+def test_a_sources_event_wakes_only_the_runs_chained_to_it_and_forgets_a_chain_once_edited_away():
+    """resource_seen keeps the chains from the runs' own events (handlers.CHAINED): the source's
+    next event wakes the run that waits on it, not an unrelated one; a spec edited to drop
+    initFrom, or a deleted run, leaves the index."""
+    import asyncio
+
+    import kopf
+
+    from tpufinetune.adapters import handlers
+
+    class Waiting:
+        generation, settling, status_taken, waits_on = 1, False, False, "sft"
+
+        def __init__(self):
+            self.wake = asyncio.Event()
+
+    def body(name: str, spec: dict) -> kopf.Body:
+        return kopf.Body({"metadata": {"name": name, "namespace": "n", "uid": name, "generation": 1}, "spec": spec})
+
+    def seen(name: str, spec: dict, kind: str = "MODIFIED") -> None:
+        asyncio.run(handlers.resource_seen(type=kind, body=body(name, spec)))
+
+    dpo, other = Waiting(), Waiting()
+    handlers.RUNS.update({("n", "dpo"): dpo, ("n", "other"): other})
+    try:
+        seen("dpo", {"model": {"initFrom": {"run": "sft"}}})
+        seen("other", {"model": {"id": "google/gemma-4-E2B-it"}})
+        seen("sft", {"epochs": 1})
+        assert dpo.wake.is_set() and not other.wake.is_set()
+        assert handlers.CHAINED == {("n", "sft"): {("n", "dpo")}}
+        seen("dpo", {"model": {}})  # an edit away from the chain
+        assert handlers.CHAINED == {} and handlers.CHAIN_OF == {}
+        seen("dpo", {"model": {"initFrom": {"run": "sft"}}})
+        seen("dpo", {}, kind="DELETED")
+        assert handlers.CHAINED == {} and handlers.CHAIN_OF == {}
+    finally:
+        for key in (("n", "dpo"), ("n", "other"), ("n", "sft")):
+            handlers.RUNS.pop(key, None)
+            handlers.note_chain(key, None)

@@ -71,7 +71,7 @@ def test_once_a_run_holds_its_own_status_the_kept_body_keeps_only_kopfs_part_of_
                 "status": {"phase": "Pending", "appliedSpec": "{}", "kopf": {"lastHandledConfiguration": "{}"}}}
 
     class Run:
-        generation, settling, status_taken, waits_on = 1, False, False, ""  # waits on no other run
+        generation, settling, status_taken = 1, False, False
         wake = asyncio.Event()
 
     run = Run()

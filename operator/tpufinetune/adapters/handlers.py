@@ -37,6 +37,10 @@ from tpufinetune.settings import Settings
 log = logging.getLogger(__name__)
 FINALIZER = f"{GROUP}/release"
 RUNS: dict[tuple[str, str], Run] = {}
+# (namespace, source) -> the runs whose spec.model.initFrom names that source, from their own
+# events (resource_seen): a source's event wakes only them, not a look over every run.
+CHAINED: dict[tuple[str, str], set[tuple[str, str]]] = {}
+CHAIN_OF: dict[tuple[str, str], tuple[str, str]] = {}  # the other way round
 # Watched namespaces whose deletion is under way, from the namespace watch (namespace_deleted).
 ENDING_NAMESPACES: set[str] = set()
 RELEASE_WAIT_S = 60
@@ -248,8 +252,11 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
     drop_managed_fields(body)
     meta = body.get("metadata", {})
     key = (meta.get("namespace"), meta.get("name"))
-    for waiting in [r for (namespace, _), r in RUNS.items() if namespace == key[0] and r.waits_on == key[1]]:
-        waiting.wake.set()  # a run chained to this one (spec.model.initFrom) looks at it now
+    note_chain(key, None if type == "DELETED" else body.get("spec"))
+    for chained in CHAINED.get(key, ()):
+        waiting = RUNS.get(chained)
+        if waiting is not None and waiting.waits_on == key[1]:
+            waiting.wake.set()  # a run chained to this one (spec.model.initFrom) looks at it now
     if type == "DELETED":
         metrics.forget(*key, meta.get("uid", ""))
         return
@@ -260,6 +267,23 @@ async def resource_seen(type: str, body: kopf.Body, **_) -> None:
         run.wake.set()
     if run is not None and run.status_taken:
         drop_taken_status(body)
+
+
+def note_chain(key: tuple[str, str], spec: dict | None) -> None:
+    """Keep CHAINED up to date with the run `key`'s spec (None: deleted)."""
+    source = (((spec or {}).get("model") or {}).get("initFrom") or {}).get("run")
+    chain = (key[0], source) if source else None
+    before = CHAIN_OF.get(key)
+    if before == chain:
+        return
+    if before is not None:
+        CHAINED[before].discard(key)
+        if not CHAINED[before]:
+            del CHAINED[before]
+        del CHAIN_OF[key]
+    if chain is not None:
+        CHAINED.setdefault(chain, set()).add(key)
+        CHAIN_OF[key] = chain
 
 
 def kopf_wrote_its_own(body) -> bool:
