@@ -219,3 +219,36 @@ def test_chunks_in_a_bucket_are_written_and_read_the_same_way(gcs, monkeypatch):
     assert gcs.list(uri) == ["driver/0000000000005-000001.log", "driver/0000000000005-000002.log",
                              "driver/0000000000005-000003.log", "worker-0/0000000000005-000001.log",
                              "worker-1/0000000000005-000001.log"]
+
+
+SHARED_FILE_CHILD = textwrap.dedent("""
+    import os, sys, threading
+    from tpufinetune_trainer import logship
+    with logship.shipping(logship.DRIVER, os.environ["LOGS"]):
+        def err_lines():
+            for i in range(300):
+                print(f"err {i} " + "e" * 300, file=sys.stderr, flush=True)
+        thread = threading.Thread(target=err_lines)
+        thread.start()
+        for i in range(300):  # longer than a pipe hands over at once
+            print(f"out {i} " + "o" * 20000, flush=True)
+        thread.join()
+""")
+
+
+@pytest.mark.timeout(60)
+def test_stdout_and_stderr_into_one_file_keep_their_lines_whole(tmp_path):
+    """A Ray job's log is one file behind both descriptors; a long event line on stdout
+    must not be cut by a stderr line (the operator would lose the event)."""
+    log = tmp_path / "job.log"
+    env = {**os.environ, "LOGS": str(tmp_path / "logs" / "attempt-1"), "TPUFT_LOGS_MAX_BYTES": str(1 << 30),
+           "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as sink:
+        subprocess.run([sys.executable, "-c", SHARED_FILE_CHILD], env=env, stdout=sink, stderr=sink,
+                       check=True, timeout=50)
+    lines = log.read_text().splitlines()
+    cut = [line[:80] for line in lines if not (line.startswith("out ") and line.endswith("o" * 20000))
+           and not (line.startswith("err ") and line.endswith("e" * 300))]
+    assert not cut, f"{len(cut)} cut lines, e.g. {cut[:3]}"
+    assert sum(line.startswith("out ") for line in lines) == 300
+    assert sum(line.startswith("err ") for line in lines) == 300

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,8 +63,9 @@ def stall_mid_write(marker: Path) -> None:
         def write(self, data):
             written = self.stream.write(data)
             self.stream.flush()
-            # Named whole or not at all: the test reads it as soon as it exists.
-            partial = marker.with_name(marker.name + ".tmp")
+            # Named whole or not at all: the test reads it as soon as it exists. One name
+            # per writer thread: two threads sharing one would empty each other's.
+            partial = marker.with_name(f"{marker.name}.{threading.get_ident()}.tmp")
             partial.write_text(str(self.path))
             partial.rename(marker)
             while True:

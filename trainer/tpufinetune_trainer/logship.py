@@ -18,7 +18,8 @@ chunks.
 
 Capture is at the file descriptors (1 and 2): C and subprocess output and loggers that
 hold the original `sys.stderr` are caught too. A thread copies each pipe to the original
-descriptor first, so the job log and Ray's worker files see exactly what they did before;
+descriptor first, so the job log and Ray's worker files see what they did before (line by
+line, so stdout's and stderr's lines never cut into each other in a shared file);
 storage I/O happens only on the flusher thread, never on the path of a write.
 
 Bounded by `TPUFT_LOGS_MAX_BYTES` (the attempt's total, `DEFAULT_MAX_BYTES` unless the Ray
@@ -204,9 +205,11 @@ class FdTee:
 
     def _copy(self) -> None:
         open_ends = set(self.pipes)
-        # Whole lines go to the sink, so stdout's and stderr's lines never cut into each
-        # other there (print writes a line's text and its newline separately); a partial
-        # line goes after PARTIAL_S, at the end, or once it is large.
+        originals = {read: self.saved[fd] for read, fd in self.pipes.items()}  # stop() clears saved
+        # Whole lines go on, to the original and to the sink, so stdout's and stderr's
+        # lines never cut into each other where both land in one file (a Ray job's log):
+        # print writes a line's text and its newline apart, and a pipe hands a long write
+        # over in pieces. A partial line goes after PARTIAL_S, at the end, or once large.
         partial: dict[int, tuple[float, bytes]] = {}
         while open_ends:
             try:
@@ -221,22 +224,26 @@ class FdTee:
                 if not data:
                     open_ends.discard(read)
                     continue
-                _write_all(self.saved[self.pipes[read]], data)
                 since, pending = partial.pop(read, (time.monotonic(), b""))
                 pending += data
                 cut = pending.rfind(b"\n") + 1
                 if len(pending) - cut >= 65536:
                     cut = len(pending)
-                self._emit(pending[:cut])
+                self._forward(originals[read], pending[:cut])
                 if cut < len(pending):
                     partial[read] = (since if not cut else time.monotonic(), pending[cut:])
             now = time.monotonic()
             for read, (since, pending) in list(partial.items()):
                 if now - since >= self.PARTIAL_S or read not in open_ends:
                     del partial[read]
-                    self._emit(pending)
-        for _, pending in partial.values():
-            self._emit(pending)
+                    self._forward(originals[read], pending)
+        for read, (_, pending) in partial.items():
+            self._forward(originals[read], pending)
+
+    def _forward(self, original: int, data: bytes) -> None:
+        if data:
+            _write_all(original, data)
+            self._emit(data)
 
     def _emit(self, data: bytes) -> None:
         if not data:
