@@ -249,20 +249,27 @@ def generate_dataset(n: int = 1500, seed: int = 1234) -> list[dict]:
 # --------------------------------------------------------------------------- model + tokenizer
 
 
-def build_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE trained on `texts`, wrapped so AutoTokenizer can reload it."""
+def build_tokenizer(texts: list[str], vocab_size: int, extra_special: list[str] | None = None):
+    """A byte-level BPE trained on `texts`, wrapped so AutoTokenizer can reload it.
+    `extra_special`: more special tokens (vision_assets: Gemma 4's media tokens), each of
+    MEDIA_TOKENS' names also an attribute of the tokenizer (`image_token`, `image_token_id`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + list(extra_special or []),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
+    named = {}
+    if extra_special:
+        from .vision_assets import MEDIA_TOKENS
+
+        named = {"extra_special_tokens": {name: token for name, token in MEDIA_TOKENS.items() if token in extra_special}}
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                       bos_token="<bos>", unk_token="<unk>",
-                                      additional_special_tokens=SPECIAL_TOKENS[4:])
+                                      additional_special_tokens=SPECIAL_TOKENS[4:], **named)
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
 
@@ -311,14 +318,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--rows", type=int, default=1500, help="dataset rows")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--kind", choices=["text", "vision"], default="text",
+                        help="text: the dolly-format task; vision: the tiny multimodal model and its image task "
+                             "(vision_assets.py; --size and --rows do not apply)")
     args = parser.parse_args(argv)
     from . import storage
 
+    def write(where: Path) -> dict:
+        if args.kind == "vision":
+            from .vision_assets import write_vision_assets
+
+            return write_vision_assets(where, seed=args.seed)
+        return write_assets(where, args.size, args.rows, args.seed)
+
     if not storage.is_uri(args.out):
-        info = write_assets(Path(args.out), args.size, args.rows, args.seed)
+        info = write(Path(args.out))
     else:
         with tempfile.TemporaryDirectory(prefix="tpuft-assets-") as local:
-            info = write_assets(Path(local), args.size, args.rows, args.seed)
+            info = write(Path(local))
             storage.upload_dir(local, args.out)
         base = args.out.rstrip("/")
         info.update(model=f"{base}/model", data=f"{base}/data/train.jsonl")

@@ -187,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="free each block's gathered parameters after its forward and gather them again for its "
                          "backward (true, memory-safe); false keeps them, one all-gather a block fewer per "
                          "micro-batch for the whole model's copy in the compute dtype on every device")
+    ft.add_argument("--vision-tower", default="", choices=["frozen", "trained"],
+                    help="a multimodal run: the whole model is loaded with its towers and the data rendered with "
+                         "its processor (image parts); frozen: the vision tower takes no gradient (its projector "
+                         "trains); absent: a text run on the language model only")
+    ft.add_argument("--audio-tower", default="", choices=["frozen", "trained"],
+                    help="audio fine-tuning is not built yet: refused")
+    ft.add_argument("--max-images-per-example", type=int, default=1,
+                    help="images a row may hold at most (a row with more is refused, naming it)")
     ft.add_argument("--generate-examples", type=int, default=0,
                     help="after each epoch's held-out loss, answer this many held-out prompts greedily (shared "
                          "among the devices) and score the answers against the responses (0: off)")
@@ -298,7 +306,9 @@ def _config(args: argparse.Namespace):
             freeze_embeddings=args.freeze_embeddings == "true",
             reshard_after_forward=args.reshard_after_forward == "true",
             generate_examples=args.generate_examples, generate_max_new_tokens=args.generate_max_new_tokens,
-            generate_metrics=args.generate_metrics, keep_best_by=args.keep_best_by)
+            generate_metrics=args.generate_metrics, keep_best_by=args.keep_best_by,
+            vision_tower=args.vision_tower, audio_tower=args.audio_tower,
+            max_images_per_example=args.max_images_per_example)
     return CollectivesConfig(topology=args.topology, accelerator_type=args.accelerator_type,
                              num_workers=args.num_workers, device=args.device, hidden_dim=args.hidden_dim,
                              batch_size=args.batch_size, placement_timeout_s=args.placement_timeout,

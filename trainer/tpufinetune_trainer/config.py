@@ -134,6 +134,35 @@ class FinetuneConfig(SliceConfig):
     generate_max_new_tokens: int = generation.DEFAULT_MAX_NEW_TOKENS
     generate_metrics: str = generation.DEFAULT_METRICS
     keep_best_by: str = generation.KEEP_BEST_BY[0]
+    # Multimodal (media.py): "" is a text run (the language model only); frozen or trained
+    # loads the whole model with its towers and renders the data with its processor.
+    vision_tower: str = ""
+    audio_tower: str = ""  # accepted, refused: audio fine-tuning is not built yet
+    max_images_per_example: int = 1
+
+    @property
+    def multimodal(self) -> bool:
+        return bool(self.vision_tower)
+
+    def validate_towers(self) -> None:
+        """The towers' flags: known settings, audio refused, a multimodal run's limits."""
+        from .media import AUDIO_NOT_BUILT, TOWER_SETTINGS
+
+        for flag, value in (("--vision-tower", self.vision_tower), ("--audio-tower", self.audio_tower)):
+            if value and value not in TOWER_SETTINGS:
+                raise ConfigError(f"{flag} {value!r}: choose one of {', '.join(TOWER_SETTINGS)}")
+        if self.audio_tower:
+            raise ConfigError(f"--audio-tower {self.audio_tower} (spec.training.towers.audio): {AUDIO_NOT_BUILT}; "
+                              "drop it")
+        if self.max_images_per_example < 1:
+            raise ConfigError(f"--max-images-per-example {self.max_images_per_example}: at least 1")
+        if not self.multimodal:
+            return
+        for given, why in ((self.method == "dpo", "--method dpo"), (self.generate_examples > 0, "--generate-examples"),
+                           (self.tokens_per_step > 0, "--tokens-per-step"), (self.loss_on != "responses",
+                                                                             "--loss-on all")):
+            if given:
+                raise ConfigError(f"{why} does not apply to a multimodal run (--vision-tower) yet; drop it")
 
     @property
     def uses_lora(self) -> bool:
@@ -270,6 +299,7 @@ class FinetuneConfig(SliceConfig):
         self.check_lora()
         self.check_dpo()
         self.check_generation()
+        self.validate_towers()
         if self.keep_best_by != "evalLoss":  # the named metric ranks the checkpoints, the higher the better
             self.checkpoint_score_attribute = generation.METRIC_KEYS[self.keep_best_by]
             self.checkpoint_score_order = "max"
