@@ -452,3 +452,52 @@ CONTROL_INVALID: list[Invalid] = [
                  admission="should match '^/[^"),
 ]
 INVALID += CONTROL_INVALID
+
+# spec.training.towers (a multimodal run): each of what the trainer's multimodal path refuses at its start.
+TOWERS_INVALID: list[Invalid] = [
+    Invalid("towers-audio", spec_with(training={"towers": {"audio": "frozen"}}),
+            "spec.training.towers.audio", validation.TOWERS_AUDIO_MESSAGE),
+    Invalid("towers-audio-trained", spec_with(training={"towers": {"vision": "trained", "audio": "trained"}}),
+            "spec.training.towers.audio", validation.TOWERS_AUDIO_MESSAGE),
+    Invalid("towers-with-collectives", spec_with(mode="collectives", checkpoint=None, training={"towers": {}}),
+            "spec.training.towers", validation.TOWERS_MODE_MESSAGE),
+    # Gemma 4's processor: 282 tokens an image at most; the default maxSeqLen (512) holds one.
+    Invalid("towers-two-images-in-512-tokens", spec_with(training={"towers": {"maxImagesPerExample": 2}}),
+            "spec.training.towers.maxImagesPerExample",
+            f"{validation.MEDIA_TOKENS_MESSAGE}: 2 x 282 = 564 tokens, more than maxSeqLen 512",
+            admission=validation.MEDIA_TOKENS_MESSAGE),
+    Invalid("towers-e4b-image-past-a-short-block",
+            spec_with(model={"id": "Google/Gemma-4-E4B-it"}, training={"maxSeqLen": 256, "towers": {}}),
+            "spec.training.towers.maxImagesPerExample",
+            f"{validation.MEDIA_TOKENS_MESSAGE}: 1 x 282 = 282 tokens, more than maxSeqLen 256",
+            admission=validation.MEDIA_TOKENS_MESSAGE),
+    Invalid("towers-with-dpo", spec_with(training={"method": "dpo", "towers": {}}),
+            "spec.training.towers", validation.TOWERS_WITH_MESSAGE),
+    Invalid("towers-with-generate", spec_with(training={"evaluation": {"generate": {}}, "towers": {}}),
+            "spec.training.towers", validation.TOWERS_WITH_MESSAGE),
+    Invalid("towers-with-tokens-per-step", spec_with(training={"tokensPerStep": 32768, "towers": {}}),
+            "spec.training.towers", validation.TOWERS_WITH_MESSAGE),
+    Invalid("towers-with-loss-on-all", spec_with(training={"lossOn": "all", "towers": {}}),
+            "spec.training.towers", validation.TOWERS_WITH_MESSAGE),
+    Invalid("towers-unknown-vision-mode", spec_with(training={"towers": {"vision": "lora"}}),
+            "spec.training.towers.vision", '"lora" is not valid', admission='Unsupported value: "lora"',
+            python_exact=False),
+    Invalid("towers-no-image", spec_with(training={"towers": {"maxImagesPerExample": 0}}),
+            "spec.training.towers.maxImagesPerExample", "must be greater than or equal to 1",
+            admission="should be greater than or equal to 1", python_exact=False),
+    Invalid("towers-too-many-images", spec_with(training={"maxSeqLen": 32768, "towers": {"maxImagesPerExample": 65}}),
+            "spec.training.towers.maxImagesPerExample", "must be less than or equal to 64",
+            admission="should be less than or equal to 64", python_exact=False),
+    Invalid("towers-unknown-tower", spec_with(training={"towers": {"video": "frozen"}}),
+            "spec.training.towers.video", "unknown field", admission='unknown field "spec.training.towers.video"'),
+]
+INVALID += TOWERS_INVALID
+
+# Accepted by parse_spec and by the apiserver (test_crd_admission.py's VALID).
+TOWERS_ACCEPTED = [
+    spec_with(training={"towers": {}}),
+    spec_with(training={"method": "lora", "maxSeqLen": 2048, "towers": {"vision": "trained", "maxImagesPerExample": 7}}),
+    # A model the table does not know: its processor's tokens are the trainer's to check.
+    spec_with(model={"id": "gs://my-bucket/models/my-gemma"}, training={"towers": {"maxImagesPerExample": 64}}),
+    spec_with(model={"initFrom": {"run": "sft-vision"}}, training={"maxSeqLen": 564, "towers": {"maxImagesPerExample": 2}}),
+]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import yaml
-from api_spec_cases import GENERATION_ACCEPTED, INVALID, PVC, base_spec, shared_volume, spec_with
+from api_spec_cases import GENERATION_ACCEPTED, INVALID, PVC, TOWERS_ACCEPTED, base_spec, shared_volume, spec_with
 
 from harness.waiting import wait_for
 from tpufinetune.core.api import parse_spec
@@ -67,7 +67,7 @@ VALID = [
               head=shared_volume({"nfs": {"server": "10.0.0.2", "path": "/export"}}, "/nfs"),
               workers=shared_volume({"nfs": {"server": "10.0.0.2", "path": "/export"}}, "/nfs")),
     spec_with(checkpoint={"storagePath": "s3://bucket/ckpt"}),
-] + GENERATION_ACCEPTED  # training.evaluation: what parse_spec accepts, the CEL rules admit
+] + GENERATION_ACCEPTED + TOWERS_ACCEPTED  # training.evaluation, training.towers: what parse_spec accepts, the CEL rules admit
 
 
 def manifest(name: str, spec: dict) -> str:

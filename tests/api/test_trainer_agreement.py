@@ -64,6 +64,11 @@ NOT_PASSED = {
     "--freeze-embeddings": "passed only when training.freezeEmbeddings is true",
     "--lora-train-embeddings": "passed only when training.lora.trainEmbeddings is true (an older trainer image "
                                "knows no such flag)",
+    **{flag: "passed only when training.towers is set (a multimodal run), with its values or its defaults (a text "
+             "run's argv is as before; an older trainer image knows no such flag)"
+       for flag in ("--vision-tower", "--max-images-per-example")},
+    "--audio-tower": "never passed: spec.training.towers.audio is refused at apply (audio fine-tuning is not built "
+                     "yet)",
     "--num-slices": "passed only when tpu.slices is more than 1 (1 is the trainer's default; an older trainer "
                     "image knows no such flag)",
     "--reshard-after-forward": "passed as false only where the memory plan holds every block's gathered copy "

@@ -11,9 +11,10 @@ from __future__ import annotations
 from . import generations as g
 from .cel import cel_string
 from .lmevalrules import lm_eval_rules
-from .specmodels import Training
+from .memplan_media import known_tokens_per_image
+from .specmodels import DEFAULT_MODEL_ID, Towers, Training
 from .validation import (
-    DPO_FORMAT_MESSAGE, DPO_LOSS_ON_MESSAGE, DPO_METHOD_MESSAGE, DPO_TOKENS_MESSAGE, EARLY_STOP_FIELDS, EARLY_STOP_MESSAGE, EMBEDDINGS_CONTRADICT, ENV_RESERVED_MESSAGE, ENV_VALUE_MESSAGE, EVAL_SCORE_MESSAGE, GENERATE_EVAL_MESSAGE, GENERATE_METHOD_MESSAGE, GLOBAL_BATCH_MESSAGE, INIT_FROM_MODE_MESSAGE, INIT_FROM_SELF_MESSAGE, KEEP_BEST_METRIC_MESSAGE, KEEP_BEST_SCORE_MESSAGE, IPO_SMOOTHING_MESSAGE, LABEL_MESSAGE, LABEL_SMOOTHING_MESSAGE, LORA_METHOD_MESSAGE, MIN_NO_PROGRESS_TIMEOUT, MOUNT_VOLUME_MESSAGE, NO_PROGRESS_MESSAGE, PRIORITY_QUEUE_MESSAGE, RAY_VERSION_AT_LEAST, RAY_VERSION_MESSAGE, RESERVED_ENV, RESERVED_ENV_PREFIX, RESERVED_LABEL_PREFIX, SHARED_STORAGE_MESSAGE, SHM_MOUNT_MESSAGE, SHM_PATH, SHM_VOLUME, SHM_VOLUME_MESSAGE, SLICES_MESSAGE, STORAGE_MESSAGE, TOKENS_PER_STEP_MESSAGE, TPU_OVERRIDE_MESSAGE, VOLUME_SOURCES, VOLUME_SOURCE_MESSAGE,
+    DPO_FORMAT_MESSAGE, DPO_LOSS_ON_MESSAGE, DPO_METHOD_MESSAGE, DPO_TOKENS_MESSAGE, EARLY_STOP_FIELDS, EARLY_STOP_MESSAGE, EMBEDDINGS_CONTRADICT, ENV_RESERVED_MESSAGE, ENV_VALUE_MESSAGE, EVAL_SCORE_MESSAGE, GENERATE_EVAL_MESSAGE, GENERATE_METHOD_MESSAGE, GLOBAL_BATCH_MESSAGE, INIT_FROM_MODE_MESSAGE, INIT_FROM_SELF_MESSAGE, KEEP_BEST_METRIC_MESSAGE, KEEP_BEST_SCORE_MESSAGE, MEDIA_TOKENS_MESSAGE, TOWERS_AUDIO_MESSAGE, TOWERS_MODE_MESSAGE, TOWERS_WITH_MESSAGE, IPO_SMOOTHING_MESSAGE, LABEL_MESSAGE, LABEL_SMOOTHING_MESSAGE, LORA_METHOD_MESSAGE, MIN_NO_PROGRESS_TIMEOUT, MOUNT_VOLUME_MESSAGE, NO_PROGRESS_MESSAGE, PRIORITY_QUEUE_MESSAGE, RAY_VERSION_AT_LEAST, RAY_VERSION_MESSAGE, RESERVED_ENV, RESERVED_ENV_PREFIX, RESERVED_LABEL_PREFIX, SHARED_STORAGE_MESSAGE, SHM_MOUNT_MESSAGE, SHM_PATH, SHM_VOLUME, SHM_VOLUME_MESSAGE, SLICES_MESSAGE, STORAGE_MESSAGE, TOKENS_PER_STEP_MESSAGE, TPU_OVERRIDE_MESSAGE, VOLUME_SOURCES, VOLUME_SOURCE_MESSAGE,
 )
 
 
@@ -258,12 +259,33 @@ def spec_rules() -> list[dict]:
             "fieldPath": ".model.initFrom",
             "reason": "FieldValueForbidden",
         },
+        *towers_spec_rules(is_collectives),
         {
             "rule": "!has(self.workloadPriorityClassName) || has(self.queueName)",
             "message": PRIORITY_QUEUE_MESSAGE,
             "fieldPath": ".workloadPriorityClassName",
             "reason": "FieldValueRequired",
         },
+    ]
+
+
+def towers_spec_rules(is_collectives: str) -> list[dict]:
+    """CEL rules of spec.training.towers against the mode, the model and the block length
+    (validation._check_towers): the images of an example within maxSeqLen for the ids the
+    planner's table knows (lower-cased and trimmed, as memplan_shapes.known_shape compares)."""
+    towers = "has(self.training) && has(self.training.towers)"
+    model_id = (f"(has(self.model) && has(self.model.id) ? self.model.id : {cel_string(DEFAULT_MODEL_ID)})"
+                ".trim().lowerAscii()")
+    tokens = "{" + ", ".join(f"{cel_string(k)}: {v}" for k, v in sorted(known_tokens_per_image().items())) + "}"
+    images = (f"(has(self.training.towers.maxImagesPerExample) ? self.training.towers.maxImagesPerExample : "
+              f"{Towers.model_fields['max_images_per_example'].default})")
+    length = f"(has(self.training.maxSeqLen) ? self.training.maxSeqLen : {Training.model_fields['max_seq_len'].default})"
+    return [
+        {"rule": f"!{is_collectives} || !({towers})",
+         "message": TOWERS_MODE_MESSAGE, "fieldPath": ".training.towers", "reason": "FieldValueForbidden"},
+        {"rule": f"!({towers}) || !({model_id} in {tokens}) || {images} * {tokens}[{model_id}] <= {length}",
+         "message": MEDIA_TOKENS_MESSAGE, "fieldPath": ".training.towers.maxImagesPerExample",
+         "reason": "FieldValueInvalid"},
     ]
 
 
@@ -344,6 +366,11 @@ def training_rules() -> list[dict]:
                       "self.datasetFormat != 'preference')"),
              "message": DPO_FORMAT_MESSAGE, "fieldPath": ".datasetFormat", "reason": "FieldValueInvalid"},
             *evaluation_rules(dpo),
+            {"rule": "!has(self.towers) || !has(self.towers.audio)",
+             "message": TOWERS_AUDIO_MESSAGE, "fieldPath": ".towers.audio", "reason": "FieldValueForbidden"},
+            {"rule": (f"!has(self.towers) || !({dpo} || (has(self.evaluation) && has(self.evaluation.generate)) || "
+                      "has(self.tokensPerStep) || (has(self.lossOn) && self.lossOn == 'all'))"),
+             "message": TOWERS_WITH_MESSAGE, "fieldPath": ".towers", "reason": "FieldValueForbidden"},
             {"rule": "!(has(self.lora) && has(self.lora.trainEmbeddings) && self.lora.trainEmbeddings"
                      " && has(self.freezeEmbeddings) && self.freezeEmbeddings)",
              "message": EMBEDDINGS_CONTRADICT, "fieldPath": ".lora.trainEmbeddings",

@@ -195,6 +195,9 @@ def trainer_argv(spec: TPUFineTuneSpec, run_name: str | None = None,
     if training.early_stopping_patience is not None:
         argv.append(f"--early-stopping-patience={training.early_stopping_patience}")
     argv += evaluation_flags(training)
+    if training.towers is not None:  # only for a multimodal run: a text run's argv is as before
+        argv += [f"--vision-tower={training.towers.vision}",
+                 f"--max-images-per-example={training.towers.max_images_per_example}"]
     if run_name:
         argv.append(f"--run-name={run_name}")
     if resume_from:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from . import generations as g
 from . import memplan_dpo as dpo
 from . import memplan_generate as gen_plan
+from . import memplan_media as media_plan
 from .memplan_shapes import DEFAULT_LORA_TARGETS, KNOWN_MODELS, ModelShape, known_shape, shape_for, \
     shape_from_config  # noqa: F401  (re-exported: validation, the benchmarks)
 
@@ -137,11 +138,12 @@ class Breakdown:
     activations: int
     loss_head: int
     margin: int = 0  # added past LONG_FROM tokens: the error measured there (LONG_MARGIN)
+    towers: int = 0  # a multimodal run's vision tower and projector (memplan_media.py)
 
     @property
     def total(self) -> int:
         return (self.weights + self.grads + self.optimizer + self.frozen_tables + self.gathered
-                + self.activations + self.loss_head + self.margin)
+                + self.activations + self.loss_head + self.margin + self.towers)
 
 
 def activation_bytes(shape: ModelShape, tokens: int, scores: int, compute_bytes: int, checkpointing: str,
@@ -264,6 +266,7 @@ class Request:
     dpo_reference_free: bool = False  # spec.training.dpo.referenceFree
     generate_max_new_tokens: int = 0  # spec.training.evaluation.generate.maxNewTokens; 0: nothing generated
     generate_examples: int = 0  # its examples: with few, a device answers fewer at a time
+    vision_tower: str = ""  # spec.training.towers.vision (frozen or trained); "": a text-only run
 
 
 @dataclass(frozen=True)
@@ -284,6 +287,7 @@ class MemoryPlan:
     widths_from: str = ""  # where the model's widths come from (the table's source or its config.json)
     reference: str = ""  # method dpo: memplan_dpo.REFERENCES, the reference planned
     generating: gen_plan.GenerationPlan | None = None  # each epoch's generation (evaluation.generate)
+    media: media_plan.MediaPlan | None = None  # a multimodal run's vision tower (training.towers)
     choices: object | None = None  # memplan_sharding.Choices, the request's
     # The model's config.json the widths came from (memplan_shapes.CONFIG_KEYS), when they did.
     model_config: dict | None = field(default=None, compare=False)
@@ -332,6 +336,8 @@ class MemoryPlan:
             parts.append(f"{_gib(self.breakdown.margin)} of it the margin measured past {LONG_FROM} tokens")
         if self.reference:
             parts.append(dpo.WORDS[self.reference])
+        if self.media is not None:
+            parts.append(self.media.words())
         if self.generating is not None and self.breakdown is not None:
             parts.append(self.generating.words(self.breakdown.total))
         parts += [self.choices.words()] if self.choices is not None else []
@@ -405,6 +411,12 @@ def _plan(request: Request) -> MemoryPlan:
                         freeze_embeddings=request.freeze_embeddings, lora_embeddings=request.lora_embeddings,
                         keep_gathered=request.keep_gathered, lora_targets=request.lora_targets,
                         lora_dropout=request.lora_dropout, loss_head=request.loss_head)
+    vision = media_plan.vision_of(shape) if request.vision_tower else None
+    media = media_plan.plan(vision, request.vision_tower, shape.hidden, method, request.shard_group or devices,
+                            request.max_seq_len, request.batch_per_device, 2 if gen.is_tpu else 4,
+                            eager) if vision is not None else None
+    if media is not None:
+        part = replace(part, towers=media.bytes)
     generating = gen_plan.of_request(request, shape, part, method == "full", 2 if gen.is_tpu else 4, eager, devices)
     peak = gen_plan.peak(part.total, generating)
     # Host: each device's process, and the host copy of its sharded state an asynchronous
@@ -412,9 +424,11 @@ def _plan(request: Request) -> MemoryPlan:
     # Rank 0's pod (every pod has the same limit) also holds the export proof at the run's end
     # (export.proof_host_bytes): the exported model in bf16 (text weights, per-layer table; with
     # LoRA the adapter's on its base) and an allowance.
-    staged = part.weights + part.optimizer
+    # A multimodal run stages its towers' trained state too, and its export holds them.
+    staged = part.weights + part.optimizer + (media.staged_bytes if media else 0)
     adapters = shape.lora_parameters(request.lora_rank, request.lora_targets) if method == "lora" else 0
-    proof = 2 * (shape.parameters + shape.per_layer_embedding + adapters) + PROOF_OVERHEAD_BYTES
+    towers = media.tower_parameters + media.projector_parameters if media else 0
+    proof = 2 * (shape.parameters + shape.per_layer_embedding + adapters + towers) + PROOF_OVERHEAD_BYTES
     host = per_host_devices * (RUNTIME_BYTES_PER_DEVICE + staged + (0 if gen.is_tpu else peak)) + proof
     host_limit = int(request.host_memory_bytes * (1 - HEADROOM)) if request.host_memory_bytes else 0
     return MemoryPlan(
@@ -422,7 +436,7 @@ def _plan(request: Request) -> MemoryPlan:
         per_chip_bytes=peak * gen.devices_per_chip if gen.is_tpu else 0, generating=generating,
         limit_bytes=int(gen.hbm_gib_per_chip * GIB * (1 - HEADROOM)) if gen.is_tpu else 0,
         host_bytes=host, host_limit_bytes=host_limit, breakdown=part, keep_gathered=request.keep_gathered,
-        widths_from=shape.widths_from, reference=reference or "")
+        widths_from=shape.widths_from, reference=reference or "", media=media)
 
 
 def _stated_plan(request: Request, gen, common: dict) -> MemoryPlan:

@@ -30,6 +30,8 @@ def status_of(plan: MemoryPlan) -> dict:
             out["generationBytes"] = plan.generation_bytes
     if plan.choices is not None:
         out.update(plan.choices.status())
+    if plan.media is not None:
+        out["towers"] = plan.media.status()
     return out
 
 
@@ -74,6 +76,8 @@ def request_of(spec, model_id: str | None = None) -> Request | None:
     dpo = dpo_settings() if dpo_settings is not None and method == "dpo" else None
     # spec.training.evaluation.generate: each epoch's answers to held-out prompts (unset: none).
     generate = getattr(getattr(training, "evaluation", None), "generate", None)
+    # spec.training.towers: a multimodal run (unset: text only, the language model alone).
+    towers = getattr(training, "towers", None)
     request = Request(
         model_id=model_id or spec.model.id, method=method, dpo_lora=method == "dpo" and lora is not None,
         dpo_reference_free=bool(getattr(dpo, "reference_free", False)),
@@ -88,7 +92,8 @@ def request_of(spec, model_id: str | None = None) -> Request | None:
         lora_targets=tuple(getattr(lora, "target_modules", None) or DEFAULT_LORA_TARGETS),
         lora_dropout=float(getattr(lora, "dropout", 0.0) or 0.0) if lora is not None else 0.0,
         generate_max_new_tokens=int(generate.max_new_tokens) if generate is not None else 0,
-        generate_examples=int(generate.examples) if generate is not None else 0)
+        generate_examples=int(generate.examples) if generate is not None else 0,
+        vision_tower=towers.vision if towers is not None else "")
     return memplan_sharding.decide(request, getattr(training, "sharding", None),
                                    getattr(training, "activation_checkpointing", None), _micro_batches(spec))
 

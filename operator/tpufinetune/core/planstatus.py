@@ -63,6 +63,28 @@ class ShardingPlanStatus(_Status):
                                                                  "the replicas, once a step.")
 
 
+class TowersPlanStatus(_Status):
+    """A multimodal run's vision tower in the plan (spec.training.towers; core/memplan_media.py)."""
+
+    vision: Literal["frozen", "trained"] | None = Field(None, description="The vision tower planned: frozen "
+                                                                          "(bf16 weights only) or trained.")
+    vision_parameters: int | None = Field(None, ge=0, description="The vision tower's parameters.")
+    projector_parameters: int | None = Field(None, ge=0, description="The projector's into the language model "
+                                                                     "(trained with method full).")
+    bytes_per_device: int | None = Field(None, ge=0, description="What the tower and projector add per device "
+                                                                 "(weights, trained state, activations), within "
+                                                                 "perChipHBMBytes.")
+    activation_bytes: int | None = Field(None, ge=0, description="Of it, the tower's activations at the "
+                                                                 "processor's image resolution, the pixels and the "
+                                                                 "projected soft tokens of a micro-batch.")
+    tokens_per_image: int | None = Field(None, ge=1, description="Tokens one image takes in a block at most "
+                                                                 "(its soft tokens and two boundary tokens).")
+    images_per_block: int | None = Field(None, ge=1, description="Images planned per block: as many as "
+                                                                 "maxSeqLen holds (packed examples share blocks).")
+    media_tokens_per_block: int | None = Field(None, ge=0, description="imagesPerBlock x tokensPerImage.")
+    widths_from: str | None = Field(None, max_length=512, description="Where the tower's widths come from.")
+
+
 class MemoryPlanStatus(_Status):
     """The memory planner's estimate for the run (core/memplan.py), written before any
     RayCluster exists, and again from the model's own config.json once the trainer has
@@ -109,4 +131,6 @@ class MemoryPlanStatus(_Status):
         None, max_length=512, description="Planned again from the model's config.json: what its widths would "
                                           "have chosen where that differs from what the run was started "
                                           "with (kept: the trainer runs it; the next run chooses again).")
+    towers: TowersPlanStatus | None = Field(None, description="With training.towers: the vision tower planned. "
+                                                              "Absent for a text-only run.")
     message: str | None = Field(None, max_length=1024, description="The estimate in words.")

@@ -234,6 +234,31 @@ class Evaluation(_Model):
                                 "scoreOrder does not apply).")
 
 
+# spec.training.towers: what becomes of each tower in front of the language model (the
+# trainer's --vision-tower choices), and how many images an example may hold.
+TOWER_MODES = ("frozen", "trained")
+MAX_IMAGES_PER_EXAMPLE = 64
+
+
+class Towers(_Model):
+    """A multimodal run: the model's own processor renders each example's images into its
+    prompt, and the vision tower computes their features on the device each micro-batch."""
+
+    vision: Literal[TOWER_MODES] = Field(  # type: ignore[valid-type]
+        "frozen", description="frozen: the vision tower is held in bfloat16 and not trained (no gradients, no "
+                              "optimizer state); the projector into the language model trains as the language "
+                              "model does. trained: the tower's weights train too (fp32 master weights, gradients "
+                              "and AdamW state), with either method.")
+    # No schema default: unset is the only value this version accepts (audio is not built yet).
+    audio: Literal[TOWER_MODES] | None = Field(  # type: ignore[valid-type]
+        None, description="Reserved for the audio tower: refused while audio fine-tuning is not built.")
+    max_images_per_example: int = Field(
+        1, ge=1, le=MAX_IMAGES_PER_EXAMPLE,
+        description="Images an example may hold at most (an example with more is refused, naming its row). "
+                    "Their media tokens (Gemma 4: 280 a picture and its begin and end tokens) must fit "
+                    "training.maxSeqLen.")
+
+
 class Training(MemorySettings):
     # No schema default: a default is filled into every stored object, and an operator older
     # than this field (a rollback) refuses a spec carrying it (docs/architecture.md, "Upgrades
@@ -339,6 +364,12 @@ class Training(MemorySettings):
         None, ge=1, le=1000,
         description="Stop after this many evaluations in a row without a lower eval loss, and "
                     "export the best checkpoint. Unset: off. Needs evalFraction > 0.")
+
+    # No schema default (rollbacks, as method above): unset is a text-only run.
+    towers: Towers | None = Field(
+        None, description="Fine-tune on images too (a multimodal run): examples are messages whose content "
+                          "holds text and image parts, rendered with the model's own processor. Unset: text only, "
+                          "the language model alone is loaded.")
 
     # No schema default (rollbacks, as method above): unset is the held-out loss only.
     evaluation: Evaluation | None = Field(

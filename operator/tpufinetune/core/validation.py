@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from . import generations as g
 from .errors import SpecError
 from .memplan import KNOWN_MODELS, known_shape
+from .memplan_media import tokens_per_image
 from .quantity import parse_quantity
 from .sizing import SLICE_INDEX_ENV, plan_resources, slice_shape
 from .lmevalrules import check_lm_eval
@@ -111,6 +112,13 @@ KEEP_BEST_METRIC_MESSAGE = ("must be evalLoss or one of generate.metrics (the fi
 METRICS_TWICE_MESSAGE = "names a metric twice; name each once"
 INIT_FROM_MODE_MESSAGE = "applies to mode finetune only: a collectives check trains no model; remove initFrom"
 INIT_FROM_SELF_MESSAGE = "names this TPUFineTune itself: name the run this one starts from (e.g. its SFT run)"
+TOWERS_AUDIO_MESSAGE = "audio fine-tuning is not built yet; remove spec.training.towers.audio"
+TOWERS_MODE_MESSAGE = "applies to mode finetune only: a collectives check trains no model; remove towers"
+MEDIA_TOKENS_MESSAGE = ("is more images than a block holds: each takes its processor's tokens (Gemma 4: 280 soft "
+                        "tokens and a begin and an end token, 282 an image), and maxImagesPerExample of them exceed "
+                        "training.maxSeqLen; lower maxImagesPerExample or raise maxSeqLen")
+TOWERS_WITH_MESSAGE = ("does not apply yet with method dpo, training.evaluation.generate, tokensPerStep or lossOn "
+                       "all (the trainer's multimodal path has none of them); remove towers or those settings")
 KEEP_BEST_SCORE_MESSAGE = ("ranks checkpoints by a generation metric itself: checkpoint.scoreAttribute must be "
                            "auto; set it to auto or keep the best by evalLoss")
 
@@ -124,6 +132,7 @@ def check_spec(spec: SpecFields, one_machine: bool = False) -> None:
         raise SpecError("spec.model.id", refusal)
     if spec.model.init_from is not None and spec.mode == "collectives":
         raise SpecError("spec.model.initFrom", INIT_FROM_MODE_MESSAGE)
+    _check_towers(spec)
     training = spec.training
     if training.lora is not None and training.method not in ("lora", "dpo"):
         raise SpecError("spec.training.lora", LORA_METHOD_MESSAGE)
@@ -202,6 +211,29 @@ def _check_evaluation(spec: SpecFields) -> None:
             raise SpecError("spec.training.evaluation.keepBestBy", KEEP_BEST_METRIC_MESSAGE)
         if spec.checkpoint.score_attribute != "auto":
             raise SpecError("spec.training.evaluation.keepBestBy", KEEP_BEST_SCORE_MESSAGE)
+
+
+def _check_towers(spec: SpecFields) -> None:
+    """spec.training.towers against the rest of the spec (what the trainer's multimodal path
+    would refuse at its start): no audio yet, no collectives check, and the images an example
+    may hold within a block, for a model whose processor the planner's table knows."""
+    towers = spec.training.towers
+    if towers is None:
+        return
+    if towers.audio is not None:
+        raise SpecError("spec.training.towers.audio", TOWERS_AUDIO_MESSAGE)
+    if spec.mode == "collectives":
+        raise SpecError("spec.training.towers", TOWERS_MODE_MESSAGE)
+    training = spec.training
+    if (training.method == "dpo" or (training.evaluation is not None and training.evaluation.generate is not None)
+            or training.tokens_per_step is not None or training.loss_on == "all"):
+        raise SpecError("spec.training.towers", TOWERS_WITH_MESSAGE)
+    per_image = tokens_per_image(spec.model.id)
+    wanted = towers.max_images_per_example * (per_image or 0)
+    if per_image is not None and wanted > spec.training.max_seq_len:
+        raise SpecError("spec.training.towers.maxImagesPerExample",
+                        f"{MEDIA_TOKENS_MESSAGE}: {towers.max_images_per_example} x {per_image} = {wanted} tokens, "
+                        f"more than maxSeqLen {spec.training.max_seq_len}")
 
 
 def mixture_of_experts_refusal(model_id: str) -> str:
