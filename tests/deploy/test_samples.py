@@ -23,6 +23,7 @@ SAMPLES = {
     "finetune-v6e-16-two-slices.yaml": ("v6e", "4x4", "finetune"),
     "dpo-lora-e4b-v6e.yaml": ("v6e", "2x4", "finetune"),
     "dpo-after-sft-e4b-v6e.yaml": ("v6e", "2x4", "finetune"),  # two runs, the second chained to the first
+    "finetune-vision-e2b-v6e.yaml": ("v6e", "4x4", "finetune"),
 }
 
 
@@ -107,3 +108,16 @@ def test_the_chained_sample_starts_its_dpo_run_from_the_sft_runs_merged_export()
     out = render(load_documents(sample.read_text(), sample.name), sample.name)
     assert out.count("memory plan: lora fine-tune of google/gemma-4-E4B-it") == 1
     assert out.count("memory plan: dpo fine-tune of google/gemma-4-E4B-it") == 1  # the SFT's base, not the default
+
+
+def test_the_vision_sample_is_planned_with_its_frozen_tower_and_passes_it_to_the_trainer():
+    from tpufinetune.core.render import load_documents, render
+
+    sample = DEPLOY / "samples" / "finetune-vision-e2b-v6e.yaml"
+    spec = parse_spec(load(sample.read_text())["spec"])
+    assert (spec.model.id, spec.training.towers.vision, spec.training.dataset_format) == (
+        "google/gemma-4-E2B-it", "frozen", "messages")
+    out = render(load_documents(sample.read_text(), sample.name), sample.name)
+    (plan,) = [line for line in out.splitlines() if "memory plan:" in line]
+    assert "full fine-tune of google/gemma-4-E2B-it" in plan and "vision tower frozen (167M parameters" in plan
+    assert "--vision-tower=frozen" in out and "--max-images-per-example=2" in out
