@@ -194,8 +194,7 @@ def test_a_model_the_table_does_not_know_plans_no_tower():
 
 def test_an_operator_older_than_towers_names_them_ignored_and_passes_no_tower_flag(tmp_path):
     """A rollback: the older operator drops spec.training.towers as an unknown field and names it
-    (condition SpecFieldsIgnored, a Warning Event); its job is a text run, which the trainer refuses
-    at the first image part, naming the row, rather than training on the text around it."""
+    (condition SpecFieldsIgnored, a Warning Event), and its job is a text run: no tower flag."""
     operator = older_operator.extract(PRE_TOWERS_COMMIT, tmp_path, "pre-towers")
     spec = spec_with(training={"towers": {"vision": "trained"}})
     answer = older_operator.reads(operator, spec)
