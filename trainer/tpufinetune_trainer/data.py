@@ -164,6 +164,7 @@ def conversations(rows, dataset_format: str) -> list[list[dict]]:
             if not isinstance(turns, list) or not all(isinstance(t, dict) and "role" in t and "content" in t
                                                       for t in turns):
                 raise DataError(f"row {index}: 'messages' must be a list of {{role, content}} objects")
+            refuse_media_parts(turns, index)
             out.append([{"role": str(t["role"]), "content": str(t["content"] or "")} for t in turns])
         return out
     if dataset_format == "prompt-completion":
@@ -173,6 +174,18 @@ def conversations(rows, dataset_format: str) -> list[list[dict]]:
     return [[{"role": "user", "content": (f"{i or ''}\n\n{c}" if c and c.strip() else (i or ""))},
              {"role": "assistant", "content": (r or "").strip()}]
             for i, c, r in zip(rows["instruction"], contexts, rows["response"])]
+
+
+def refuse_media_parts(turns: list[dict], index: int) -> None:
+    """A text run given a content list with an image or audio part (media.py renders those,
+    with --vision-tower): refused naming the row, not rendered as the list's text."""
+    kinds = {part.get("type") for turn in turns if isinstance(turn["content"], list)
+             for part in turn["content"] if isinstance(part, dict)}
+    if "audio" in kinds:
+        raise DataError(f"row {index}: an audio part: audio fine-tuning is not built yet; remove the audio parts")
+    if "image" in kinds:
+        raise DataError(f"row {index}: an image part, but the run has no vision tower: pass --vision-tower frozen "
+                        "(spec.training.towers.vision) to train on images, or remove the image parts")
 
 
 def tutorial_pieces(turns: list[dict], dolly_row: tuple[str, str] | None) -> list[tuple[str, bool]]:

@@ -36,8 +36,15 @@ class DeviceBlocks:
         reference = getattr(packed, "reference", None)
         self.reference = None if reference is None else torch.from_numpy(np.concatenate(
             [reference, np.zeros((fillers, reference.shape[1]), np.float32)])).to(device)
+        # A multimodal run's blocks (media.MediaPacked): each block's image locations, kept on
+        # the host; a micro-batch's pixels are made where it is gathered (methods/media_sft.py).
+        media = getattr(packed, "media", None)
+        self.media = None if media is None else list(media) + [()] * fillers
 
     def gather(self, index: torch.Tensor) -> dict:
         names = ("input_ids", "targets", "position_ids", "segment_ids") + (() if self.reference is None
                                                                             else ("reference",))
-        return {name: getattr(self, name).index_select(0, index) for name in names}
+        batch = {name: getattr(self, name).index_select(0, index) for name in names}
+        if self.media is not None:  # the images in the order of their tokens (one host read of the indices)
+            batch["media"] = [loc for block in index.tolist() for loc in self.media[block]]
+        return batch

@@ -190,21 +190,6 @@ def parse_turns(turns, row: int, max_images: int, dataset: str) -> tuple[list[di
     return out, images
 
 
-def refuse_media_without_tower(rows, dataset: str) -> None:
-    """A text run (no --vision-tower) given image or audio parts: refused naming the row."""
-    if "messages" not in rows.column_names:
-        return
-    for row, turns in enumerate(rows["messages"]):
-        for turn in turns if isinstance(turns, list) else []:
-            content = turn.get("content") if isinstance(turn, dict) else None
-            kinds = {p.get("type") for p in content if isinstance(p, dict)} if isinstance(content, list) else set()
-            if "audio" in kinds:
-                raise DataError(f"row {row} of --dataset {dataset}: an audio part: {AUDIO_NOT_BUILT}")
-            if "image" in kinds:
-                raise DataError(f"row {row} of --dataset {dataset}: an image part, but the run has no vision tower; "
-                                "pass --vision-tower frozen (spec.training.towers.vision) to train on images")
-
-
 @dataclass
 class MediaExamples(Examples):
     """Examples with each one's image locations (in the order of its image tokens)."""
@@ -233,27 +218,45 @@ def pack_media(examples: MediaExamples, max_seq_len: int, pad_id: int) -> MediaP
     return fill_media_blocks(examples, bin_pack(examples.lengths, max_seq_len), max_seq_len, pad_id)
 
 
-def render(processor: MediaProcessor, turns: list[dict], sizes: list[tuple[int, int]]) -> tuple[list, list]:
-    """Token ids and labels of one conversation: the chat template's pieces (data.chat_pieces:
-    assistant turns labelled), each image token expanded as the processor expands it."""
-    from .data import chat_pieces
-
+def expand(processor: MediaProcessor, text: str, sizes) -> tuple[list[int], list[bool]]:
+    """`text`'s token ids with each image token expanded as Gemma4Processor expands it
+    (<|image> + the image's soft tokens + <|image|>), `sizes` the images' (height, width) in
+    order; and which ids are an image's."""
     tok = processor.tokenizer
     image, boi, eoi = processor.ids(processor.image_token), processor.ids(processor.boi_token), \
         processor.ids(processor.eoi_token)
+    ids, is_media = [], []
+    pieces = text.split(processor.image_token)
+    for k, piece in enumerate(pieces):
+        words = tok(piece, add_special_tokens=False)["input_ids"] if piece else []
+        ids += words
+        is_media += [False] * len(words)
+        if k < len(pieces) - 1:
+            media = [boi] + [image] * processor.soft_tokens(*next(sizes)) + [eoi]
+            ids += media
+            is_media += [True] * len(media)
+    return ids, is_media
+
+
+def render(processor: MediaProcessor, turns: list[dict], sizes: list[tuple[int, int]]) -> tuple[list, list]:
+    """Token ids and labels of one conversation: the chat template's pieces (data.chat_pieces:
+    assistant turns labelled), each image token expanded (`expand`); an image's tokens are
+    never labelled."""
+    from .data import chat_pieces
+
     sizes = iter(sizes)
     tokens, labels = [], []
-    for text, is_label in chat_pieces(tok, turns):
-        pieces = text.split(processor.image_token)
-        for k, piece in enumerate(pieces):
-            ids = tok(piece, add_special_tokens=False)["input_ids"] if piece else []
-            tokens += ids
-            labels += ids if is_label else [IGNORE_INDEX] * len(ids)
-            if k < len(pieces) - 1:
-                media = [boi] + [image] * processor.soft_tokens(*next(sizes)) + [eoi]
-                tokens += media
-                labels += [IGNORE_INDEX] * len(media)
+    for text, is_label in chat_pieces(processor.tokenizer, turns):
+        ids, is_media = expand(processor, text, sizes)
+        tokens += ids
+        labels += [t if is_label and not m else IGNORE_INDEX for t, m in zip(ids, is_media)]
     return tokens, labels
+
+
+def prompt_ids(processor: MediaProcessor, turns: list[dict], sizes: list[tuple[int, int]]) -> list[int]:
+    """The token ids of a prompt (`turns`, the model's turn to answer), as inference renders it."""
+    text = processor.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    return expand(processor, text, iter(sizes))[0]
 
 
 @dataclass

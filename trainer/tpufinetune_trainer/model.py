@@ -98,15 +98,27 @@ def config_report(config) -> dict:
     return report
 
 
-def load_causal_lm(model_id: str, dtype, attn_implementation: str):
-    from transformers import AutoModelForCausalLM
+def tower_attention(config, attn_implementation: str):
+    """The attention kernel of each part of a whole multimodal model: `attn_implementation`,
+    but eager for an audio tower (Gemma 4's has no sdpa path)."""
+    kinds = {"": attn_implementation, "text_config": attn_implementation}
+    for name in _TOWER_CONFIGS:
+        if getattr(config, name, None) is not None:
+            kinds[name] = "eager" if name == "audio_config" else attn_implementation
+    return kinds
+
+
+def load_causal_lm(model_id: str, dtype, attn_implementation: str, multimodal: bool = False):
+    """The language model only (the towers dropped), or with `multimodal` the whole model."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = load_config(model_id)
     source = model_source(model_id)
+    auto, kwargs = (AutoModelForImageTextToText, {}) if multimodal else (AutoModelForCausalLM, text_only_kwargs(config))
     try:
         with _quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(
-                source, dtype=dtype, attn_implementation=attn_implementation, **text_only_kwargs(config))
+            attention = tower_attention(config, attn_implementation) if multimodal else attn_implementation
+            model = auto.from_pretrained(source, dtype=dtype, attn_implementation=attention, **kwargs)
     except Exception as exc:
         raise ModelError(f"cannot load --model-id {model_id} as a causal LM: {type(exc).__name__}: {exc}") from exc
     model.config.get_text_config().use_cache = False

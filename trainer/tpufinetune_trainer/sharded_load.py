@@ -289,19 +289,21 @@ def check_dense(config, model_id: str) -> None:
                                "dense model instead, e.g. google/gemma-4-31B-it or google/gemma-4-E4B-it")
 
 
-def build_on_meta(model_id: str, attn_implementation: str):
+def build_on_meta(model_id: str, attn_implementation: str, multimodal: bool = False):
     """The model the full load builds (fp32, text-only, use_cache off, in eval mode as
-    from_pretrained returns it), with every parameter and buffer on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from_pretrained returns it), with every parameter and buffer on the meta device.
+    `multimodal` (--vision-tower): the whole model, its towers included."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
-    from .model import _quiet_transformers, load_config, model_source, text_only_kwargs
+    from .model import _quiet_transformers, load_config, model_source, text_only_kwargs, tower_attention
 
     source = model_source(model_id)
     try:
-        config = AutoConfig.from_pretrained(source, **text_only_kwargs(load_config(model_id)))
+        config = AutoConfig.from_pretrained(source, **({} if multimodal else text_only_kwargs(load_config(model_id))))
+        auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
         with _quiet_transformers(), torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                     attn_implementation=attn_implementation)
+            attention = tower_attention(config, attn_implementation) if multimodal else attn_implementation
+            model = auto.from_config(config, dtype=torch.float32, attn_implementation=attention)
     except Exception as exc:
         raise ModelError(f"cannot build --model-id {model_id} as a causal LM: {type(exc).__name__}: {exc}") from exc
     if model.can_generate():
@@ -324,14 +326,16 @@ def initialise_unloaded_buffers(model) -> None:
 
 def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: torch.dtype,
                  compile: bool = False, device: torch.device | None = None, full: bool = False, lora=None,
-                 reshard_after_forward: bool = RESHARD_AFTER_FORWARD, fallback: bool = False):
+                 reshard_after_forward: bool = RESHARD_AFTER_FORWARD, fallback: bool = False,
+                 multimodal: bool = False):
     """The base model, FSDP2-sharded over `mesh`, each rank having read only its own slices.
     Returns (model, how): how it was loaded, for the log. `full` (--model-load full) takes
     the full load (the same model). A checkpoint that cannot be read by name and shape is a
     ModelError naming the mismatch (`refuse_full_load`) unless `fallback` (--model-load
     sharded-or-full: the plan holds a full fp32 copy per worker), which takes the full load.
     `lora` (the run's config, --method lora): LoRA's adapters are added before sharding
-    (lora.py) and made the same on every rank after it."""
+    (lora.py) and made the same on every rank after it. `multimodal` (--vision-tower): the
+    whole model with its towers (media.py)."""
     import time
 
     from . import lora as adapters
@@ -343,7 +347,7 @@ def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: t
     stored: dict[str, StoredTensor] = {}
     reason = "--model-load full"
     if not full:
-        model = build_on_meta(model_id, attn_implementation)
+        model = build_on_meta(model_id, attn_implementation, multimodal)
         if lora is not None:
             adapters.inject(model, lora)
         directory = local_directory(model_source(model_id))
@@ -352,7 +356,7 @@ def load_sharded(model_id: str, attn_implementation: str, mesh, compute_dtype: t
         if reason is not None and not fallback:
             raise refuse_full_load(model_id, reason, model)
     if reason is not None:
-        model = load_causal_lm(model_id, torch.float32, attn_implementation)
+        model = load_causal_lm(model_id, torch.float32, attn_implementation, multimodal)
         if lora is not None:
             adapters.inject(model, lora)
         apply_fsdp(model, mesh, compute_dtype, compile=compile, device=device,

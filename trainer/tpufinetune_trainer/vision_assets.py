@@ -100,7 +100,13 @@ def build_vision_model(tokenizer, seed: int = 0):
                           boa_token_id=ids["boa_token"], eoa_token_index=ids["eoa_token"],
                           video_token_id=tokenizer.convert_tokens_to_ids(VIDEO_TOKEN))
     torch.manual_seed(seed)
-    return Gemma4ForConditionalGeneration(config)
+    model = Gemma4ForConditionalGeneration(config)
+    # A pretrained tower's patch embedding carries an image's colours through its layers; a
+    # random one at the usual 0.02 scale is swamped by its own layers' normalised outputs
+    # (every colour a few percent apart). At unit scale the frozen tower tells colours apart.
+    with torch.no_grad():
+        model.model.vision_tower.patch_embedder.input_proj.weight.normal_(0.0, 1.0)
+    return model
 
 
 def processor_config() -> dict:

@@ -118,7 +118,8 @@ class Setup:
                                           compile=self.compiled, device=self.device, full=cfg.model_load == "full",
                                           lora=cfg if cfg.uses_lora else None,
                                           reshard_after_forward=cfg.reshard_after_forward,
-                                          fallback=cfg.model_load == "sharded-or-full")
+                                          fallback=cfg.model_load == "sharded-or-full",
+                                          multimodal=cfg.multimodal)
         self.startup.mark("model_loaded")
         if self.rank == 0:
             run_events.say(f"Model {cfg.model_id}: {loaded}")
@@ -131,6 +132,10 @@ class Setup:
         apply_activation_checkpointing(self.model, cfg.activation_checkpointing)
         if cfg.freeze_embeddings:
             freeze_input_embeddings(self.model)
+        if cfg.multimodal:  # the towers as asked (media.py); the audio tower never trains yet
+            from .media import freeze_towers
+
+            freeze_towers(self.model, cfg.vision_tower)
         # Else transformers' full-logits forward: asked for, or a head loss.py does not reproduce.
         self.label_head = cfg.loss_head == "labels" and self.method.label_head and head.uses_label_head(self.model)
         if self.label_head:

@@ -11,4 +11,8 @@ def for_config(cfg):
     from .dpo import DPO
     from .sft import SFT
 
+    if getattr(cfg, "multimodal", False):
+        from .media_sft import MediaSFT
+
+        return MediaSFT(cfg)
     return DPO(cfg) if cfg.method == "dpo" else SFT(cfg)
