@@ -185,6 +185,16 @@ def test_status_plan_shows_the_towers_and_a_text_runs_plan_has_no_such_key():
     MemoryPlanStatus.model_validate(status)  # every key declared (status.checked_status refuses others)
 
 
+def test_the_plan_from_the_models_config_json_keeps_the_tower():
+    """The trainer's `model` event (its text config) plans the run again: the tower stays counted."""
+    request = memplan_spec.request_of(parse_spec(spec_with(training={"towers": {"vision": "trained"}})))
+    config = {"num_hidden_layers": 35, "hidden_size": 1536, "intermediate_size": 8192, "num_attention_heads": 8,
+              "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144, "model_type": "gemma4_text"}
+    replanned = memplan_spec.with_model_config(request, config)
+    assert replanned.basis == "config" and replanned.media.vision == "trained"
+    assert memplan_spec.status_of(replanned)["towers"] == memplan_spec.status_of(memplan.estimate(request))["towers"]
+
+
 def test_a_model_the_table_does_not_know_plans_no_tower():
     spec = parse_spec(spec_with(model={"id": "gs://b/m", "parameters": 2_000_000_000}, training={"towers": {}}))
     assert memplan_spec.plan_spec(spec).media is None

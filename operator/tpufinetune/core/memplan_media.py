@@ -14,7 +14,7 @@ block's tokens, media tokens included, as every other token):
 - the tower's activations at the processor's resolution (every image resized to at most
   `soft_tokens` x pooling^2 patches): frozen, one encoder layer's transients at a time (the
   features are computed without gradients); trained, every layer's saved activations as the
-  language model's block keeps them (memplan.activation_bytes, its constants), with eager
+  language model's block keeps them (encoder_activation_bytes, its constants), with eager
   attention's heads x patches^2 per image and layer;
 - the images of a micro-batch: as many as its blocks' tokens hold (maxSeqLen // the tokens of
   one image, each block), whatever maxImagesPerExample (packing puts several examples in a
@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import memplan_blocks as blocks
 from .memplan_shapes import KNOWN_MODELS, ModelShape, known_shape
+from .towersspec import TOWER_MODES
 
-# The trainer's --vision-tower choices (specmodels.TOWER_MODES, the spec's).
-FROZEN, TRAINED = "frozen", "trained"
+FROZEN, TRAINED = TOWER_MODES  # the spec's towers.vision, the trainer's --vision-tower choices
 PIXEL_CHANNELS = 3
 BOUNDARY_TOKENS = 2  # the processor's begin- and end-of-image tokens around each image's soft tokens
 
@@ -63,7 +64,8 @@ class VisionShape:
         """The tower's parameters as transformers builds it (Gemma4VisionModel): the patch
         embedder (its input projection and 2-D position table) and the encoder layers (q, k,
         v, o; a gated MLP; four norms and q/k norms)."""
-        attention = self.hidden * self.head_dim * (self.heads + 2 * self.kv_heads) + self.heads * self.head_dim * self.hidden
+        attention = (self.hidden * self.head_dim * (self.heads + 2 * self.kv_heads)
+                     + self.heads * self.head_dim * self.hidden)
         layer = attention + 3 * self.hidden * self.intermediate + 4 * self.hidden + 2 * self.head_dim
         embedder = PIXEL_CHANNELS * self.patch_size ** 2 * self.hidden + 2 * self.position_embeddings * self.hidden
         return embedder + self.layers * layer
@@ -152,12 +154,37 @@ class MediaPlan:
                 f"image(s) of {self.tokens_per_image} tokens a block")
 
 
+def encoder_of(vision: VisionShape) -> ModelShape:
+    """The tower's encoder as the planner's block shape (its activations are counted as the
+    text block's are: encoder_activation_bytes)."""
+    return ModelShape("vision tower", vision.parameters, vision.layers, vision.hidden, vision.intermediate,
+                      vision.heads, vision.head_dim, vocab=0, kv_heads=vision.kv_heads)
+
+
+def encoder_activation_bytes(vision: VisionShape, trained: bool, images: int, compute_bytes: int,
+                           eager_attention: bool) -> int:
+    """A vision tower's encoder activations for `images` images (each its processor's patches
+    at most, attending within itself), with the text block's constants: trained, every layer's
+    saved activations (no checkpointing) and eager attention's probabilities; frozen (no
+    gradients), one layer's transients at a time. Either way one layer's eager scores while it runs."""
+    encoder, patches = encoder_of(vision), images * vision.patches_per_image
+    square = images * vision.patches_per_image ** 2
+    upcast = 4 if compute_bytes < 4 else 0
+    if trained:
+        per_element = blocks.SAVED_ATTENTION_MATRICES * compute_bytes + blocks.UPCAST_ATTENTION_MATRICES * upcast
+        scores = per_element * vision.heads * square if eager_attention else 0
+        kept = blocks.activation_bytes(encoder, patches, scores, compute_bytes, "none")
+    else:
+        kept = patches * compute_bytes * (blocks.SAVED_PER_HIDDEN * vision.hidden
+                                          + blocks.SAVED_PER_INTERMEDIATE * vision.intermediate)
+    transient = blocks.EAGER_TRANSIENT_MATRICES * compute_bytes * vision.heads * square if eager_attention else 0
+    return kept + transient
+
+
 def plan(vision: VisionShape, mode: str, text_hidden: int, method: str, devices: int, max_seq_len: int,
          blocks_per_device: int, compute_bytes: int, eager_attention: bool) -> MediaPlan:
     """The tower's share of a device: `mode` frozen or trained, `method` the language model's
     (full or lora: the projector trains with full only), `devices` the shard group."""
-    from . import memplan  # the text block's constants and its activation count (memplan imports this module)
-
     if mode not in (FROZEN, TRAINED):
         raise ValueError(f"unknown vision tower mode {mode!r}; expected {FROZEN} or {TRAINED}")
     tower, projector = vision.parameters, vision.projector_parameters(text_hidden)
@@ -166,19 +193,6 @@ def plan(vision: VisionShape, mode: str, text_hidden: int, method: str, devices:
     per_block = images_per_block(vision, max_seq_len)
     images = per_block * blocks_per_device
     patches = images * vision.patches_per_image
-    encoder = ModelShape("vision tower", tower, vision.layers, vision.hidden, vision.intermediate, vision.heads,
-                         vision.head_dim, vocab=0, kv_heads=vision.kv_heads)
-    upcast = 4 if compute_bytes < 4 else 0
-    square = images * vision.patches_per_image ** 2  # each image attends within itself
-    if mode == TRAINED:
-        scores = ((memplan.SAVED_ATTENTION_MATRICES * compute_bytes + memplan.UPCAST_ATTENTION_MATRICES * upcast)
-                  * vision.heads * square if eager_attention else 0)
-        encoder_bytes = memplan.activation_bytes(encoder, patches, scores, compute_bytes, "none")
-    else:  # no gradients: one layer's transients at a time
-        encoder_bytes = patches * compute_bytes * (memplan.SAVED_PER_HIDDEN * vision.hidden
-                                                   + memplan.SAVED_PER_INTERMEDIATE * vision.intermediate)
-    attention_transient = (memplan.EAGER_TRANSIENT_MATRICES * compute_bytes * vision.heads * square
-                           if eager_attention else 0)
     pixels = patches * PIXEL_CHANNELS * vision.patch_size ** 2 * 4  # the processor's fp32 pixel values
     soft = images * vision.soft_tokens * (vision.hidden + text_hidden) * compute_bytes
     shard = max(devices, 1)
@@ -186,11 +200,12 @@ def plan(vision: VisionShape, mode: str, text_hidden: int, method: str, devices:
     optimizer = -(-8 * trained // shard)
     # A trained tower is sharded as the text blocks are: two of its layers gathered in the
     # compute dtype at a time and one layer's unsharded gradients on their way to the reduce.
-    layer = encoder.block_parameters if mode == TRAINED else 0
+    layer = encoder_of(vision).block_parameters if mode == TRAINED else 0
     gathered = (2 * compute_bytes + compute_bytes + 4) * layer
     return MediaPlan(
         vision=mode, tower_parameters=tower, projector_parameters=projector,
         tokens_per_image=vision.tokens_per_image, images_per_block=per_block, images_per_micro_batch=images,
         weight_bytes=2 * frozen + master, trained_bytes=-(-4 * trained // shard) + optimizer + gathered,
-        activation_bytes=encoder_bytes + attention_transient + pixels + soft,
+        activation_bytes=encoder_activation_bytes(vision, mode == TRAINED, images, compute_bytes, eager_attention)
+        + pixels + soft,
         staged_bytes=master + optimizer, source=vision.source)

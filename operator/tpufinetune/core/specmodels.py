@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 from .apimodels import DNS_SUBDOMAIN, PRINTABLE, MemorySettings, PodGroup, SecretKeyRef, _Model
 from .generations import ALL_GENERATION_NAMES, MAX_CHIPS_PER_HOST, MAX_CPU_WORKERS, MAX_SLICES
 from .lmevalspec import ExportEvaluation
+from .towersspec import Towers
 from .notify import NOTIFY_FIELD, NotifySubscription
 
 # Every value the operator passes to the trainer defaults to the trainer's own default, and
@@ -232,31 +233,6 @@ class Evaluation(_Model):
                                 "checkpoint.scoreAttribute as without evaluation; or one of generate.metrics, "
                                 "the highest score wins (checkpoint.scoreAttribute must then be auto, and "
                                 "scoreOrder does not apply).")
-
-
-# spec.training.towers: what becomes of each tower in front of the language model (the
-# trainer's --vision-tower choices), and how many images an example may hold.
-TOWER_MODES = ("frozen", "trained")
-MAX_IMAGES_PER_EXAMPLE = 64
-
-
-class Towers(_Model):
-    """A multimodal run: the model's own processor renders each example's images into its
-    prompt, and the vision tower computes their features on the device each micro-batch."""
-
-    vision: Literal[TOWER_MODES] = Field(  # type: ignore[valid-type]
-        "frozen", description="frozen: the vision tower is held in bfloat16 and not trained (no gradients, no "
-                              "optimizer state); the projector into the language model trains as the language "
-                              "model does. trained: the tower's weights train too (fp32 master weights, gradients "
-                              "and AdamW state), with either method.")
-    # No schema default: unset is the only value this version accepts (audio is not built yet).
-    audio: Literal[TOWER_MODES] | None = Field(  # type: ignore[valid-type]
-        None, description="Reserved for the audio tower: refused while audio fine-tuning is not built.")
-    max_images_per_example: int = Field(
-        1, ge=1, le=MAX_IMAGES_PER_EXAMPLE,
-        description="Images an example may hold at most (an example with more is refused, naming its row). "
-                    "Their media tokens (Gemma 4: 280 a picture and its begin and end tokens) must fit "
-                    "training.maxSeqLen.")
 
 
 class Training(MemorySettings):
