@@ -74,24 +74,36 @@ def proof_prompts(eval_data, examples, count: int = PROOF_PROMPTS) -> list[list[
     return prompts
 
 
-def _generate(model, prompts: list[list[int]], tokens: int, pad_id: int) -> list[list[int]]:
+def _generate(model, prompts: list[list[int]], tokens: int, pad_id: int, pixels=None) -> list[list[int]]:
+    """Greedy completions; `pixels(k)` (a multimodal export) the k-th prompt's image inputs."""
     import torch
 
     torch.manual_seed(PROOF_SEED)
     out = []
     with torch.no_grad():
-        for prompt in prompts:  # one at a time: no padding, so no attention-mask subtleties
+        for k, prompt in enumerate(prompts):  # one at a time: no padding, so no attention-mask subtleties
             ids = torch.tensor([prompt], dtype=torch.long)
             generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                       min_new_tokens=tokens, do_sample=False, use_cache=True, pad_token_id=pad_id)
+                                       min_new_tokens=tokens, do_sample=False, use_cache=True, pad_token_id=pad_id,
+                                       **(pixels(k) if pixels is not None else {}))
             out.append(generated[0, len(prompt):].tolist())
     return out
 
 
-def _load_model(location: str, dtype):
+def _load_model(location: str, dtype, multimodal: bool = False):
     from .model import load_causal_lm
 
-    return load_causal_lm(location, dtype, "sdpa").eval()
+    return load_causal_lm(location, dtype, "sdpa", multimodal).eval()
+
+
+def _image_inputs(location: str, images: list[list[str]]):
+    """A multimodal export's proof inputs: its own processor (loaded from the export, as a user
+    loads it) making each prompt's pixels."""
+    from .media import Pixels, load_media_processor
+    from .model import model_source
+
+    pixels = Pixels(load_media_processor(model_source(location)).image_processor)
+    return lambda k: pixels(images[k], "cpu")
 
 
 def _load_adapter(base_model_id: str, adapter_location: str, dtype):
@@ -104,10 +116,12 @@ def _load_adapter(base_model_id: str, adapter_location: str, dtype):
 
 
 def prove(model_uri: str | None, adapter_uri: str | None, base_model_id: str, tokenizer,
-          prompts: list[list[int]], dtype, tokens: int = PROOF_TOKENS) -> dict:
+          prompts: list[list[int]], dtype, tokens: int = PROOF_TOKENS, images: list[list[str]] | None = None) -> dict:
     """Load the export (and the adapter onto the base) and greedy-generate `tokens` tokens
     for each prompt. Returns the proof's fields (the `export_proof` event's); raises
-    ExportUnloadable naming what failed to load or to generate."""
+    ExportUnloadable naming what failed to load or to generate. `images` (a multimodal run,
+    media.py): each prompt's images; the export is loaded whole, with its processor, and
+    answers each prompt with its images."""
     if not prompts:
         raise ExportUnloadable("no prompt to prove the export with (no evaluation or training example)")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
@@ -117,13 +131,15 @@ def prove(model_uri: str | None, adapter_uri: str | None, base_model_id: str, to
             continue
         start = time.perf_counter()
         try:
-            model = _load_model(location, dtype) if what == "model" else _load_adapter(base_model_id, location, dtype)
+            model = _load_model(location, dtype, images is not None) if what == "model" else \
+                _load_adapter(base_model_id, location, dtype)
+            pixels = _image_inputs(location, images) if images is not None and what == "model" else None
         except Exception as exc:  # noqa: BLE001 - whatever stops a load is the reason
             raise ExportUnloadable(f"the exported {what} at {location} does not load: "
                                    f"{type(exc).__name__}: {_first_line(exc)}") from exc
         loaded += time.perf_counter() - start
         try:
-            generated = _generate(model, prompts, tokens, pad_id)
+            generated = _generate(model, prompts, tokens, pad_id, pixels)
         except Exception as exc:  # noqa: BLE001
             raise ExportUnloadable(f"the exported {what} at {location} loads but does not generate: "
                                    f"{type(exc).__name__}: {_first_line(exc)}") from exc
@@ -141,6 +157,8 @@ def prove(model_uri: str | None, adapter_uri: str | None, base_model_id: str, to
     sample = []
     for index, prompt in enumerate(prompts):
         entry = {"prompt": tokenizer.decode(prompt, skip_special_tokens=True)[-PROOF_TEXT_CHARS:]}
+        if images is not None:
+            entry["images"] = list(images[index])
         if completions is not None:
             entry["completion"], entry["completion_ids"] = text(completions[index]), completions[index]
         if adapter_completions is not None:
@@ -313,7 +331,8 @@ def prove_streamed(model_uri: str | None, adapter_uri: str | None, base_model_id
 
 
 def prove_sized(model_uri: str | None, adapter_uri: str | None, base_model_id: str, tokenizer,
-                prompts: list[list[int]], dtype, base_dir=None, free_bytes: int | None = None) -> dict:
+                prompts: list[list[int]], dtype, base_dir=None, free_bytes: int | None = None,
+                images: list[list[str]] | None = None) -> dict:
     """`prove` when what it holds fits this host's free memory (`free_bytes`, else
     host_memory_free()), else `prove_streamed`; the event's fields say which and why."""
     model_dir = _local(model_uri) if model_uri else None
@@ -322,8 +341,8 @@ def prove_sized(model_uri: str | None, adapter_uri: str | None, base_model_id: s
     free = host_memory_free() if free_bytes is None else free_bytes
     sizes = {"need_bytes": need, "free_bytes": free}
     if free is None or need <= free:
-        return {**prove(model_uri, adapter_uri, base_model_id, tokenizer, prompts, dtype), "mode": "generated",
-                **sizes}
+        return {**prove(model_uri, adapter_uri, base_model_id, tokenizer, prompts, dtype, images=images),
+                "mode": "generated", **sizes}
     return {**prove_streamed(model_uri, adapter_uri, base_model_id, dtype), **sizes}
 
 
@@ -343,7 +362,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def prove_collective(rank: int, group, model_uri: str | None, adapter_uri: str | None, base_model_id: str,
-                     tokenizer, prompts: list[list[int]], base_dir=None, free_bytes: int | None = None) -> dict:
+                     tokenizer, prompts: list[list[int]], base_dir=None, free_bytes: int | None = None,
+                     images: list[list[str]] | None = None) -> dict:
     """Collective: rank 0 proves the export (`prove_sized`: loaded and generating where its
     host holds it, else streamed) and emits the `export_proof` event;
     every rank learns the outcome and raises the same ExportUnloadable when it failed (a rank
@@ -363,7 +383,7 @@ def prove_collective(rank: int, group, model_uri: str | None, adapter_uri: str |
         base_config = json.loads(config_file.read_text()) if config_file and config_file.is_file() else {}
         try:
             proof = prove_sized(model_uri, adapter_uri, base_model_id, tokenizer, prompts, export_dtype(base_config),
-                                base_dir, free_bytes)
+                                base_dir, free_bytes, images)
         except ExportUnloadable as exc:
             outcome[0] = str(exc)
         except Exception as exc:  # noqa: BLE001 - rank 0 alone must not raise: the others wait below

@@ -62,8 +62,13 @@ class Finish:
             destination = None  # --lora-export-merged false: the adapter only
         export_s = time.perf_counter() - start
         prompts = exporting.proof_prompts(self.eval_data, self.examples) if self.rank == 0 else []
+        images = None
+        if cfg.multimodal and self.rank == 0:  # each prompt's images: the export answers with them (media.py)
+            from .media import proof_images
+
+            images = proof_images(self.eval_data, self.examples, len(prompts), self.tokenizer)
         proof = exporting.prove_collective(self.rank, self.cpu_group, destination, adapter_uri, cfg.model_id,
-                                           self.tokenizer, prompts, base)
+                                           self.tokenizer, prompts, base, images=images)
         if self.rank == 0:
             self.export_event(best, destination, adapter_uri, done, export_s, base, proof)
 

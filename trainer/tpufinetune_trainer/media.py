@@ -335,6 +335,24 @@ def prepare_media(dataset: str, split: str, processor: MediaProcessor, max_seq_l
                         dataset_format="messages", prompt_format="chat")
 
 
+def proof_images(eval_data, examples, count: int, tokenizer) -> list[list[str]]:
+    """The images of export.proof_prompts' prompts, in its order: each held-out example's
+    (its block's images, as many as its <|image> tokens), else each training example's."""
+    boi = int(tokenizer.convert_tokens_to_ids(tokenizer.boi_token))
+    found: list[list[str]] = []
+    if eval_data is not None:
+        for block in range(len(eval_data)):
+            real = int(eval_data.real_tokens[block])
+            segments, taken = eval_data.segment_ids[block][:real], 0
+            for segment in dict.fromkeys(segments.tolist()):
+                images = int((eval_data.input_ids[block][:real][segments == segment] == boi).sum())
+                found.append(list(eval_data.media[block][taken:taken + images]))
+                taken += images
+                if len(found) == count:
+                    return found
+    return found + [list(examples.media[i]) for i in range(count - len(found))]
+
+
 # --------------------------------------------------------------------------- towers
 
 
