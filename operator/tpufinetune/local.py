@@ -14,7 +14,7 @@ from datetime import datetime
 
 import yaml
 
-from tpufinetune.core import phases
+from tpufinetune.core import phases, startup
 from tpufinetune.driver import Run
 from tpufinetune.core.phases import ClusterView, Identity
 from tpufinetune.core.podstatus import HEALTHY, SliceHealth
@@ -31,6 +31,7 @@ class LocalBackend:
         self.address = address
         self.out = out
         self.cluster_up = False  # the local head "is" the cluster between create and delete
+        self.started: set = set()  # attempts whose startup was printed (once each)
 
     def _say(self, text: str) -> None:
         print(f"[{datetime.now():%H:%M:%S}] {text}", file=self.out, flush=True)
@@ -59,6 +60,11 @@ class LocalBackend:
         changed = [k for k in SHOWN if k in patch and patch[k] is not None]
         if changed:
             self._say("  ".join(f"{k}={new[k]}" for k in changed))
+        for entry in new.get("attempts") or []:  # each attempt's time to first step, and a warm retry
+            line = startup.summary(entry)
+            if line and entry.get("attempt") not in self.started:
+                self.started.add(entry.get("attempt"))
+                self._say(line)
         return ""  # one writer, nothing to fence
 
     async def maintenance(self, ident: Identity, cluster: str) -> tuple[tuple[str, str], ...]:
@@ -96,8 +102,23 @@ async def run_local(body: dict, address: str, settings: Settings, out=sys.stdout
     return run.status
 
 
+# A chained run waits for its source's result, which only the operator of the cluster that
+# holds the source can read: here it would wait forever.
+CHAINED_REFUSAL = ("spec.model.initFrom: a chained run starts from another TPUFineTune's result, which only "
+                   "the operator in the cluster that holds that run can read, so --local would wait for it "
+                   "forever; apply this TPUFineTune with kubectl where its source run is, or start from the "
+                   "source's export here: remove initFrom and set spec.model.id to its status.exportedModelURI")
+
+
+def chained(body: dict) -> bool:
+    return bool(((body.get("spec") or {}).get("model") or {}).get("initFrom"))
+
+
 def main(args) -> int:
     body = load_resource(args.file)
+    if chained(body):
+        print(f"tpufinetune run: {CHAINED_REFUSAL}", file=sys.stderr)
+        return 2
     body["metadata"].setdefault("uid", args.uid or str(uuid.uuid4()))
     env = dict(os.environ)
     if not env.get("TPUFT_RAY_TOKEN") and env.get("RAY_AUTH_TOKEN"):

@@ -58,7 +58,8 @@ def test_attempts_and_usage_pass_and_a_reason_outside_the_closed_set_is_refused(
 STARTUP = {"clusterReadySeconds": 41.0, "jobSubmittedSeconds": 43.0, "driverStartedSeconds": 47.2,
            "firstStepSeconds": 95.1,
            "trainer": {"dataReadySeconds": 12.3, "workersReadySeconds": 20.1, "modelLoadedSeconds": 31.0,
-                       "firstStepCompiledSeconds": 40.2, "firstStepSeconds": 47.9}}
+                       "firstStepCompiledSeconds": 40.2, "firstStepSeconds": 47.9, "dataSource": "RunStorage",
+                       "tokenizedExamples": 0, "compileCacheHits": 2, "compileCacheMisses": 0}}
 
 
 def test_an_attempts_startup_passes_the_model_and_the_crd_declares_it():
@@ -79,8 +80,14 @@ def test_an_attempts_startup_passes_the_model_and_the_crd_declares_it():
     trainer = declared["properties"].pop("trainer")
     assert set(declared["properties"]) | {"trainer"} == set(STARTUP)
     assert set(trainer["properties"]) == set(STARTUP["trainer"])
-    for field in [*declared["properties"].values(), *trainer["properties"].values()]:
-        assert (field["type"], field["minimum"]) == ("number", 0) and field["description"]
+    source = trainer["properties"].pop("dataSource")
+    assert source["enum"] == ["Tokenized", "LocalCache", "RunStorage"] and source["description"]
+    with pytest.raises(ValueError, match="dataSource"):
+        checked_status(dict(FULL, attempts=[dict(attempt, startup=dict(STARTUP, trainer={"dataSource": "peer"}))]))
+    counts = {"tokenizedExamples", "compileCacheHits", "compileCacheMisses"}
+    for name, field in [*declared["properties"].items(), *trainer["properties"].items()]:
+        assert (field["type"], field["minimum"]) == ("integer" if name in counts else "number", 0), name
+        assert field["description"], name
 
 
 def test_the_export_proof_event_folds_into_status_export_which_the_model_takes():

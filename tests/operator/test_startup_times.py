@@ -134,3 +134,61 @@ def test_the_metric_observes_once_per_attempt_by_kind():
     metrics.first_steps(status, d.status)
     metrics.first_steps(d.status, d.status)  # the next step: already observed
     assert (observed("first") - first, observed("retry") - retry) == (1.0, 0.0)
+
+
+def test_a_warm_retrys_data_source_and_compile_cache_are_kept_with_its_stages():
+    """What the start did not have to do again, from the trainer's event: where its data came
+    from (the trainer's words mapped to the status's), the examples it tokenized, and rank 0's
+    compile cache hits and misses; an attempt's startup line says it."""
+    cold = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+                events=(trainer_startup(10, data_source="tokenized", tokenized_examples=48,
+                                        compile_cache_hits=0, compile_cache_misses=2),)).status
+    assert {k: v for k, v in cold["attempts"][0]["startup"]["trainer"].items() if not k.endswith("Seconds")} == {
+        "dataSource": "Tokenized", "tokenizedExamples": 48, "compileCacheHits": 0, "compileCacheMisses": 2}
+    for words, source in (("published", "RunStorage"), ("local_cache", "LocalCache")):
+        warm = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+                    events=(trainer_startup(10, data_source=words, tokenized_examples=0,
+                                            compile_cache_hits=2, compile_cache_misses=0),)).status
+        entry = warm["attempts"][0]
+        trainer = entry["startup"]["trainer"]
+        assert (trainer["dataSource"], trainer["tokenizedExamples"], trainer["compileCacheHits"],
+                trainer["compileCacheMisses"]) == (source, 0, 2, 0)
+        assert checked_status(warm) is warm
+    assert startup.summary(entry) == ("attempt 1: first step 640 s after its start (40.0 s after its job was "
+                                      "submitted); data from the host's cache (0 examples tokenized); "
+                                      "compile cache 2 hits, 0 misses")
+    assert startup.summary({"attempt": 2}) == ""  # no first step yet
+
+
+def test_a_newer_trainers_unknown_data_source_or_odd_counts_are_left_out():
+    d = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+             events=(trainer_startup(10, data_source="peer", tokenized_examples=-1, compile_cache_hits=True,
+                                     compile_cache_misses=1.5),))
+    trainer = d.status["attempts"][0]["startup"]["trainer"]
+    assert trainer == {"dataReadySeconds": 12.5, "workersReadySeconds": 20.0, "modelLoadedSeconds": 31.25,
+                       "firstStepSeconds": 40.0}
+    assert checked_status(d.status) is d.status
+
+
+def test_the_data_sources_are_the_trainers():
+    from tpufinetune_trainer import startup as trainer_startup_module
+
+    assert tuple(startup.DATA_SOURCE_NAMES) == trainer_startup_module.DATA_SOURCES
+    assert set(startup.TRAINER_COUNTS) | {"data_source"} == set(trainer_startup_module.FACTS)
+
+
+def test_run_local_prints_each_attempts_startup_once():
+    import asyncio
+    import io
+
+    from tpufinetune.local import LocalBackend
+
+    status = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+                  events=(trainer_startup(10, data_source="published", tokenized_examples=0),)).status
+    out = io.StringIO()
+    backend = LocalBackend("http://127.0.0.1:9", out)
+    for _ in range(2):  # a later write: printed already
+        asyncio.run(backend.write_status(None, {"attempts": status["attempts"]}, status, ""))
+    (line,) = out.getvalue().splitlines()
+    assert line.endswith("attempt 1: first step 640 s after its start (40.0 s after its job was submitted); "
+                         "data from the run's storage (0 examples tokenized)"), line

@@ -2,9 +2,15 @@
 part of the status (status.py); folded by core/startup.py."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from tpufinetune.core.statusbase import _Status
+
+# Where a start took its prepared (tokenized) data from; core/startup.py maps the trainer's
+# own words to these.
+DATA_SOURCES = ("Tokenized", "LocalCache", "RunStorage")
 
 
 def _seconds(description: str):
@@ -23,6 +29,20 @@ class TrainerStartup(_Status):
     first_step_compiled_seconds: float | None = _seconds("With torch.compile on: the first step was traced and "
                                                          "compiled (absent without compilation).")
     first_step_seconds: float | None = _seconds("The first optimizer step was done on rank 0's device.")
+    # What the start did not have to do again: a retry starts warm.
+    data_source: Literal[DATA_SOURCES] | None = Field(  # type: ignore[valid-type]
+        None, description="Where the driver took the tokenized data from. Tokenized: it tokenized the dataset "
+                          "(a first start). LocalCache: its host's disk already held the prepared data. "
+                          "RunStorage: it fetched the copy an earlier attempt published to the run's storage "
+                          "(<storagePath>/<run>/data/), tokenizing nothing.")
+    tokenized_examples: int | None = Field(None, ge=0, description="Examples the driver tokenized in this "
+                                                                   "start: 0 when it started warm.")
+    compile_cache_hits: int | None = Field(None, ge=0, description="With torch.compile on: compiled graphs rank 0 "
+                                                                   "found in the compile cache, which earlier "
+                                                                   "attempts keep in the run's storage "
+                                                                   "(<storagePath>/<run>/compile-cache/).")
+    compile_cache_misses: int | None = Field(None, ge=0, description="With torch.compile on: graphs rank 0 "
+                                                                     "compiled anew before its first step.")
 
 
 class StartupTimes(_Status):
