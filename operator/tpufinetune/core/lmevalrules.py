@@ -70,10 +70,28 @@ def evaluation_bytes(model_id: str) -> int | None:
     return 2 * (shape.parameters + shape.per_layer_embedding) + PROOF_OVERHEAD_BYTES
 
 
-def fit_refusal(spec: SpecFields) -> str:
+def evaluated_model(spec: SpecFields, init_from: dict | None = None) -> str:
+    """The model whose export lm-eval loads: spec.model.id; for a chained run (spec.model.initFrom)
+    the source's base model once status.initFrom (`init_from`) records it, since that is what the
+    run trains (its spec.model.id is then the default or that same base)."""
+    recorded = (init_from or {}).get("modelId") if getattr(spec.model, "init_from", None) is not None else ""
+    return recorded or spec.model.id
+
+
+def fit_refusal(spec: SpecFields, init_from: dict | None = None) -> str:
     """Why the export cannot be evaluated on one device of one worker host ('' when it can, or
-    is not known)."""
-    return device_refusal(spec.model.id, slice_shape(spec).generation)
+    is not known); `init_from`: a chained run's status.initFrom, once recorded."""
+    return device_refusal(evaluated_model(spec, init_from), slice_shape(spec).generation)
+
+
+def resolved_fit_refusal(spec: SpecFields, init_from: dict | None) -> str:
+    """For the plan of a chained run whose source is recorded: why its export, of the source's
+    base, cannot be evaluated ('' when it can, or nothing is evaluated). Admission could check
+    only spec.model.id; this refuses the run before it asks for a slice, not after it trained."""
+    if not lm_eval_tasks(spec) or not init_from or getattr(spec.model, "init_from", None) is None:
+        return ""
+    refusal = fit_refusal(spec, init_from)
+    return f"{FIELD}: {refusal}" if refusal else ""
 
 
 def device_refusal(model_id: str, gen) -> str:

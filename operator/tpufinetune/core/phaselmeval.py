@@ -23,7 +23,7 @@ from datetime import timedelta
 from tpufinetune.core import conditions as cond
 from tpufinetune.core import lmevalevents
 from tpufinetune.core.jobspec import lmeval_id
-from tpufinetune.core.lmevalrules import lm_eval_tasks  # noqa: F401  (plan_for's, from here)
+from tpufinetune.core.lmevalrules import lm_eval_tasks, resolved_fit_refusal  # noqa: F401  (plan_for's, from here)
 from tpufinetune.core.phaseattempts import _succeed
 from tpufinetune.core.phasechecks import _ray_down
 from tpufinetune.core.phasemodel import (

@@ -78,7 +78,9 @@ def plan_for(ident: Identity, spec: TPUFineTuneSpec | None, provision_timeout: t
         queue=spec.queue_name or "",
         preflight=spec.mode == "finetune" and spec.preflight is not None and spec.preflight.enabled,
         memory=memplan_spec.status_of(memory) if memory is not None else None,
-        does_not_fit=memory.refusal() if memory is not None and memplan.refuses(memory) else "",
+        # A chained run's export is of its source's base: lm-eval's fit is known once that is recorded.
+        does_not_fit=(memory.refusal() if memory is not None and memplan.refuses(memory) else "")
+        or phaselmeval.resolved_fit_refusal(spec, init_from),
         memory_request=request,
         lm_eval_tasks=phaselmeval.lm_eval_tasks(spec),
         logs_root=run_logs_root(ident.name, ident.uid, spec), init_from=initsource.request_of(spec),
