@@ -147,7 +147,7 @@ def segment_losses(trainer, packed) -> list[float]:
     pixels = trainer.method.pixels(batch["media"], trainer.device)
     with torch.no_grad():
         logits = trainer.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                               attention_mask=trainer.masks(batch["segment_ids"]), use_cache=False, **pixels).logits
+                               attention_mask=trainer.method.masks(trainer, batch), use_cache=False, **pixels).logits
     token = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten().long(),
                             ignore_index=IGNORE_INDEX, reduction="none").view(logits.shape[:2])
     found = []
@@ -173,6 +173,36 @@ def test_two_examples_with_images_packed_in_one_block_lose_what_each_loses_alone
     together = segment_losses(trainer, packed)
     assert len(alone) == len(together) == 2
     np.testing.assert_allclose(together, alone, rtol=0, atol=1e-5)
+
+
+def test_a_model_that_sees_each_image_whole_is_trained_with_the_masks_it_infers_with(vision, processor, tmp_path):
+    """Gemma 4 with use_bidirectional_attention "vision" (each image's soft tokens attend to
+    each other): an example alone in a block, with the trainer's masks, gets the logits the
+    model's own forward gives it with the processor's token types."""
+    from transformers import AutoModelForImageTextToText
+
+    from tpufinetune_trainer.masks import MaskBuilder
+    from tpufinetune_trainer.methods.media_sft import MediaSFT
+
+    _, model_dir, data_file = vision
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, attn_implementation=model_attention()).eval()
+    model.config.text_config.use_bidirectional_attention = "vision"
+    examples = media.encode_media_rows(load_rows(str(data_file), "train[:1]"), processor, BLOCK,
+                                       str(data_file)).examples
+    packed = media.fill_media_blocks(examples, [[0]], BLOCK, pad_id_of(processor.tokenizer))
+    pixels = media.Pixels(processor.image_processor)(list(packed.media[0]), "cpu")
+    n = int(packed.real_tokens[0])
+    ids = torch.from_numpy(packed.input_ids)
+    batch = {"input_ids": ids, "segment_ids": torch.from_numpy(packed.segment_ids)}
+    trainer = type("T", (), {"model": model, "masks": MaskBuilder(model.config, BLOCK, "cpu", torch.float32, "sdpa")})
+    with torch.no_grad():
+        ours = model(input_ids=ids, position_ids=torch.from_numpy(packed.position_ids), use_cache=False,
+                     attention_mask=MediaSFT.masks(trainer, batch), **pixels).logits[0, :n]
+        theirs = model(input_ids=ids[:, :n], mm_token_type_ids=(ids[:, :n] == model.config.image_token_id).long(),
+                       use_cache=False, **pixels).logits[0]
+        causal = model(input_ids=ids[:, :n], use_cache=False, **pixels).logits[0]
+    assert not torch.allclose(causal, theirs, atol=1e-4)  # the image's tokens do see each other whole
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
 
 
 def test_image_tokens_are_placed_as_the_processor_places_them(vision, processor):

@@ -41,10 +41,17 @@ class MaskBuilder:
         zero = torch.zeros((), dtype=self.dtype, device=allowed.device)
         return torch.where(allowed, zero, torch.finfo(self.dtype).min)
 
-    def __call__(self, segment_ids: torch.Tensor):
+    def __call__(self, segment_ids: torch.Tensor, together: torch.Tensor | None = None):
+        """`together` ([batch, length], -1 elsewhere): groups of tokens that also see each
+        other whole (each image's soft tokens, for a model that attends bidirectionally
+        within an image: media.image_groups), on the sliding-window layers only where the
+        model has both kinds (Gemma 4's rule: its global layers stay causal)."""
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
         full = same & self.causal
+        whole = full
+        if together is not None:
+            whole = full | ((together[:, :, None] == together[:, None, :]) & (together[:, :, None] >= 0))
         if not self.by_layer_type:
-            return self._format(full)
-        sliding = full & self.window if self.window is not None else full
+            return self._format(whole)
+        sliding = whole & self.window if self.window is not None else whole
         return {FULL: self._format(full), SLIDING: self._format(sliding)}

@@ -353,6 +353,24 @@ def proof_images(eval_data, examples, count: int, tokenizer) -> list[list[str]]:
     return found + [list(examples.media[i]) for i in range(count - len(found))]
 
 
+def image_groups(input_ids, image_token_id: int):
+    """Each run of image soft tokens numbered (0, 1, … along a row), -1 elsewhere: what
+    transformers' vision masks (get_block_sequence_ids_for_mask) take as an image's tokens,
+    built on the device."""
+    import torch
+
+    is_image = input_ids == image_token_id
+    before = torch.nn.functional.pad(is_image[:, :-1], (1, 0), value=False)
+    return torch.where(is_image, torch.cumsum((is_image & ~before).long(), dim=1) - 1, -1)
+
+
+def sees_images_whole(config) -> bool:
+    """Whether the model attends bidirectionally within each image (Gemma 4's
+    use_bidirectional_attention "vision"), as its own masks do at inference."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "use_bidirectional_attention", None) == "vision"
+
+
 # --------------------------------------------------------------------------- towers
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import IGNORE_INDEX
-from ..media import Pixels, fill_media_blocks, load_media_processor
+from ..media import Pixels, fill_media_blocks, image_groups, load_media_processor, sees_images_whole
 from .sft import SFT
 
 
@@ -37,8 +37,16 @@ class MediaSFT(SFT):
         return eval_data
 
     def loss_sum(self, trainer, batch: dict, cap: int | None, training: bool = True):
-        return media_loss_sum(trainer.model, trainer.masks(batch["segment_ids"]), batch,
+        return media_loss_sum(trainer.model, self.masks(trainer, batch), batch,
                               self.pixels(batch.get("media", []), batch["input_ids"].device))
+
+    @staticmethod
+    def masks(trainer, batch: dict):
+        """The block-diagonal masks; for a model that sees each image whole (media.sees_images_whole),
+        each image's soft tokens also attend to each other, as at inference."""
+        config = trainer.model.config
+        together = image_groups(batch["input_ids"], config.image_token_id) if sees_images_whole(config) else None
+        return trainer.masks(batch["segment_ids"], together)
 
 
 def media_loss_sum(model, masks, batch: dict, pixels: dict) -> torch.Tensor:
