@@ -479,6 +479,8 @@ TOWERS_INVALID: list[Invalid] = [
             "spec.training.towers", validation.TOWERS_WITH_MESSAGE),
     Invalid("towers-with-loss-on-all", spec_with(training={"lossOn": "all", "towers": {}}),
             "spec.training.towers", validation.TOWERS_WITH_MESSAGE),
+    Invalid("towers-trained-with-lora", spec_with(training={"method": "lora", "towers": {"vision": "trained"}}),
+            "spec.training.towers.vision", validation.TOWERS_TRAINED_MESSAGE),
     Invalid("towers-unknown-vision-mode", spec_with(training={"towers": {"vision": "lora"}}),
             "spec.training.towers.vision", '"lora" is not valid', admission='Unsupported value: "lora"',
             python_exact=False),
@@ -496,7 +498,8 @@ INVALID += TOWERS_INVALID
 # Accepted by parse_spec and by the apiserver (test_crd_admission.py's VALID).
 TOWERS_ACCEPTED = [
     spec_with(training={"towers": {}}),
-    spec_with(training={"method": "lora", "maxSeqLen": 2048, "towers": {"vision": "trained", "maxImagesPerExample": 7}}),
+    spec_with(training={"method": "full", "maxSeqLen": 2048, "towers": {"vision": "trained", "maxImagesPerExample": 7}}),
+    spec_with(training={"method": "lora", "towers": {"vision": "frozen"}}),
     # A model the table does not know: its processor's tokens are the trainer's to check.
     spec_with(model={"id": "gs://my-bucket/models/my-gemma"}, training={"towers": {"maxImagesPerExample": 64}}),
     spec_with(model={"initFrom": {"run": "sft-vision"}}, training={"maxSeqLen": 564, "towers": {"maxImagesPerExample": 2}}),

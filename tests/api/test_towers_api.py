@@ -64,7 +64,7 @@ def test_a_multimodal_run_passes_its_towers_and_a_text_runs_argv_is_unchanged():
     text = trainer_argv(parse_spec(base_spec()), run_name="r")
     assert not [arg for arg in text if arg.startswith(("--vision-tower", "--max-images"))]
     # A model the planner does not know, so that the plan's choices (--shard-group, ...) are the same.
-    training = {"method": "lora", "maxSeqLen": 2048}
+    training = {"method": "full", "maxSeqLen": 2048}
     spec = spec_with(model={"id": "gs://b/m"}, training={**training, "towers": {"vision": "trained",
                                                                                 "maxImagesPerExample": 7}})
     multimodal = trainer_argv(parse_spec(spec), run_name="r")
@@ -141,25 +141,57 @@ def _request(vision: str = "", method: str = "full", **changes) -> memplan.Reque
                            **changes)
 
 
-def test_a_frozen_tower_is_its_bf16_weights_whole_on_every_device_and_the_projector_trains_with_full():
-    tower, projector = memplan_media.VISION_TOWERS["gemma-4-E2B"].parameters, 768 * 1536
+def test_e2b_s_audio_tower_is_transformers_default_and_loaded_frozen():
+    import torch
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4AudioConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4AudioModel
+
+    with torch.device("meta"):
+        audio = Gemma4AudioModel(Gemma4AudioConfig())
+    towers = memplan_media.MODEL_TOWERS["gemma-4-E2B"]
+    assert towers.audio_parameters == sum(p.numel() for p in audio.parameters())
+    assert towers.audio_width == Gemma4AudioConfig().output_proj_dims
+    assert memplan_media.MODEL_TOWERS["gemma-4-31B"].audio_parameters == 0
+
+
+TOWER, AUDIO = 167_364_608, 304_824_608
+PROJECTORS = 768 * 1536 + 1536 * 1536  # embed_vision, embed_audio into E2B's 1536 wide model
+
+
+def test_every_tower_is_in_the_root_unit_sharded_and_gathered_and_only_the_vision_projector_trains():
+    """Frozen (the default): the towers' fp32 masters sharded over the 16 devices and their bf16
+    copy whole (FSDP2's root unit stays gathered through the step); method full trains embed_vision
+    alone: its gradient sharded and unsharded, and AdamW's two moments."""
+    loaded, projector = TOWER + AUDIO + PROJECTORS, 768 * 1536
     full = memplan.estimate(_request("frozen")).media
-    assert full.weight_bytes == 2 * tower + -(-4 * projector // 16)
-    assert full.trained_bytes == -(-4 * projector // 16) + -(-8 * projector // 16)
-    lora = memplan.estimate(_request("frozen", method="lora")).media
-    assert (lora.weight_bytes, lora.trained_bytes) == (2 * (tower + projector), 0)
+    assert (full.tower_parameters, full.audio_parameters, full.projector_parameters) == (TOWER, AUDIO, PROJECTORS)
+    assert full.weight_bytes == -(-4 * loaded // 16) + 2 * loaded
+    assert full.trained_bytes == -(-4 * projector // 16) + -(-8 * projector // 16) + 6 * projector
+    lora = memplan.estimate(_request("frozen", method="lora")).media  # lora.inject: the frozen base in bf16
+    assert (lora.weight_bytes, lora.trained_bytes) == (-(-2 * loaded // 16) + 2 * loaded, 0)
 
 
 def test_a_trained_tower_holds_its_sharded_state_and_every_layers_activations():
-    frozen, trained = (memplan.estimate(_request(mode, method="lora")).media for mode in ("frozen", "trained"))
-    tower = trained.tower_parameters
-    assert trained.weight_bytes == 2 * trained.projector_parameters + -(-4 * tower // 16)
-    assert trained.trained_bytes >= -(-12 * tower // 16)
+    frozen, trained = (memplan.estimate(_request(mode)).media for mode in ("frozen", "trained"))
+    assert trained.weight_bytes == frozen.weight_bytes
+    projector = 768 * 1536
+
+    def state(trained_parameters: int) -> int:  # gradient and AdamW sharded, the gradient unsharded
+        return -(-4 * trained_parameters // 16) + -(-8 * trained_parameters // 16) + 6 * trained_parameters
+
+    assert (frozen.trained_bytes, trained.trained_bytes) == (state(projector), state(projector + TOWER))
     assert trained.activation_bytes > 10 * frozen.activation_bytes  # 16 layers kept, not one at a time
 
 
+def test_a_multimodal_step_is_planned_over_the_full_logits():
+    """The trainer's multimodal loss runs over transformers' full logits (methods/media_sft.py)."""
+    text = memplan_spec.request_of(parse_spec(base_spec()))
+    multimodal = memplan_spec.request_of(parse_spec(spec_with(training={"towers": {}})))
+    assert (text.loss_head, multimodal.loss_head) == ("labels", "full")
+
+
 def test_the_towers_add_to_the_step_and_the_text_plan_is_as_before():
-    text, multimodal = memplan.estimate(_request()), memplan.estimate(_request("frozen"))
+    text, multimodal = memplan.estimate(_request()), memplan.estimate(_request("frozen"))  # the same loss head
     assert text.media is None and text.breakdown.towers == 0
     assert multimodal.breakdown.towers == multimodal.media.bytes > 0
     assert multimodal.per_chip_bytes - text.per_chip_bytes == multimodal.media.bytes

@@ -282,3 +282,33 @@ def test_audio_towers_are_refused_with_the_reason(tmp_path):
     with pytest.raises(ConfigError, match="--max-images-per-example 0"):
         FinetuneConfig(model_id="m", storage_path=str(tmp_path), vision_tower="frozen",
                        max_images_per_example=0).validate()
+
+
+@pytest.mark.timeout(120)
+def test_a_lora_run_trains_adapters_and_the_projector_and_leaves_the_towers(vision, processor, process_group,
+                                                                            tmp_path):
+    """--method lora with --vision-tower frozen: the language model's adapters and the vision
+    projector (in full, fp32) train; the vision and audio towers and the base do not."""
+    from torch.distributed.tensor import DTensor
+
+    from tpufinetune_trainer import lora
+
+    _, model, data_file = vision
+    data = media.prepare_media(str(data_file), "train[:32]", processor, BLOCK, 0.0, 42)
+    trainer = trainer_of(model, data, tmp_path, processor, method="lora", eval_fraction=0.0, num_epochs=1,
+                         checkpoint_score_attribute="loss", learning_rate=1e-2)
+
+    def full(param):
+        return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+    parts = media.towers(trainer.model)
+    before = {name: full(p) for name, p in trainer.model.named_parameters()}
+    trained = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all(lora.is_adapter(n) or ".embed_vision." in n for n in trained), sorted(trained)
+    assert any(".embed_vision." in n for n in trained) and any(lora.is_adapter(n) for n in trained)
+    assert all(p.dtype == torch.bfloat16 for p in parts["vision_tower"].parameters())
+    trainer.train_epoch()
+    after = {name: full(p) for name, p in trainer.model.named_parameters()}
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert any(".embed_vision." in n for n in changed) and any(lora.is_adapter(n) and "lora_B" in n for n in changed)
+    assert changed <= trained, sorted(changed - trained)

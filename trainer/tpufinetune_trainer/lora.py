@@ -112,6 +112,10 @@ def inject(model, cfg) -> None:
 
     check_targets(model, parse_modules(cfg.lora_target_modules))
     trained = {id(p) for p in input_embedding(model).parameters()} if cfg.lora_train_embeddings else set()
+    if getattr(cfg, "multimodal", False):  # the vision projector trains in full beside the adapters (media.py)
+        from .media import towers
+
+        trained |= {id(p) for p in towers(model)["embed_vision"].parameters()}
     inject_adapter_in_model(lora_config(cfg), model, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
         train = is_adapter(name) or id(param) in trained  # a tied head is the embedding's parameter

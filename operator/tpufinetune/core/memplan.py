@@ -370,11 +370,10 @@ def _plan(request: Request) -> MemoryPlan:
                         freeze_embeddings=request.freeze_embeddings, lora_embeddings=request.lora_embeddings,
                         keep_gathered=request.keep_gathered, lora_targets=request.lora_targets,
                         lora_dropout=request.lora_dropout, loss_head=request.loss_head)
-    vision = media_plan.vision_of(shape) if request.vision_tower else None
-    compute_bytes = 2 if gen.is_tpu else 4
-    media = media_plan.plan(vision, request.vision_tower, shape.hidden, method, request.shard_group or devices,
-                            request.max_seq_len, request.batch_per_device, compute_bytes,
-                            eager) if vision is not None else None
+    towers = media_plan.towers_of(shape) if request.vision_tower else None
+    media = media_plan.plan(towers, request.vision_tower, shape.hidden, method, request.shard_group or devices,
+                            request.max_seq_len, request.batch_per_device, 2 if gen.is_tpu else 4,
+                            eager) if towers is not None else None
     if media is not None:
         part = replace(part, towers=media.bytes)
     generating = gen_plan.of_request(request, shape, part, method == "full", 2 if gen.is_tpu else 4, eager, devices)
@@ -387,8 +386,8 @@ def _plan(request: Request) -> MemoryPlan:
     # A multimodal run stages its towers' trained state too, and its export holds them.
     staged = part.weights + part.optimizer + (media.staged_bytes if media else 0)
     adapters = shape.lora_parameters(request.lora_rank, request.lora_targets) if method == "lora" else 0
-    towers = media.tower_parameters + media.projector_parameters if media else 0
-    proof = 2 * (shape.parameters + shape.per_layer_embedding + adapters + towers) + PROOF_OVERHEAD_BYTES
+    proof = 2 * (shape.parameters + shape.per_layer_embedding + adapters + (media.parameters if media else 0)) \
+        + PROOF_OVERHEAD_BYTES
     host = per_host_devices * (RUNTIME_BYTES_PER_DEVICE + staged + (0 if gen.is_tpu else peak)) + proof
     host_limit = int(request.host_memory_bytes * (1 - HEADROOM)) if request.host_memory_bytes else 0
     return MemoryPlan(

@@ -1,24 +1,29 @@
-"""The vision tower in the memory plan (spec.training.towers; docs/trainer.md, the trainer's
-multimodal path): its shape for the Gemma 4 models the planner knows, where each figure comes
-from, and what it adds to a device at a step's peak. Pure (no I/O).
+"""The towers in the memory plan (spec.training.towers; the trainer's multimodal path:
+worker_setup.build_model, media.freeze_towers, methods/media_sft.py): their shapes for the
+Gemma 4 models the planner knows, where each figure comes from, and what they add to a device
+at a step's peak. Pure (no I/O).
 
-What a multimodal step holds beyond the text step of the same blocks (memplan.py counts the
-block's tokens, media tokens included, as every other token):
+The trainer loads the whole model, every tower its config has (E2B and E4B: an audio tower
+too, never trained yet), and FSDP2 holds the towers and their projectors in the root unit,
+beside the embedding: so, per device, beyond the text step of the same blocks (memplan.py
+counts a block's tokens, media tokens included, as every other token):
 
-- the tower's weights: frozen, in bfloat16 and not sharded (kept out of the optimizer, as
-  Gemma's per-layer table is, so counted whole on every device: an upper bound); trained,
-  fp32 master weights, gradients and AdamW's two moments, 16 B a parameter sharded over the
-  shard group as the language model's;
-- the projector into the language model (embed_vision: a norm and one hidden x text-hidden
-  matrix): it trains with method full (16 B a parameter, sharded) and is frozen bf16 with LoRA;
-- the tower's activations at the processor's resolution (every image resized to at most
-  `soft_tokens` x pooling^2 patches): frozen, one encoder layer's transients at a time (the
-  features are computed without gradients); trained, every layer's saved activations as the
-  language model's block keeps them (encoder_activation_bytes, its constants), with eager
-  attention's heads x patches^2 per image and layer;
+- every tower and projector: with method full its fp32 master sharded over the shard group,
+  with LoRA the frozen bf16 base sharded (lora.inject), and the root unit's gathered copy in
+  the compute dtype, whole, through the step;
+- what trains (method full: the vision projector, embed_vision, and with `vision: trained`
+  the vision tower): its fp32 gradient and AdamW's two moments, sharded, and its unsharded
+  gradient on its way to the reduce-scatter (as the embedding's, memplan's head_grad); with
+  LoRA nothing of the towers trains (lora.inject freezes them; `trained` is refused there);
+- the vision tower's activations at the processor's resolution (every image resized to at most
+  `soft_tokens` x pooling^2 patches): frozen, one encoder layer's transients at a time (no
+  gradient reaches it); trained, every layer's saved activations as the language model's block
+  keeps them (memplan_blocks' constants), with eager attention's heads x patches^2 per image;
 - the images of a micro-batch: as many as its blocks' tokens hold (maxSeqLen // the tokens of
   one image, each block), whatever maxImagesPerExample (packing puts several examples in a
-  block), their fp32 pixels and the projected soft tokens.
+  block), their fp32 pixels and the projected soft tokens. The loss of a multimodal step runs
+  over transformers' full logits (media_sft: the label head runs the language model alone),
+  which memplan_spec plans as --loss-head full.
 """
 from __future__ import annotations
 
@@ -75,6 +80,20 @@ class VisionShape:
         return self.hidden * text_hidden
 
 
+@dataclass(frozen=True)
+class ModelTowers:
+    """The towers the trainer loads with a model: its vision tower, and its audio tower's
+    parameters and output width (0 where it has none)."""
+
+    vision: VisionShape
+    audio_parameters: int = 0
+    audio_width: int = 0  # output_proj_dims: embed_audio's input
+
+    def projector_parameters(self, text_hidden: int) -> int:
+        """embed_vision's and embed_audio's projections into the language model."""
+        return self.vision.projector_parameters(text_hidden) + self.audio_width * text_hidden
+
+
 # E2B and E4B: transformers' Gemma4VisionConfig defaults, documented there as
 # google/gemma-4-e2b-it's (16 layers, width 768, MLP 3072, 12 heads of 64), and the image
 # processor's (image_processing_gemma4.py: patch 16, pooling 3, max_soft_tokens 280; the
@@ -86,13 +105,26 @@ _SMALL = VisionShape(16, 768, 3072, 12, 64, 12, source="transformers Gemma4Visio
 # and give 569.5M parameters, the model card's "~550M" encoder.
 _LARGE = VisionShape(27, 1152, 4304, 16, 72, 16, source="width 1152, 16 heads of 72 (the 31B's "
                      "vision_config); depth 27, MLP 4304: SigLIP so400m's (the card's ~550M); processor as E2B's")
-VISION_TOWERS = {"gemma-4-E2B": _SMALL, "gemma-4-E4B": _SMALL, "gemma-4-31B": _LARGE, "gemma-4-26B-A4B": _LARGE}
+# E2B's and E4B's audio tower: transformers' Gemma4AudioConfig defaults (12 conformer layers,
+# width 1024, output 1536) as Gemma4AudioModel builds them, 304.8M parameters (the card's
+# "~300M"); the larger models have none (the card).
+_AUDIO_PARAMETERS, _AUDIO_WIDTH = 304_824_608, 1536
+MODEL_TOWERS = {"gemma-4-E2B": ModelTowers(_SMALL, _AUDIO_PARAMETERS, _AUDIO_WIDTH),
+                "gemma-4-E4B": ModelTowers(_SMALL, _AUDIO_PARAMETERS, _AUDIO_WIDTH),
+                "gemma-4-31B": ModelTowers(_LARGE), "gemma-4-26B-A4B": ModelTowers(_LARGE)}
+VISION_TOWERS = {name: towers.vision for name, towers in MODEL_TOWERS.items()}
+
+
+def towers_of(shape: ModelShape | None) -> ModelTowers | None:
+    """The towers of a model shape (memplan_shapes.ModelShape) the table knows; None for a
+    model it does not (its towers are not counted)."""
+    return MODEL_TOWERS.get(getattr(shape, "name", ""))
 
 
 def vision_of(shape: ModelShape | None) -> VisionShape | None:
-    """The vision tower of a model shape (memplan_shapes.ModelShape) the table knows; None
-    for a model it does not (its tower is not counted)."""
-    return VISION_TOWERS.get(getattr(shape, "name", ""))
+    """The vision tower of a model shape the table knows (None for one it does not)."""
+    towers = towers_of(shape)
+    return towers.vision if towers is not None else None
 
 
 def tokens_per_image(model_id: str) -> int | None:
@@ -121,13 +153,14 @@ class MediaPlan:
     status.plan.towers shows."""
 
     vision: str  # frozen or trained
-    tower_parameters: int
-    projector_parameters: int
+    tower_parameters: int  # the vision tower's
+    projector_parameters: int  # embed_vision's and embed_audio's
+    audio_parameters: int  # the audio tower's, loaded and frozen
     tokens_per_image: int
     images_per_block: int
     images_per_micro_batch: int
-    weight_bytes: int  # the tower's and the projector's weights, per device
-    trained_bytes: int  # their gradients and AdamW state, per device
+    weight_bytes: int  # the towers' and projectors' weights (sharded) and their gathered copy, per device
+    trained_bytes: int  # what trains: gradients (sharded and on their way) and AdamW state, per device
     activation_bytes: int  # the tower's activations, its pixels and the projected soft tokens
     staged_bytes: int  # the sharded master weights and AdamW state a checkpoint stages on the host
     source: str = ""
@@ -143,13 +176,20 @@ class MediaPlan:
     def status(self) -> dict:
         """status.plan.towers (planstatus.TowersPlanStatus)."""
         return {"vision": self.vision, "visionParameters": self.tower_parameters,
-                "projectorParameters": self.projector_parameters, "bytesPerDevice": self.bytes,
+                "projectorParameters": self.projector_parameters, "audioParameters": self.audio_parameters,
+                "bytesPerDevice": self.bytes,
                 "activationBytes": self.activation_bytes, "tokensPerImage": self.tokens_per_image,
                 "imagesPerBlock": self.images_per_block, "mediaTokensPerBlock": self.media_tokens_per_block,
                 "widthsFrom": self.source}
 
+    @property
+    def parameters(self) -> int:
+        """Every parameter the towers add to the language model's (the export holds them)."""
+        return self.tower_parameters + self.projector_parameters + self.audio_parameters
+
     def words(self) -> str:
-        return (f"vision tower {self.vision} ({self.tower_parameters / 1e6:.0f}M parameters, "
+        audio = f", audio tower {self.audio_parameters / 1e6:.0f}M frozen" if self.audio_parameters else ""
+        return (f"vision tower {self.vision} ({self.tower_parameters / 1e6:.0f}M parameters{audio}, "
                 f"{self.bytes / 2**30:.1f} GiB a device with its activations), up to {self.images_per_block} "
                 f"image(s) of {self.tokens_per_image} tokens a block")
 
@@ -181,31 +221,31 @@ def encoder_activation_bytes(vision: VisionShape, trained: bool, images: int, co
     return kept + transient
 
 
-def plan(vision: VisionShape, mode: str, text_hidden: int, method: str, devices: int, max_seq_len: int,
+def plan(towers: ModelTowers, mode: str, text_hidden: int, method: str, devices: int, max_seq_len: int,
          blocks_per_device: int, compute_bytes: int, eager_attention: bool) -> MediaPlan:
-    """The tower's share of a device: `mode` frozen or trained, `method` the language model's
-    (full or lora: the projector trains with full only), `devices` the shard group."""
+    """The towers' share of a device: `mode` (towers.vision) frozen or trained, `method` the
+    language model's (full or lora), `devices` the shard group."""
     if mode not in (FROZEN, TRAINED):
         raise ValueError(f"unknown vision tower mode {mode!r}; expected {FROZEN} or {TRAINED}")
-    tower, projector = vision.parameters, vision.projector_parameters(text_hidden)
-    trained = (tower if mode == TRAINED else 0) + (projector if method == "full" else 0)
-    frozen = tower + projector - trained
+    vision = towers.vision
+    tower, projectors = vision.parameters, towers.projector_parameters(text_hidden)
+    loaded = tower + projectors + towers.audio_parameters
+    full = method == "full"
+    trained = ((tower if mode == TRAINED else 0) + vision.projector_parameters(text_hidden)) if full else 0
     per_block = images_per_block(vision, max_seq_len)
     images = per_block * blocks_per_device
     patches = images * vision.patches_per_image
     pixels = patches * PIXEL_CHANNELS * vision.patch_size ** 2 * 4  # the processor's fp32 pixel values
     soft = images * vision.soft_tokens * (vision.hidden + text_hidden) * compute_bytes
     shard = max(devices, 1)
-    master = -(-4 * trained // shard)
+    stored = -(-(4 if full else 2) * loaded // shard)  # fp32 masters, or LoRA's frozen bf16 base
     optimizer = -(-8 * trained // shard)
-    # A trained tower is sharded as the text blocks are: two of its layers gathered in the
-    # compute dtype at a time and one layer's unsharded gradients on their way to the reduce.
-    layer = encoder_of(vision).block_parameters if mode == TRAINED else 0
-    gathered = (2 * compute_bytes + compute_bytes + 4) * layer
     return MediaPlan(
-        vision=mode, tower_parameters=tower, projector_parameters=projector,
-        tokens_per_image=vision.tokens_per_image, images_per_block=per_block, images_per_micro_batch=images,
-        weight_bytes=2 * frozen + master, trained_bytes=-(-4 * trained // shard) + optimizer + gathered,
-        activation_bytes=encoder_activation_bytes(vision, mode == TRAINED, images, compute_bytes, eager_attention)
-        + pixels + soft,
-        staged_bytes=master + optimizer, source=vision.source)
+        vision=mode, tower_parameters=tower, projector_parameters=projectors,
+        audio_parameters=towers.audio_parameters, tokens_per_image=vision.tokens_per_image,
+        images_per_block=per_block, images_per_micro_batch=images,
+        weight_bytes=stored + compute_bytes * loaded,
+        trained_bytes=-(-4 * trained // shard) + optimizer + (compute_bytes + 4) * trained,
+        activation_bytes=encoder_activation_bytes(vision, mode == TRAINED and full, images, compute_bytes,
+                                                  eager_attention) + pixels + soft,
+        staged_bytes=stored + optimizer, source=vision.source)

@@ -93,7 +93,9 @@ def request_of(spec, model_id: str | None = None) -> Request | None:
         lora_dropout=float(getattr(lora, "dropout", 0.0) or 0.0) if lora is not None else 0.0,
         generate_max_new_tokens=int(generate.max_new_tokens) if generate is not None else 0,
         generate_examples=int(generate.examples) if generate is not None else 0,
-        vision_tower=towers.vision if towers is not None else "")
+        vision_tower=towers.vision if towers is not None else "",
+        # A multimodal step's loss runs over transformers' full logits (the trainer's media_sft).
+        loss_head="full" if towers is not None else "labels")
     return memplan_sharding.decide(request, getattr(training, "sharding", None),
                                    getattr(training, "activation_checkpointing", None), _micro_batches(spec))
 

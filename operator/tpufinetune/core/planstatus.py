@@ -69,8 +69,11 @@ class TowersPlanStatus(_Status):
     vision: Literal["frozen", "trained"] | None = Field(None, description="The vision tower planned: frozen "
                                                                           "(bf16 weights only) or trained.")
     vision_parameters: int | None = Field(None, ge=0, description="The vision tower's parameters.")
-    projector_parameters: int | None = Field(None, ge=0, description="The projector's into the language model "
-                                                                     "(trained with method full).")
+    projector_parameters: int | None = Field(None, ge=0, description="The projectors' into the language model "
+                                                                     "(the vision one trains with method full).")
+    audio_parameters: int | None = Field(None, ge=0, description="The audio tower's, loaded with the model and "
+                                                                 "frozen (audio fine-tuning is not built yet); 0 "
+                                                                 "for a model without one.")
     bytes_per_device: int | None = Field(None, ge=0, description="What the tower and projector add per device "
                                                                  "(weights, trained state, activations), within "
                                                                  "perChipHBMBytes.")

@@ -119,6 +119,8 @@ MEDIA_TOKENS_MESSAGE = ("is more images than a block holds: each takes its proce
                         "training.maxSeqLen; lower maxImagesPerExample or raise maxSeqLen")
 TOWERS_WITH_MESSAGE = ("does not apply yet with method dpo, training.evaluation.generate, tokensPerStep or lossOn "
                        "all (the trainer's multimodal path has none of them); remove towers or those settings")
+TOWERS_TRAINED_MESSAGE = ("trained applies to method full only: with LoRA the towers stay frozen (adapters train on "
+                          "the language model alone); set method full, or vision: frozen")
 KEEP_BEST_SCORE_MESSAGE = ("ranks checkpoints by a generation metric itself: checkpoint.scoreAttribute must be "
                            "auto; set it to auto or keep the best by evalLoss")
 
@@ -228,6 +230,8 @@ def _check_towers(spec: SpecFields) -> None:
     if (training.method == "dpo" or (training.evaluation is not None and training.evaluation.generate is not None)
             or training.tokens_per_step is not None or training.loss_on == "all"):
         raise SpecError("spec.training.towers", TOWERS_WITH_MESSAGE)
+    if towers.vision == "trained" and training.method not in (None, "full"):
+        raise SpecError("spec.training.towers.vision", TOWERS_TRAINED_MESSAGE)
     per_image = tokens_per_image(spec.model.id)
     wanted = towers.max_images_per_example * (per_image or 0)
     if per_image is not None and wanted > spec.training.max_seq_len:
