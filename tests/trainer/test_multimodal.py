@@ -312,3 +312,30 @@ def test_a_lora_run_trains_adapters_and_the_projector_and_leaves_the_towers(visi
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert any(".embed_vision." in n for n in changed) and any(lora.is_adapter(n) and "lora_B" in n for n in changed)
     assert changed <= trained, sorted(changed - trained)
+
+
+@pytest.mark.parametrize("flags, parts, kind, text", [
+    (["--vision-tower", "frozen"], [{"type": "image", "image": "nowhere.png"}], "DataError",
+     "row 1: image "),
+    (["--vision-tower", "frozen", "--audio-tower", "frozen"], [{"type": "text", "text": "hi"}], "ConfigError",
+     "--audio-tower frozen (spec.training.towers.audio): audio fine-tuning is not built yet"),
+    ([], [{"type": "image", "image": "good.png"}], "DataError",
+     "row 0: an image part, but the run has no vision tower: pass --vision-tower frozen"),
+])
+def test_the_command_refuses_bad_multimodal_input_before_any_worker(vision, tmp_path, capsys, monkeypatch, flags,
+                                                                    parts, kind, text):
+    """`tpufinetune-train finetune` with the flags the operator passes: one failure event
+    naming the problem, in the driver, before Ray."""
+    from tpufinetune_trainer import cli
+    from trainer_helpers import events_of
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    dataset = bad_rows(tmp_path, parts)
+    rc = cli.main(["finetune", "--model-id", str(vision[1]), "--dataset", dataset, "--num-workers", "1",
+                   "--device", "cpu", "--storage-path", str(tmp_path / "storage"), "--max-seq-len", str(BLOCK), *flags])
+    events = events_of(capsys.readouterr().out)
+    failure = events[-1]
+    assert rc != 0 and failure.kind == "failure" and failure["type"] == kind and text in failure["message"], failure
+    assert not [e for e in events if e.kind == "start"]
