@@ -339,3 +339,11 @@ def test_the_command_refuses_bad_multimodal_input_before_any_worker(vision, tmp_
     failure = events[-1]
     assert rc != 0 and failure.kind == "failure" and failure["type"] == kind and text in failure["message"], failure
     assert not [e for e in events if e.kind == "start"]
+
+
+def test_an_image_path_is_read_beside_the_data_file_in_a_bucket_or_on_disk():
+    assert media.image_location("images/1.png", "gs://b/data/train.jsonl") == "gs://b/data/images/1.png"
+    assert media.image_location("images/1.png", "/d/train.jsonl") == "/d/images/1.png"
+    assert media.image_location("1.png", "train.jsonl") == "./1.png"
+    assert media.image_location("gs://o/x.png", "gs://b/train.jsonl") == "gs://o/x.png"
+    assert media.image_location("/abs/x.png", "gs://b/train.jsonl") == "/abs/x.png"

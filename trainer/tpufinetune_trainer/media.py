@@ -135,6 +135,21 @@ def decode_image(location: str):
     return Image.open(io.BytesIO(read_image_bytes(location))).convert("RGB")
 
 
+# Images read at once (reads from a bucket wait on the network; PIL's decoding releases the GIL).
+READ_THREADS = 16
+
+
+def read_in_parallel(read, items: list):
+    """`read` of each item, in order, on up to READ_THREADS threads; the first failure (in
+    order) is raised."""
+    if len(items) <= 1:
+        return [read(item) for item in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(READ_THREADS, len(items))) as pool:
+        return list(pool.map(read, items))
+
+
 class Pixels:
     """A micro-batch's images as the model takes them (decoded, resized and patched by the
     model's image processor): `pixel_values` and `image_position_ids`, in the order of
@@ -146,7 +161,7 @@ class Pixels:
     def __call__(self, locations: list[str], device) -> dict:
         if not locations:
             return {}
-        out = self.image_processor([decode_image(loc) for loc in locations], return_tensors="pt")
+        out = self.image_processor(list(read_in_parallel(decode_image, locations)), return_tensors="pt")
         return {"pixel_values": out["pixel_values"].to(device),
                 "image_position_ids": out["image_position_ids"].to(device)}
 
@@ -275,11 +290,13 @@ def encode_media_rows(rows, processor: MediaProcessor, max_seq_len: int, dataset
         raise DataError(f"--dataset {dataset}: --vision-tower takes 'messages' rows (content a string or a list "
                         f"of text and image parts); found columns {rows.column_names}")
     image = processor.ids(processor.image_token)
+    parsed = [parse_turns(raw, row, max_images, dataset) for row, raw in enumerate(rows["messages"])]
+    # Every image's size (a read of its object each) at once; the first bad one in row order is refused.
+    wanted = [(loc, row) for row, (_, images) in enumerate(parsed) for loc in images]
+    sizes = iter(read_in_parallel(lambda item: image_size(*item), wanted))
     ids, labels, media, skipped, truncated = [], [], [], [], 0
-    for row, raw in enumerate(rows["messages"]):
-        turns, images = parse_turns(raw, row, max_images, dataset)
-        sizes = [image_size(loc, row) for loc in images]
-        tokens, labs = render(processor, turns, sizes)
+    for row, (turns, images) in enumerate(parsed):
+        tokens, labs = render(processor, turns, [next(sizes) for _ in images])
         soft = sum(1 for t in tokens if t == image)
         if soft + 2 * len(images) > max_seq_len:
             raise DataError(f"row {row}: its images take {soft + 2 * len(images)} tokens, more than "
