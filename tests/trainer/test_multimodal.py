@@ -347,3 +347,25 @@ def test_an_image_path_is_read_beside_the_data_file_in_a_bucket_or_on_disk():
     assert media.image_location("1.png", "train.jsonl") == "./1.png"
     assert media.image_location("gs://o/x.png", "gs://b/train.jsonl") == "gs://o/x.png"
     assert media.image_location("/abs/x.png", "gs://b/train.jsonl") == "/abs/x.png"
+
+
+@pytest.mark.timeout(120)
+def test_a_trained_vision_tower_trains_and_the_audio_tower_never_does(vision, processor, process_group, tmp_path):
+    from torch.distributed.tensor import DTensor
+
+    _, model, data_file = vision
+    data = media.prepare_media(str(data_file), "train[:16]", processor, BLOCK, 0.0, 42)
+    trainer = trainer_of(model, data, tmp_path, processor, vision_tower="trained", eval_fraction=0.0, num_epochs=1,
+                         checkpoint_score_attribute="loss")
+
+    def snapshot(module):
+        return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in module.parameters()]
+
+    parts = media.towers(trainer.model)
+    assert all(p.requires_grad for p in parts["vision_tower"].parameters())
+    assert not any(p.requires_grad for p in parts["audio_tower"].parameters())
+    before = {name: snapshot(module) for name, module in parts.items()}
+    trainer.train_epoch()
+    after = {name: snapshot(module) for name, module in parts.items()}
+    moved = {name for name in parts if any(not torch.equal(a, b) for a, b in zip(before[name], after[name]))}
+    assert moved == {"vision_tower", "embed_vision"}, moved
