@@ -26,7 +26,10 @@ On the ground (two runs, each proving several things):
   (status.evaluation), and its TensorBoard event files, read back from the bucket with
   TensorBoard's own reader, hold every epoch's loss once and every step's loss once across
   the two attempts' folders: attempt 1's up to the step its notice checkpoint held, attempt
-  2's from the next.
+  2's from the next. With compile on, the retry starts warm, as status.attempts[].startup
+  says: its compiled graphs from the compile cache the run keeps in its storage; both
+  attempts' seconds from submission to first step and where their data came from are
+  printed.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from harness.waiting import wait_for
 from ground_runs import resource, running, scrape, start_run
 from lmeval_ground import check_evaluated, lm_eval_spec, upload_task
 from tpufinetune.core.generations import SPOT_LABEL
+from tpufinetune.core.startupstatus import DATA_SOURCES
 
 
 
@@ -307,6 +311,30 @@ def _check_tensorboard(gcs, storage: str, status: dict, tmp_path: Path) -> None:
     assert exact == [(e["step"], pytest.approx(e["eval"]["exactMatch"], abs=1e-4)) for e in history], exact
 
 
+def _from_submission(entry: dict) -> float:
+    """An attempt's seconds from its job's submission to its first step (status.attempts[].startup)."""
+    startup = entry["startup"]
+    return round(startup["firstStepSeconds"] - startup["jobSubmittedSeconds"], 1)
+
+
+def _check_warm_retry(status: dict) -> None:
+    """What each attempt's start did, as its status says (status.attempts[].startup.trainer):
+    the first tokenized the data and compiled every graph; the retry found the first's
+    compiled graphs in the compile cache the run keeps in its storage. Both attempts' seconds
+    from submission to first step are printed (not bounded: on this machine the workers' and
+    the model's start, which a retry repeats, take most of them)."""
+    first, retry = status["attempts"][0], status["attempts"][-1]
+    figures = {entry["attempt"]: {"fromSubmission": _from_submission(entry), **entry["startup"]}
+               for entry in (first, retry)}
+    ratio = figures[retry["attempt"]]["fromSubmission"] / max(figures[first["attempt"]]["fromSubmission"], 1e-9)
+    print(f"time to first step from submission: {json.dumps(figures)}; retry/first {ratio:.2f}")
+    cold, warm = first["startup"]["trainer"], retry["startup"]["trainer"]
+    assert cold["dataSource"] == "Tokenized" and cold["tokenizedExamples"] > 0, first["startup"]
+    assert cold["compileCacheHits"] == 0 and cold["compileCacheMisses"] > 0, first["startup"]
+    assert warm["compileCacheHits"] > 0, retry["startup"]
+    assert warm["dataSource"] in DATA_SOURCES and warm["tokenizedExamples"] >= 0, retry["startup"]
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_preemption(
@@ -321,15 +349,22 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
         # Far more epochs than the first attempt can train before its node is preempted; the
         # retry gets fewer (below). Each epoch's end answers a few prompts, and the export is
         # evaluated with lm-eval before the run succeeds.
+        # Compile on: the retry's start finds the first attempt's compiled graphs in the run's
+        # storage.
         manifest = resource("spot", ground_assets, storage, epochs=50, maxRetries=1,
                             tpu={"topology": "1", "spot": True}, workers={"tolerations": [toleration]},
-                            training={"evaluation": {"generate": SPOT_GENERATE}}, evaluation=lm_eval_spec(include))
+                            training={"evaluation": {"generate": SPOT_GENERATE}, "compile": "on"},
+                            evaluation=lm_eval_spec(include))
         _, cluster = start_run(kube, manifest)
         running(kube, "spot")
         # The trainer steps: a notice then has a step to save (before, the job would only
         # wait for its worker to come back).
         kube.wait_for(lambda: (kube.status("spot").get("progress") or {}).get("step", 0) >= 1,
                       "the trainer's first steps", timeout=300, interval=1)
+        # And an epoch's figures (the retry's target is set below them): with compile on, the
+        # first progress event can come before the first epoch's end.
+        kube.wait_for(lambda: kube.status("spot").get("history"), "the first epoch's figures", timeout=300,
+                      interval=1)
         worker = next(p for p in kube.pods_of(cluster) if p["metadata"]["labels"]["ray.io/node-type"] == "worker")
         assert worker["spec"]["nodeName"] == spot_node
 
@@ -435,6 +470,7 @@ def test_a_spot_worker_gets_maintenance_notice_pdb_protection_and_a_graceful_pre
         # Every epoch once, and the retry trained to an epoch end of its own.
         history = [e["epoch"] for e in status["history"]]
         assert history == list(range(1, len(history) + 1)) and len(history) > epochs_before, history
+        _check_warm_retry(status)
     finally:
         kube.kubectl("delete", "tpufinetune", "spot", "--wait=false", check=False)
         ground.remove_pool(pool)
