@@ -20,7 +20,7 @@ from tpufinetune.core.status import checked_status
 # The last operator without spec.training.towers.
 PRE_TOWERS_COMMIT = "9a1dfbb4806ed677b6cb157de1ef901a8e474931"
 MESSAGES = {validation.TOWERS_AUDIO_MESSAGE, validation.TOWERS_MODE_MESSAGE, validation.MEDIA_TOKENS_MESSAGE,
-            validation.TOWERS_WITH_MESSAGE}
+            validation.TOWERS_WITH_MESSAGE, validation.TOWERS_TRAINED_MESSAGE, validation.TOWERS_EXPORT_MESSAGE}
 
 
 def test_unset_is_a_text_run_and_the_defaults_are_a_frozen_tower_and_one_image():
@@ -160,15 +160,17 @@ PROJECTORS = 768 * 1536 + 1536 * 1536  # embed_vision, embed_audio into E2B's 15
 
 def test_every_tower_is_in_the_root_unit_sharded_and_gathered_and_only_the_vision_projector_trains():
     """Frozen (the default): the towers' fp32 masters sharded over the 16 devices and their bf16
-    copy whole (FSDP2's root unit stays gathered through the step); method full trains embed_vision
-    alone: its gradient sharded and unsharded, and AdamW's two moments."""
+    copy whole (FSDP2's root unit stays gathered through the step); embed_vision alone trains: its
+    gradient sharded and unsharded, and AdamW's two moments. With LoRA the same, the frozen rest
+    in bf16 (lora.inject) and embed_vision in fp32 beside the adapters."""
     loaded, projector = TOWER + AUDIO + PROJECTORS, 768 * 1536
+    trains = -(-4 * projector // 16) + -(-8 * projector // 16) + 6 * projector
     full = memplan.estimate(_request("frozen")).media
     assert (full.tower_parameters, full.audio_parameters, full.projector_parameters) == (TOWER, AUDIO, PROJECTORS)
-    assert full.weight_bytes == -(-4 * loaded // 16) + 2 * loaded
-    assert full.trained_bytes == -(-4 * projector // 16) + -(-8 * projector // 16) + 6 * projector
-    lora = memplan.estimate(_request("frozen", method="lora")).media  # lora.inject: the frozen base in bf16
-    assert (lora.weight_bytes, lora.trained_bytes) == (-(-2 * loaded // 16) + 2 * loaded, 0)
+    assert (full.weight_bytes, full.trained_bytes) == (-(-4 * loaded // 16) + 2 * loaded, trains)
+    lora = memplan.estimate(_request("frozen", method="lora")).media
+    assert lora.weight_bytes == -(-(2 * (loaded - projector) + 4 * projector) // 16) + 2 * loaded
+    assert lora.trained_bytes == trains
 
 
 def test_a_trained_tower_holds_its_sharded_state_and_every_layers_activations():

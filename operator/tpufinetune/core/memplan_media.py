@@ -11,10 +11,10 @@ counts a block's tokens, media tokens included, as every other token):
 - every tower and projector: with method full its fp32 master sharded over the shard group,
   with LoRA the frozen bf16 base sharded (lora.inject), and the root unit's gathered copy in
   the compute dtype, whole, through the step;
-- what trains (method full: the vision projector, embed_vision, and with `vision: trained`
-  the vision tower): its fp32 gradient and AdamW's two moments, sharded, and its unsharded
-  gradient on its way to the reduce-scatter (as the embedding's, memplan's head_grad); with
-  LoRA nothing of the towers trains (lora.inject freezes them; `trained` is refused there);
+- what trains (the vision projector, embed_vision, with either method, in fp32 beside LoRA's
+  adapters; with method full and `vision: trained` the vision tower too, refused with LoRA):
+  its fp32 gradient and AdamW's two moments, sharded, and its unsharded gradient on its way
+  to the reduce-scatter (as the embedding's, memplan's head_grad);
 - the vision tower's activations at the processor's resolution (every image resized to at most
   `soft_tokens` x pooling^2 patches): frozen, one encoder layer's transients at a time (no
   gradient reaches it); trained, every layer's saved activations as the language model's block
@@ -231,14 +231,16 @@ def plan(towers: ModelTowers, mode: str, text_hidden: int, method: str, devices:
     tower, projectors = vision.parameters, towers.projector_parameters(text_hidden)
     loaded = tower + projectors + towers.audio_parameters
     full = method == "full"
-    trained = ((tower if mode == TRAINED else 0) + vision.projector_parameters(text_hidden)) if full else 0
+    # The vision projector trains with either method (LoRA: in full beside the adapters,
+    # lora.inject); the tower with `trained`, method full only (LoRA's is refused at apply).
+    trained = (tower if mode == TRAINED and full else 0) + vision.projector_parameters(text_hidden)
     per_block = images_per_block(vision, max_seq_len)
     images = per_block * blocks_per_device
     patches = images * vision.patches_per_image
     pixels = patches * PIXEL_CHANNELS * vision.patch_size ** 2 * 4  # the processor's fp32 pixel values
     soft = images * vision.soft_tokens * (vision.hidden + text_hidden) * compute_bytes
     shard = max(devices, 1)
-    stored = -(-(4 if full else 2) * loaded // shard)  # fp32 masters, or LoRA's frozen bf16 base
+    stored = -(-(4 * loaded if full else 2 * (loaded - trained) + 4 * trained) // shard)  # LoRA: the base in bf16
     optimizer = -(-8 * trained // shard)
     return MediaPlan(
         vision=mode, tower_parameters=tower, projector_parameters=projectors,

@@ -21,9 +21,9 @@ class Towers(_Model):
 
     vision: Literal[TOWER_MODES] = Field(  # type: ignore[valid-type]
         "frozen", description="frozen: the vision tower is held in bfloat16 and not trained (no gradients, no "
-                              "optimizer state); the projector into the language model trains with method full. "
-                              "trained (method full only): the tower's weights train too (fp32 master weights, "
-                              "gradients and AdamW state). With LoRA every tower stays frozen.")
+                              "optimizer state); the projector into the language model trains (with LoRA, in full "
+                              "beside the adapters). trained (method full only): the tower's weights train too "
+                              "(fp32 master weights, gradients and AdamW state).")
     # No schema default: unset is the only value this version accepts (audio is not built yet).
     audio: Literal[TOWER_MODES] | None = Field(  # type: ignore[valid-type]
         None, description="Reserved for the audio tower: refused while audio fine-tuning is not built.")

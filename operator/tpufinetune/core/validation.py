@@ -121,6 +121,8 @@ TOWERS_WITH_MESSAGE = ("does not apply yet with method dpo, training.evaluation.
                        "all (the trainer's multimodal path has none of them); remove towers or those settings")
 TOWERS_TRAINED_MESSAGE = ("trained applies to method full only: with LoRA the towers stay frozen (adapters train on "
                           "the language model alone); set method full, or vision: frozen")
+TOWERS_EXPORT_MESSAGE = ("must stay true with training.towers: the adapter alone would lack the trained vision "
+                         "projector; remove exportMerged: false")
 KEEP_BEST_SCORE_MESSAGE = ("ranks checkpoints by a generation metric itself: checkpoint.scoreAttribute must be "
                            "auto; set it to auto or keep the best by evalLoss")
 
@@ -232,6 +234,8 @@ def _check_towers(spec: SpecFields) -> None:
         raise SpecError("spec.training.towers", TOWERS_WITH_MESSAGE)
     if towers.vision == "trained" and training.method not in (None, "full"):
         raise SpecError("spec.training.towers.vision", TOWERS_TRAINED_MESSAGE)
+    if training.lora is not None and not training.lora.export_merged:
+        raise SpecError("spec.training.lora.exportMerged", TOWERS_EXPORT_MESSAGE)
     per_image = tokens_per_image(spec.model.id)
     wanted = towers.max_images_per_example * (per_image or 0)
     if per_image is not None and wanted > spec.training.max_seq_len:
