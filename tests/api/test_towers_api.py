@@ -87,15 +87,20 @@ def test_the_trainer_takes_the_argv_of_every_towers_spec_the_api_accepts(spec):
     assert (config.vision_tower, config.max_images_per_example) == (towers.vision, towers.max_images_per_example)
 
 
-@pytest.mark.parametrize("case", [c for c in TOWERS_INVALID if c.message == validation.TOWERS_WITH_MESSAGE],
-                         ids=lambda c: c.id)
+TRAINER_REFUSED = (validation.TOWERS_WITH_MESSAGE, validation.TOWERS_TRAINED_MESSAGE,
+                   validation.TOWERS_EXPORT_MESSAGE)
+
+
+@pytest.mark.parametrize("case", [c for c in TOWERS_INVALID if c.message in TRAINER_REFUSED], ids=lambda c: c.id)
 def test_what_the_trainer_refuses_of_a_multimodal_run_the_api_refuses(case):
     """Each setting the trainer's multimodal path refuses, given beside --vision-tower."""
     from tpufinetune_trainer.errors import TrainerError
 
-    without = {**case.spec, "training": {k: v for k, v in case.spec["training"].items() if k != "towers"}}
-    argv = trainer_argv(parse_spec(without), run_name="r") + ["--vision-tower=frozen"]
-    with pytest.raises(TrainerError, match="multimodal"):
+    training = case.spec["training"]
+    without = {**case.spec, "training": {k: v for k, v in training.items() if k != "towers"}}
+    argv = trainer_argv(parse_spec(without), run_name="r")
+    argv.append(f"--vision-tower={training['towers'].get('vision', 'frozen')}")
+    with pytest.raises(TrainerError, match="--vision-tower"):
         _trainer_config(argv)
 
 
