@@ -158,3 +158,25 @@ def test_a_restart_finds_the_newest_complete_checkpoint_of_its_run(tmp_path, gcs
     uri = gcs.upload(run, gcs.unique_uri("runs", "restart"))
     assert ckpt.latest_complete(uri) == f"{uri}/step_0000020"
     assert ckpt.latest_complete(f"{uri}-never-written") is None
+
+
+def test_every_hosts_copy_of_a_dataset_has_the_same_fingerprint(gcs, trainer_assets, tmp_path, monkeypatch):
+    """A retry's new head pod downloads the dataset again; its copy keeps the object's
+    modification time, so the data fingerprint (and `datasets`' own) is the first
+    attempt's and the prepared data it published is found, not tokenized again."""
+    import shutil
+    import time
+
+    from tpufinetune_trainer import data_stream
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.endpoint)
+    data = gcs.upload(trainer_assets.data, f"{gcs.unique_uri('assets', 'fingerprint')}/train.jsonl")
+    tokenizer = load_tokenizer(str(trainer_assets.model))
+    prints = []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the image's one cache path
+    for _host in ("first", "second"):
+        shutil.rmtree(tmp_path / "cache", ignore_errors=True)  # a new pod's empty disk
+        rows = load_rows(data, "train")
+        prints.append(data_stream.fingerprint(rows, data, "train", tokenizer, {"max_seq_len": 64}))
+        time.sleep(0.05)  # the second host's download is later
+    assert prints[0] == prints[1]

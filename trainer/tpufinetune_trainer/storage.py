@@ -100,6 +100,17 @@ def cache_root() -> Path:
     return cache_home() / "storage"
 
 
+def _keep_mtimes(files, path: str, copy: Path, directory: bool) -> None:
+    """Each copied file keeps its object's modification time, so every host's copy (a new
+    head pod's too) has the same (path, size, mtime): the data fingerprint, and `datasets`'
+    own, then find what an earlier attempt prepared from it."""
+    for info in files:
+        if info.mtime_ns is None:
+            continue
+        local = copy / PurePosixPath(info.path).relative_to(path) if directory else copy
+        os.utime(local, ns=(info.mtime_ns, info.mtime_ns))
+
+
 def local_copy(location: str) -> Path:
     """The file or directory at a URI as a local path, downloaded once per host.
 
@@ -137,6 +148,7 @@ def local_copy(location: str) -> Path:
         if info.type == pafs.FileType.Directory:
             partial.mkdir()
         pafs.copy_files(path, str(partial), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        _keep_mtimes(files, path, partial, info.type == pafs.FileType.Directory)
         os.rename(partial, target)
         done.write_text(location + "\n")
     return target
