@@ -141,9 +141,9 @@ def test_e2b_s_tower_is_transformers_default_and_its_tokens_the_processors():
 
 
 def _request(vision: str = "", method: str = "full", **changes) -> memplan.Request:
-    return memplan.Request(model_id="google/gemma-4-E2B-it", method=method, generation="v6e", topology="4x4",
-                           max_seq_len=changes.pop("max_seq_len", 512), batch_per_device=2, vision_tower=vision,
-                           **changes)
+    return memplan.Request(**{"model_id": "google/gemma-4-E2B-it", "method": method, "generation": "v6e",
+                              "topology": "4x4", "max_seq_len": 512, "batch_per_device": 2, "vision_tower": vision,
+                              **changes})
 
 
 def test_e2b_s_audio_tower_is_transformers_default_and_loaded_frozen():
@@ -232,6 +232,17 @@ def test_the_plan_from_the_models_config_json_keeps_the_tower():
     replanned = memplan_spec.with_model_config(request, config)
     assert replanned.basis == "config" and replanned.media.vision == "trained"
     assert memplan_spec.status_of(replanned)["towers"] == memplan_spec.status_of(memplan.estimate(request))["towers"]
+
+
+def test_what_fits_instead_never_names_lora_for_a_trained_tower():
+    """LoRA with a trained vision tower is refused at apply, so the plan never offers it: fewer
+    images a micro-batch instead, or nothing (a trained tower keeps every layer's eager attention
+    over 2,520 patches an image: seven images a block of 2048 tokens fit no v6e slice)."""
+    fewer = memplan.estimate(_request("trained", batch_per_device=4))
+    assert fewer.fits is False and fewer.smallest_fit == "batchSizePerDevice 1, topology 4x4 (16 chips)"
+    none = memplan.estimate(_request("trained", batch_per_device=4, max_seq_len=2048))
+    assert none.fits is False and none.smallest_fit == ""
+    assert none.refusal().endswith("nothing on v6e fits, even at batchSizePerDevice 1")
 
 
 def test_a_model_the_table_does_not_know_plans_no_tower():

@@ -317,9 +317,11 @@ class MemoryPlan:
         else:
             what = (f"needs {_gib(self.host_bytes)} of RAM per host, more than the "
                     f"{_gib(self.host_limit_bytes)} usable of the worker pod's memory")
-        lora = "DPO with LoRA" if self.method == "dpo" else "method lora"
+        lora = "DPO with LoRA " if self.method == "dpo" else "method lora "
+        if self.media is not None and self.media.vision == media_plan.TRAINED:
+            lora = ""  # a trained vision tower is method full's only
         hint = (f"; smallest that fits: {self.smallest_fit}" if self.smallest_fit else
-                f"; nothing on {self.generation} fits, even {lora} at batchSizePerDevice 1")
+                f"; nothing on {self.generation} fits, even {lora}at batchSizePerDevice 1")
         across = "; more slices do not help: each holds a whole replica" if self.slices > 1 else ""
         return f"{self.method} fine-tune of {self.model} on {self.placement} {what}{hint}{across}"
 
@@ -428,7 +430,9 @@ def smallest_fit(request: Request) -> str:
     larger = [t for t in gen.valid_topologies() if g.chips_in(t) > g.chips_in(request.topology)]
     # The lighter method: lora for SFT, DPO's LoRA (its reference then the base, adapters off) for DPO.
     lighter = ("dpo", True) if request.method == "dpo" else ("lora", False)
-    methods = list(dict.fromkeys([(request.method, request.dpo_lora), lighter]))
+    # A trained vision tower is method full's only (LoRA's is refused at apply): no lighter method then.
+    trained_tower = request.vision_tower == media_plan.TRAINED
+    methods = list(dict.fromkeys([(request.method, request.dpo_lora)] + ([] if trained_tower else [lighter])))
     batches = [request.batch_per_device]
     while batches[-1] > 1:
         batches.append(batches[-1] // 2)
