@@ -112,6 +112,25 @@ def test_the_export_proof_event_folds_into_status_export_which_the_model_takes()
     assert kept == [proof] and len(dropped) == 1  # a proof the model refuses is dropped, not written
 
 
+def test_a_multimodal_export_proof_keeps_which_images_each_prompt_was_asked_with():
+    from tpufinetune.core.runevents import apply_event
+    from tpufinetune.core.status import EXPORT_IMAGE_LIMIT, EXPORT_TEXT_LIMIT
+
+    image = "gs://b/data/images/00007.png"
+    proof = {"event": "export_proof", "v": 1, "model_uri": "gs://b/run/export", "dtype": "bfloat16", "tokens": 8,
+             "load_s": 1.5, "mode": "generated",
+             "sample": [{"prompt": "What colour is this picture?", "images": [image],
+                         "completion": "The picture is red.", "completion_ids": [1, 2]},
+                        {"prompt": "p", "completion": "c", "images": ["gs://b/" + "d/" * 400 + "x.png"] * 99}]}
+    status = dict(FULL, exportedModelURI="gs://b/run/export")
+    apply_event(status, proof)
+    first, second = status["export"]["sample"]
+    assert first == {"prompt": "What colour is this picture?", "completion": "The picture is red.", "images": [image]}
+    assert len(second["images"]) == EXPORT_IMAGE_LIMIT and second["images"][0].endswith("/d/x.png")
+    assert len(second["images"][0]) == EXPORT_TEXT_LIMIT  # its end: the image's own name kept
+    assert checked_status(status) is status
+
+
 def test_a_failed_export_proof_is_the_trainers_failure_with_its_reason():
     from tpufinetune.core.runevents import apply_event
 

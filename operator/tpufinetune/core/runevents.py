@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 import json
 
-from tpufinetune.core.status import CURVE_LIMIT, EXPORT_SAMPLE_LIMIT, EXPORT_TEXT_LIMIT, checked_status
+from tpufinetune.core.status import (CURVE_LIMIT, EXPORT_IMAGE_LIMIT, EXPORT_SAMPLE_LIMIT, EXPORT_TEXT_LIMIT,
+                                     checked_status)
 
 HISTORY_LIMIT = 20  # enough for `kubectl get -o yaml`; the full record is in the job log
 
@@ -202,7 +203,10 @@ def _on_export_proof(status: dict, event: dict) -> None:
     for entry in event.get("sample") or []:
         texts = {"prompt": entry.get("prompt"), "completion": entry.get("completion"),
                  "adapterCompletion": entry.get("adapter_completion")}
-        sample.append({k: str(v)[:EXPORT_TEXT_LIMIT] for k, v in texts.items() if v is not None})
+        kept = {k: str(v)[:EXPORT_TEXT_LIMIT] for k, v in texts.items() if v is not None}
+        if isinstance(entry.get("images"), list):  # a multimodal run's: which images the prompt was asked with
+            kept["images"] = [str(image)[-EXPORT_TEXT_LIMIT:] for image in entry["images"][:EXPORT_IMAGE_LIMIT]]
+        sample.append(kept)
     proof = {"sample": sample[:EXPORT_SAMPLE_LIMIT], "tokens": event.get("tokens"),
              "loadSeconds": _round(event.get("load_s"), 3), "dtype": event.get("dtype")}
     status["export"] = {k: v for k, v in proof.items() if v is not None}

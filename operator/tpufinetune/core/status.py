@@ -194,8 +194,8 @@ class Maintenance(_Status):
     message: str | None = Field(None, max_length=1024, description="Which node, and when.")
 
 
-# Bounds of status.export: a few prompts, each text cut (the full proof is in the job log).
-EXPORT_SAMPLE_LIMIT = 8
+# Bounds of status.export: a few prompts, each text cut, a prompt's first images (the full proof is in the job log).
+EXPORT_SAMPLE_LIMIT = EXPORT_IMAGE_LIMIT = 8
 EXPORT_TEXT_LIMIT = 256
 
 
@@ -207,6 +207,8 @@ class ExportSample(_Status):
                                    description="The exported model's greedy completion.")
     adapter_completion: str | None = Field(None, max_length=EXPORT_TEXT_LIMIT,
                                            description="The base with the exported LoRA adapter's.")
+    images: list[str] | None = Field(None, max_length=EXPORT_IMAGE_LIMIT, description="A multimodal run's: the "
+                                     "images the prompt was asked with, where they were read (each its end).")
 
 
 class ExportProof(_Status):
