@@ -369,3 +369,25 @@ def test_a_trained_vision_tower_trains_and_the_audio_tower_never_does(vision, pr
     after = {name: snapshot(module) for name, module in parts.items()}
     moved = {name for name in parts if any(not torch.equal(a, b) for a, b in zip(before[name], after[name]))}
     assert moved == {"vision_tower", "embed_vision"}, moved
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(420)
+def test_the_command_runs_a_vision_fine_tune_through_ray_train_to_its_proven_export(vision, ray_head, tmp_path):
+    """`tpufinetune-train finetune --vision-tower frozen` as the job entrypoint runs it: the
+    driver renders the rows, two Ray Train workers train (each its share of the blocks, its
+    images made where its micro-batches are), and the export's proof answers with images.
+    These 64 rows give a rank a micro-batch without images (an all-padding slot), which
+    must still run the towers (media_sft.towers_run_idle; the run failed without it)."""
+    from trainer_helpers import offline_env, run_trainer
+
+    _, model, data_file = vision
+    run = run_trainer(["finetune", "--model-id", str(model), "--dataset", str(data_file), "--dataset-split",
+                       "train[:64]", "--num-workers", "2", "--device", "cpu", "--max-seq-len", str(BLOCK),
+                       "--num-epochs", "1", "--batch-size-per-device", "4", "--learning-rate", "3e-3",
+                       "--eval-fraction", "0.1", "--storage-path", str(tmp_path / "storage"), "--run-name", "vision",
+                       "--vision-tower", "frozen"], offline_env(ray_head.env()), timeout=400)
+    assert run.rc == 0, run.tail()
+    proof = run.one("export_proof")
+    assert proof["mode"] == "generated" and all(len(sample["images"]) == 1 for sample in proof["sample"]), proof
+    assert run.one("result")["exported_model_uri"].endswith("/vision/export")

@@ -157,7 +157,14 @@ def decoder_blocks(model) -> list:
     not-to-be-split (Gemma4TextDecoderLayer, LlamaDecoderLayer, …), sharded or not (FSDP2
     makes a block an instance of a subclass, FSDPGemma4TextDecoderLayer)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if any(kind.__name__ in names for kind in type(m).__mro__)]
+    # A multimodal model's tower layers are no units of their own: a rank whose micro-batch has
+    # no image skips its towers, and each unit's all-gather must be called by every rank. They
+    # stay in the root unit, gathered with it on every rank (the operator's plan counts them so).
+    inner = getattr(model, "model", model)
+    in_towers = {id(m) for name in ("vision_tower", "audio_tower") if getattr(inner, name, None) is not None
+                 for m in getattr(inner, name).modules()}
+    blocks = [m for m in model.modules() if any(kind.__name__ in names for kind in type(m).__mro__)
+              and id(m) not in in_towers]
     if not blocks:
         raise ModelError(f"{type(model).__name__}: cannot find its decoder blocks to shard")
     return blocks

@@ -11,6 +11,8 @@ images) and the summed cross-entropy of its label tokens over transformers' full
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -37,8 +39,20 @@ class MediaSFT(SFT):
         return eval_data
 
     def loss_sum(self, trainer, batch: dict, cap: int | None, training: bool = True):
-        return media_loss_sum(trainer.model, self.masks(trainer, batch), batch,
-                              self.pixels(batch.get("media", []), batch["input_ids"].device))
+        device = batch["input_ids"].device
+        pixels = self.pixels(batch.get("media", []), device)
+        masks = self.masks(trainer, batch)
+        if pixels:
+            return media_loss_sum(trainer.model, masks, batch, pixels)
+        with towers_run_idle(trainer.model, self.idle_pixels(device)):
+            return media_loss_sum(trainer.model, masks, batch, pixels)
+
+    def idle_pixels(self, device) -> dict:
+        """One black image's inputs, for a micro-batch without images (towers_run_idle)."""
+        from PIL import Image
+
+        out = self.pixels.image_processor([Image.new("RGB", (64, 64))], return_tensors="pt")
+        return {"pixel_values": out["pixel_values"].to(device), "image_position_ids": out["image_position_ids"].to(device)}
 
     @staticmethod
     def masks(trainer, batch: dict):
@@ -47,6 +61,28 @@ class MediaSFT(SFT):
         config = trainer.model.config
         together = image_groups(batch["input_ids"], config.image_token_id) if sees_images_whole(config) else None
         return trainer.masks(batch["segment_ids"], together)
+
+
+@contextlib.contextmanager
+def towers_run_idle(model, pixels: dict):
+    """A micro-batch without images still runs the vision tower and its projector, on one
+    black image whose features are added times zero: FSDP2 reduce-scatters the gradients a
+    rank has, so every rank's trainable tower weights must have one in every step (a rank
+    without images would otherwise send fewer, and the collective fails). Inside the whole
+    model's forward (a pre-hook of its language model), where the towers' weights are gathered."""
+    inner = getattr(model, "model", model)
+
+    def hook(module, args, kwargs):
+        features = inner.get_image_features(pixels["pixel_values"], pixels["image_position_ids"], return_dict=True)
+        nothing = torch.cat(list(features.pooler_output)).sum() * 0.0
+        kwargs["inputs_embeds"] = kwargs["inputs_embeds"] + nothing.to(kwargs["inputs_embeds"].dtype)
+        return args, kwargs
+
+    handle = inner.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def media_loss_sum(model, masks, batch: dict, pixels: dict) -> torch.Tensor:
