@@ -94,17 +94,47 @@ class ModelTowers:
         return self.vision.projector_parameters(text_hidden) + self.audio_width * text_hidden
 
 
-# E2B and E4B: transformers' Gemma4VisionConfig defaults, documented there as
-# google/gemma-4-e2b-it's (16 layers, width 768, MLP 3072, 12 heads of 64), and the image
-# processor's (image_processing_gemma4.py: patch 16, pooling 3, max_soft_tokens 280; the
-# processor's image_seq_length 280): 167.4M parameters, the model card's "~150M" encoder.
-_SMALL = VisionShape(16, 768, 3072, 12, 64, 12, source="transformers Gemma4VisionConfig defaults "
-                     "(google/gemma-4-e2b-it); image processor: patch 16, pooling 3, 280 soft tokens")
+# transformers' Gemma4VisionConfig defaults, documented there as google/gemma-4-e2b-it's
+# (16 layers, width 768, MLP 3072, 12 heads of 64), and the image processor's max_soft_tokens.
+VISION_CONFIG_DEFAULTS = dict(num_hidden_layers=16, hidden_size=768, intermediate_size=3072, num_attention_heads=12,
+                              head_dim=64, num_key_value_heads=12, patch_size=16, pooling_kernel_size=3,
+                              position_embedding_size=10240)
+MAX_SOFT_TOKENS = 280  # Gemma4ImageProcessor's (image_processing_gemma4.py), the processor's image_seq_length
+
+
+def vision_from_config(vision_config: dict, image_processor: dict | None = None, source: str = "") -> VisionShape:
+    """A vision tower's shape from its config (a dict of transformers' Gemma4VisionConfig, as a
+    model's config.json holds it under vision_config; a key it lacks takes transformers'
+    default) and its image processor's settings (processor_config.json's image_processor:
+    max_soft_tokens; absent, Gemma4ImageProcessor's). The table's entries are built here too."""
+    config = {**VISION_CONFIG_DEFAULTS, **{k: v for k, v in vision_config.items() if v is not None}}
+    soft_tokens = (image_processor or {}).get("max_soft_tokens") or MAX_SOFT_TOKENS
+    heads = int(config["num_attention_heads"])
+    return VisionShape(layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
+                       intermediate=int(config["intermediate_size"]), heads=heads,
+                       head_dim=int(config["head_dim"]), kv_heads=int(config.get("num_key_value_heads") or heads),
+                       patch_size=int(config["patch_size"]), pooling_kernel=int(config["pooling_kernel_size"]),
+                       position_embeddings=int(config["position_embedding_size"]), soft_tokens=int(soft_tokens),
+                       source=source)
+
+
+def towers_from_config(vision_config: dict, image_processor: dict | None = None, audio_parameters: int = 0,
+                       audio_width: int = 0, source: str = "") -> ModelTowers:
+    """The towers of a model given its vision config (vision_from_config), for plan()."""
+    return ModelTowers(vision_from_config(vision_config, image_processor, source), audio_parameters, audio_width)
+
+
+# E2B and E4B: transformers' defaults (above) and the image processor's (patch 16, pooling 3,
+# 280 soft tokens): 167.4M parameters, the model card's "~150M" encoder.
+_SMALL = vision_from_config(VISION_CONFIG_DEFAULTS, source="transformers Gemma4VisionConfig defaults "
+                            "(google/gemma-4-e2b-it); image processor: patch 16, pooling 3, 280 soft tokens")
 # 31B and 26B A4B: width 1152 in 16 heads of 72 (the larger models' vision_config as published
 # conversions write it); depth 27 and MLP 4304 are SigLIP so400m's, whose widths these are,
 # and give 569.5M parameters, the model card's "~550M" encoder.
-_LARGE = VisionShape(27, 1152, 4304, 16, 72, 16, source="width 1152, 16 heads of 72 (the 31B's "
-                     "vision_config); depth 27, MLP 4304: SigLIP so400m's (the card's ~550M); processor as E2B's")
+_LARGE = vision_from_config(dict(num_hidden_layers=27, hidden_size=1152, intermediate_size=4304,
+                                 num_attention_heads=16, head_dim=72, num_key_value_heads=16),
+                            source="width 1152, 16 heads of 72 (the 31B's vision_config); depth 27, MLP 4304: "
+                                   "SigLIP so400m's (the card's ~550M); processor as E2B's")
 # E2B's and E4B's audio tower: transformers' Gemma4AudioConfig defaults (12 conformer layers,
 # width 1024, output 1536) as Gemma4AudioModel builds them, 304.8M parameters (the card's
 # "~300M"); the larger models have none (the card).

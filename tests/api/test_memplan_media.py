@@ -1,0 +1,58 @@
+"""memplan_media's towers from a model's own vision config (vision_from_config): the shape and
+the parameters transformers builds for that config, and the plan on the same path as the
+table's entries (benchmarks/bench_memplan_media.py plans its random towers so)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tpufinetune.core import memplan_media
+
+# A random tower none of the table's entries has: narrow heads, fewer kv heads, a small patch.
+RANDOM = dict(num_hidden_layers=3, hidden_size=96, intermediate_size=200, num_attention_heads=4, head_dim=16,
+              num_key_value_heads=2, patch_size=4, pooling_kernel_size=2, position_embedding_size=48)
+
+
+def _built_parameters(config: dict) -> int:
+    import torch  # the trainer's stack, a dev dependency (missing, the test fails, never skips)
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4VisionModel
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Gemma4VisionModel(Gemma4VisionConfig(**config)).parameters())
+
+
+def test_a_vision_config_gives_its_own_shape_and_the_parameters_transformers_builds():
+    shape = memplan_media.vision_from_config(RANDOM, {"max_soft_tokens": 70})
+    assert (shape.layers, shape.hidden, shape.intermediate, shape.heads, shape.head_dim, shape.kv_heads,
+            shape.patch_size, shape.pooling_kernel, shape.position_embeddings, shape.soft_tokens) == (
+        3, 96, 200, 4, 16, 2, 4, 2, 48, 70)
+    assert shape.patches_per_image == 70 * 4
+    assert shape.parameters == _built_parameters(RANDOM)
+
+
+def test_keys_a_config_lacks_take_transformers_defaults_as_the_table_does():
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
+
+    assert memplan_media.vision_from_config(Gemma4VisionConfig().to_dict()) == \
+        memplan_media.vision_from_config({}) == \
+        dataclasses.replace(memplan_media.VISION_TOWERS["gemma-4-E2B"], source="")
+    assert memplan_media.vision_from_config({}).soft_tokens == memplan_media.MAX_SOFT_TOKENS
+
+
+def test_the_plan_of_a_config_is_the_tables_path():
+    towers = memplan_media.towers_from_config(RANDOM, {"max_soft_tokens": 70})
+    plan = memplan_media.plan(towers, "trained", 128, "full", 1, 512, 2, 4, eager_attention=False)
+    assert plan.tower_parameters == _built_parameters(RANDOM)
+    assert plan.tokens_per_image == 72 and plan.images_per_block == 512 // 72
+    e2b = memplan_media.MODEL_TOWERS["gemma-4-E2B"]
+    same = memplan_media.towers_from_config({}, None, e2b.audio_parameters, e2b.audio_width, e2b.vision.source)
+    assert memplan_media.plan(same, "frozen", 1536, "lora", 16, 2048, 2, 2, True) == \
+        memplan_media.plan(e2b, "frozen", 1536, "lora", 16, 2048, 2, 2, True)
+
+
+@pytest.mark.parametrize("key", ["num_key_value_heads", "head_dim", "pooling_kernel_size"])
+def test_each_width_of_the_config_is_read(key):
+    changed = dict(RANDOM, **{key: RANDOM[key] * 2})
+    assert memplan_media.vision_from_config(changed) != memplan_media.vision_from_config(RANDOM)
