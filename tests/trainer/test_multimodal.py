@@ -279,6 +279,11 @@ def test_a_text_run_refuses_image_parts_naming_the_row(vision, tmp_path):
 def test_audio_towers_are_refused_with_the_reason(tmp_path):
     with pytest.raises(ConfigError, match="audio fine-tuning is not built yet"):
         FinetuneConfig(model_id="m", storage_path=str(tmp_path), audio_tower="frozen").validate()
+    for flags, words in ((dict(prompt_format="tutorial"), "--prompt-format tutorial"),
+                         (dict(dataset_format="dolly"), "--dataset-format dolly"),
+                         (dict(method="dpo"), "--method dpo")):
+        with pytest.raises(ConfigError, match=words):
+            FinetuneConfig(model_id="m", storage_path=str(tmp_path), vision_tower="frozen", **flags).validate()
     with pytest.raises(ConfigError, match="--max-images-per-example 0"):
         FinetuneConfig(model_id="m", storage_path=str(tmp_path), vision_tower="frozen",
                        max_images_per_example=0).validate()

@@ -160,7 +160,11 @@ class FinetuneConfig(SliceConfig):
             return
         for given, why in ((self.method == "dpo", "--method dpo"), (self.generate_examples > 0, "--generate-examples"),
                            (self.tokens_per_step > 0, "--tokens-per-step"), (self.loss_on != "responses",
-                                                                             "--loss-on all")):
+                                                                             "--loss-on all"),
+                           (self.prompt_format == "tutorial", "--prompt-format tutorial (images need the model's "
+                                                               "chat template)"),
+                           (self.dataset_format not in ("auto", "messages"),
+                            f"--dataset-format {self.dataset_format} (images come in 'messages' rows)")):
             if given:
                 raise ConfigError(f"{why} does not apply to a multimodal run (--vision-tower) yet; drop it")
         if self.method == "lora" and self.vision_tower == "trained":
