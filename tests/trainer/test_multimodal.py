@@ -396,3 +396,20 @@ def test_the_command_runs_a_vision_fine_tune_through_ray_train_to_its_proven_exp
     proof = run.one("export_proof")
     assert proof["mode"] == "generated" and all(len(sample["images"]) == 1 for sample in proof["sample"]), proof
     assert run.one("result")["exported_model_uri"].endswith("/vision/export")
+
+
+def test_a_resume_must_keep_what_of_the_model_trains(vision, processor, tmp_path):
+    """The resume fingerprint names --vision-tower (frozen and trained keep other optimizer
+    state); a text run's has no such field, so its older checkpoints still match."""
+    from tpufinetune_trainer import resume
+
+    data = media.prepare_media(str(vision[2]), "train[:16]", processor, BLOCK, 0.0, 42)
+
+    def fingerprint(**flags):
+        cfg = FinetuneConfig(model_id="m", storage_path=str(tmp_path), num_workers=1, device="cpu",
+                             eval_fraction=0.0, checkpoint_score_attribute="loss", **flags).validate()
+        return resume.fingerprint(cfg, 1, data.train)
+
+    frozen, trained = fingerprint(vision_tower="frozen"), fingerprint(vision_tower="trained")
+    assert resume.differences(frozen, trained) == ['--vision-tower "frozen" -> "trained"']
+    assert "vision_tower" not in fingerprint()

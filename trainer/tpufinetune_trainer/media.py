@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path
 
 import numpy as np
 
@@ -79,10 +79,9 @@ def load_media_processor(source: str) -> MediaProcessor:
     except Exception:
         tokenizer = AutoTokenizer.from_pretrained(source)
         image_processor = AutoImageProcessor.from_pretrained(source)
-    if not getattr(tokenizer, "chat_template", None):
-        template = PurePosixPath(source) / "chat_template.jinja"
-        if storage.exists(str(template), "file"):
-            tokenizer.chat_template = open(template, encoding="utf-8").read()
+    template = Path(source) / "chat_template.jinja"
+    if not getattr(tokenizer, "chat_template", None) and template.is_file():
+        tokenizer.chat_template = template.read_text(encoding="utf-8")
     names = {name: getattr(tokenizer, name, None) for name in ("image_token", "boi_token", "eoi_token")}
     if not all(names.values()) or not getattr(tokenizer, "chat_template", None):
         raise DataError(f"--model-id {source}: its processor has no image tokens or chat template, so it cannot "

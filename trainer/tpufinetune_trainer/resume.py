@@ -66,6 +66,8 @@ def fingerprint(cfg, world: int, examples: Examples) -> dict:
         settings["freeze_embeddings"] = True
     if getattr(cfg, "num_slices", 1) > 1:  # HSDP's mesh; absent for one slice, so older checkpoints match
         settings["num_slices"] = cfg.num_slices
+    if getattr(cfg, "vision_tower", ""):  # the whole model and what of it trains; absent for a text run
+        settings["vision_tower"] = cfg.vision_tower
     if getattr(cfg, "init_checkpoint", None):  # the weights the run started from; absent when none
         settings["init_checkpoint"] = cfg.init_checkpoint
     return json.loads(json.dumps({**settings, "world_size": world, "train_examples": examples_digest(examples),
