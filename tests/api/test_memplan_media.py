@@ -4,6 +4,8 @@ table's entries (benchmarks/bench_memplan_media.py plans its random towers so)."
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +58,26 @@ def test_the_plan_of_a_config_is_the_tables_path():
 def test_each_width_of_the_config_is_read(key):
     changed = dict(RANDOM, **{key: RANDOM[key] * 2})
     assert memplan_media.vision_from_config(changed) != memplan_media.vision_from_config(RANDOM)
+
+
+def _bench():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_memplan_media
+
+    return bench_memplan_media
+
+
+def test_the_multimodal_plan_stays_within_25_percent_of_the_measured_peaks():
+    """bench_memplan_media.py's recorded peaks (none fitted to): every row within 25% of the
+    plan of its own vision config; frozen and trained towers, full and LoRA, one image a block
+    and several all measured, and the towers a real share of the plan."""
+    b = _bench()
+    assert set(b.MEASURED) <= set(b.CONFIGS)
+    rows = [b.CONFIGS[name] for name in b.MEASURED]
+    assert {c["tower"] for c in rows} == {"frozen", "trained"} and {c["method"] for c in rows} == {"full", "lora"}
+    assert {b.images_per_block(c) == 1 for c in rows} == {True, False}
+    assert {c["images_per_example"] > 1 for c in rows} == {True, False}
+    for name, peak in b.MEASURED.items():
+        total, media = b.planned(name)
+        assert abs(total / b.MIB / peak - 1) <= b.TOLERANCE, (name, round(total / b.MIB / peak, 2))
+    assert max(b.planned(name)[1].bytes / b.MIB / peak for name, peak in b.MEASURED.items()) > 0.5
