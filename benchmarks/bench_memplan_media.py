@@ -55,11 +55,13 @@ def _vision(hidden: int, layers: int, heads: int, head_dim: int, kv_heads: int |
 
 
 def media_case(text: dict, vision: dict, length: int, blocks: int, tower: str, soft_tokens: int = 70,
-               images_per_example: int = 1, **kw) -> dict:
+               images_per_example: int = 1, bidirectional: bool = False, **kw) -> dict:
     """`tower`: frozen or trained (--vision-tower); `soft_tokens` the image processor's
-    max_soft_tokens (70 the fewest it takes)."""
+    max_soft_tokens (70 the fewest it takes); `bidirectional`: each image's soft tokens see
+    each other (the published Gemma 4's use_bidirectional_attention "vision"; transformers'
+    default config leaves it unset)."""
     return dict(case(text, length, blocks, **kw), vision=vision, tower=tower, soft_tokens=soft_tokens,
-                images_per_example=images_per_example)
+                images_per_example=images_per_example, bidirectional=bidirectional)
 
 
 T1 = _text(256, 6, 4, 64, 8192, kv_heads=2)
@@ -82,6 +84,12 @@ HELD_OUT = {
     "v9": media_case(T2, V3, 1024, 1, "frozen", attention="eager", dtype="bf16", method="lora",
                      images_per_example=14),
     "v10": media_case(T1, V2, 512, 1, "trained", attention="eager", dtype="bf16", images_per_example=7),
+    # Bidirectional within each image, as the published models attend (media_sft's masks).
+    "v11": media_case(T1, V1, 512, 1, "frozen", images_per_example=2, bidirectional=True),
+    "v12": media_case(T2, V3, 1024, 1, "trained", attention="eager", dtype="bf16", method="full",
+                      images_per_example=1, bidirectional=True),
+    "v13": media_case(T2, V2, 512, 2, "frozen", attention="eager", method="lora", dropout=0.05,
+                      images_per_example=7, bidirectional=True),
 }
 CONFIGS = HELD_OUT
 # Measured peaks (MiB), each row once in its own process (`--only NAME`) on the project's
@@ -89,7 +97,7 @@ CONFIGS = HELD_OUT
 # has not been run. tests/api/test_memplan_media.py holds the planner to them.
 MEASURED: dict[str, float] = {
     "v1": 289.1, "v2": 312.5, "v3": 380.1, "v4": 443.6, "v5": 319.8, "v6": 1368.3, "v7": 204.1, "v8": 993.9,
-    "v9": 416.8, "v10": 1657.7,
+    "v9": 416.8, "v10": 1657.7, "v11": 365.6, "v12": 1169.4, "v13": 516.5,
 }
 # The warm-up's tower (bench_memplan's WARM_UP is the text model): one image of 70 soft tokens.
 WARM_VISION = _vision(16, 1, 2, 8, intermediate=32)
@@ -135,7 +143,8 @@ def _examples(config: dict, directory: str):
     rng = np.random.default_rng(0)
     ids, labels, media, layout = [], [], [], []
     for block in range(config["blocks"]):
-        counts = [per_example] * (per_block // per_example) + ([per_block % per_example] if per_block % per_example else [])
+        whole, rest = divmod(per_block, per_example)
+        counts = [per_example] * whole + ([rest] if rest else [])
         share = (length - per_block * (soft + 2)) // len(counts)
         members = []
         for images in counts:
@@ -181,7 +190,8 @@ def _build(config: dict):
     dtype = torch.bfloat16 if config["dtype"] == "bf16" else torch.float32
     gemma = Gemma4Config(text_config=dict(text, vocab_size_per_layer_input=text["vocab_size"],
                                           max_position_embeddings=16384, sliding_window=256, pad_token_id=0,
-                                          eos_token_id=1, bos_token_id=2),
+                                          eos_token_id=1, bos_token_id=2,
+                                          use_bidirectional_attention="vision" if config["bidirectional"] else None),
                          vision_config=config["vision"], audio_config=None, image_token_id=IMAGE_TOKEN,
                          boi_token_id=BOI_TOKEN, eoi_token_id=EOI_TOKEN)
     model = Gemma4ForConditionalGeneration._from_config(
@@ -247,15 +257,16 @@ def planned(name: str):
                         lora_dropout=config["dropout"], loss_head="full")
     towers = memplan_media.towers_from_config(config["vision"], {"max_soft_tokens": config["soft_tokens"]})
     media = memplan_media.plan(towers, config["tower"], shape.hidden, config["method"], 1, config["length"],
-                               config["blocks"], compute, eager)
+                               config["blocks"], compute, eager, text_step_bytes=part.activations + part.loss_head)
     return part.total + media.bytes, media
 
 
 def describe(name: str) -> str:
     config, vision = CONFIGS[name], CONFIGS[name]["vision"]
     method = config["method"] + (f" d{config['dropout']:g}" if config["method"] == "lora" else "")
-    tower = f"{vision['hidden_size']}x{vision['num_hidden_layers']} p{vision['patch_size']}k{vision['pooling_kernel_size']}"
-    images = f"{images_per_block(config)}/{config['images_per_example']}"
+    tower = (f"{vision['hidden_size']}x{vision['num_hidden_layers']} "
+             f"p{vision['patch_size']}k{vision['pooling_kernel_size']}")
+    images = f"{images_per_block(config)}/{config['images_per_example']}{'b' if config['bidirectional'] else ''}"
     return (f"{config['text']['hidden_size']:>4}x{config['text']['num_hidden_layers']:<2} {tower:>13} "
             f"{config['length']:>5}x{config['blocks']} {images:>5} {config['tower']:>7} {config['dtype']:>4} "
             f"{config['attention']:>5} {method:>9}")
@@ -302,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(measure(args.child)))
         return 0
-    print("columns: text and tower width x depth (p patch, k pooling), images a block / an example, "
+    print("columns: text and tower width x depth (p patch, k pooling), images a block / an example (b: "
+          "bidirectional within each image), "
           "towers = the planner's tower share", flush=True)
     print(HEADER + f" {'s':>6}", flush=True)
     within = []

@@ -81,3 +81,32 @@ def test_the_multimodal_plan_stays_within_25_percent_of_the_measured_peaks():
         total, media = b.planned(name)
         assert abs(total / b.MIB / peak - 1) <= b.TOLERANCE, (name, round(total / b.MIB / peak, 2))
     assert max(b.planned(name)[1].bytes / b.MIB / peak for name, peak in b.MEASURED.items()) > 0.5
+
+
+def test_the_towers_forward_transients_are_gone_before_the_language_models_step_holds_its_own():
+    """The vision tower runs first in the step's forward: what only its forward holds (a frozen
+    tower's layer-at-a-time activations, any tower's eager scores) is freed before the language
+    model's activations and logits exist, so the device holds the larger of the two, not both."""
+    towers = memplan_media.towers_from_config(RANDOM, {"max_soft_tokens": 70})
+    for mode in ("frozen", "trained"):
+        alone = memplan_media.plan(towers, mode, 128, "full", 1, 1024, 2, 4, True)
+        forward = alone.forward_bytes
+        assert 0 < forward <= alone.activation_bytes
+        small = memplan_media.plan(towers, mode, 128, "full", 1, 1024, 2, 4, True, text_step_bytes=forward // 4)
+        large = memplan_media.plan(towers, mode, 128, "full", 1, 1024, 2, 4, True, text_step_bytes=10 * forward)
+        assert alone.bytes - small.bytes == forward // 4
+        assert alone.bytes - large.bytes == forward
+    frozen = memplan_media.plan(towers, "frozen", 128, "full", 1, 1024, 2, 4, True)
+    trained = memplan_media.plan(towers, "trained", 128, "full", 1, 1024, 2, 4, True)
+    assert frozen.forward_bytes > trained.forward_bytes  # a trained tower keeps its layers' activations
+
+
+def test_the_planner_gives_the_tower_the_language_models_step_it_overlaps():
+    from tpufinetune.core import memplan
+
+    plan = memplan.estimate(memplan.Request("google/gemma-4-E2B-it", "lora", "v6e", "4x4", 2048, 2,
+                                            vision_tower="frozen"))
+    part = plan.breakdown
+    assert plan.media.text_step_bytes == part.activations + part.loss_head > 0
+    assert part.towers == plan.media.bytes < plan.media.weight_bytes + plan.media.trained_bytes \
+        + plan.media.activation_bytes

@@ -373,9 +373,10 @@ def _plan(request: Request) -> MemoryPlan:
                         keep_gathered=request.keep_gathered, lora_targets=request.lora_targets,
                         lora_dropout=request.lora_dropout, loss_head=request.loss_head)
     towers = media_plan.towers_of(shape) if request.vision_tower else None
+    # The tower's forward transients are gone before the step's activations and logits exist.
     media = media_plan.plan(towers, request.vision_tower, shape.hidden, method, request.shard_group or devices,
                             request.max_seq_len, request.batch_per_device, 2 if gen.is_tpu else 4,
-                            eager) if towers is not None else None
+                            eager, text_step_bytes=part.activations + part.loss_head) if towers is not None else None
     if media is not None:
         part = replace(part, towers=media.bytes)
     generating = gen_plan.of_request(request, shape, part, method == "full", 2 if gen.is_tpu else 4, eager, devices)

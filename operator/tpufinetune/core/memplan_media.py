@@ -18,7 +18,11 @@ counts a block's tokens, media tokens included, as every other token):
 - the vision tower's activations at the processor's resolution (every image resized to at most
   `soft_tokens` x pooling^2 patches): frozen, one encoder layer's transients at a time (no
   gradient reaches it); trained, every layer's saved activations as the language model's block
-  keeps them (memplan_blocks' constants), with eager attention's heads x patches^2 per image;
+  keeps them (memplan_blocks' constants), with eager attention's heads x patches^2 per image.
+  The tower runs first: what only its forward holds (a frozen tower's layer at a time, any
+  tower's eager scores) is freed before the language model's activations and logits exist,
+  so the device holds the larger of the two, not their sum (benchmarks/bench_memplan_media.py:
+  a frozen eager tower of 14 images a micro-batch planned at 1.71 of its measured peak with both);
 - the images of a micro-batch: as many as its blocks' tokens hold (maxSeqLen // the tokens of
   one image, each block), whatever maxImagesPerExample (packing puts several examples in a
   block), their fp32 pixels and the projected soft tokens. The loss of a multimodal step runs
@@ -194,10 +198,16 @@ class MediaPlan:
     activation_bytes: int  # the tower's activations, its pixels and the projected soft tokens
     staged_bytes: int  # the sharded master weights and AdamW state a checkpoint stages on the host
     source: str = ""
+    forward_bytes: int = 0  # of activation_bytes, what only the tower's own forward holds
+    text_step_bytes: int = 0  # what the language model's step holds beyond that (its activations, logits)
 
     @property
     def bytes(self) -> int:
-        return self.weight_bytes + self.trained_bytes + self.activation_bytes
+        """What the towers add to a device at the step's peak: the tower runs first, so what only
+        its forward holds is gone before the language model's activations and logits exist;
+        the device holds the larger of the two (the language model's are counted by memplan)."""
+        return (self.weight_bytes + self.trained_bytes + self.activation_bytes
+                - min(self.forward_bytes, self.text_step_bytes))
 
     @property
     def media_tokens_per_block(self) -> int:
@@ -232,11 +242,12 @@ def encoder_of(vision: VisionShape) -> ModelShape:
 
 
 def encoder_activation_bytes(vision: VisionShape, trained: bool, images: int, compute_bytes: int,
-                           eager_attention: bool) -> int:
+                           eager_attention: bool) -> tuple[int, int]:
     """A vision tower's encoder activations for `images` images (each its processor's patches
     at most, attending within itself), with the text block's constants: trained, every layer's
     saved activations (no checkpointing) and eager attention's probabilities; frozen (no
-    gradients), one layer's transients at a time. Either way one layer's eager scores while it runs."""
+    gradients), one layer's transients at a time. Either way one layer's eager scores while it runs.
+    Returns (all of them, what only the tower's forward holds: frozen, all; trained, the scores)."""
     encoder, patches = encoder_of(vision), images * vision.patches_per_image
     square = images * vision.patches_per_image ** 2
     upcast = 4 if compute_bytes < 4 else 0
@@ -248,13 +259,15 @@ def encoder_activation_bytes(vision: VisionShape, trained: bool, images: int, co
         kept = patches * compute_bytes * (blocks.SAVED_PER_HIDDEN * vision.hidden
                                           + blocks.SAVED_PER_INTERMEDIATE * vision.intermediate)
     transient = blocks.EAGER_TRANSIENT_MATRICES * compute_bytes * vision.heads * square if eager_attention else 0
-    return kept + transient
+    return kept + transient, transient if trained else kept + transient
 
 
 def plan(towers: ModelTowers, mode: str, text_hidden: int, method: str, devices: int, max_seq_len: int,
-         blocks_per_device: int, compute_bytes: int, eager_attention: bool) -> MediaPlan:
+         blocks_per_device: int, compute_bytes: int, eager_attention: bool, text_step_bytes: int = 0) -> MediaPlan:
     """The towers' share of a device: `mode` (towers.vision) frozen or trained, `method` the
-    language model's (full or lora), `devices` the shard group."""
+    language model's (full or lora), `devices` the shard group; `text_step_bytes` what the
+    language model's step holds that does not exist while the tower runs (memplan's
+    activations and loss head), which the tower's forward transients do not add to."""
     if mode not in (FROZEN, TRAINED):
         raise ValueError(f"unknown vision tower mode {mode!r}; expected {FROZEN} or {TRAINED}")
     vision = towers.vision
@@ -272,12 +285,13 @@ def plan(towers: ModelTowers, mode: str, text_hidden: int, method: str, devices:
     shard = max(devices, 1)
     stored = -(-(4 * loaded if full else 2 * (loaded - trained) + 4 * trained) // shard)  # LoRA: the base in bf16
     optimizer = -(-8 * trained // shard)
+    encoder, forward = encoder_activation_bytes(vision, mode == TRAINED and full, images, compute_bytes,
+                                                eager_attention)
     return MediaPlan(
         vision=mode, tower_parameters=tower, projector_parameters=projectors,
         audio_parameters=towers.audio_parameters, tokens_per_image=vision.tokens_per_image,
         images_per_block=per_block, images_per_micro_batch=images,
         weight_bytes=stored + compute_bytes * loaded,
         trained_bytes=-(-4 * trained // shard) + optimizer + (compute_bytes + 4) * trained,
-        activation_bytes=encoder_activation_bytes(vision, mode == TRAINED and full, images, compute_bytes,
-                                                  eager_attention) + pixels + soft,
-        staged_bytes=stored + optimizer, source=vision.source)
+        activation_bytes=encoder + pixels + soft, staged_bytes=stored + optimizer, source=vision.source,
+        forward_bytes=forward, text_step_bytes=text_step_bytes)
