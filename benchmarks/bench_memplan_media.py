@@ -92,12 +92,12 @@ HELD_OUT = {
                       images_per_example=7, bidirectional=True),
 }
 CONFIGS = HELD_OUT
-# Measured peaks (MiB), each row once in its own process (`--only NAME`) on the project's
-# shared 2-core machine. `--recorded` prints the current planner against them. A row not here
+# Measured peaks (MiB), each row once in its own process (one run of every row) on the
+# project's shared 2-core machine. `--recorded` prints the current planner against them. A row not here
 # has not been run. tests/api/test_memplan_media.py holds the planner to them.
 MEASURED: dict[str, float] = {
-    "v1": 289.1, "v2": 312.5, "v3": 380.1, "v4": 443.6, "v5": 319.8, "v6": 1368.3, "v7": 204.1, "v8": 993.9,
-    "v9": 416.8, "v10": 1657.7, "v11": 365.6, "v12": 1169.4, "v13": 516.5,
+    "v1": 286.2, "v2": 320.2, "v3": 382.1, "v4": 451.2, "v5": 317.3, "v6": 1439.8, "v7": 203.5, "v8": 1011.4,
+    "v9": 417.3, "v10": 1672.0, "v11": 364.1, "v12": 1140.2, "v13": 527.0,
 }
 # The warm-up's tower (bench_memplan's WARM_UP is the text model): one image of 70 soft tokens.
 WARM_VISION = _vision(16, 1, 2, 8, intermediate=32)
