@@ -95,3 +95,37 @@ def test_a_malformed_config_changes_nothing():
         d = step(status, plan=plan, cluster=READY, job=JobView("RUNNING"),
                  events=({"event": "model", "v": 1, "config": config},))
         assert d.status["plan"] == status["plan"] and d.phase == phases.RUNNING
+
+
+def test_a_multimodal_runs_plan_counts_the_vision_tower_its_model_event_reports():
+    """A model the table does not know (the ground's tiny multimodal Gemma 4, named by its
+    bucket path) gets status.plan.towers from its own vision_config and its processor's
+    tokens per image, as the trainer read them."""
+    from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4VisionModel
+
+    spec = parse_spec({"tpu": {"generation": "cpu", "topology": "2"}, "image": "img",
+                       "model": {"id": "gs://bucket/models/tiny-vision"}, "checkpoint": {"storagePath": "gs://b/c"},
+                       "training": {"towers": {"vision": "frozen"}, "maxSeqLen": 256}})
+    plan = phases.plan_for(IDENT, spec, timedelta(minutes=30))
+    status = running_status(plan=plan)
+    assert not (status.get("plan") or {}).get("towers")  # nothing known of the model yet
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, position_embedding_size=64)
+    config = Gemma4Config(text_config=Gemma4TextConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                                       num_attention_heads=2, num_key_value_heads=1,
+                                                       vocab_size=512).to_dict(),
+                          vision_config=Gemma4VisionConfig(**vision).to_dict())
+
+    class ImageProcessor:
+        max_soft_tokens = 70
+
+    event = parse_line(format_event("model", config=config_report(config, ImageProcessor())))
+    d = step(status, plan=plan, cluster=READY, job=JobView("RUNNING"), events=(event,))
+    towers = d.status["plan"]["towers"]
+    expected = sum(p.numel() for p in Gemma4VisionModel(Gemma4VisionConfig(**vision)).parameters())
+    assert towers["vision"] == "frozen" and towers["visionParameters"] == expected
+    assert towers["tokensPerImage"] == 72  # its 70 soft tokens and the two boundaries
+    assert "config.json" in towers["widthsFrom"]
+    assert "vision" not in d.status["plan"]["modelConfig"]
+    assert checked_status(d.status) is d.status

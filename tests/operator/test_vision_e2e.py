@@ -65,10 +65,15 @@ def test_a_vision_run_from_the_bucket_succeeds_and_its_export_answers_an_image_p
                           "the run to end", timeout=600, interval=2)
     assert final["phase"] == "Succeeded", (final.get("message"), final.get("trainerFailure"))
     plan = final["plan"]
-    # Planned again from the bucket model's own config.json (the trainer's `model` event). Its
-    # status.plan.towers is absent: the planner counts the towers of the models its table knows
-    # by name, and that event carries the text config only, not the vision config.
+    # Planned again from the bucket model's own config.json (the trainer's `model` event): the
+    # text widths, and the vision tower from its vision_config and the processor's tokens per
+    # image (the table does not know this model).
     assert plan["basis"] == "config" and plan["modelConfig"]["modelType"] == "gemma4_text", plan
+    towers = plan["towers"]
+    assert towers["vision"] == "frozen" and towers["visionParameters"] > 0, towers
+    assert "config.json" in towers["widthsFrom"] and towers["tokensPerImage"] < 282, towers
+    print(f"status.plan: fits {plan.get('fits')}, host {plan.get('hostBytes')} of {plan.get('hostLimitBytes')}; "
+          f"towers {towers}")
 
     export = final["exportedModelURI"]
     exported = set(ground.gcs.list(export))

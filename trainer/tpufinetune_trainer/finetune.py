@@ -103,15 +103,18 @@ def prepare_data(cfg: FinetuneConfig) -> tuple[PreparedData, int]:
     config = load_config(cfg.model_id)
     check_dense(config, cfg.model_id)  # before the slice is reserved
     # Its widths, for the operator's memory plan (status.plan), before any weight is loaded.
-    emit("model", config=config_report(config))
     if cfg.multimodal:  # rendered with the model's processor, images as references (media.py)
         from .media import load_media_processor, prepare_media
         from .model import model_source
 
         processor = load_media_processor(model_source(cfg.model_id))
+        # With the vision tower's widths and the processor's tokens per image, so the plan
+        # counts the model's own tower.
+        emit("model", config=config_report(config, processor.image_processor))
         data = prepare_media(cfg.dataset, cfg.dataset_split, processor, cfg.max_seq_len, cfg.eval_fraction, cfg.seed,
                              cfg.long_prompts, cfg.max_images_per_example)
         return data, pad_id_of(processor.tokenizer)
+    emit("model", config=config_report(config))
     tokenizer = load_tokenizer(cfg.model_id)
     if cfg.method == "dpo":  # preference pairs (preference.py), held in memory
         from .preference import prepare_pairs

@@ -85,16 +85,28 @@ def text_only_kwargs(config) -> dict:
     return {name: None for name in _TOWER_CONFIGS if getattr(config, name, None) is not None}
 
 
-def config_report(config) -> dict:
+def _scalars(settings: dict) -> dict:
+    return {key: value for key, value in settings.items()
+            if isinstance(value, (int, float, str, bool)) and not (isinstance(value, str) and len(value) > 128)}
+
+
+def config_report(config, image_processor=None) -> dict:
     """What the `model` event tells the operator of the model's config.json, so that its
     memory plan uses the model's own widths: the text model's scalar settings and its
-    `layer_types` (the operator picks what its planner reads; docs/protocol.md)."""
+    `layer_types`; for a multimodal run (`image_processor` given) also `vision_config`'s
+    scalar settings with the image processor's `max_soft_tokens` (tokens per image) (the
+    operator picks what its planner reads; docs/protocol.md)."""
     text = getattr(config, "text_config", None) or config
     settings = text.to_dict() if hasattr(text, "to_dict") else dict(text)
-    report = {key: value for key, value in settings.items()
-              if isinstance(value, (int, float, str, bool)) and not (isinstance(value, str) and len(value) > 128)}
+    report = _scalars(settings)
     if isinstance(settings.get("layer_types"), list):
         report["layer_types"] = [str(kind) for kind in settings["layer_types"]]
+    vision = getattr(config, "vision_config", None)
+    if image_processor is not None and vision is not None:
+        report["vision_config"] = _scalars(vision.to_dict() if hasattr(vision, "to_dict") else dict(vision))
+        soft_tokens = getattr(image_processor, "max_soft_tokens", None)
+        if isinstance(soft_tokens, int):
+            report["vision_config"]["max_soft_tokens"] = soft_tokens
     return report
 
 

@@ -372,7 +372,7 @@ def _plan(request: Request) -> MemoryPlan:
                         freeze_embeddings=request.freeze_embeddings, lora_embeddings=request.lora_embeddings,
                         keep_gathered=request.keep_gathered, lora_targets=request.lora_targets,
                         lora_dropout=request.lora_dropout, loss_head=request.loss_head)
-    towers = media_plan.towers_of(shape) if request.vision_tower else None
+    towers = media_plan.towers_for(shape, request.model_config) if request.vision_tower else None
     # The tower's forward transients are gone before the step's activations and logits exist.
     media = media_plan.plan(towers, request.vision_tower, shape.hidden, method, request.shard_group or devices,
                             request.max_seq_len, request.batch_per_device, 2 if gen.is_tpu else 4,

@@ -155,6 +155,21 @@ def towers_of(shape: ModelShape | None) -> ModelTowers | None:
     return MODEL_TOWERS.get(getattr(shape, "name", ""))
 
 
+def towers_for(shape: ModelShape | None, model_config: dict | None) -> ModelTowers | None:
+    """The towers a plan counts: the model's own vision_config where the trainer reported it
+    (memplan_shapes.config_from_event's `vision`; the table's audio tower kept), else the
+    table's (towers_of)."""
+    table = towers_of(shape)
+    vision = (model_config or {}).get("vision")
+    if not vision:
+        return table
+    settings = {k: v for k, v in vision.items() if k != "max_soft_tokens"}
+    return towers_from_config(settings, {"max_soft_tokens": vision.get("max_soft_tokens")},
+                              audio_parameters=table.audio_parameters if table else 0,
+                              audio_width=table.audio_width if table else 0,
+                              source="the model's config.json (vision_config) and processor, as the trainer read them")
+
+
 def vision_of(shape: ModelShape | None) -> VisionShape | None:
     """The vision tower of a model shape the table knows (None for one it does not)."""
     towers = towers_of(shape)

@@ -205,7 +205,28 @@ def config_from_event(reported) -> dict | None:
     layer_types = text.get("layer_types")
     if isinstance(layer_types, list) and all(isinstance(kind, str) for kind in layer_types):
         config["full_attention_layers"] = full_attention_layers(config["num_hidden_layers"], layer_types)
+    vision = _vision_from_event(reported.get("vision_config"))
+    if vision:
+        config["vision"] = vision
     return config
+
+
+# What the planner reads of a multimodal model's vision_config (memplan_media.vision_from_config),
+# with the image processor's tokens per image, as a multimodal run's `model` event carries them.
+VISION_INTEGERS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "patch_size", "pooling_kernel_size",
+                   "position_embedding_size", "max_soft_tokens")
+
+
+def _vision_from_event(reported) -> dict:
+    """The vision tower's widths the trainer reported ({} when none, or any is not a positive
+    integer: the plan then keeps the table's tower, or none)."""
+    if not isinstance(reported, dict):
+        return {}
+    vision = {key: reported[key] for key in VISION_INTEGERS if reported.get(key) is not None}
+    if any(isinstance(v, bool) or not isinstance(v, int) or not 0 < v < _LARGEST for v in vision.values()):
+        return {}
+    return vision if {"num_hidden_layers", "hidden_size"} <= set(vision) else {}
 
 
 def config_status(config: dict) -> dict:
@@ -213,4 +234,4 @@ def config_status(config: dict) -> dict:
     def camel(key: str) -> str:
         head, *rest = key.split("_")
         return head + "".join(part.capitalize() for part in rest)
-    return {camel(key): value for key, value in config.items()}
+    return {camel(key): value for key, value in config.items() if key != "vision"}  # in status.plan.towers

@@ -77,9 +77,12 @@ class TowersPlanStatus(_Status):
     bytes_per_device: int | None = Field(None, ge=0, description="What the tower and projector add per device "
                                                                  "(weights, trained state, activations), within "
                                                                  "perChipHBMBytes.")
-    activation_bytes: int | None = Field(None, ge=0, description="Of it, the tower's activations at the "
-                                                                 "processor's image resolution, the pixels and the "
-                                                                 "projected soft tokens of a micro-batch.")
+    activation_bytes: int | None = Field(None, ge=0, description="The tower's activations at the processor's "
+                                                                 "image resolution, the pixels and the projected "
+                                                                 "soft tokens of a micro-batch (what its forward "
+                                                                 "alone holds is gone before the language model's "
+                                                                 "step: only what exceeds that step's is in "
+                                                                 "bytesPerDevice).")
     tokens_per_image: int | None = Field(None, ge=1, description="Tokens one image takes in a block at most "
                                                                  "(its soft tokens and two boundary tokens).")
     images_per_block: int | None = Field(None, ge=1, description="Images planned per block: as many as "
