@@ -473,8 +473,6 @@ TOWERS_INVALID: list[Invalid] = [
             admission=validation.MEDIA_TOKENS_MESSAGE),
     Invalid("towers-with-dpo", spec_with(training={"method": "dpo", "towers": {}}),
             "spec.training.towers", validation.TOWERS_WITH_MESSAGE),
-    Invalid("towers-with-generate", spec_with(training={"evaluation": {"generate": {}}, "towers": {}}),
-            "spec.training.towers", validation.TOWERS_WITH_MESSAGE),
     Invalid("towers-with-tokens-per-step", spec_with(training={"tokensPerStep": 32768, "towers": {}}),
             "spec.training.towers", validation.TOWERS_WITH_MESSAGE),
     Invalid("towers-with-loss-on-all", spec_with(training={"lossOn": "all", "towers": {}}),
@@ -506,4 +504,6 @@ TOWERS_ACCEPTED = [
     # A model the table does not know: its processor's tokens are the trainer's to check.
     spec_with(model={"id": "gs://my-bucket/models/my-gemma"}, training={"towers": {"maxImagesPerExample": 64}}),
     spec_with(model={"initFrom": {"run": "sft-vision"}}, training={"maxSeqLen": 564, "towers": {"maxImagesPerExample": 2}}),
+    # Each epoch's answers to held-out image prompts, asked with their images.
+    spec_with(training={"evaluation": {"generate": {"examples": 16}, "keepBestBy": "exactMatch"}, "towers": {}}),
 ]

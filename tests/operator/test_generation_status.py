@@ -78,6 +78,28 @@ def test_an_eval_key_a_newer_operator_wrote_is_carried_beside_this_versions_entr
     assert checked_status(status, read_back) is status
 
 
+def test_an_epochs_first_answers_are_kept_with_the_images_a_multimodal_prompt_was_asked_with():
+    from tpufinetune.core.evalstatus import GENERATION_IMAGE_LIMIT, GENERATION_SAMPLE_LIMIT, GENERATION_TEXT_LIMIT
+
+    image = "gs://b/data/images/00007.png"
+    answers = [{"prompt": "What colour is this picture?", "reference": "The picture is red.",
+                "output": "The picture is red.", "images": [image]},
+               {"prompt": "p", "reference": "r" * 999, "output": "o",
+                "images": ["gs://b/" + "d/" * 400 + "x.png"] * 99}] + \
+              [{"prompt": "p", "reference": "r", "output": f"answer {k}", "images": []} for k in range(9)]
+    status = status_of(epoch(1, **generated(1, 0.5, 0.7, 30.0), eval_samples=answers),
+                       epoch(2, **generated(2, 0.5, 0.7, 30.0), eval_samples=[{"output": "text", "reference": "t"}]))
+    first = status["history"][0]["eval"]["samples"]
+    assert len(first) == GENERATION_SAMPLE_LIMIT
+    assert first[0] == {"output": "The picture is red.", "reference": "The picture is red.", "images": [image]}
+    assert len(first[1]["reference"]) == GENERATION_TEXT_LIMIT and len(first[1]["images"]) == GENERATION_IMAGE_LIMIT
+    assert first[1]["images"][0].endswith("/d/x.png") and len(first[1]["images"][0]) == GENERATION_TEXT_LIMIT
+    assert status["history"][1]["eval"]["samples"] == [{"output": "text", "reference": "t"}]  # a text run's: no images
+    assert checked_status(status) is status  # every key declared (the API server would prune one that is not)
+    dumped = TPUFineTuneStatus.model_validate(status).model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert dumped["history"] == status["history"]
+
+
 def test_the_keys_read_are_the_trainers():
     from tpufinetune_trainer import generation
 

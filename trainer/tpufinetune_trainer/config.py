@@ -158,9 +158,8 @@ class FinetuneConfig(SliceConfig):
             raise ConfigError(f"--max-images-per-example {self.max_images_per_example}: at least 1")
         if not self.multimodal:
             return
-        for given, why in ((self.method == "dpo", "--method dpo"), (self.generate_examples > 0, "--generate-examples"),
-                           (self.tokens_per_step > 0, "--tokens-per-step"), (self.loss_on != "responses",
-                                                                             "--loss-on all"),
+        for given, why in ((self.method == "dpo", "--method dpo"), (self.tokens_per_step > 0, "--tokens-per-step"),
+                           (self.loss_on != "responses", "--loss-on all"),
                            (self.prompt_format == "tutorial", "--prompt-format tutorial (images need the model's "
                                                                "chat template)"),
                            (self.dataset_format not in ("auto", "messages"),

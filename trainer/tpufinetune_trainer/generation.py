@@ -18,7 +18,11 @@ rank is. Rank 0 gathers the answers, scores them (`score`: pure, no model) and w
 prompts, responses and answers as JSON lines beside the checkpoints:
 
     <storage>/<run name>/eval-samples/epoch-N.jsonl
-"""
+
+A multimodal run's prompt is asked with its example's images (media.with_images): their
+pixels made on each rank by the run's image processor (the method's media.Pixels, as the
+loss's and the export proof's are), a batch's images in its prompts' order; each sample
+names its images (`images`), in the file and in the epoch event's first samples."""
 
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ DEFAULT_METRICS = ",".join(GENERATION_METRICS)
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_NEW_TOKENS = 2048
 MAX_EXAMPLES = 4096
+# The epoch event carries its first answers (prompt's end, reference, answer, images), the rest in the file.
+EVENT_SAMPLES = 8
+EVENT_TEXT_CHARS = 160
 # Each metric's key in the epoch's metrics (the `epoch` event, the checkpoint's score, eval/* in
 # TensorBoard), and the answers scored.
 METRIC_KEYS = {"exactMatch": "eval_exact_match", "rougeL": "eval_rouge_l", "bleu": "eval_bleu"}
@@ -55,6 +62,9 @@ class HeldOut:
 
     prompt: list[int]
     response: list[int]
+    block: int = -1  # where it is in the held-out blocks (its segment of that block)
+    segment: int = -1
+    images: list[str] | None = None  # a multimodal run's (media.with_images)
 
 
 def held_out(packed, count: int, ignore_index: int = -100) -> list[HeldOut]:
@@ -73,7 +83,7 @@ def held_out(packed, count: int, ignore_index: int = -100) -> list[HeldOut]:
             first = next((k for k, label in enumerate(labels) if label != ignore_index), len(labels))
             end = next((k for k in range(first, len(labels)) if labels[k] == ignore_index), len(labels))
             if 0 < first < end:
-                found.append(HeldOut(ids[:first], ids[first:end]))
+                found.append(HeldOut(ids[:first], ids[first:end], block, int(segment)))
             if len(found) == count:
                 return found
     return found
@@ -86,30 +96,35 @@ def rank_share(total: int, rank: int, world: int) -> tuple[list[int], int]:
 
 
 def generate_share(model, prompts: list[list[int]], rank: int, world: int, max_new_tokens: int, pad_id: int,
-                   eos_ids: list[int], device, batch_size: int | None = None) -> dict[int, list[int]]:
+                   eos_ids: list[int], device, batch_size: int | None = None, images: list[list[str]] | None = None,
+                   pixels=None) -> dict[int, list[int]]:
     """Greedy answers (token ids, up to the first end token) to this rank's share of `prompts`,
     by index. Collective: every rank calls it with the same prompts; its share padded with
     copies of a prompt to the common count, answered `batch_size` prompts at a time (the
     training micro-batch: its cache holds far less a token than a training step's saved
-    activations), each batch left padded."""
+    activations), each batch left padded. `images` (a multimodal run): each prompt's images,
+    `pixels(locations, device)` their model inputs (media.Pixels), a batch's in its order."""
     indices, per_rank = rank_share(len(prompts), rank, world)
     if per_rank == 0:
         return {}
-    filler = prompts[indices[0] if indices else 0]  # a copy of its own first prompt where it has one
-    batch = [prompts[i] for i in indices] + [filler] * (per_rank - len(indices))
+    filler = indices[0] if indices else 0  # a copy of its own first prompt where it has one
+    batch = indices + [filler] * (per_rank - len(indices))
     size = batch_size or per_rank
     answers = {}
     for first in range(0, per_rank, size):  # as many batches on every rank (per_rank is common)
         chunk = batch[first:first + size]
-        for offset, tokens in enumerate(_greedy(model, chunk, max_new_tokens, pad_id, eos_ids, device, world)):
+        inputs = pixels([loc for i in chunk for loc in images[i]], device) if images is not None else {}
+        for offset, tokens in enumerate(_greedy(model, [prompts[i] for i in chunk], max_new_tokens, pad_id, eos_ids,
+                                                device, world, inputs)):
             if first + offset < len(indices):
                 answers[indices[first + offset]] = tokens
     return answers
 
 
 def _greedy(model, batch: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids: list[int], device,
-            world: int) -> list[list[int]]:
-    """One left-padded batch's greedy answers, each up to its first end token."""
+            world: int, inputs: dict | None = None) -> list[list[int]]:
+    """One left-padded batch's greedy answers, each up to its first end token; `inputs` its
+    images' (pixel_values, image_position_ids), if it has images."""
     import torch
 
     width = max(len(p) for p in batch)
@@ -121,7 +136,7 @@ def _greedy(model, batch: list[list[int]], max_new_tokens: int, pad_id: int, eos
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                  use_cache=True, pad_token_id=pad_id, eos_token_id=eos_ids or None,
-                                 synced_gpus=world > 1)
+                                 synced_gpus=world > 1, **(inputs or {}))
     finally:
         model.train(was_training)
     answers = []
@@ -152,10 +167,26 @@ def score(outputs: list[str], references: list[str], metrics: list[str]) -> dict
     return found
 
 
-def samples_text(prompts: list[str], references: list[str], outputs: list[str]) -> str:
+def sample_records(prompts: list[str], references: list[str], outputs: list[str],
+                   images: list[list[str] | None] | None = None) -> list[dict]:
+    """Each answer's record: its prompt, reference and answer, and (a multimodal run) its images."""
+    images = images or [None] * len(outputs)
+    return [{"prompt": p, "reference": r, "output": o, **({"images": list(i)} if i is not None else {})}
+            for p, r, o, i in zip(prompts, references, outputs, images)]
+
+
+def samples_text(prompts: list[str], references: list[str], outputs: list[str],
+                 images: list[list[str] | None] | None = None) -> str:
     """The JSON lines of eval-samples/epoch-N.jsonl."""
-    return "".join(json.dumps({"prompt": p, "reference": r, "output": o}, ensure_ascii=False) + "\n"
-                   for p, r, o in zip(prompts, references, outputs))
+    return "".join(json.dumps(record, ensure_ascii=False) + "\n"
+                   for record in sample_records(prompts, references, outputs, images))
+
+
+def event_samples(records: list[dict]) -> list[dict]:
+    """The epoch event's: the first EVENT_SAMPLES records, the prompt its end and each text cut."""
+    return [{**record, "prompt": record["prompt"][-EVENT_TEXT_CHARS:],
+             "reference": record["reference"][:EVENT_TEXT_CHARS], "output": record["output"][:EVENT_TEXT_CHARS]}
+            for record in records[:EVENT_SAMPLES]]
 
 
 def write_samples(uri: str, text: str) -> None:
@@ -182,8 +213,11 @@ def evaluate_generation(trainer) -> tuple[dict, dict]:
     ends = [end_ids(trainer.model, trainer.tokenizer, items) if trainer.rank == 0 else None]
     dist.broadcast_object_list(ends, src=0, group=trainer.cpu_group)
     eos_ids = ends[0]
+    # A multimodal run's prompts are asked with their images, made by the run's image processor.
+    images = [item.images or [] for item in items] if cfg.multimodal else None
     mine = generate_share(trainer.model, prompts, trainer.rank, trainer.world, cfg.generate_max_new_tokens,
-                          trainer.pad_id, eos_ids, trainer.device, batch_size=cfg.batch_size_per_device)
+                          trainer.pad_id, eos_ids, trainer.device, batch_size=cfg.batch_size_per_device,
+                          images=images, pixels=trainer.method.pixels if cfg.multimodal else None)
     gathered = [None] * trainer.world if trainer.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0, group=trainer.cpu_group)
     metrics, record = _score_on_rank0(trainer, items, gathered) if trainer.rank == 0 else ({}, {})
@@ -201,10 +235,13 @@ def _score_on_rank0(trainer, items: list[HeldOut], gathered: list[dict]) -> tupl
     decode = trainer.tokenizer.decode
     outputs = [decode(answers[i], skip_special_tokens=True).strip() for i in range(len(items))]
     references = [decode(item.response, skip_special_tokens=True).strip() for item in items]
-    prompt_texts = [decode(item.prompt, skip_special_tokens=False) for item in items]
+    # A multimodal prompt's image soft tokens are special: left out, as the export proof leaves them.
+    prompt_texts = [decode(item.prompt, skip_special_tokens=cfg.multimodal) for item in items]
     scores = score(outputs, references, parse_metrics(cfg.generate_metrics))
     uri = samples_uri(cfg.storage_path, cfg.run_name, trainer.epoch)
-    text = samples_text(prompt_texts, references, outputs)
+    images = [item.images for item in items]
+    records = sample_records(prompt_texts, references, outputs, images)
+    text = samples_text(prompt_texts, references, outputs, images)
     try:
         write_samples(uri, text)
     except Exception as exc:  # noqa: BLE001 - storage trouble must never stop training
@@ -212,7 +249,8 @@ def _score_on_rank0(trainer, items: list[HeldOut], gathered: list[dict]) -> tupl
         uri = None
     metrics = {METRIC_KEYS[name]: round(value, 4) for name, value in scores.items()}
     metrics[EXAMPLES_KEY] = len(items)
-    return metrics, {"uri": uri, "outputs": outputs, "references": references, "prompts": prompt_texts}
+    return metrics, {"uri": uri, "outputs": outputs, "references": references, "prompts": prompt_texts,
+                     "samples": event_samples(records)}
 
 
 def end_ids(model, tokenizer, items: list[HeldOut]) -> list[int]:
@@ -224,7 +262,11 @@ def end_ids(model, tokenizer, items: list[HeldOut]) -> list[int]:
     if ids is None:
         ids = getattr(getattr(model, "config", None), "eos_token_id", None)
     found = [] if ids is None else [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+    # Named special tokens, and added ones marked special (decoding skips them; a tokenizer with
+    # named media tokens may list its end of turn only there).
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    special |= {i for i, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+                if getattr(token, "special", False)}
     found += sorted({t for item in items for t in item.response if t in special} - set(found))
     return found
 

@@ -351,22 +351,44 @@ def prepare_media(dataset: str, split: str, processor: MediaProcessor, max_seq_l
                         dataset_format="messages", prompt_format="chat")
 
 
+def segment_images(packed: MediaPacked, block: int, boi: int) -> dict[int, list[str]]:
+    """Each example (segment) of a packed block with its images, in the block's order: the
+    block's images, as many to an example as its <|image> tokens."""
+    real = int(packed.real_tokens[block])
+    segments, taken, found = packed.segment_ids[block][:real], 0, {}
+    for segment in dict.fromkeys(segments.tolist()):
+        images = int((packed.input_ids[block][:real][segments == segment] == boi).sum())
+        found[segment] = list(packed.media[block][taken:taken + images])
+        taken += images
+    return found
+
+
+def boi_id(tokenizer) -> int:
+    return int(tokenizer.convert_tokens_to_ids(tokenizer.boi_token))
+
+
 def proof_images(eval_data, examples, count: int, tokenizer) -> list[list[str]]:
     """The images of export.proof_prompts' prompts, in its order: each held-out example's
-    (its block's images, as many as its <|image> tokens), else each training example's."""
-    boi = int(tokenizer.convert_tokens_to_ids(tokenizer.boi_token))
+    (`segment_images`), else each training example's."""
     found: list[list[str]] = []
     if eval_data is not None:
         for block in range(len(eval_data)):
-            real = int(eval_data.real_tokens[block])
-            segments, taken = eval_data.segment_ids[block][:real], 0
-            for segment in dict.fromkeys(segments.tolist()):
-                images = int((eval_data.input_ids[block][:real][segments == segment] == boi).sum())
-                found.append(list(eval_data.media[block][taken:taken + images]))
-                taken += images
+            for images in segment_images(eval_data, block, boi_id(tokenizer)).values():
+                found.append(images)
                 if len(found) == count:
                     return found
     return found + [list(examples.media[i]) for i in range(count - len(found))]
+
+
+def with_images(items: list, packed: MediaPacked, boi: int) -> list:
+    """generation.held_out's items, each with its example's images (`segment_images`): a
+    multimodal run's held-out prompts are answered with their images."""
+    blocks: dict[int, dict] = {}
+    for item in items:
+        if item.block not in blocks:
+            blocks[item.block] = segment_images(packed, item.block, boi)
+        item.images = blocks[item.block][item.segment]
+    return items
 
 
 def image_groups(input_ids, image_token_id: int):

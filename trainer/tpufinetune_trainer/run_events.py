@@ -167,7 +167,8 @@ class RunEvents:
         self.print_epoch(metrics)
         emit("epoch", epochs=self.cfg.num_epochs, steps=m["steps"], total_steps=self.total_steps,
              batch_shapes=m["batch_shapes"], **metrics,
-             **({"eval_samples_uri": samples["uri"], "generate_s": round(samples["seconds"], 3)} if samples else {}))
+             **({"eval_samples_uri": samples["uri"], "generate_s": round(samples["seconds"], 3),
+                 "eval_samples": samples["samples"]} if samples else {}))
 
     def checkpoint_event(self, entry: dict, epoch_end: bool) -> None:
         """Rank 0: a checkpoint complete on every rank, and the early stop it decided, if it did."""

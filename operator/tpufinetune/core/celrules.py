@@ -369,8 +369,8 @@ def training_rules() -> list[dict]:
             *evaluation_rules(dpo),
             {"rule": "!has(self.towers) || !has(self.towers.audio)",
              "message": TOWERS_AUDIO_MESSAGE, "fieldPath": ".towers.audio", "reason": "FieldValueForbidden"},
-            {"rule": (f"!has(self.towers) || !({dpo} || (has(self.evaluation) && has(self.evaluation.generate)) || "
-                      "has(self.tokensPerStep) || (has(self.lossOn) && self.lossOn == 'all'))"),
+            {"rule": (f"!has(self.towers) || !({dpo} || has(self.tokensPerStep) || "
+                      "(has(self.lossOn) && self.lossOn == 'all'))"),
              "message": TOWERS_WITH_MESSAGE, "fieldPath": ".towers", "reason": "FieldValueForbidden"},
             {"rule": ("!has(self.towers) || !has(self.towers.vision) || self.towers.vision != 'trained' || "
                       "!has(self.method) || self.method == 'full'"),

@@ -8,6 +8,23 @@ from tpufinetune.core.lmevalstatus import LmEvalStatus  # noqa: F401  (status.ev
 from tpufinetune.core.statusbase import _Status
 
 
+# Bounds of history[].eval.samples: an epoch's first answers, each text cut, a prompt's first images (the
+# full record is the epoch's samples file).
+GENERATION_SAMPLE_LIMIT = 3
+GENERATION_TEXT_LIMIT = 256
+GENERATION_IMAGE_LIMIT = 8
+
+
+class GenerationSample(_Status):
+    """One held-out prompt's greedy answer of the epoch."""
+
+    output: str = Field(max_length=GENERATION_TEXT_LIMIT, description="The answer (its start).")
+    reference: str | None = Field(None, max_length=GENERATION_TEXT_LIMIT,
+                                  description="The held-out response it is scored against (its start).")
+    images: list[str] | None = Field(None, max_length=GENERATION_IMAGE_LIMIT, description="A multimodal run's: the "
+                                     "images the prompt was asked with, where they were read (each its end).")
+
+
 class GenerationMetrics(_Status):
     """An epoch's generation metrics (spec.training.evaluation.generate): greedy answers to held-out
     prompts scored against their responses."""
@@ -19,4 +36,6 @@ class GenerationMetrics(_Status):
     examples: int | None = Field(None, ge=0, description="Answers scored.")
     samples_uri: str | None = Field(None, alias="samplesURI", max_length=4096,
                                     description="The prompts, responses and answers, one JSON line each.")
+    samples: list[GenerationSample] | None = Field(None, max_length=GENERATION_SAMPLE_LIMIT,
+                                                   description="The epoch's first answers (all in samplesURI).")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 
+from tpufinetune.core.evalstatus import GENERATION_IMAGE_LIMIT, GENERATION_SAMPLE_LIMIT, GENERATION_TEXT_LIMIT
 from tpufinetune.core.status import (CURVE_LIMIT, EXPORT_IMAGE_LIMIT, EXPORT_SAMPLE_LIMIT, EXPORT_TEXT_LIMIT,
                                      checked_status)
 
@@ -96,7 +97,20 @@ def _generation(event: dict) -> dict:
         found["examples"] = event["eval_generated"]
     if isinstance(event.get("eval_samples_uri"), str):
         found["samplesURI"] = event["eval_samples_uri"]
+    samples = [_generation_sample(s) for s in event.get("eval_samples") or [] if isinstance(s, dict)]
+    if samples:
+        found["samples"] = samples[:GENERATION_SAMPLE_LIMIT]
     return found
+
+
+def _generation_sample(sample: dict) -> dict:
+    """history[].eval.samples[]: an answer and its reference, each its start, and a multimodal
+    run's images (which images the prompt was asked with), each its end."""
+    kept = {k: str(sample[k])[:GENERATION_TEXT_LIMIT] for k in ("output", "reference") if sample.get(k) is not None}
+    kept.setdefault("output", "")
+    if isinstance(sample.get("images"), list):
+        kept["images"] = [str(image)[-GENERATION_TEXT_LIMIT:] for image in sample["images"][:GENERATION_IMAGE_LIMIT]]
+    return kept
 
 
 def _on_checkpoint(status: dict, event: dict) -> None:

@@ -117,8 +117,8 @@ TOWERS_MODE_MESSAGE = "applies to mode finetune only: a collectives check trains
 MEDIA_TOKENS_MESSAGE = ("is more images than a block holds: each takes its processor's tokens (Gemma 4: 280 soft "
                         "tokens and a begin and an end token, 282 an image), and maxImagesPerExample of them exceed "
                         "training.maxSeqLen; lower maxImagesPerExample or raise maxSeqLen")
-TOWERS_WITH_MESSAGE = ("does not apply yet with method dpo, training.evaluation.generate, tokensPerStep or lossOn "
-                       "all (the trainer's multimodal path has none of them); remove towers or those settings")
+TOWERS_WITH_MESSAGE = ("does not apply yet with method dpo, tokensPerStep or lossOn all (the trainer's multimodal "
+                       "path has none of them); remove towers or those settings")
 TOWERS_TRAINED_MESSAGE = ("trained applies to method full only: with LoRA the towers stay frozen (adapters train on "
                           "the language model alone); set method full, or vision: frozen")
 TOWERS_EXPORT_MESSAGE = ("must stay true with training.towers: the adapter alone would lack the trained vision "
@@ -229,8 +229,7 @@ def _check_towers(spec: SpecFields) -> None:
     if spec.mode == "collectives":
         raise SpecError("spec.training.towers", TOWERS_MODE_MESSAGE)
     training = spec.training
-    if (training.method == "dpo" or (training.evaluation is not None and training.evaluation.generate is not None)
-            or training.tokens_per_step is not None or training.loss_on == "all"):
+    if training.method == "dpo" or training.tokens_per_step is not None or training.loss_on == "all":
         raise SpecError("spec.training.towers", TOWERS_WITH_MESSAGE)
     if towers.vision == "trained" and training.method not in (None, "full"):
         raise SpecError("spec.training.towers.vision", TOWERS_TRAINED_MESSAGE)

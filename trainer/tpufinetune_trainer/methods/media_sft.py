@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import IGNORE_INDEX
-from ..media import Pixels, fill_media_blocks, image_groups, load_media_processor, sees_images_whole
+from ..media import Pixels, fill_media_blocks, image_groups, load_media_processor, sees_images_whole, with_images
 from .sft import SFT
 
 
@@ -35,7 +35,10 @@ class MediaSFT(SFT):
     def prepare(self, trainer, eval_data):
         from ..model import model_source
 
-        self.pixels = Pixels(load_media_processor(model_source(self.cfg.model_id)).image_processor)
+        processor = load_media_processor(model_source(self.cfg.model_id))
+        self.pixels = Pixels(processor.image_processor)
+        # Each epoch's held-out prompts are answered with their images (generation.py).
+        with_images(trainer.generation_items, eval_data, processor.ids(processor.boi_token))
         return eval_data
 
     def loss_sum(self, trainer, batch: dict, cap: int | None, training: bool = True):
