@@ -81,7 +81,8 @@ def _text(sample: dict, key: str) -> str:
 
 def samples_listing(epoch: int, uri: str, samples: list[dict], limit: int | None) -> str:
     """A heading (the answers, how many equal their reference, where they are), then each
-    sample shown: its number, whether its answer is an exact match, the prompt's end, the
+    sample shown: its number, whether its answer is an exact match, the prompt's end, a
+    multimodal run's images (where the images the prompt was asked with were read), the
     reference and the answer."""
     shown = samples if limit is None else samples[:limit]
     matching = sum(answer_matches(_text(s, "output"), _text(s, "reference")) for s in samples)
@@ -91,7 +92,9 @@ def samples_listing(epoch: int, uri: str, samples: list[dict], limit: int | None
     lines = [heading, f"({_printable(uri)})"]
     for number, sample in enumerate(shown, start=1):
         answer, reference = _text(sample, "output"), _text(sample, "reference")
+        images = sample.get("images")
         lines += ["", f"#{number}  {'exact match' if answer_matches(answer, reference) else 'differs'}",
-                  *_field("prompt", prompt_tail(_text(sample, "prompt"))), *_field("reference", reference),
-                  *_field("answer", answer)]
+                  *_field("prompt", prompt_tail(_text(sample, "prompt"))),
+                  *(_field("images", "\n".join(map(str, images))) if isinstance(images, list) and images else []),
+                  *_field("reference", reference), *_field("answer", answer)]
     return "\n".join(lines) + "\n"

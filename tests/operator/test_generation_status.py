@@ -238,6 +238,19 @@ def test_each_sample_shows_the_prompts_end_the_reference_the_answer_and_whether_
         parse_samples(text.splitlines()[0] + "\n{truncated")
 
 
+def test_a_multimodal_sample_shows_the_images_its_prompt_was_asked_with():
+    from tpufinetune_trainer import generation
+
+    images = ["gs://b/data/images/00007.png", "gs://b/data/images/00008.png"]
+    text = generation.samples_text(["What colour is this picture?", "Say hi"], ["The picture is red."] + ["hi"],
+                                   ["The picture is red.", "hi"], [images, None])
+    listing = samples_listing(1, "u", parse_samples(text), None).splitlines()
+    assert listing[3:9] == ["#1  exact match", "  prompt     What colour is this picture?",
+                            f"  images     {images[0]}", f"             {images[1]}",
+                            "  reference  The picture is red.", "  answer     The picture is red."]
+    assert listing[9:] == ["", "#2  exact match", "  prompt     Say hi", "  reference  hi", "  answer     hi"]
+
+
 def test_the_match_marked_is_the_trainers_exact_match():
     from tpufinetune_trainer import generation
 
