@@ -190,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--vision-tower", default="", choices=["frozen", "trained"],
                     help="a multimodal run: the whole model is loaded with its towers and the data rendered with "
                          "its processor (image parts); frozen: the vision tower takes no gradient (its projector "
-                         "trains); absent: a text run on the language model only")
+                         "trains); trained: the tower trains too (with --method lora, adapters on its attention and "
+                         "MLP projections named in --lora-target-modules); absent: a text run on the language model "
+                         "only")
     ft.add_argument("--audio-tower", default="", choices=["frozen", "trained"],
                     help="audio fine-tuning is not built yet: refused")
     ft.add_argument("--max-images-per-example", type=int, default=1,

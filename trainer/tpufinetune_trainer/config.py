@@ -166,9 +166,6 @@ class FinetuneConfig(SliceConfig):
                             f"--dataset-format {self.dataset_format} (images come in 'messages' rows)")):
             if given:
                 raise ConfigError(f"{why} does not apply to a multimodal run (--vision-tower) yet; drop it")
-        if self.method == "lora" and self.vision_tower == "trained":
-            raise ConfigError("--vision-tower trained with --method lora: adapters on the vision tower are not built "
-                              "yet; use --vision-tower frozen (the projector still trains) or --method full")
         if self.method == "lora" and not self.lora_export_merged:
             raise ConfigError("--lora-export-merged false with --vision-tower: the adapter alone would lack the "
                               "trained vision projector; export merged (the default)")

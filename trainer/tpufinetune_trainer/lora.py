@@ -44,9 +44,15 @@ TARGET_MODULES = {
 }
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODULE_NAMES = tuple(dict.fromkeys(name for names in TARGET_MODULES.values() for name in names))
-# Multimodal towers are never adapted (a text fine-tune drops them; the export adds them back
-# from the base, and peft must not match their projections when it loads the adapter).
+# Multimodal towers are not adapted (a text fine-tune drops them; the export adds them back
+# from the base, and peft must not match their projections when it loads the adapter) ...
 EXCLUDE_MODULES = r".*(vision_tower|audio_tower|embed_vision|embed_audio).*"
+# ... except the vision tower with --vision-tower trained: adapters on its attention and MLP
+# projections named in --lora-target-modules. Gemma 4's tower wraps each projection's Linear
+# in a Gemma4ClippableLinear, as `<name>.linear`, the layer adapted.
+TOWER = "vision_tower"
+TOWER_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TOWER_LINEAR = "linear"
 ADAPTER_NAME = "default"
 # The input embedding's module name in every family of the table (peft's modules_to_save
 # matches modules by this name).
@@ -62,6 +68,46 @@ def family_of(config) -> str | None:
     """The model family of a transformers config (its model_type), or None if not in the table."""
     model_type = str(getattr(config, "model_type", "") or "")
     return next((family for family in TARGET_MODULES if model_type.startswith(family)), None)
+
+
+def adapts_tower(cfg) -> bool:
+    """LoRA on a multimodal run whose vision tower trains: adapters on the tower too."""
+    return getattr(cfg, "vision_tower", "") == "trained"
+
+
+def tower_names(names: list[str]) -> list[str]:
+    return [name for name in names if name in TOWER_TARGET_MODULES]
+
+
+def target_modules(cfg):
+    """peft's target_modules: the names (peft matches a module by its name's last parts; the
+    towers excluded by EXCLUDE_MODULES), or with adapters on the vision tower one pattern
+    (peft matches it whole, and excludes nothing beside it): the names outside the towers and
+    the tower's projections, since a name alone would also match the tower's wrappers."""
+    names = parse_modules(cfg.lora_target_modules)
+    if not adapts_tower(cfg):
+        return names
+    text, tower = ("|".join(re.escape(name) for name in chosen) for chosen in (names, tower_names(names)))
+    outside = EXCLUDE_MODULES.removeprefix(".*").removesuffix(".*")
+    return rf"(?!.*\.{outside}\.)(?:.*\.)?(?:{text})|.*\.{TOWER}\..*\.(?:{tower})\.{TOWER_LINEAR}"
+
+
+def check_tower_targets(model, names: list[str]) -> None:
+    """With adapters on the vision tower: at least one name is one of the tower's projections,
+    and the tower has them as `<name>.linear` Linear layers (Gemma 4's); a ModelError otherwise."""
+    import torch
+
+    wanted = tower_names(names)
+    if not wanted:
+        raise ModelError(f"{FIELD}: --vision-tower trained with LoRA puts adapters on the vision tower's "
+                         f"projections, and none of {', '.join(names)} is one; add some of "
+                         f"{', '.join(TOWER_TARGET_MODULES)}")
+    found = {name.split(".")[-2] for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear) and f".{TOWER}." in f".{name}"
+             and name.endswith(f".{TOWER_LINEAR}")}
+    if not set(wanted) & found:
+        raise ModelError(f"{FIELD}: this model's vision tower has no {', '.join(wanted)} projection LoRA can adapt "
+                         "(adapters on a vision tower are built for Gemma 4's); use --vision-tower frozen")
 
 
 def check_targets(model, names: list[str]) -> None:
@@ -88,7 +134,8 @@ def lora_config(cfg, saved: bool = False):
     extra = ({"modules_to_save": [EMBEDDING_MODULE], "ensure_weight_tying": True}
              if saved and cfg.lora_train_embeddings else {})
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=parse_modules(cfg.lora_target_modules), exclude_modules=EXCLUDE_MODULES,
+                      target_modules=target_modules(cfg),
+                      exclude_modules=None if adapts_tower(cfg) else EXCLUDE_MODULES,
                       bias="none", task_type="CAUSAL_LM", base_model_name_or_path=cfg.model_id, **extra)
 
 
@@ -111,6 +158,8 @@ def inject(model, cfg) -> None:
     from peft import inject_adapter_in_model
 
     check_targets(model, parse_modules(cfg.lora_target_modules))
+    if adapts_tower(cfg):
+        check_tower_targets(model, parse_modules(cfg.lora_target_modules))
     trained = {id(p) for p in input_embedding(model).parameters()} if cfg.lora_train_embeddings else set()
     if getattr(cfg, "multimodal", False):  # the vision projector trains in full beside the adapters (media.py)
         from .media import towers

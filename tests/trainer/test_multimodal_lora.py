@@ -1,0 +1,108 @@
+"""LoRA with the vision tower trained (--method lora --vision-tower trained): adapters on the
+tower's own attention and MLP projections beside the language model's, the projector in
+full, every base weight frozen in bf16; the merged export folds the tower's adapters into
+its weights and loads whole; the run still learns what only the image tells."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_multimodal import (BLOCK, greedy, model_attention, no_ray_report, processor, trainer_of,  # noqa: F401 - fixtures
+                             vision)
+
+from tpufinetune_trainer import lora, media, vision_assets
+from tpufinetune_trainer.data import split_eval
+from tpufinetune_trainer.errors import ModelError
+
+TOWER_PROJECTION = "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear"
+
+
+def full(param):
+    from torch.distributed.tensor import DTensor
+
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+
+def exported(directory, name: str):
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise KeyError(name)
+
+
+@pytest.mark.timeout(120)
+def test_lora_on_a_trained_vision_tower_adapts_its_projections_and_the_export_merges_them(
+        vision, processor, process_group, no_ray_report, tmp_path):
+    """What trains: the language model's adapters, the tower's adapters on each of its
+    attention and MLP projections, and the projector in full; the tower's base is frozen in
+    bf16. The merged export holds the tower's q_proj as base + alpha/r x B A."""
+    _, model, data_file = vision
+    data = media.prepare_media(str(data_file), "train[:32]", processor, BLOCK, 0.0, 42)
+    trainer = trainer_of(model, data, tmp_path, processor, method="lora", vision_tower="trained", eval_fraction=0.0,
+                         num_epochs=1, checkpoint_score_attribute="loss", learning_rate=1e-2)
+    parts = media.towers(trainer.model)
+    trained = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
+    tower_adapters = {n for n in trained if ".vision_tower." in n}
+    assert trained == {n for n in trained if lora.is_adapter(n) or ".embed_vision." in n}, sorted(trained)
+    assert {n.split(".")[-5] for n in tower_adapters} == set(lora.TOWER_TARGET_MODULES), sorted(tower_adapters)
+    assert all(n.split(".")[-4] == "linear" for n in tower_adapters)
+    assert any(".language_model." in n for n in trained) and any(".embed_vision." in n for n in trained)
+    assert all(p.dtype == torch.bfloat16 for n, p in parts["vision_tower"].named_parameters() if not lora.is_adapter(n))
+    assert not any(p.requires_grad for p in parts["audio_tower"].parameters())
+    before = {name: full(p) for name, p in trainer.model.named_parameters()}
+
+    trainer.run()  # one epoch, its checkpoint, the merged export and its proof
+
+    after = {name: full(p) for name, p in trainer.model.named_parameters()}
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed <= trained, sorted(changed - trained)
+    assert any(".vision_tower." in n and "lora_B" in n for n in changed), sorted(changed)
+    base = after[f"{TOWER_PROJECTION}.base_layer.weight"]
+    a, b = after[f"{TOWER_PROJECTION}.lora_A.default.weight"], after[f"{TOWER_PROJECTION}.lora_B.default.weight"]
+    assert b.abs().max() > 0
+    export = tmp_path / "vision" / "export"
+    merged = exported(export, f"{TOWER_PROJECTION}.weight")
+    want = (base.float() + trainer.cfg.lora_alpha / trainer.cfg.lora_rank * (b.float() @ a.float())).to(merged.dtype)
+    assert torch.equal(merged, want)
+    assert not torch.equal(merged, base.to(merged.dtype))
+
+
+@pytest.mark.timeout(240)
+def test_lora_with_the_vision_tower_trained_learns_what_only_the_image_tells(vision, processor, process_group,
+                                                                           no_ray_report, tmp_path, capsys):
+    """3 CPU epochs of LoRA with adapters on the tower: the run's export proof and the export,
+    loaded whole with its processor as a user loads it, answer the held-out images right."""
+    from transformers import AutoModelForImageTextToText
+
+    from tpufinetune_trainer.events import parse_text
+
+    _, model, data_file = vision
+    data = media.prepare_media(str(data_file), "train", processor, BLOCK, 0.2, 42)
+    trainer = trainer_of(model, data, tmp_path, processor, method="lora", vision_tower="trained")
+    trainer.run()
+    rows = [json.loads(line) for line in data_file.read_text().splitlines()]
+    colour_of = {str(data_file.parent / row["messages"][0]["content"][0]["image"]): row["colour"] for row in rows}
+    proof = next(e for e in parse_text(capsys.readouterr().out) if e.kind == "export_proof")
+    assert proof["mode"] == "generated"
+    for sample in proof["sample"]:
+        assert sample["completion"].startswith(vision_assets.answer(colour_of[sample["images"][0]])), sample
+    export = tmp_path / "vision" / "export"
+    whole = AutoModelForImageTextToText.from_pretrained(export, attn_implementation=model_attention()).eval()
+    export_processor = media.load_media_processor(str(export))
+    _, held = split_eval(len(rows), 0.2, 42)
+    right = sum(greedy(whole, export_processor, rows[i], data_file).strip() == vision_assets.answer(rows[i]["colour"])
+                for i in held)
+    print(f"LoRA with the tower's adapters: the export answers {right} of {len(held)} held-out images right")
+    assert right >= 0.8 * len(held)
+
+
+def test_adapters_on_the_tower_need_one_of_its_projections(vision, processor, process_group, tmp_path):
+    _, model, data_file = vision
+    data = media.prepare_media(str(data_file), "train[:8]", processor, BLOCK, 0.0, 42)
+    with pytest.raises(ModelError, match="none of per_layer_input_gate is one"):
+        trainer_of(model, data, tmp_path, processor, method="lora", vision_tower="trained", eval_fraction=0.0,
+                   checkpoint_score_attribute="loss", lora_target_modules="per_layer_input_gate")
