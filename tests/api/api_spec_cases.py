@@ -477,8 +477,11 @@ TOWERS_INVALID: list[Invalid] = [
             "spec.training.towers", validation.TOWERS_WITH_MESSAGE),
     Invalid("towers-with-loss-on-all", spec_with(training={"lossOn": "all", "towers": {}}),
             "spec.training.towers", validation.TOWERS_WITH_MESSAGE),
-    Invalid("towers-trained-with-lora", spec_with(training={"method": "lora", "towers": {"vision": "trained"}}),
-            "spec.training.towers.vision", validation.TOWERS_TRAINED_MESSAGE),
+    # With LoRA a trained vision tower takes adapters on its projections named in targetModules.
+    Invalid("towers-trained-with-lora-on-no-tower-projection",
+            spec_with(training={"method": "lora", "lora": {"targetModules": ["per_layer_input_gate"]},
+                                "towers": {"vision": "trained"}}),
+            "spec.training.lora.targetModules", validation.TOWERS_TRAINED_MESSAGE),
     Invalid("towers-lora-adapter-only-export",
             spec_with(training={"method": "lora", "lora": {"exportMerged": False}, "towers": {}}),
             "spec.training.lora.exportMerged", validation.TOWERS_EXPORT_MESSAGE),
@@ -501,6 +504,10 @@ TOWERS_ACCEPTED = [
     spec_with(training={"towers": {}}),
     spec_with(training={"method": "full", "maxSeqLen": 2048, "towers": {"vision": "trained", "maxImagesPerExample": 7}}),
     spec_with(training={"method": "lora", "towers": {"vision": "frozen"}}),
+    # LoRA with the vision tower trained: adapters on its projections too.
+    spec_with(training={"method": "lora", "towers": {"vision": "trained"}}),
+    spec_with(training={"method": "lora", "lora": {"targetModules": ["per_layer_input_gate", "q_proj"]},
+                        "towers": {"vision": "trained"}}),
     # A model the table does not know: its processor's tokens are the trainer's to check.
     spec_with(model={"id": "gs://my-bucket/models/my-gemma"}, training={"towers": {"maxImagesPerExample": 64}}),
     spec_with(model={"initFrom": {"run": "sft-vision"}}, training={"maxSeqLen": 564, "towers": {"maxImagesPerExample": 2}}),

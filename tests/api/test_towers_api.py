@@ -234,15 +234,21 @@ def test_the_plan_from_the_models_config_json_keeps_the_tower():
     assert memplan_spec.status_of(replanned)["towers"] == memplan_spec.status_of(memplan.estimate(request))["towers"]
 
 
-def test_what_fits_instead_never_names_lora_for_a_trained_tower():
-    """LoRA with a trained vision tower is refused at apply, so the plan never offers it: fewer
-    images a micro-batch instead, or nothing (a trained tower keeps every layer's eager attention
-    over 2,520 patches an image: seven images a block of 2048 tokens fit no v6e slice)."""
+def test_what_fits_instead_of_a_trained_tower_may_be_lora_on_its_projections():
+    """With LoRA a trained vision tower takes adapters on its projections (accepted at apply), so
+    the plan may offer method lora as the lighter method, and the offer fits; or nothing (a
+    trained tower keeps every layer's eager attention over 2,520 patches an image: seven images a
+    block of 2048 tokens fit no v6e slice, LoRA's adapters or not)."""
     fewer = memplan.estimate(_request("trained", batch_per_device=4))
-    assert fewer.fits is False and fewer.smallest_fit == "batchSizePerDevice 1, topology 4x4 (16 chips)"
+    assert fewer.fits is False
+    assert fewer.smallest_fit == "method lora (rank 16), batchSizePerDevice 2, activationCheckpointing block, " \
+                                 "topology 8x8 (64 chips)"
+    offered = memplan.estimate(_request("trained", method="lora", batch_per_device=2,
+                                        activation_checkpointing="block", topology="8x8"))
+    assert offered.fits is True and offered.media.vision == "trained"
     none = memplan.estimate(_request("trained", batch_per_device=4, max_seq_len=2048))
     assert none.fits is False and none.smallest_fit == ""
-    assert none.refusal().endswith("nothing on v6e fits, even at batchSizePerDevice 1")
+    assert none.refusal().endswith("nothing on v6e fits, even method lora at batchSizePerDevice 1")
 
 
 def test_a_model_the_table_does_not_know_plans_no_tower():

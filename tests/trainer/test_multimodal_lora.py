@@ -15,7 +15,7 @@ from test_multimodal import (BLOCK, greedy, model_attention, no_ray_report, proc
 
 from tpufinetune_trainer import lora, media, vision_assets
 from tpufinetune_trainer.data import split_eval
-from tpufinetune_trainer.errors import ModelError
+from tpufinetune_trainer.errors import ConfigError, ModelError
 
 TOWER_PROJECTION = "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear"
 
@@ -100,9 +100,21 @@ def test_lora_with_the_vision_tower_trained_learns_what_only_the_image_tells(vis
     assert right >= 0.8 * len(held)
 
 
-def test_adapters_on_the_tower_need_one_of_its_projections(vision, processor, process_group, tmp_path):
+def test_adapters_on_the_tower_need_one_of_its_projections_named(tmp_path):
+    from tpufinetune_trainer.config import FinetuneConfig
+
+    with pytest.raises(ConfigError, match="--lora-target-modules per_layer_input_gate names none; add some of q_proj"):
+        FinetuneConfig(model_id="m", storage_path=str(tmp_path), vision_tower="trained", method="lora",
+                       lora_target_modules="per_layer_input_gate").validate()
+    FinetuneConfig(model_id="m", storage_path=str(tmp_path), vision_tower="trained", method="lora",
+                   lora_target_modules="per_layer_input_gate,v_proj").validate()
+
+
+def test_a_vision_tower_without_gemma_4_s_projections_is_refused_at_load(vision, processor, process_group, tmp_path):
     _, model, data_file = vision
     data = media.prepare_media(str(data_file), "train[:8]", processor, BLOCK, 0.0, 42)
-    with pytest.raises(ModelError, match="none of per_layer_input_gate is one"):
-        trainer_of(model, data, tmp_path, processor, method="lora", vision_tower="trained", eval_fraction=0.0,
-                   checkpoint_score_attribute="loss", lora_target_modules="per_layer_input_gate")
+    with pytest.raises(ModelError, match="vision tower has no q_proj projection"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(lora, "TOWER_LINEAR", "wrapped")
+            trainer_of(model, data, tmp_path, processor, method="lora", vision_tower="trained", eval_fraction=0.0,
+                       checkpoint_score_attribute="loss", lora_target_modules="q_proj")

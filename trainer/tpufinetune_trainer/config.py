@@ -11,7 +11,7 @@ from .backends import COMPILE_MODES, COMPUTE_DTYPES
 from .data import DATASET_FORMATS, LOSS_ON, PROMPT_FORMATS, BatchPlan
 from .errors import ConfigError
 from . import generation
-from .lora import DEFAULT_TARGET_MODULES, METHODS, MODULE_NAMES, parse_modules
+from .lora import DEFAULT_TARGET_MODULES, METHODS, MODULE_NAMES, TOWER_TARGET_MODULES, parse_modules, tower_names
 from .schedule import SCHEDULES
 
 DEFAULT_MODEL = "google/gemma-4-E2B-it"
@@ -166,6 +166,12 @@ class FinetuneConfig(SliceConfig):
                             f"--dataset-format {self.dataset_format} (images come in 'messages' rows)")):
             if given:
                 raise ConfigError(f"{why} does not apply to a multimodal run (--vision-tower) yet; drop it")
+        if self.method == "lora" and self.vision_tower == "trained" and not tower_names(
+                parse_modules(self.lora_target_modules)):
+            raise ConfigError(f"--vision-tower trained with --method lora puts adapters on the vision tower's "
+                              f"projections, and --lora-target-modules {self.lora_target_modules} names none; add "
+                              f"some of {', '.join(TOWER_TARGET_MODULES)} (spec.training.lora.targetModules), or "
+                              "use --vision-tower frozen")
         if self.method == "lora" and not self.lora_export_merged:
             raise ConfigError("--lora-export-merged false with --vision-tower: the adapter alone would lack the "
                               "trained vision projector; export merged (the default)")

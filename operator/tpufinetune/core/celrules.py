@@ -13,7 +13,7 @@ from .cel import cel_string
 from .lmevalrules import lm_eval_rules
 from .memplan_media import known_tokens_per_image
 from .specmodels import DEFAULT_MODEL_ID, Training
-from .towersspec import Towers
+from .towersspec import TOWER_LORA_TARGETS, Towers
 from .validation import (
     DPO_FORMAT_MESSAGE, DPO_LOSS_ON_MESSAGE, DPO_METHOD_MESSAGE, DPO_TOKENS_MESSAGE, EARLY_STOP_FIELDS, EARLY_STOP_MESSAGE, EMBEDDINGS_CONTRADICT, ENV_RESERVED_MESSAGE, ENV_VALUE_MESSAGE, EVAL_SCORE_MESSAGE, GENERATE_EVAL_MESSAGE, GENERATE_METHOD_MESSAGE, GLOBAL_BATCH_MESSAGE, INIT_FROM_MODE_MESSAGE, INIT_FROM_SELF_MESSAGE, KEEP_BEST_METRIC_MESSAGE, KEEP_BEST_SCORE_MESSAGE, MEDIA_TOKENS_MESSAGE, TOWERS_AUDIO_MESSAGE, TOWERS_EXPORT_MESSAGE, TOWERS_MODE_MESSAGE, TOWERS_TRAINED_MESSAGE, TOWERS_WITH_MESSAGE, IPO_SMOOTHING_MESSAGE, LABEL_MESSAGE, LABEL_SMOOTHING_MESSAGE, LORA_METHOD_MESSAGE, MIN_NO_PROGRESS_TIMEOUT, MOUNT_VOLUME_MESSAGE, NO_PROGRESS_MESSAGE, PRIORITY_QUEUE_MESSAGE, RAY_VERSION_AT_LEAST, RAY_VERSION_MESSAGE, RESERVED_ENV, RESERVED_ENV_PREFIX, RESERVED_LABEL_PREFIX, SHARED_STORAGE_MESSAGE, SHM_MOUNT_MESSAGE, SHM_PATH, SHM_VOLUME, SHM_VOLUME_MESSAGE, SLICES_MESSAGE, STORAGE_MESSAGE, TOKENS_PER_STEP_MESSAGE, TPU_OVERRIDE_MESSAGE, VOLUME_SOURCES, VOLUME_SOURCE_MESSAGE,
 )
@@ -373,8 +373,10 @@ def training_rules() -> list[dict]:
                       "(has(self.lossOn) && self.lossOn == 'all'))"),
              "message": TOWERS_WITH_MESSAGE, "fieldPath": ".towers", "reason": "FieldValueForbidden"},
             {"rule": ("!has(self.towers) || !has(self.towers.vision) || self.towers.vision != 'trained' || "
-                      "!has(self.method) || self.method == 'full'"),
-             "message": TOWERS_TRAINED_MESSAGE, "fieldPath": ".towers.vision", "reason": "FieldValueForbidden"},
+                      "!has(self.method) || self.method != 'lora' || !has(self.lora) || "
+                      "!has(self.lora.targetModules) || self.lora.targetModules.exists(m, m in "
+                      + _cel_list(list(TOWER_LORA_TARGETS)) + ")"),
+             "message": TOWERS_TRAINED_MESSAGE, "fieldPath": ".lora.targetModules", "reason": "FieldValueInvalid"},
             {"rule": "!has(self.towers) || !has(self.lora) || !has(self.lora.exportMerged) || self.lora.exportMerged",
              "message": TOWERS_EXPORT_MESSAGE, "fieldPath": ".lora.exportMerged", "reason": "FieldValueForbidden"},
             {"rule": "!(has(self.lora) && has(self.lora.trainEmbeddings) && self.lora.trainEmbeddings"

@@ -318,8 +318,6 @@ class MemoryPlan:
             what = (f"needs {_gib(self.host_bytes)} of RAM per host, more than the "
                     f"{_gib(self.host_limit_bytes)} usable of the worker pod's memory")
         lora = "DPO with LoRA " if self.method == "dpo" else "method lora "
-        if self.media is not None and self.media.vision == media_plan.TRAINED:
-            lora = ""  # a trained vision tower is method full's only
         hint = (f"; smallest that fits: {self.smallest_fit}" if self.smallest_fit else
                 f"; nothing on {self.generation} fits, even {lora}at batchSizePerDevice 1")
         across = "; more slices do not help: each holds a whole replica" if self.slices > 1 else ""
@@ -376,7 +374,8 @@ def _plan(request: Request) -> MemoryPlan:
     # The tower's forward transients are gone before the step's activations and logits exist.
     media = media_plan.plan(towers, request.vision_tower, shape.hidden, method, request.shard_group or devices,
                             request.max_seq_len, request.batch_per_device, 2 if gen.is_tpu else 4,
-                            eager, text_step_bytes=part.activations + part.loss_head) if towers is not None else None
+                            eager, text_step_bytes=part.activations + part.loss_head, lora_rank=request.lora_rank,
+                            lora_targets=request.lora_targets) if towers is not None else None
     if media is not None:
         part = replace(part, towers=media.bytes)
     generating = gen_plan.of_request(request, shape, part, method == "full", 2 if gen.is_tpu else 4, eager, devices)
@@ -431,9 +430,8 @@ def smallest_fit(request: Request) -> str:
     larger = [t for t in gen.valid_topologies() if g.chips_in(t) > g.chips_in(request.topology)]
     # The lighter method: lora for SFT, DPO's LoRA (its reference then the base, adapters off) for DPO.
     lighter = ("dpo", True) if request.method == "dpo" else ("lora", False)
-    # A trained vision tower is method full's only (LoRA's is refused at apply): no lighter method then.
-    trained_tower = request.vision_tower == media_plan.TRAINED
-    methods = list(dict.fromkeys([(request.method, request.dpo_lora)] + ([] if trained_tower else [lighter])))
+    # A trained vision tower has a lighter method too: LoRA, adapters on its projections (memplan_media).
+    methods = list(dict.fromkeys([(request.method, request.dpo_lora), lighter]))
     batches = [request.batch_per_device]
     while batches[-1] > 1:
         batches.append(batches[-1] // 2)

@@ -12,7 +12,8 @@ counts a block's tokens, media tokens included, as every other token):
   with LoRA the frozen bf16 base sharded (lora.inject), and the root unit's gathered copy in
   the compute dtype, whole, through the step;
 - what trains (the vision projector, embed_vision, with either method, in fp32 beside LoRA's
-  adapters; with method full and `vision: trained` the vision tower too, refused with LoRA):
+  adapters; with `vision: trained` the vision tower too: method full, all of it; LoRA, the
+  adapters on its projections in targetModules, beside its frozen bf16 base):
   its fp32 gradient and AdamW's two moments, sharded, and its unsharded gradient on its way
   to the reduce-scatter (as the embedding's, memplan's head_grad);
 - the vision tower's activations at the processor's resolution (every image resized to at most
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 from . import memplan_blocks as blocks
 from .memplan_shapes import KNOWN_MODELS, ModelShape, known_shape
-from .towersspec import TOWER_MODES
+from .towersspec import TOWER_LORA_TARGETS, TOWER_MODES
 
 FROZEN, TRAINED = TOWER_MODES  # the spec's towers.vision, the trainer's --vision-tower choices
 PIXEL_CHANNELS = 3
@@ -277,21 +278,31 @@ def encoder_activation_bytes(vision: VisionShape, trained: bool, images: int, co
     return kept + transient, transient if trained else kept + transient
 
 
+def tower_adapter_parameters(vision: VisionShape, rank: int, targets: tuple[str, ...]) -> int:
+    """LoRA's adapters on the vision tower (`vision: trained`): rank x (in + out) for each of
+    its projections named in targetModules (the trainer's lora.TOWER_TARGET_MODULES)."""
+    return encoder_of(vision).lora_parameters(rank, tuple(t for t in targets if t in TOWER_LORA_TARGETS))
+
+
 def plan(towers: ModelTowers, mode: str, text_hidden: int, method: str, devices: int, max_seq_len: int,
-         blocks_per_device: int, compute_bytes: int, eager_attention: bool, text_step_bytes: int = 0) -> MediaPlan:
+         blocks_per_device: int, compute_bytes: int, eager_attention: bool, text_step_bytes: int = 0,
+         lora_rank: int = 16, lora_targets: tuple[str, ...] = TOWER_LORA_TARGETS) -> MediaPlan:
     """The towers' share of a device: `mode` (towers.vision) frozen or trained, `method` the
-    language model's (full or lora), `devices` the shard group; `text_step_bytes` what the
-    language model's step holds that does not exist while the tower runs (memplan's
-    activations and loss head), which the tower's forward transients do not add to."""
+    language model's (full or lora, with `lora_rank` and `lora_targets`), `devices` the shard
+    group; `text_step_bytes` what the language model's step holds that does not exist while the
+    tower runs (memplan's activations and loss head), which the tower's forward transients do
+    not add to."""
     if mode not in (FROZEN, TRAINED):
         raise ValueError(f"unknown vision tower mode {mode!r}; expected {FROZEN} or {TRAINED}")
     vision = towers.vision
     tower, projectors = vision.parameters, towers.projector_parameters(text_hidden)
-    loaded = tower + projectors + towers.audio_parameters
     full = method == "full"
     # The vision projector trains with either method (LoRA: in full beside the adapters,
-    # lora.inject); the tower with `trained`, method full only (LoRA's is refused at apply).
-    trained = (tower if mode == TRAINED and full else 0) + vision.projector_parameters(text_hidden)
+    # lora.inject); with `trained` the tower too: all of it (full) or its adapters (LoRA,
+    # fp32 beside its frozen bf16 base, which gradients pass through to reach them).
+    adapters = tower_adapter_parameters(vision, lora_rank, lora_targets) if mode == TRAINED and not full else 0
+    loaded = tower + projectors + towers.audio_parameters + adapters
+    trained = (tower if mode == TRAINED and full else adapters) + vision.projector_parameters(text_hidden)
     per_block = images_per_block(vision, max_seq_len)
     images = per_block * blocks_per_device
     patches = images * vision.patches_per_image
@@ -300,8 +311,7 @@ def plan(towers: ModelTowers, mode: str, text_hidden: int, method: str, devices:
     shard = max(devices, 1)
     stored = -(-(4 * loaded if full else 2 * (loaded - trained) + 4 * trained) // shard)  # LoRA: the base in bf16
     optimizer = -(-8 * trained // shard)
-    encoder, forward = encoder_activation_bytes(vision, mode == TRAINED and full, images, compute_bytes,
-                                                eager_attention)
+    encoder, forward = encoder_activation_bytes(vision, mode == TRAINED, images, compute_bytes, eager_attention)
     return MediaPlan(
         vision=mode, tower_parameters=tower, projector_parameters=projectors,
         audio_parameters=towers.audio_parameters, tokens_per_image=vision.tokens_per_image,

@@ -160,8 +160,9 @@ class LoRA(_Model):
         max_length=len(LORA_MODULE_NAMES), json_schema_extra={"x-kubernetes-list-type": "set"},
         description="Layers of the language model to adapt, by name: "
                     + "; ".join(f"{family}: {', '.join(names)}" for family, names in LORA_TARGET_MODULES.items())
-                    + ". Default: the attention and MLP projections. The vision and audio towers are "
-                      "never adapted.")
+                    + ". Default: the attention and MLP projections. With towers.vision trained, the vision "
+                      "tower's projections of these names are adapted too (q_proj, k_proj, v_proj, o_proj, "
+                      "gate_proj, up_proj, down_proj); the audio tower is never adapted.")
     export_merged: bool = Field(
         True, description="Also export the base with the adapter merged into it, as a full-"
                           "fine-tune's export (status.exportedModelURI); the adapter alone is "

@@ -18,6 +18,7 @@ from . import generations as g
 from .errors import SpecError
 from .memplan import KNOWN_MODELS, known_shape
 from .memplan_media import tokens_per_image
+from .towersspec import TOWER_LORA_TARGETS
 from .quantity import parse_quantity
 from .sizing import SLICE_INDEX_ENV, plan_resources, slice_shape
 from .lmevalrules import check_lm_eval
@@ -119,8 +120,9 @@ MEDIA_TOKENS_MESSAGE = ("is more images than a block holds: each takes its proce
                         "training.maxSeqLen; lower maxImagesPerExample or raise maxSeqLen")
 TOWERS_WITH_MESSAGE = ("does not apply yet with method dpo, tokensPerStep or lossOn all (the trainer's multimodal "
                        "path has none of them); remove towers or those settings")
-TOWERS_TRAINED_MESSAGE = ("trained applies to method full only: with LoRA the towers stay frozen (adapters train on "
-                          "the language model alone); set method full, or vision: frozen")
+TOWERS_TRAINED_MESSAGE = ("names none of the vision tower's projections: with towers.vision trained, LoRA puts "
+                          "adapters on those of them named here; add some of " + ", ".join(TOWER_LORA_TARGETS)
+                          + ", or set towers.vision frozen")
 TOWERS_EXPORT_MESSAGE = ("must stay true with training.towers: the adapter alone would lack the trained vision "
                          "projector; remove exportMerged: false")
 KEEP_BEST_SCORE_MESSAGE = ("ranks checkpoints by a generation metric itself: checkpoint.scoreAttribute must be "
@@ -231,8 +233,9 @@ def _check_towers(spec: SpecFields) -> None:
     training = spec.training
     if training.method == "dpo" or training.tokens_per_step is not None or training.loss_on == "all":
         raise SpecError("spec.training.towers", TOWERS_WITH_MESSAGE)
-    if towers.vision == "trained" and training.method not in (None, "full"):
-        raise SpecError("spec.training.towers.vision", TOWERS_TRAINED_MESSAGE)
+    if (towers.vision == "trained" and training.method == "lora" and training.lora is not None
+            and not set(training.lora.target_modules) & set(TOWER_LORA_TARGETS)):
+        raise SpecError("spec.training.lora.targetModules", TOWERS_TRAINED_MESSAGE)
     if training.lora is not None and not training.lora.export_merged:
         raise SpecError("spec.training.lora.exportMerged", TOWERS_EXPORT_MESSAGE)
     per_image = tokens_per_image(spec.model.id)
