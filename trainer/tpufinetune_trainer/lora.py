@@ -17,6 +17,11 @@ The export writes the adapter as peft writes it (adapter_config.json and
 adapter_model.safetensors, keys `base_model.model.<module>.lora_A.weight`), and, unless
 --lora-export-merged false, the base with W + alpha / r x B A merged into each adapted layer.
 
+A multimodal run (--vision-tower) trains the vision projector in full beside the adapters; with
+--vision-tower trained, adapters also go on the vision tower's attention and MLP projections
+named in --lora-target-modules (target_modules), its base frozen in bf16 like the language
+model's, and the merged export folds them into the tower's weights.
+
 --lora-train-embeddings true also trains the input embedding in full (fp32 master, gradient,
 AdamW state; a head tied to it, Gemma's, is the same weight and trains with it): a base that
 never saw the chat template's special tokens has them as initialised, and adapters on the
