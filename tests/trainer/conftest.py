@@ -25,3 +25,11 @@ def tokenizer(trainer_assets):
     from tpufinetune_trainer.model import load_tokenizer
 
     return load_tokenizer(str(trainer_assets.model))
+
+
+@pytest.fixture
+def no_ray_report(monkeypatch):
+    """Training outside a Ray Train worker: ray.train.report does nothing."""
+    import ray.train
+
+    monkeypatch.setattr(ray.train, "report", lambda *args, **kwargs: None)

@@ -35,16 +35,6 @@ def processor(vision):
     return media.load_media_processor(str(vision[1]))
 
 
-@pytest.fixture
-def no_ray_report():
-    import ray.train
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(ray.train, "report", lambda *args, **kwargs: None)
-    yield
-    patch.undo()
-
-
 def trainer_of(model: Path, data, storage: Path, processor, **overrides):
     from tpufinetune_trainer.train import Trainer
 

@@ -25,13 +25,6 @@ def vision(tmp_path_factory):
     return Path(info["model"]), Path(info["data"])
 
 
-@pytest.fixture
-def no_ray_report(monkeypatch):
-    import ray.train
-
-    monkeypatch.setattr(ray.train, "report", lambda *args, **kwargs: None)
-
-
 @pytest.mark.timeout(120)
 def test_each_epoch_answers_held_out_images_with_their_images_and_names_them(vision, process_group, no_ray_report,
                                                                             tmp_path, capsys):

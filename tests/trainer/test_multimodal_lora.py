@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from test_multimodal import (BLOCK, greedy, model_attention, no_ray_report, processor, trainer_of,  # noqa: F401 - fixtures
+from test_multimodal import (BLOCK, greedy, model_attention, processor, trainer_of,  # noqa: F401 - fixtures
                              vision)
 
 from tpufinetune_trainer import lora, media, vision_assets

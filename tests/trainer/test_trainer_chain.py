@@ -24,16 +24,6 @@ from tpufinetune_trainer.config import FinetuneConfig
 from trainer_helpers import make_trainer
 
 
-@pytest.fixture
-def no_ray_report():
-    import ray.train
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(ray.train, "report", lambda *args, **kwargs: None)
-    yield
-    patch.undo()
-
-
 def sft_export(assets, prepared, storage: Path, **overrides):
     """An SFT run of one epoch, exported and proven (Trainer.run); the trainer and its export."""
     trainer = make_trainer(assets.model, prepared, storage, run_name="sft", **overrides)
