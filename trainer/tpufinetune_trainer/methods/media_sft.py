@@ -2,7 +2,9 @@
 blocks carrying their images (media.py).
 
 Trainable: the language model and the projectors, the vision tower unless --vision-tower
-frozen, never the audio tower (media.freeze_towers). A micro-batch: its images decoded,
+frozen, never the audio tower (media.freeze_towers); with LoRA, the language model's
+adapters, the projector in full and, with --vision-tower trained, adapters on the tower's
+projections (lora.py), every base frozen. A micro-batch: its images decoded,
 resized and patched here, on the worker, by the model's image processor (media.Pixels),
 then one forward of the whole model over its blocks with their block-diagonal masks (each
 image's soft tokens sit in their example's segment, so an example sees only its own
