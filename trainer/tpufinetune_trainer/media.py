@@ -160,7 +160,11 @@ class Pixels:
     def __call__(self, locations: list[str], device) -> dict:
         if not locations:
             return {}
-        out = self.image_processor(list(read_in_parallel(decode_image, locations)), return_tensors="pt")
+        return self.of(list(read_in_parallel(decode_image, locations)), device)
+
+    def of(self, images: list, device) -> dict:
+        """Decoded images (PIL) as the model takes them."""
+        out = self.image_processor(images, return_tensors="pt")
         return {"pixel_values": out["pixel_values"].to(device),
                 "image_position_ids": out["image_position_ids"].to(device)}
 

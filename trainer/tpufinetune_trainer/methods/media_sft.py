@@ -30,6 +30,7 @@ class MediaSFT(SFT):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.pixels: Pixels | None = None
+        self._idle: dict | None = None  # idle_pixels, made once
 
     def fill(self, examples, blocks: list[list[int]], max_seq_len: int, pad_id: int):
         return fill_media_blocks(examples, blocks, max_seq_len, pad_id)
@@ -53,11 +54,13 @@ class MediaSFT(SFT):
             return media_loss_sum(trainer.model, masks, batch, pixels)
 
     def idle_pixels(self, device) -> dict:
-        """One black image's inputs, for a micro-batch without images (towers_run_idle)."""
+        """One black image's inputs, for a micro-batch without images (towers_run_idle); made
+        once, the same every step."""
         from PIL import Image
 
-        out = self.pixels.image_processor([Image.new("RGB", (64, 64))], return_tensors="pt")
-        return {"pixel_values": out["pixel_values"].to(device), "image_position_ids": out["image_position_ids"].to(device)}
+        if self._idle is None:
+            self._idle = self.pixels.of([Image.new("RGB", (64, 64))], device)
+        return self._idle
 
     @staticmethod
     def masks(trainer, batch: dict):
