@@ -89,14 +89,7 @@ def test_a_frozen_vision_tower_run_learns_what_only_the_image_tells(vision, proc
     seen.run()
     nll_seen = seen.evaluate()
     # The run's own export proof loaded the export whole and answered each prompt with its image.
-    from tpufinetune_trainer.events import parse_text
-
-    rows = [json.loads(line) for line in data_file.read_text().splitlines()]
-    colour_of = {str(data_file.parent / row["messages"][0]["content"][0]["image"]): row["colour"] for row in rows}
-    proof = next(e for e in parse_text(capsys.readouterr().out) if e.kind == "export_proof")
-    assert proof["mode"] == "generated" and len(proof["sample"]) == 3
-    for sample in proof["sample"]:
-        assert sample["completion"].startswith(vision_assets.answer(colour_of[sample["images"][0]])), sample
+    assert len(check_export_proof(capsys.readouterr().out, data_file)) == 3
 
     blind_data = media.prepare_media(str(without_images(data_file, out / "blind.jsonl")), "train", processor,
                                      BLOCK, 0.2, 42)
@@ -110,18 +103,40 @@ def test_a_frozen_vision_tower_run_learns_what_only_the_image_tells(vision, proc
           f"({nll_seen / nll_blind:.2%})")
     assert nll_seen <= 0.7 * nll_blind
 
-    from transformers import AutoModelForImageTextToText
-
     export = tmp_path / "a" / "vision" / "export"
     assert {"processor_config.json", "chat_template.jinja", "tokenizer.json"} <= {p.name for p in export.iterdir()}
+    right, held = export_answers(export, data_file)
+    print(f"the export answers {right} of {held} held-out images right")
+    assert right >= 0.8 * held
+
+
+def check_export_proof(output: str, data_file: Path) -> list[dict]:
+    """The run's export_proof event (from its output): generated, each sample's answer naming
+    its image's colour. Its samples."""
+    from tpufinetune_trainer.events import parse_text
+
+    rows = [json.loads(line) for line in data_file.read_text().splitlines()]
+    colour_of = {str(data_file.parent / row["messages"][0]["content"][0]["image"]): row["colour"] for row in rows}
+    proof = next(e for e in parse_text(output) if e.kind == "export_proof")
+    assert proof["mode"] == "generated"
+    for sample in proof["sample"]:
+        assert sample["completion"].startswith(vision_assets.answer(colour_of[sample["images"][0]])), sample
+    return proof["sample"]
+
+
+def export_answers(export: Path, data_file: Path) -> tuple[int, int]:
+    """The export, loaded whole with its own processor files as a user loads it: how many of
+    the held-out images it answers right, greedily, of how many."""
+    from transformers import AutoModelForImageTextToText
+
+    rows = [json.loads(line) for line in data_file.read_text().splitlines()]
     exported = AutoModelForImageTextToText.from_pretrained(export, attn_implementation=model_attention()).eval()
     assert exported.model.vision_tower is not None and exported.model.audio_tower is not None
     export_processor = media.load_media_processor(str(export))
     _, held = split_eval(len(rows), 0.2, 42)
     right = sum(greedy(exported, export_processor, rows[i], data_file).strip() == vision_assets.answer(rows[i]["colour"])
                 for i in held)
-    print(f"the export answers {right} of {len(held)} held-out images right")
-    assert right >= 0.8 * len(held)
+    return right, len(held)
 
 
 def model_attention() -> dict:

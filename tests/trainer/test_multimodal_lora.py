@@ -5,16 +5,13 @@ its weights and loads whole; the run still learns what only the image tells."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors import safe_open
-from test_multimodal import (BLOCK, greedy, model_attention, processor, trainer_of,  # noqa: F401 - fixtures
-                             vision)
+from test_multimodal import (BLOCK, check_export_proof, export_answers, processor, trainer_of,  # noqa: F401
+                             vision)  # processor, vision: fixtures
 
-from tpufinetune_trainer import lora, media, vision_assets
-from tpufinetune_trainer.data import split_eval
+from tpufinetune_trainer import lora, media
 from tpufinetune_trainer.errors import ConfigError, ModelError
 
 TOWER_PROJECTION = "model.vision_tower.encoder.layers.0.self_attn.q_proj.linear"
@@ -76,28 +73,14 @@ def test_lora_with_the_vision_tower_trained_learns_what_only_the_image_tells(vis
                                                                            no_ray_report, tmp_path, capsys):
     """3 CPU epochs of LoRA with adapters on the tower: the run's export proof and the export,
     loaded whole with its processor as a user loads it, answer the held-out images right."""
-    from transformers import AutoModelForImageTextToText
-
-    from tpufinetune_trainer.events import parse_text
-
     _, model, data_file = vision
     data = media.prepare_media(str(data_file), "train", processor, BLOCK, 0.2, 42)
     trainer = trainer_of(model, data, tmp_path, processor, method="lora", vision_tower="trained")
     trainer.run()
-    rows = [json.loads(line) for line in data_file.read_text().splitlines()]
-    colour_of = {str(data_file.parent / row["messages"][0]["content"][0]["image"]): row["colour"] for row in rows}
-    proof = next(e for e in parse_text(capsys.readouterr().out) if e.kind == "export_proof")
-    assert proof["mode"] == "generated"
-    for sample in proof["sample"]:
-        assert sample["completion"].startswith(vision_assets.answer(colour_of[sample["images"][0]])), sample
-    export = tmp_path / "vision" / "export"
-    whole = AutoModelForImageTextToText.from_pretrained(export, attn_implementation=model_attention()).eval()
-    export_processor = media.load_media_processor(str(export))
-    _, held = split_eval(len(rows), 0.2, 42)
-    right = sum(greedy(whole, export_processor, rows[i], data_file).strip() == vision_assets.answer(rows[i]["colour"])
-                for i in held)
-    print(f"LoRA with the tower's adapters: the export answers {right} of {len(held)} held-out images right")
-    assert right >= 0.8 * len(held)
+    check_export_proof(capsys.readouterr().out, data_file)
+    right, held = export_answers(tmp_path / "vision" / "export", data_file)
+    print(f"LoRA with the tower's adapters: the export answers {right} of {held} held-out images right")
+    assert right >= 0.8 * held
 
 
 def test_adapters_on_the_tower_need_one_of_its_projections_named(tmp_path):
