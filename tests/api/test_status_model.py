@@ -114,7 +114,7 @@ def test_the_export_proof_event_folds_into_status_export_which_the_model_takes()
 
 def test_a_multimodal_export_proof_keeps_which_images_each_prompt_was_asked_with():
     from tpufinetune.core.runevents import apply_event
-    from tpufinetune.core.status import EXPORT_IMAGE_LIMIT, EXPORT_TEXT_LIMIT
+    from tpufinetune.core.evalstatus import IMAGE_PATH_LIMIT, PROMPT_IMAGE_LIMIT
 
     image = "gs://b/data/images/00007.png"
     proof = {"event": "export_proof", "v": 1, "model_uri": "gs://b/run/export", "dtype": "bfloat16", "tokens": 8,
@@ -126,8 +126,8 @@ def test_a_multimodal_export_proof_keeps_which_images_each_prompt_was_asked_with
     apply_event(status, proof)
     first, second = status["export"]["sample"]
     assert first == {"prompt": "What colour is this picture?", "completion": "The picture is red.", "images": [image]}
-    assert len(second["images"]) == EXPORT_IMAGE_LIMIT and second["images"][0].endswith("/d/x.png")
-    assert len(second["images"][0]) == EXPORT_TEXT_LIMIT  # its end: the image's own name kept
+    assert len(second["images"]) == PROMPT_IMAGE_LIMIT and second["images"][0].endswith("/d/x.png")
+    assert len(second["images"][0]) == IMAGE_PATH_LIMIT  # its end: the image's own name kept
     assert checked_status(status) is status
 
 

@@ -79,7 +79,8 @@ def test_an_eval_key_a_newer_operator_wrote_is_carried_beside_this_versions_entr
 
 
 def test_an_epochs_first_answers_are_kept_with_the_images_a_multimodal_prompt_was_asked_with():
-    from tpufinetune.core.evalstatus import GENERATION_IMAGE_LIMIT, GENERATION_SAMPLE_LIMIT, GENERATION_TEXT_LIMIT
+    from tpufinetune.core.evalstatus import (GENERATION_SAMPLE_LIMIT, GENERATION_TEXT_LIMIT, IMAGE_PATH_LIMIT,
+                                             PROMPT_IMAGE_LIMIT)
 
     image = "gs://b/data/images/00007.png"
     answers = [{"prompt": "What colour is this picture?", "reference": "The picture is red.",
@@ -92,8 +93,8 @@ def test_an_epochs_first_answers_are_kept_with_the_images_a_multimodal_prompt_wa
     first = status["history"][0]["eval"]["samples"]
     assert len(first) == GENERATION_SAMPLE_LIMIT
     assert first[0] == {"output": "The picture is red.", "reference": "The picture is red.", "images": [image]}
-    assert len(first[1]["reference"]) == GENERATION_TEXT_LIMIT and len(first[1]["images"]) == GENERATION_IMAGE_LIMIT
-    assert first[1]["images"][0].endswith("/d/x.png") and len(first[1]["images"][0]) == GENERATION_TEXT_LIMIT
+    assert len(first[1]["reference"]) == GENERATION_TEXT_LIMIT and len(first[1]["images"]) == PROMPT_IMAGE_LIMIT
+    assert first[1]["images"][0].endswith("/d/x.png") and len(first[1]["images"][0]) == IMAGE_PATH_LIMIT
     assert status["history"][1]["eval"]["samples"] == [{"output": "text", "reference": "t"}]  # a text run's: no images
     assert checked_status(status) is status  # every key declared (the API server would prune one that is not)
     dumped = TPUFineTuneStatus.model_validate(status).model_dump(by_alias=True, exclude_none=True, mode="json")

@@ -8,11 +8,14 @@ from tpufinetune.core.lmevalstatus import LmEvalStatus  # noqa: F401  (status.ev
 from tpufinetune.core.statusbase import _Status
 
 
-# Bounds of history[].eval.samples: an epoch's first answers, each text cut, a prompt's first images (the
-# full record is the epoch's samples file).
+# Bounds of history[].eval.samples: an epoch's first answers, each text cut (the full record is the
+# epoch's samples file).
 GENERATION_SAMPLE_LIMIT = 3
 GENERATION_TEXT_LIMIT = 256
-GENERATION_IMAGE_LIMIT = 8
+# A multimodal prompt's first images, each its end, wherever status shows a sample (history[].eval.samples,
+# export.sample).
+PROMPT_IMAGE_LIMIT = 8
+IMAGE_PATH_LIMIT = 256
 
 
 class GenerationSample(_Status):
@@ -21,7 +24,7 @@ class GenerationSample(_Status):
     output: str = Field(max_length=GENERATION_TEXT_LIMIT, description="The answer (its start).")
     reference: str | None = Field(None, max_length=GENERATION_TEXT_LIMIT,
                                   description="The held-out response it is scored against (its start).")
-    images: list[str] | None = Field(None, max_length=GENERATION_IMAGE_LIMIT, description="A multimodal run's: the "
+    images: list[str] | None = Field(None, max_length=PROMPT_IMAGE_LIMIT, description="A multimodal run's: the "
                                      "images the prompt was asked with, where they were read (each its end).")
 
 

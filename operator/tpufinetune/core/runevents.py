@@ -9,9 +9,9 @@ from __future__ import annotations
 import copy
 import json
 
-from tpufinetune.core.evalstatus import GENERATION_IMAGE_LIMIT, GENERATION_SAMPLE_LIMIT, GENERATION_TEXT_LIMIT
-from tpufinetune.core.status import (CURVE_LIMIT, EXPORT_IMAGE_LIMIT, EXPORT_SAMPLE_LIMIT, EXPORT_TEXT_LIMIT,
-                                     checked_status)
+from tpufinetune.core.evalstatus import (GENERATION_SAMPLE_LIMIT, GENERATION_TEXT_LIMIT, IMAGE_PATH_LIMIT,
+                                         PROMPT_IMAGE_LIMIT)
+from tpufinetune.core.status import CURVE_LIMIT, EXPORT_SAMPLE_LIMIT, EXPORT_TEXT_LIMIT, checked_status
 
 HISTORY_LIMIT = 20  # enough for `kubectl get -o yaml`; the full record is in the job log
 
@@ -109,8 +109,13 @@ def _generation_sample(sample: dict) -> dict:
     kept = {k: str(sample[k])[:GENERATION_TEXT_LIMIT] for k in ("output", "reference") if sample.get(k) is not None}
     kept.setdefault("output", "")
     if isinstance(sample.get("images"), list):
-        kept["images"] = [str(image)[-GENERATION_TEXT_LIMIT:] for image in sample["images"][:GENERATION_IMAGE_LIMIT]]
+        kept["images"] = _image_ends(sample["images"])
     return kept
+
+
+def _image_ends(images: list) -> list[str]:
+    """A multimodal prompt's images as status shows them: its first ones, each its end."""
+    return [str(image)[-IMAGE_PATH_LIMIT:] for image in images[:PROMPT_IMAGE_LIMIT]]
 
 
 def _on_checkpoint(status: dict, event: dict) -> None:
@@ -219,7 +224,7 @@ def _on_export_proof(status: dict, event: dict) -> None:
                  "adapterCompletion": entry.get("adapter_completion")}
         kept = {k: str(v)[:EXPORT_TEXT_LIMIT] for k, v in texts.items() if v is not None}
         if isinstance(entry.get("images"), list):  # a multimodal run's: which images the prompt was asked with
-            kept["images"] = [str(image)[-EXPORT_TEXT_LIMIT:] for image in entry["images"][:EXPORT_IMAGE_LIMIT]]
+            kept["images"] = _image_ends(entry["images"])
         sample.append(kept)
     proof = {"sample": sample[:EXPORT_SAMPLE_LIMIT], "tokens": event.get("tokens"),
              "loadSeconds": _round(event.get("load_s"), 3), "dtype": event.get("dtype")}

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from tpufinetune.core.evalstatus import GenerationMetrics, LmEvalStatus
+from tpufinetune.core.evalstatus import PROMPT_IMAGE_LIMIT, GenerationMetrics, LmEvalStatus
 from tpufinetune.core.initstatus import InitFromStatus
 from tpufinetune.core.planstatus import MemoryPlanStatus, ModelConfigStatus  # noqa: F401  (part of the status)
 from tpufinetune.core.startupstatus import StartupTimes
@@ -195,7 +195,7 @@ class Maintenance(_Status):
 
 
 # Bounds of status.export: a few prompts, each text cut, a prompt's first images (the full proof is in the job log).
-EXPORT_SAMPLE_LIMIT = EXPORT_IMAGE_LIMIT = 8
+EXPORT_SAMPLE_LIMIT = 8
 EXPORT_TEXT_LIMIT = 256
 
 
@@ -207,7 +207,7 @@ class ExportSample(_Status):
                                    description="The exported model's greedy completion.")
     adapter_completion: str | None = Field(None, max_length=EXPORT_TEXT_LIMIT,
                                            description="The base with the exported LoRA adapter's.")
-    images: list[str] | None = Field(None, max_length=EXPORT_IMAGE_LIMIT, description="A multimodal run's: the "
+    images: list[str] | None = Field(None, max_length=PROMPT_IMAGE_LIMIT, description="A multimodal run's: the "
                                      "images the prompt was asked with, where they were read (each its end).")
 
 
