@@ -1,6 +1,7 @@
 """Shared inputs of the pure state-machine tests (test_phases*.py, test_capabilities*.py):
 one identity, plan, ready cluster and clock, a spec, `step`, one transition from them, and
-`running_status`, a run stepped into Running."""
+`running_status`, a run stepped into Running; `running_with_slice`, one whose slice became ready
+minutes after it was created (the attempts' and start-up figures' tests)."""
 
 from datetime import datetime, timedelta, timezone
 
@@ -37,6 +38,25 @@ def running_status(plan=PLAN, now=T0, job: str = "PENDING") -> dict:
     d = step(d.status, plan=plan, now=now)
     d = step(d.status, plan=plan, now=now, cluster=READY)
     d = step(d.status, plan=plan, now=now, cluster=READY, job=JobView(job))
+    assert d.phase == phases.RUNNING
+    return d.status
+
+
+# A four-host v6e run with one retry, for the attempts' and start-up figures' tests.
+V6E = Plan(cluster_name="demo-rc", epochs=2, max_retries=1, cluster_hash="h", hosts=4, chips=16)
+
+
+def at(minutes: float):
+    return T0 + timedelta(minutes=minutes)
+
+
+def running_with_slice(plan=V6E, ready_at=10, cluster=READY) -> dict:
+    """Created at T0, the slice ready at `ready_at` minutes, the job running just after."""
+    d = step({}, plan=plan)
+    d = step(d.status, plan=plan, now=at(0))
+    d = step(d.status, plan=plan, now=at(ready_at), cluster=cluster)
+    d = step(d.status, plan=plan, now=at(ready_at), cluster=cluster, job=None)
+    d = step(d.status, plan=plan, now=at(ready_at), cluster=cluster, job=JobView("RUNNING"))
     assert d.phase == phases.RUNNING
     return d.status
 

@@ -10,29 +10,13 @@ from tpufinetune.core.phases import ClusterView, JobView, Plan, QueueView
 from tpufinetune.core.podstatus import HEALTHY, SliceHealth, hosts_ready_since, slice_health
 from tpufinetune.core.status import checked_status
 
-from phase_helpers import ENDED, READY, T0, step
+from phase_helpers import ENDED, READY, T0, V6E, at, running_with_slice, step
 
-V6E = Plan(cluster_name="demo-rc", epochs=2, max_retries=1, cluster_hash="h", hosts=4, chips=16)
 FAILURE = ({"event": "failure", "type": "RuntimeError", "message": "boom"},)
 
 
-def at(minutes: float):
-    return T0 + timedelta(minutes=minutes)
-
-
-def running(plan=V6E, ready_at=10, cluster=READY):
-    """Created at 0, the slice ready at `ready_at` minutes, the job running just after."""
-    d = step({}, plan=plan)
-    d = step(d.status, plan=plan, now=at(0))
-    d = step(d.status, plan=plan, now=at(ready_at), cluster=cluster)
-    d = step(d.status, plan=plan, now=at(ready_at), cluster=cluster, job=None)
-    d = step(d.status, plan=plan, now=at(ready_at), cluster=cluster, job=JobView("RUNNING"))
-    assert d.phase == phases.RUNNING
-    return d.status
-
-
 def test_a_run_that_succeeds_has_one_attempt_with_its_cost():
-    status = running()
+    status = running_with_slice()
     (entry,) = status["attempts"]
     assert entry["attempt"] == 1 and entry["startTime"] == "2026-01-01T12:00:00Z" and "endTime" not in entry
     assert entry["sliceReadyTime"] == "2026-01-01T12:10:00Z" and entry["rayClusterUID"] == "rc-uid-1"
@@ -49,7 +33,7 @@ def test_a_run_that_succeeds_has_one_attempt_with_its_cost():
 
 
 def test_usage_is_brought_up_to_date_with_a_change_not_with_every_idle_step():
-    status = step(running(), plan=V6E, now=at(20), cluster=READY, job=JobView("RUNNING")).status
+    status = step(running_with_slice(), plan=V6E, now=at(20), cluster=READY, job=JobView("RUNNING")).status
     idle = step(status, plan=V6E, now=at(40), cluster=READY, job=JobView("RUNNING"))
     assert idle.status == status  # nothing to write while nothing else changed
     moved = step(status, plan=V6E, now=at(40), cluster=READY, job=JobView("RUNNING"),
@@ -59,7 +43,7 @@ def test_usage_is_brought_up_to_date_with_a_change_not_with_every_idle_step():
 
 
 def test_an_app_failure_on_a_healthy_slice_retries_on_the_same_raycluster_with_its_log_tail():
-    status = running()
+    status = running_with_slice()
     events = ({"event": "progress", "step": 7, "total_steps": 20},
               {"event": "checkpoint", "epoch": 1, "step": 5, "uri": "gs://b/run/step_0000005", "epoch_end": False},
               *FAILURE)
@@ -89,7 +73,7 @@ def test_lost_steps_are_counted_from_the_step_the_retry_restored_not_the_last_on
     """The retry restores the run directory's newest complete checkpoint, which can be newer
     than the last one attempt 1's driver reported (a save that landed after the driver died):
     its trainer's first plan says which step, and no step was lost."""
-    status = running()
+    status = running_with_slice()
     events = ({"event": "progress", "step": 7, "total_steps": 20},
               {"event": "checkpoint", "epoch": 1, "step": 5, "uri": "gs://b/run/step_0000005", "epoch_end": False},
               *FAILURE)
@@ -115,7 +99,7 @@ def test_lost_steps_are_counted_from_the_step_the_retry_restored_not_the_last_on
 
 
 def test_a_retry_that_starts_afresh_loses_every_step_of_the_attempt_before():
-    status = running()
+    status = running_with_slice()
     events = ({"event": "progress", "step": 7, "total_steps": 20}, *FAILURE)
     d = step(status, plan=V6E, now=at(40), cluster=READY, job=JobView("FAILED"), events=events,
              log_tail="RuntimeError: boom", slice_health=HEALTHY)
@@ -134,7 +118,7 @@ def test_a_retry_that_starts_afresh_loses_every_step_of_the_attempt_before():
     (SliceHealth(False, "", "pod demo-rc-worker-0 is not Ready"), "AppFailed"),
 ])
 def test_a_slice_that_lost_a_pod_or_is_not_well_is_rebuilt_for_the_retry(health, reason):
-    d = step(running(), plan=V6E, now=at(40), cluster=READY, job=JobView("FAILED"), events=FAILURE,
+    d = step(running_with_slice(), plan=V6E, now=at(40), cluster=READY, job=JobView("FAILED"), events=FAILURE,
              log_tail="(tail)", slice_health=health)
     assert d.phase == phases.PENDING and phases.DeleteCluster("demo-rc") in d.actions
     first, second = d.status["attempts"]
@@ -145,35 +129,35 @@ def test_a_slice_that_lost_a_pod_or_is_not_well_is_rebuilt_for_the_retry(health,
 
 def test_a_spec_that_changes_the_cluster_rebuilds_even_after_an_app_failure():
     edited = Plan(**{**V6E.__dict__, "cluster_hash": "other"})
-    d = step(running(), plan=edited, now=at(40), cluster=READY, job=JobView("FAILED"), events=FAILURE, **ENDED)
+    d = step(running_with_slice(), plan=edited, now=at(40), cluster=READY, job=JobView("FAILED"), events=FAILURE, **ENDED)
     assert d.phase == phases.PENDING and phases.DeleteCluster("demo-rc") in d.actions
     assert d.status["attempts"][0]["reason"] == "AppFailed"
 
 
 def test_a_job_the_head_lost_or_someone_stopped_is_not_an_app_failure():
-    d = step(running(), plan=V6E, now=at(40), cluster=READY, job=None, slice_health=HEALTHY)
+    d = step(running_with_slice(), plan=V6E, now=at(40), cluster=READY, job=None, slice_health=HEALTHY)
     assert d.status["attempts"][0]["reason"] == "ClusterLost"
-    d = step(running(), plan=V6E, now=at(40), cluster=READY, job=JobView("STOPPED"), **ENDED)
+    d = step(running_with_slice(), plan=V6E, now=at(40), cluster=READY, job=JobView("STOPPED"), **ENDED)
     assert d.status["attempts"][0]["reason"] == "Stopped"
 
 
 def test_every_way_an_attempt_ends_has_its_reason():
     no_retry = Plan(**{**V6E.__dict__, "max_retries": 0})
     deadline = Plan(**{**no_retry.__dict__, "active_deadline": timedelta(minutes=30)})
-    d = step(running(deadline), plan=deadline, now=at(31), cluster=READY, job=JobView("RUNNING"))
+    d = step(running_with_slice(deadline), plan=deadline, now=at(31), cluster=READY, job=JobView("RUNNING"))
     assert d.status["attempts"][-1]["reason"] == "DeadlineExceeded"
-    d = step(running(no_retry), plan=no_retry, now=at(40), cluster=ClusterView(exists=False))
+    d = step(running_with_slice(no_retry), plan=no_retry, now=at(40), cluster=ClusterView(exists=False))
     assert d.status["attempts"][-1]["reason"] == "ClusterLost"
     assert d.status["attempts"][-1]["sliceReleaseTime"] == "2026-01-01T12:40:00Z"
     suspended = Plan(**{**no_retry.__dict__, "suspended": True})
-    d = step(running(no_retry), plan=suspended, now=at(40), cluster=READY, job=JobView("RUNNING"))
+    d = step(running_with_slice(no_retry), plan=suspended, now=at(40), cluster=READY, job=JobView("RUNNING"))
     assert [e["reason"] for e in d.status["attempts"]] == ["Stopped"] and d.status["attempt"] == 2
     waiting = step(step({}, plan=no_retry).status, plan=no_retry, now=at(0)).status
     d = step(waiting, plan=no_retry, now=at(31), cluster=ClusterView(exists=True, ready=False))
     (entry,) = d.status["attempts"]
     assert entry["reason"] == "NotStarted" and entry["usage"]["provisioningSeconds"] == 31 * 60
     assert entry["usage"]["chipHours"] == 0.0
-    d = step(running(no_retry), plan=no_retry, now=at(40), cluster=READY, job=JobView("RUNNING"), deleting=True)
+    d = step(running_with_slice(no_retry), plan=no_retry, now=at(40), cluster=READY, job=JobView("RUNNING"), deleting=True)
     assert d.status["attempts"][-1]["reason"] == "Stopped"
 
 
@@ -181,7 +165,7 @@ def test_a_kueue_eviction_ends_the_attempt_evicted_and_the_slice_costs_no_more()
     queued = Plan(**{**V6E.__dict__, "queue": "tpu-queue"})
     evicted = ClusterView(exists=True, owned=True, suspended=True, uid="rc-uid-1",
                           queue=QueueView(reason="Evicted", evicted="Preempted: a higher priority"))
-    d = step(running(queued), plan=queued, now=at(40), cluster=evicted, job=JobView("RUNNING"))
+    d = step(running_with_slice(queued), plan=queued, now=at(40), cluster=evicted, job=JobView("RUNNING"))
     assert d.phase == phases.QUEUED
     first, second = d.status["attempts"]
     assert first["reason"] == "Evicted" and "higher priority" in first["message"]
@@ -191,7 +175,7 @@ def test_a_kueue_eviction_ends_the_attempt_evicted_and_the_slice_costs_no_more()
 
 def test_only_the_last_attempts_are_kept_and_the_totals_count_every_one():
     plan = Plan(**{**V6E.__dict__, "max_retries": 30})
-    status, minute = running(plan), 10
+    status, minute = running_with_slice(plan), 10
     for _ in range(25):
         d = step(status, plan=plan, now=at(minute + 6), cluster=READY, job=JobView("FAILED"), events=FAILURE, **ENDED)
         d = step(d.status, plan=plan, now=at(minute + 6), cluster=READY, job=None)
@@ -315,7 +299,7 @@ def test_a_restarted_container_or_a_pod_not_ready_is_a_slice_not_well_without_a_
 
 
 def test_a_run_an_older_operator_started_gets_an_entry_whose_slice_is_ready_from_now():
-    older = {k: v for k, v in running().items() if k not in ("attempts", "usage")}
+    older = {k: v for k, v in running_with_slice().items() if k not in ("attempts", "usage")}
     d = step(older, plan=V6E, now=at(30), cluster=READY, job=JobView("RUNNING"),
              events=({"event": "progress", "step": 1, "total_steps": 10},))
     (entry,) = d.status["attempts"]
@@ -326,11 +310,11 @@ def test_a_run_an_older_operator_started_gets_an_entry_whose_slice_is_ready_from
 
 def test_the_slice_counts_from_its_last_host_being_ready_when_the_pods_say_so():
     hosts_ready = ClusterView(**{**READY.__dict__, "hosts_ready_since": "2026-01-01T12:08:30Z"})
-    (entry,) = running(cluster=hosts_ready)["attempts"]
+    (entry,) = running_with_slice(cluster=hosts_ready)["attempts"]
     assert entry["sliceReadyTime"] == "2026-01-01T12:08:30Z"
     # A time outside the attempt (a clock far off) is not taken: the operator's own is.
     skewed = ClusterView(**{**READY.__dict__, "hosts_ready_since": "2026-01-01T11:00:00Z"})
-    assert running(cluster=skewed)["attempts"][0]["sliceReadyTime"] == "2026-01-01T12:10:00Z"
+    assert running_with_slice(cluster=skewed)["attempts"][0]["sliceReadyTime"] == "2026-01-01T12:10:00Z"
     assert hosts_ready_since([HEAD, pod("w0"), pod("w1")]) == ""  # conditions without times
     timed = [pod(n, conditions=[]) for n in ("w0", "w1")]
     for p, t in zip(timed, ("2026-01-01T12:01:00Z", "2026-01-01T12:02:00Z")):

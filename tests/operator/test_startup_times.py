@@ -3,31 +3,12 @@ step went, the operator's figures (RayCluster ready, job submitted) and the trai
 `startup` event folded into the attempt it belongs to; the time-to-first-step histogram's
 observations, once per attempt."""
 
-from datetime import timedelta
-
 from tpufinetune.core import phases, startup
-from tpufinetune.core.phases import JobView, Plan
+from tpufinetune.core.phases import JobView
 from tpufinetune.core.podstatus import HEALTHY
 from tpufinetune.core.status import checked_status
 
-from phase_helpers import READY, T0, step
-
-V6E = Plan(cluster_name="demo-rc", epochs=2, max_retries=1, cluster_hash="h", hosts=4, chips=16)
-
-
-def at(minutes: float):
-    return T0 + timedelta(minutes=minutes)
-
-
-def running() -> dict:
-    """Started at 0, the slice ready and the job submitted (Running) at 10 minutes."""
-    d = step({}, plan=V6E)
-    d = step(d.status, plan=V6E, now=at(0))
-    d = step(d.status, plan=V6E, now=at(10), cluster=READY)
-    d = step(d.status, plan=V6E, now=at(10), cluster=READY, job=None)
-    d = step(d.status, plan=V6E, now=at(10), cluster=READY, job=JobView("RUNNING"))
-    assert d.phase == phases.RUNNING
-    return d.status
+from phase_helpers import READY, V6E, at, running_with_slice, step
 
 
 def trainer_startup(minutes: float, first_step_s: float = 40.0, **extra) -> dict:
@@ -37,7 +18,7 @@ def trainer_startup(minutes: float, first_step_s: float = 40.0, **extra) -> dict
 
 
 def test_the_first_attempts_startup_counts_from_its_start_with_the_trainers_stages():
-    status = running()  # started at 0, its slice ready and the job submitted at 10 min
+    status = running_with_slice()  # started at 0, its slice ready and the job submitted at 10 min
     d = step(status, plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
              events=(trainer_startup(10 + 5 / 60, first_step_compiled_s=36.0),))
     (entry,) = d.status["attempts"]
@@ -55,7 +36,7 @@ def test_the_first_attempts_startup_counts_from_its_start_with_the_trainers_stag
 
 
 def test_a_retrys_startup_is_its_own_and_leaves_the_first_attempts_as_it_was():
-    status = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+    status = step(running_with_slice(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
                   events=(trainer_startup(10),)).status
     first_startup = status["attempts"][0]["startup"]
     d = step(status, plan=V6E, now=at(40), cluster=READY, job=JobView("FAILED"),
@@ -80,7 +61,7 @@ def test_a_retrys_startup_is_its_own_and_leaves_the_first_attempts_as_it_was():
 
 
 def test_an_older_trainer_without_the_event_leaves_startup_absent():
-    status = running()
+    status = running_with_slice()
     d = step(status, plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
              events=({"event": "plan", "total_steps": 20, "resumed_step": None},
                      {"event": "progress", "step": 3, "total_steps": 20}))
@@ -89,7 +70,7 @@ def test_an_older_trainer_without_the_event_leaves_startup_absent():
 
 
 def test_an_ended_jobs_late_line_is_not_the_next_attempts_startup():
-    status = running()
+    status = running_with_slice()
     d = step(status, plan=V6E, now=at(40), cluster=READY, job=JobView("FAILED"),
              events=({"event": "failure", "type": "RuntimeError", "message": "boom"},),
              log_tail="RuntimeError: boom", slice_health=HEALTHY)
@@ -98,22 +79,22 @@ def test_an_ended_jobs_late_line_is_not_the_next_attempts_startup():
 
 
 def test_a_skewed_driver_clock_is_kept_between_the_submit_and_the_event_being_read():
-    ahead = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+    ahead = step(running_with_slice(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
                  events=(trainer_startup(30),)).status["attempts"][0]["startup"]
     assert (ahead["driverStartedSeconds"], ahead["firstStepSeconds"]) == (720.0, 720.0)  # read at 12 min
-    behind = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+    behind = step(running_with_slice(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
                   events=(trainer_startup(2),)).status["attempts"][0]["startup"]
     assert (behind["driverStartedSeconds"], behind["firstStepSeconds"]) == (600.0, 640.0)  # not before the submit
     # Without the driver's mark (or a stage), the first step is when the operator read it.
     for odd in ({"first_step_s": "soon"}, {"started_at": 1e20, "first_step_s": 3.0}, {"started_at": -1}):
-        bare = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+        bare = step(running_with_slice(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
                     events=({"event": "startup", "step": 1, **odd},)).status["attempts"][0]["startup"]
         assert {k: v for k, v in bare.items() if k != "trainer"} == {
             "clusterReadySeconds": 600.0, "jobSubmittedSeconds": 600.0, "firstStepSeconds": 720.0}, odd
 
 
 def test_the_histogram_sees_each_attempts_first_step_once():
-    status = running()
+    status = running_with_slice()
     d = step(status, plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"), events=(trainer_startup(10),))
     assert startup.first_steps(status, d.status) == [("first", 640.0)]
     assert startup.first_steps(d.status, d.status) == []
@@ -128,7 +109,7 @@ def test_the_metric_observes_once_per_attempt_by_kind():
         return metrics.REGISTRY.get_sample_value("tpufinetune_time_to_first_step_seconds_count",
                                                  {"attempt_kind": kind}) or 0.0
 
-    status = running()
+    status = running_with_slice()
     d = step(status, plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"), events=(trainer_startup(10),))
     first, retry = observed("first"), observed("retry")
     metrics.first_steps(status, d.status)
@@ -140,13 +121,13 @@ def test_a_warm_retrys_data_source_and_compile_cache_are_kept_with_its_stages():
     """What the start did not have to do again, from the trainer's event: where its data came
     from (the trainer's words mapped to the status's), the examples it tokenized, and rank 0's
     compile cache hits and misses; an attempt's startup line says it."""
-    cold = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+    cold = step(running_with_slice(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
                 events=(trainer_startup(10, data_source="tokenized", tokenized_examples=48,
                                         compile_cache_hits=0, compile_cache_misses=2),)).status
     assert {k: v for k, v in cold["attempts"][0]["startup"]["trainer"].items() if not k.endswith("Seconds")} == {
         "dataSource": "Tokenized", "tokenizedExamples": 48, "compileCacheHits": 0, "compileCacheMisses": 2}
     for words, source in (("published", "RunStorage"), ("local_cache", "LocalCache")):
-        warm = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+        warm = step(running_with_slice(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
                     events=(trainer_startup(10, data_source=words, tokenized_examples=0,
                                             compile_cache_hits=2, compile_cache_misses=0),)).status
         entry = warm["attempts"][0]
@@ -161,7 +142,7 @@ def test_a_warm_retrys_data_source_and_compile_cache_are_kept_with_its_stages():
 
 
 def test_a_newer_trainers_unknown_data_source_or_odd_counts_are_left_out():
-    d = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+    d = step(running_with_slice(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
              events=(trainer_startup(10, data_source="peer", tokenized_examples=-1, compile_cache_hits=True,
                                      compile_cache_misses=1.5),))
     trainer = d.status["attempts"][0]["startup"]["trainer"]
@@ -183,7 +164,7 @@ def test_run_local_prints_each_attempts_startup_once():
 
     from tpufinetune.local import LocalBackend
 
-    status = step(running(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+    status = step(running_with_slice(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
                   events=(trainer_startup(10, data_source="published", tokenized_examples=0),)).status
     out = io.StringIO()
     backend = LocalBackend("http://127.0.0.1:9", out)

@@ -16,17 +16,11 @@ import pytest
 
 from tpufinetune_trainer import compile_cache, data, data_stream, finetune
 from tpufinetune_trainer.config import FinetuneConfig
-from tpufinetune_trainer.model import load_tokenizer
 from tpufinetune_trainer.startup import Startup
 
 from trainer_helpers import offline_env, run_trainer, write_jsonl
 
 MAX_SEQ_LEN = 128
-
-
-@pytest.fixture(scope="module")
-def tokenizer(trainer_assets):
-    return load_tokenizer(str(trainer_assets.model))
 
 
 def rows_file(tmp_path: Path) -> Path:
