@@ -16,7 +16,10 @@ with random weights (`scratch`).
   rate, FSDP2 on each layer's MLP, a full state dict on rank 0 every epoch;
 - ours: `finetune.run` with its defaults (chat template, the tutorial's 4 examples per
   device per step packed into the run's fixed blocks, warmup + the peak held + a cosine
-  decay over the last 20% of steps, clipping, token-weighted loss, sharded checkpoints).
+  decay over the last 20% of steps, clipping, token-weighted loss, sharded checkpoints),
+  and the flags the operator's memory plan passes for the model (plan_flags.py: its
+  sharding, on a TPU slice shape of 2 devices; the output prints the decision); beside
+  it, ours with the trainer's own default, full sharding.
 
 The peak learning rate is the one thing set for both: the defaults (2e-5) suit a
 pretrained 2B model, not this tiny one, so both get --lr (1e-3).
@@ -396,13 +399,17 @@ def make_baseline_train_func(out: str, heldout: str, score_every: int):
 
 # ----------------------------------------------------------------------------- one run (a subprocess)
 
-# Ours with its defaults, with the loss on every token as the tutorial's loop has it
-# (--loss-on all; its final held-out loss only, in the same-epochs table), and MaxText's
-# way: a step of a fixed number of tokens, one full block of 512 per device
+# Ours as run: (whether it takes the memory plan's choices, its own settings). `ours` is the
+# product's defaults: the trainer's, with the flags the operator's memory plan passes for the
+# model (plan_flags.py: its sharding, activation checkpointing, blocks kept gathered). Beside
+# it: full sharding, the trainer's own default; the loss on every token as the tutorial's
+# loop has it (--loss-on all; its final held-out loss only, in the same-epochs table), and
+# MaxText's way: a step of a fixed number of tokens, one full block of 512 per device
 # (--tokens-per-step 1024 on 2 workers; its final loss, time and time to the tutorial's final).
 TOKENS_PER_STEP = 1024
-OURS = {"ours": {}, "ours-loss-on-all": {"loss_on": "all"},
-        "ours-tokens-per-step": {"tokens_per_step": TOKENS_PER_STEP, "batch_size_per_device": 1}}
+WORKERS, BATCH_PER_DEVICE, MAX_SEQ_LEN = 2, 4, 512  # the trainer's batch and length defaults
+OURS = {"ours": (True, {}), "ours-full-sharding": (False, {}), "ours-loss-on-all": (True, {"loss_on": "all"}),
+        "ours-tokens-per-step": (True, {"tokens_per_step": TOKENS_PER_STEP, "batch_size_per_device": 1})}
 
 
 def run_one(args) -> None:
@@ -412,12 +419,16 @@ def run_one(args) -> None:
         from tpufinetune_trainer import train as product
         from tpufinetune_trainer.config import FinetuneConfig
 
+        from plan_flags import trainer_settings
+
         product.train_func = make_ours_train_func(out, args.heldout_file, args.score_every)  # picked up by name
-        # Defaults, except: the shared peak lr, the same examples (no split of our own),
-        # CPU, 2 workers.
-        cfg = FinetuneConfig(model_id=args.model, dataset=args.data, dataset_split="train", num_workers=2,
+        takes_plan, own = OURS[args.one]
+        settings = {**(trainer_settings(json.loads(args.trainer_flags)) if takes_plan else {}), **own}
+        # Defaults (the plan's choices among them), except: the shared peak lr, the same
+        # examples (no split of our own), CPU, 2 workers.
+        cfg = FinetuneConfig(model_id=args.model, dataset=args.data, dataset_split="train", num_workers=WORKERS,
                              num_epochs=args.epochs, learning_rate=args.lr, eval_fraction=0.0, device="cpu",
-                             storage_path=args.storage, run_name=f"ours-{int(time.time())}", **OURS[args.one])
+                             storage_path=args.storage, run_name=f"ours-{int(time.time())}", **settings)
         finetune.run(cfg)
         return
     import ray
@@ -429,16 +440,19 @@ def run_one(args) -> None:
         train_loop_per_worker=make_baseline_train_func(out, args.heldout_file, args.score_every),
         train_loop_config={"model": args.model, "data": args.data, "epochs": args.epochs, "lr": args.lr},
         torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        scaling_config=ScalingConfig(num_workers=WORKERS, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=f"baseline-{int(time.time())}", storage_path=args.storage),
     ).fit()
 
 
-def measure(kind: str, assets: dict, args, work: Path, env: dict, score_every: int) -> list:
+def measure(kind: str, assets: dict, args, work: Path, env: dict, score_every: int,
+            trainer_flags: tuple = ()) -> list:
+    """One run in a subprocess; `trainer_flags`: the plan's (plan_flags.py), for a kind that takes them."""
     out = work / f"{kind}-{int(time.time())}.jsonl"
     cmd = [sys.executable, __file__, "--one", kind, "--model", assets["model"], "--data", assets["train"],
            "--heldout-file", assets["heldout"], "--epochs", str(args.epochs), "--lr", str(args.lr), "--out", str(out),
-           "--storage", str(work / "storage"), "--score-every", str(score_every)]
+           "--storage", str(work / "storage"), "--score-every", str(score_every),
+           "--trainer-flags", json.dumps(list(trainer_flags))]
     log = out.with_suffix(".log")
     started = time.time()
     with open(log, "w") as f:
@@ -496,6 +510,9 @@ def summarize(results: dict) -> list[tuple]:
         ("tokens with a loss /s (ours: responses; tutorial: every real token)", f"{rate(ours, 'label_tokens'):.0f}",
          f"{rate(base, 'label_tokens'):.0f}", f"{rate(ours, 'label_tokens') / rate(base, 'label_tokens'):.2f}x", ""),
         ("optimizer steps", str(ours[-1]["step"]), str(base[-1]["step"]), "", ""),
+        *([("ours with full sharding (the trainer's default): final held-out loss, s",
+            f"{full[-1]['heldout']:.3f}, {full[-1]['seconds']:.1f}", f"{base[-1]['heldout']:.3f}, {base_time:.1f}",
+            f"{full[-1]['seconds'] / base_time:.2f}x", "")] if (full := results.get("ours-full-sharding")) else []),
         ("distinct batch shapes", str(shapes(ours)), str(shapes(base)), "", "1"),
     ]
     return rows
@@ -551,13 +568,17 @@ def overview(by_base: dict) -> list[tuple]:
     for base, results in by_base.items():
         ours, tutorial = results["ours"], results["baseline"]
         reach = time_to_reach(ours, tutorial[-1]["heldout"])
+        full = results.get("ours-full-sharding")
+        full_words = (f"{full[-1]['heldout']:.3f} in {full[-1]['seconds']:.1f} s "
+                      f"({full[-1]['seconds'] / tutorial[-1]['seconds']:.2f}x)" if full else "not run")
         rows.append((base, f"{ours[-1]['heldout']:.3f}", f"{tutorial[-1]['heldout']:.3f}",
                      "yes" if ours[-1]["heldout"] <= tutorial[-1]["heldout"] else "no",
                      f"{ours[-1]['seconds']:.1f}", f"{tutorial[-1]['seconds']:.1f}",
                      f"{ours[-1]['seconds'] / tutorial[-1]['seconds']:.2f}x",
                      "not reached" if reach is None else f"{reach:.1f} ({reach / tutorial[-1]['seconds']:.2f}x)",
                      f"{ours[-1]['step']} / {tutorial[-1]['step']}",
-                     f"{results['ours-loss-on-all'][-1]['heldout']:.3f}", tokens_words(results, tutorial)))
+                     full_words, f"{results['ours-loss-on-all'][-1]['heldout']:.3f}",
+                     tokens_words(results, tutorial)))
     return rows
 
 
@@ -571,6 +592,13 @@ def tokens_words(results: dict, tutorial: list[dict]) -> str:
     return (f"{run[-1]['heldout']:.3f} in {run[-1]['seconds']:.1f} s ({run[-1]['seconds'] / tutorial[-1]['seconds']:.2f}x), "
             f"{run[-1]['step']} steps; tutorial's final at "
             + ("not reached" if reach is None else f"{reach:.1f} s ({reach / tutorial[-1]['seconds']:.2f}x)"))
+
+
+def planned(model: str, batch_per_device: int):
+    """The memory plan's choices for a run of `model` as this script runs it (plan_flags.py)."""
+    from plan_flags import plan
+
+    return plan(json.loads((Path(model) / "config.json").read_text()), model, WORKERS, batch_per_device, MAX_SEQ_LEN)
 
 
 def main() -> None:
@@ -588,7 +616,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None, help="write the curves as a PNG here (needs matplotlib)")
     parser.add_argument("--one", choices=[*OURS, "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("--score-every", type=int, default=8, help=argparse.SUPPRESS)
-    for hidden in ("--model", "--data", "--heldout-file", "--out", "--storage"):
+    for hidden in ("--model", "--data", "--heldout-file", "--out", "--storage", "--trainer-flags"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -606,12 +634,15 @@ def main() -> None:
     # Both loops take the same optimizer steps (the tutorial's 8 examples a step): ~8
     # scored points per epoch each.
     every = max(1, args.rows // 64)
-    by_base = {}
+    by_base, plans = {}, {}
     head = None
     try:
         for base in bases:
             where = work / base
             assets = cached_assets(where, base, args.rows, args.heldout, args.pretrain_steps)
+            plans[base] = {kind: planned(assets["model"], own.get("batch_size_per_device", BATCH_PER_DEVICE))
+                           for kind, (takes_plan, own) in OURS.items() if takes_plan}
+            print(f"  {base}: {plans[base]['ours'].words()}", flush=True)
             cache = where / "results.json"
             results = json.loads(cache.read_text()) if cache.exists() else {}
             todo = [k for k in (*OURS, "baseline") if k not in results or k in args.redo or "all" in args.redo]
@@ -619,8 +650,10 @@ def main() -> None:
                 head = RayHead.start(num_cpus=4)
             for kind in todo:
                 env = dict(head.env(), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
-                rows = measure(kind, assets, args, where, env, every)
+                flags = plans[base][kind].flags if kind in plans[base] else ()
+                rows = measure(kind, assets, args, where, env, every, flags)
                 results[kind] = [r for r in rows if r["kind"] == "point"]
+                results.setdefault("trainer_flags", {})[kind] = list(flags)
                 cache.write_text(json.dumps(results, indent=1))
             by_base[base] = results
     finally:
@@ -629,11 +662,17 @@ def main() -> None:
     for base, results in by_base.items():
         print(f"\n{base} base -- CPU, 2 workers (gloo), fp32 compute, {args.rows} training examples x "
               f"{args.epochs} epochs, {args.heldout} held-out examples, peak lr {args.lr:g} for both")
-        print_table(("metric", "finetune (defaults)", "tutorial loop", "ratio", "target"), summarize(results))
+        mode = plans[base]["ours"].choices.sharding
+        if results.get("trainer_flags", {}).get("ours") != list(plans[base]["ours"].flags):
+            print("  Note: ours ran with trainer flags other than the plan's now: --redo ours")
+        print_table(("metric", f"ours (plan's choice: {mode})", "tutorial loop", "ratio", "target"),
+                    summarize(results))
         print_curves(results)
-    print(f"\nSame epochs ({args.epochs}), both bases:")
+    print(f"\nSame epochs ({args.epochs}), both bases; ours: the plan's choice ("
+          + ", ".join(f"{base} {plans[base]['ours'].choices.sharding}" for base in by_base) + "):")
     print_table(("base", "ours final", "tutorial final", "ours <= tutorial", "ours s", "tutorial s", "time ratio",
-                 "ours to the tutorial's final, s", "steps ours / tutorial", "ours --loss-on all final",
+                 "ours to the tutorial's final, s", "steps ours / tutorial", "ours with full sharding",
+                 "ours --loss-on all final",
                  f"ours --tokens-per-step {TOKENS_PER_STEP}"),
                 overview(by_base))
     if args.plot:

@@ -11,6 +11,13 @@ DataLoader + prepare_data_loader, FSDP2 on each layer's MLP, and at every epoch 
 state dict gathered to rank 0 (cpu_offload) and written with torch.save. It sees the
 same text as ours (our prompt format, context included) so the token streams match.
 
+Ours runs with the product's defaults: the trainer's, with the flags the operator's memory
+plan passes for the model (plan_flags.py: the plan made from the model's config.json on a
+TPU slice shape of 2 devices; the output prints its decision), beside the trainer's own
+default, full sharding. The same comparison runs on a much smaller model (`small`: the
+tiny one's builder, tokenizer and data with narrower, fewer layers), where a step's fixed
+costs weigh more.
+
 Checkpoint cost is measured on a randomly initialised Gemma 4 of ~118M parameters built
 offline (`--size 100m`): wall time of the checkpoint step on rank 0 (save + hand-off to
 Ray Train + copy to storage) and rank 0's peak RSS during it, taken from the kernel's
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -457,33 +465,46 @@ def make_baseline_train_func(out: str):
 
 # ----------------------------------------------------------------------------- one run (a subprocess)
 
-# Ours as run: its defaults; with the loss on every token, as the tutorial's loop; and with the
-# tutorial's objective and schedule (that, and a constant rate from the first step): the
-# settings that differ from the tutorial's loop in what is learned rather than how fast
-# (measured on the tiny model only).
-OURS = {"ours": {}, "ours-loss-on-all": {"loss_on": "all"},
-        "ours-tutorial-objective": {"loss_on": "all", "lr_schedule": "constant", "warmup_ratio": 0.0},
-        # What the operator passes where its memory plan holds every block gathered (v5p, v7x).
-        "ours-kept-gathered": {"reshard_after_forward": False},
-        # --shard-group 1: the state replicated on both workers (spec.training.sharding replicate).
-        "ours-replicated": {"shard_group": 1}}
+# Ours as run: (whether it takes the memory plan's choices, its own settings). `ours` is the
+# product's defaults: the trainer's, with the flags the operator's memory plan passes for the
+# model (plan_flags.py: its sharding, activation checkpointing, blocks kept gathered). Beside
+# it: full sharding, the trainer's own default (with every block kept gathered, what the
+# operator passes where its plan holds them so); with the loss on every token, as the
+# tutorial's loop; and with the tutorial's objective and schedule (that, and a constant rate
+# from the first step): the settings that differ from the tutorial's loop in what is learned
+# rather than how fast (measured on the tiny model only).
+OURS = {"ours": (True, {}), "ours-full-sharding": (False, {}),
+        "ours-loss-on-all": (True, {"loss_on": "all"}),
+        "ours-tutorial-objective": (True, {"loss_on": "all", "lr_schedule": "constant", "warmup_ratio": 0.0}),
+        "ours-kept-gathered": (False, {"reshard_after_forward": False})}
+# Rows of the table on each model besides the tiny one's: the 118M one measures checkpoints.
+RUNS_BY_SIZE = {"tiny": ("ours", "baseline", *(k for k in OURS if k != "ours")),
+                "small": ("ours", "baseline", "ours-full-sharding"), "100m": ("ours", "baseline")}
+# The much smaller model: the tiny one's tokenizer, data and builder with these text widths,
+# where a step's fixed costs dominate its compute.
+SMALL_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, global_head_dim=16, hidden_size_per_layer_input=8,
+                  layer_types=["sliding_attention", "full_attention"])
 
 
 def run_one(args) -> None:
     out = str(args.out)
     profile = (args.profile_warmup, args.profile_steps) if args.profile else None
     if args.one in OURS:
+        from plan_flags import trainer_settings
         from tpufinetune_trainer import finetune
         from tpufinetune_trainer import train as product
         from tpufinetune_trainer.config import FinetuneConfig
 
         product.train_func = make_ours_train_func(out, args.heldout, profile)  # finetune.run picks it up by name
+        takes_plan, own = OURS[args.one]
+        settings = {**(trainer_settings(json.loads(args.trainer_flags)) if takes_plan else {}), **own}
         # Profiling: the table's run, stopped one step after the probe's last.
         stop = {"max_steps": args.profile_warmup + 2 * args.profile_steps + 1} if profile else {}
         cfg = FinetuneConfig(model_id=args.model, dataset=args.data, dataset_split=args.split, num_workers=2,
                              num_epochs=args.epochs, batch_size_per_device=4, max_seq_len=512,
                              learning_rate=args.lr, eval_fraction=0.0, device="cpu", storage_path=args.storage,
-                             prompt_format="tutorial", run_name=f"ours-{int(time.time())}", **OURS[args.one], **stop)
+                             prompt_format="tutorial", run_name=f"ours-{int(time.time())}", **settings, **stop)
         finetune.run(cfg)
         return
     import ray
@@ -640,11 +661,12 @@ def compute_ceiling(args) -> None:
 
 
 def measure(kind: str, model: Path, data: Path, split: str, epochs: int, lr: float, work: Path, env: dict,
-            heldout: Path | None, extra: tuple = ()) -> list:
+            heldout: Path | None, extra: tuple = (), trainer_flags: tuple = ()) -> list:
+    """One run in a subprocess; `trainer_flags`: the plan's (plan_flags.py), for a kind that takes them."""
     out = work / f"{kind}-{model.parent.name}-{int(time.time())}.jsonl"
     cmd = [sys.executable, __file__, "--one", kind, "--model", str(model), "--data", str(data), "--split", split,
            "--epochs", str(epochs), "--lr", str(lr), "--out", str(out), "--storage", str(work / "storage"),
-           "--heldout", str(heldout or ""), *extra]
+           "--heldout", str(heldout or ""), "--trainer-flags", json.dumps(list(trainer_flags)), *extra]
     log = out.with_suffix(".log")
     started = time.time()
     with open(log, "w") as f:
@@ -702,7 +724,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--heldout-rows", type=int, default=128,
                         help="rows after the training rows, scored after every epoch (response tokens)")
-    for hidden in ("--model", "--data", "--split", "--out", "--storage", "--heldout"):
+    for hidden in ("--model", "--data", "--split", "--out", "--storage", "--heldout", "--trainer-flags"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -723,10 +745,14 @@ def main() -> None:
 
     work = args.work or Path(tempfile.mkdtemp(prefix="tpuft-bench-"))
     print(f"work dir: {work}", flush=True)
-    for size in ("tiny",) if args.profile else ("tiny", "100m"):
+    sizes = ("tiny",) if args.profile else tuple(RUNS_BY_SIZE)
+    for size in sizes:
         if not (work / size / "model" / "config.json").exists():
-            info = write_assets(work / size, size)
-            print(f"  built {size}: {info['parameters'] / 1e6:.1f}M parameters", flush=True)
+            info = build_small(work) if size == "small" else write_assets(work / size, size)
+            print(f"  built {size}: {info['parameters'] / 1e6:.2f}M parameters", flush=True)
+    plans = {size: planned(work / size / "model") for size in sizes}
+    for size, plan in plans.items():
+        print(f"  {size}: {plan.words()}", flush=True)
     heldout = work / "tiny" / "heldout.jsonl"  # rows no run trains on
     rows = (work / "tiny" / "data" / "train.jsonl").read_text().splitlines()
     if len(rows) < args.rows + args.heldout_rows:
@@ -737,7 +763,7 @@ def main() -> None:
         return
     cache = work / "results.json"
     results = json.loads(cache.read_text()) if cache.exists() else {}
-    runs = [(k, s) for k in ("ours", "baseline") for s in ("tiny", "100m")] + [(k, "tiny") for k in OURS if k != "ours"]
+    runs = [(k, s) for s, kinds in RUNS_BY_SIZE.items() for k in kinds]
     todo = [(k, s) for k, s in runs if f"{k}-{s}" not in results or f"{k}-{s}" in args.redo or "all" in args.redo]
     if todo:
         head = RayHead.start(num_cpus=4)
@@ -747,14 +773,18 @@ def main() -> None:
                 # The 118M runs only measure checkpoints: just enough rows for a step or
                 # two per epoch (packing needs more rows than padding for one global batch).
                 ckpt_rows = args.ckpt_rows if kind == "ours" else args.ckpt_rows // 3
-                split, epochs = ((f"train[:{args.rows}]", args.epochs) if size == "tiny"
+                split, epochs = ((f"train[:{args.rows}]", args.epochs) if size != "100m"
                                  else (f"train[:{ckpt_rows}]", args.ckpt_epochs))
-                measured = measure(kind, work / size / "model", work / size / "data" / "train.jsonl", split, epochs,
-                                   args.lr, work, env, heldout if size == "tiny" else None)
-                results[f"{kind}-{size}"] = summarize(measured)
+                flags = plans[size].flags if kind in OURS and OURS[kind][0] else ()
+                data = work / ("tiny" if size == "small" else size) / "data" / "train.jsonl"  # small: tiny's
+                measured = measure(kind, work / size / "model", data, split, epochs, args.lr, work, env,
+                                   heldout if size != "100m" else None, trainer_flags=flags)
+                results[f"{kind}-{size}"] = dict(summarize(measured), trainer_flags=list(flags))
                 cache.write_text(json.dumps(results, indent=1))  # a later run can redo only some
         finally:
             head.stop()
+    for size in sizes:
+        results[f"parameters-{size}"] = text_parameters(work / size / "model")
     if "ceiling" not in results or "ceiling" in args.redo or "all" in args.redo:
         cmd = [sys.executable, __file__, "--ceiling", "--model", str(work / "tiny" / "model"), "--repeats", "5"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
@@ -763,7 +793,50 @@ def main() -> None:
             raise SystemExit(f"compute ceiling failed:\n{done.stderr[-3000:]}")
         results["ceiling"] = json.loads(done.stdout.strip().splitlines()[-1])
         cache.write_text(json.dumps(results, indent=1))
-    print_table(results, args)
+    print_table(results, args, plans)
+
+
+def planned(model: Path):
+    """The memory plan's choices for a run of `model` as the table runs it (plan_flags.py)."""
+    from plan_flags import plan
+
+    return plan(json.loads((model / "config.json").read_text()), str(model), workers=2, batch_per_device=4,
+                max_seq_len=512)
+
+
+def text_parameters(model: Path) -> int:
+    """The text model's parameters (its per-layer embedding table included), from the
+    safetensors headers: the towers, which neither loop trains, left out."""
+    total = 0
+    for file in model.glob("*.safetensors"):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(math.prod(t["shape"]) for name, t in header.items()
+                     if name != "__metadata__" and "language_model" in name)
+    return total
+
+
+def build_small(work: Path) -> dict:
+    """The much smaller model: the tiny one's config with SMALL_TEXT's widths, built as the
+    tiny one is (assets.build_model: the seed, the towers), saved with its tokenizer. Trained
+    on the tiny one's data."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, Gemma4Config, Gemma4ForConditionalGeneration
+
+    tiny, small = work / "tiny" / "model", work / "small" / "model"
+    tiny_config = AutoConfig.from_pretrained(tiny)
+    config = Gemma4Config(text_config=dict(tiny_config.text_config.to_dict(), **SMALL_TEXT),
+                          vision_config=tiny_config.vision_config.to_dict(),
+                          audio_config=tiny_config.audio_config.to_dict())
+    torch.manual_seed(1234)  # write_assets' seed
+    model = Gemma4ForConditionalGeneration(config)
+    model.save_pretrained(small)
+    for name in tiny.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(name, small / name.name)
+    return {"model": str(small), "parameters": sum(p.numel() for p in model.parameters())}
 
 
 PROFILE_COLUMNS = (("step_ms", "step ms"), ("compute_ms", "fwd+bwd compute ms"),
@@ -784,9 +857,11 @@ def profile_loops(args, work: Path) -> None:
     head = RayHead.start(num_cpus=4)
     env = dict(head.env(), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(REPO / "tests"))
     try:
+        flags = planned(work / "tiny" / "model").flags
         for kind in ("ours", "baseline"):
             rows += measure(kind, work / "tiny" / "model", work / "tiny" / "data" / "train.jsonl",
-                            f"train[:{args.rows}]", 1, args.lr, work, env, None, extra)
+                            f"train[:{args.rows}]", 1, args.lr, work, env, None, extra,
+                            trainer_flags=flags if kind == "ours" else ())
     finally:
         head.stop()
     profiles = [r for r in rows if r["kind"] == "profile"]
@@ -840,31 +915,40 @@ def print_profile(profiles: list, args) -> None:
             print(f"  CPU ms per step by thread: {r['thread_cpu_ms']}")
 
 
-def print_table(results: dict, args) -> None:
+def print_table(results: dict, args, plans: dict) -> None:
     o, b = results["ours-tiny"], results["baseline-tiny"]
     om, bm = results["ours-100m"], results["baseline-100m"]
     c, a, t = results["ceiling"], results["ours-loss-on-all-tiny"], results["ours-tutorial-objective-tiny"]
-    k, r = results["ours-kept-gathered-tiny"], results.get("ours-replicated-tiny")
+    f, k = results["ours-full-sharding-tiny"], results["ours-kept-gathered-tiny"]
+    so, sb, sf = results["ours-small"], results["baseline-small"], results["ours-full-sharding-small"]
+    mode = {size: plan.choices.sharding for size, plan in plans.items()}
+
+    def tokens(name: str, ours: dict, base: dict, target: str = "") -> tuple:
+        return (name, f"{ours['tokens_per_s']:.0f}", f"{base['tokens_per_s']:.0f}" if target else "",
+                f"{ours['tokens_per_s'] / base['tokens_per_s']:.2f}x", target)
+
     rows = [
-        ("real tokens/s (tiny, epochs 2+)", f"{o['tokens_per_s']:.0f}", f"{b['tokens_per_s']:.0f}",
-         f"{o['tokens_per_s'] / b['tokens_per_s']:.2f}x", ">= 3x"),
-        ("  ours with every block kept gathered", f"{k['tokens_per_s']:.0f}", "",
-         f"{k['tokens_per_s'] / b['tokens_per_s']:.2f}x", ">= 3x"),
-        *([("  ours with the state replicated (--shard-group 1)", f"{r['tokens_per_s']:.0f}", "",
-            f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x", ">= 3x")] if r else []),
+        tokens(f"real tokens/s (tiny, epochs 2+), ours (plan's choice: {mode['tiny']})", o, b, ">= 3.5x"),
+        tokens("  ours with full sharding (the trainer's default)", f, b),
+        tokens("  ours with full sharding, every block kept gathered", k, b),
+        tokens(f"real tokens/s (small, epochs 2+), ours (plan's choice: {mode['small']})", so, sb, "> full's"),
+        tokens("  ours with full sharding (the trainer's default)", sf, sb),
         ("fwd+bwd of one step, 1 process, s (bound)", f"{c['ours']:.3f}", f"{c['tutorial']:.3f}",
          f"{c['tutorial'] / c['ours']:.2f}x", ""),
         ("epoch time s (tiny, epochs 2+)", f"{o['epoch_time_s']:.1f}", f"{b['epoch_time_s']:.1f}",
          f"{o['epoch_time_s'] / b['epoch_time_s']:.2f}x", ""),
         # The 118M runs take different rows (packing needs more for a step); a step holds the
         # tutorial's 8 examples in both, so seconds per step compare like for like.
-        ("s per step of 8 examples (118M, epochs 2+)", f"{om['step_s']:.1f}", f"{bm['step_s']:.1f}",
-         f"{bm['step_s'] / om['step_s']:.2f}x faster", ""),
+        (f"s per step of 8 examples (118M, epochs 2+; plan's choice: {mode['100m']})", f"{om['step_s']:.1f}",
+         f"{bm['step_s']:.1f}", f"{bm['step_s'] / om['step_s']:.2f}x faster", ""),
         ("distinct batch shapes", str(o["shapes"]), str(b["shapes"]), "", "1"),
         ("held-out loss per epoch (tiny, response tokens)", str(o["heldout"]), str(b["heldout"]),
          "", "ours <= tutorial"),
+        ("  ours with full sharding", str(f["heldout"]), "", "", ""),
         ("  ours with --loss-on all", str(a["heldout"]), "", "", ""),
         ("  ours with --loss-on all, constant lr", str(t["heldout"]), "", "", ""),
+        ("held-out loss per epoch (small)", str(so["heldout"]), str(sb["heldout"]), "", ""),
+        ("  ours with full sharding", str(sf["heldout"]), "", "", ""),
         ("training loss per epoch (tiny; see below)", str(o["loss"]), str(b["loss"]), "", ""),
         ("training blocked by a checkpoint s (118M, median)", f"{om['ckpt_s']:.2f}", f"{bm['ckpt_s']:.2f}",
          f"{om['ckpt_s'] / bm['ckpt_s']:.2f}x", "<= 1x"),
@@ -873,8 +957,9 @@ def print_table(results: dict, args) -> None:
         ("rank-0 peak RSS during ckpt MiB", f"{om['ckpt_peak_mib']:.0f}", f"{bm['ckpt_peak_mib']:.0f}",
          f"{om['ckpt_peak_mib'] / bm['ckpt_peak_mib']:.2f}x", ""),
     ]
-    print(f"\nCPU, 2 workers (gloo), batch 4/worker, max length 512, {args.rows} examples x {args.epochs} epochs; "
-          f"checkpoints: 118M-parameter Gemma 4, {args.ckpt_epochs} epochs")
+    print(f"\nCPU, 2 workers (gloo), batch 4/worker, max length 512, {args.rows} examples x {args.epochs} epochs "
+          f"(text model: tiny {results['parameters-tiny'] / 1e6:.2f}M parameters, small "
+          f"{results['parameters-small'] / 1e6:.2f}M); checkpoints: 118M-parameter Gemma 4, {args.ckpt_epochs} epochs")
     header = ("metric", "finetune", "tutorial loop", "ratio", "target")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(5)]
     line = " | ".join(h.ljust(w) for h, w in zip(header, widths))
@@ -882,11 +967,15 @@ def print_table(results: dict, args) -> None:
     print("-+-".join("-" * w for w in widths))
     for r in rows:
         print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    stale = [key for key, plan in ((f"ours-{size}", plan) for size, plan in plans.items())
+             if key in results and results[key].get("trainer_flags") != list(plan.flags)]
+    if stale:
+        print(f"\nNote: {', '.join(stale)} ran with trainer flags other than the plan's now: --redo them.")
     print(f"\nBound: a step holds the same 8 examples in both loops; one process computing one step's forward and "
           f"backward per worker (ours: 1 packed block of 512; the tutorial's: 4 rows of 512), with no collectives "
           f"and no optimizer, takes {c['tutorial'] / c['ours']:.2f}x less time for ours: the most its useful "
           f"tokens/s can be above the tutorial loop's at these steps. Training losses average different tokens "
-          f"(ours: the responses; the tutorial's loop: every token, prompt included); the held-out row scores both "
+          f"(ours: the responses; the tutorial's loop: every token, prompt included); the held-out rows score both "
           f"on the same {args.heldout_rows} unseen rows' response tokens.")
 
 
