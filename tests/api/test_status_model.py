@@ -59,7 +59,8 @@ STARTUP = {"clusterReadySeconds": 41.0, "jobSubmittedSeconds": 43.0, "driverStar
            "firstStepSeconds": 95.1,
            "trainer": {"dataReadySeconds": 12.3, "workersReadySeconds": 20.1, "modelLoadedSeconds": 31.0,
                        "firstStepCompiledSeconds": 40.2, "firstStepSeconds": 47.9, "dataSource": "RunStorage",
-                       "tokenizedExamples": 0, "compileCacheHits": 2, "compileCacheMisses": 0}}
+                       "tokenizedExamples": 0, "compileCacheHits": 2, "compileCacheMisses": 0,
+                       "resumedEpochEndSeconds": 18.4}}
 
 
 def test_an_attempts_startup_passes_the_model_and_the_crd_declares_it():

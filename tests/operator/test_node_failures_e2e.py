@@ -333,6 +333,13 @@ def _check_warm_retry(status: dict) -> None:
     assert warm["compileCacheHits"] > 0, retry["startup"]
     # The retry's new head pod found the data attempt 1 published, not tokenized again.
     assert warm["dataSource"] == "RunStorage" and warm["tokenizedExamples"] == 0, retry["startup"]
+    # A retry resumed from a step checkpoint at an epoch's last step did that epoch's end before
+    # its first step, and says how long it took; one resumed inside an epoch, or from the
+    # epoch's own checkpoint (its end done), has none to say.
+    epoch_ends = {entry["step"] for entry in status["history"]}
+    end_left = (retry.get("resumedStep") in epoch_ends
+                and retry.get("resumedFrom", "").rstrip("/").rsplit("/", 1)[-1].startswith("step_"))
+    assert ("resumedEpochEndSeconds" in warm) == end_left, (retry, epoch_ends)
 
 
 @pytest.mark.ray

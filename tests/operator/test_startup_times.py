@@ -155,7 +155,24 @@ def test_the_data_sources_are_the_trainers():
     from tpufinetune_trainer import startup as trainer_startup_module
 
     assert tuple(startup.DATA_SOURCE_NAMES) == trainer_startup_module.DATA_SOURCES
-    assert set(startup.TRAINER_COUNTS) | {"data_source"} == set(trainer_startup_module.FACTS)
+    assert set(startup.TRAINER_COUNTS) | set(startup.TRAINER_DURATIONS) | {"data_source"} == set(
+        trainer_startup_module.FACTS)
+
+
+def test_a_retry_that_resumed_at_an_epochs_end_says_how_long_that_end_took_before_its_first_step():
+    """A retry whose checkpoint was at an epoch's last step does that epoch's end (evaluation,
+    answers) first: its status keeps those seconds beside the first step that includes them,
+    and its line says so; a value that is no number is left out."""
+    d = step(running_with_slice(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+             events=(trainer_startup(10, first_step_s=51.0, resumed_epoch_end_s=18.4),))
+    entry = d.status["attempts"][0]
+    assert entry["startup"]["trainer"]["resumedEpochEndSeconds"] == 18.4
+    assert entry["startup"]["trainer"]["firstStepSeconds"] == 51.0
+    assert checked_status(d.status) is d.status
+    assert startup.summary(entry).endswith("; 18.4 s of them the resumed epoch's end (evaluation)")
+    odd = step(running_with_slice(), plan=V6E, now=at(12), cluster=READY, job=JobView("RUNNING"),
+               events=(trainer_startup(10, resumed_epoch_end_s="18"),)).status
+    assert "resumedEpochEndSeconds" not in odd["attempts"][0]["startup"]["trainer"]
 
 
 def test_run_local_prints_each_attempts_startup_once():

@@ -21,9 +21,11 @@ import time
 STAGES = ("data_ready", "workers_ready", "model_loaded", "first_step_compiled", "first_step")
 # What the start did not have to do again (a retry starts warm): where the driver took the
 # prepared data from and how many examples it tokenized; with torch.compile, rank 0's
-# inductor FX-graph cache hits and misses up to its first step.
+# inductor FX-graph cache hits and misses up to its first step. And, on a resume at an
+# epoch's last step, the seconds that epoch's end (its evaluation and answers, left by the
+# earlier attempt) took before this start's first step, which first_step includes.
 DATA_SOURCES = ("tokenized", "local_cache", "published")
-FACTS = ("data_source", "tokenized_examples", "compile_cache_hits", "compile_cache_misses")
+FACTS = ("data_source", "tokenized_examples", "compile_cache_hits", "compile_cache_misses", "resumed_epoch_end_s")
 
 _STARTED_WALL, _STARTED = time.time(), time.monotonic()
 

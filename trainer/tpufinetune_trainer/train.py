@@ -104,7 +104,10 @@ class Trainer(Setup, Restore, Evaluation, Checkpointing, Finish, RunEvents):
             if self.rank == 0:
                 self.announce()
             while (self.global_step < self.total_steps or self.end_pending) and self.stopped is None:
+                began = time.perf_counter()
                 metrics = self.train_epoch()
+                # A resume at an epoch's last step: that epoch's end comes before this start's first step.
+                resumed_end = self.restored and not self.startup.reported
                 if self.stopped is None:
                     # A SIGTERM in the epoch's last steps: its step saved now, without the
                     # evaluation, which can outlast the pod's share of the notice (resume
@@ -113,6 +116,8 @@ class Trainer(Setup, Restore, Evaluation, Checkpointing, Finish, RunEvents):
                         self.on_notice(notice.TERMINATING, lambda: metrics)
                     self.report(metrics, epoch_end=True)
                     self.share_compile_cache()
+                    if resumed_end:
+                        self.startup.note(resumed_epoch_end_s=round(time.perf_counter() - began, 3))
                     # The next epoch's first step agrees: a SIGTERM during the epoch's end
                     # (after the checks in report) waits one step, not a stretch of them.
                     self.agreements.soon(self.global_step)

@@ -24,6 +24,8 @@ TRAINER_STAGES = {"data_ready_s": "dataReadySeconds", "workers_ready_s": "worker
 # The event's `data_source` (the trainer's words) -> startup.trainer.dataSource; a value
 # this operator does not know (a newer trainer's) is left out.
 DATA_SOURCE_NAMES = dict(zip(("tokenized", "local_cache", "published"), DATA_SOURCES))
+# The event's durations (seconds, not a stage since the driver's start) -> startup.trainer's field.
+TRAINER_DURATIONS = {"resumed_epoch_end_s": "resumedEpochEndSeconds"}
 # The event's counts of what the start did (again) -> startup.trainer's field.
 TRAINER_COUNTS = {"tokenized_examples": "tokenizedExamples", "compile_cache_hits": "compileCacheHits",
                   "compile_cache_misses": "compileCacheMisses"}
@@ -41,7 +43,7 @@ def _count(value) -> int | None:
 
 def _trainer(event: dict) -> dict:
     """startup.trainer from the event: its stages, and what the start did not do again."""
-    found = {name: round(_number(event.get(key)), 3) for key, name in TRAINER_STAGES.items()
+    found = {name: round(_number(event.get(key)), 3) for key, name in {**TRAINER_STAGES, **TRAINER_DURATIONS}.items()
              if _number(event.get(key)) is not None}
     source = event.get("data_source")
     if isinstance(source, str) and source in DATA_SOURCE_NAMES:
@@ -115,6 +117,8 @@ def summary(entry: dict) -> str:
     if trainer.get("compileCacheHits") is not None or trainer.get("compileCacheMisses") is not None:
         words.append(f"compile cache {trainer.get('compileCacheHits', 0)} hits, "
                      f"{trainer.get('compileCacheMisses', 0)} misses")
+    if trainer.get("resumedEpochEndSeconds") is not None:
+        words.append(f"{trainer['resumedEpochEndSeconds']:g} s of them the resumed epoch's end (evaluation)")
     return "; ".join(words)
 
 

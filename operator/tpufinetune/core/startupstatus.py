@@ -43,6 +43,9 @@ class TrainerStartup(_Status):
                                                                    "(<storagePath>/<run>/compile-cache/).")
     compile_cache_misses: int | None = Field(None, ge=0, description="With torch.compile on: graphs rank 0 "
                                                                      "compiled anew before its first step.")
+    resumed_epoch_end_seconds: float | None = _seconds(
+        "On a resume at an epoch's last step: the seconds that epoch's end (its evaluation and answers, left by "
+        "the earlier attempt) took before this start's first step; firstStepSeconds includes them.")
 
 
 class StartupTimes(_Status):
