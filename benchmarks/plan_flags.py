@@ -3,10 +3,10 @@
 The benchmarks run the trainer on CPU workers, where the plan has no figures to choose by
 (memplan_sharding.choosable: a TPU generation and a model whose widths it knows) and the
 trainer's own default, full sharding, is what runs. The product's default is the plan's
-choice: for a model the table does not know, the operator plans from the config.json the
-trainer reports (memplan_spec.with_model_config), and the next run of the spec chooses with
-those widths. This asks the planner that question for the benchmark's model on a TPU
-slice of as many devices as the benchmark has workers: `plan` builds the spec, the
+choice: for a model whose widths it knows (the table's; a config.json's once the trainer
+has reported it: memplan_spec.with_model_config, where status.plan.replanned names the
+choice). This asks the planner that question for the benchmark's model on a TPU slice of
+as many devices as the benchmark has workers: `plan` builds the spec, the
 operator's request of it (memplan_spec.request_of) and chooses again on the config's
 widths as memplan_sharding.replanned does, then the trainer flags the operator passes for
 the choice (jobspec.memory_flags, and --reshard-after-forward=false where the plan keeps
