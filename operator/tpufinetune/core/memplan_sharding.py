@@ -26,8 +26,9 @@ it could be told otherwise.
 Once the trainer reports the model's own config.json the plan is made again from its
 widths (memplan_spec.with_model_config), and the choices stay those the run was started
 with: the trainer already runs them. The run is refused there only when they cannot fit;
-where the config's widths would have chosen otherwise, the plan says so (`replanned`) and
-the next run (a new resource, or a resubmission of the spec) chooses again.
+where the config's widths would have chosen otherwise, the plan says so (`replanned`).
+Nothing keeps those widths for a later attempt or run, which choose as this one did: the
+spec's training.sharding and training.activationCheckpointing are how to run the choice.
 
 The collectives of a step (`Collectives`), per device, as ring algorithms move them (each
 device sends, and receives, (n - 1)/n of a tensor an all-gather or reduce-scatter over n
@@ -234,8 +235,10 @@ def replanned(request: Request, config: dict) -> Request:
         ("activation checkpointing", choices.checkpointing, fresh.checkpointing),
         ("sharding", f"{choices.sharding} (group {choices.shard_group})",
          f"{fresh.sharding} (group {fresh.shard_group})")) if old != new]
-    note = (f"the model's config.json would choose {', '.join(differ)}; this run keeps what it started with, "
-            "the next chooses again") if differ else ""
+    # Only the spec decides a later attempt's or run's choices (its model's widths are not kept
+    # for them): the way to run with the config's choice is to write it.
+    note = (f"the model's config.json would choose {', '.join(differ)}; this run keeps what it started with "
+            "(write training.sharding and training.activationCheckpointing to run with that choice)") if differ else ""
     return replace(configured, choices=replace(
         choices, collectives=collectives_of(configured, choices.shard_group, choices.devices, choices.micro_batches),
         replanned=note))

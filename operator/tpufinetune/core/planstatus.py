@@ -136,7 +136,8 @@ class MemoryPlanStatus(_Status):
     replanned: str | None = Field(
         None, max_length=512, description="Planned again from the model's config.json: what its widths would "
                                           "have chosen where that differs from what the run was started "
-                                          "with (kept: the trainer runs it; the next run chooses again).")
+                                          "with (kept: the trainer runs it; later attempts choose as this one did, "
+                                          "unless the spec writes the choice).")
     towers: TowersPlanStatus | None = Field(None, description="With training.towers: the vision tower planned. "
                                                               "Absent for a text-only run.")
     message: str | None = Field(None, max_length=1024, description="The estimate in words.")
