@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import time
+
 from kubernetes.client.rest import ApiException
+from urllib3.exceptions import ReadTimeoutError
 
 from tpufinetune.adapters import handlers
 from tpufinetune.adapters.rayjobs import RayJobs
@@ -44,6 +47,36 @@ async def test_a_delete_releases_the_raycluster_and_returns_while_every_status_w
     assert "delete" in cluster.calls and not cluster.exists
     assert any(call.startswith("refused:") for call in cluster.calls)  # its writes were tried, and refused
     assert "create" not in cluster.calls
+
+
+class ReadTimesOutOnce(MemoryCluster):
+    """The first read of the RayCluster times out, as a read the API server does not answer
+    within the client's timeout does (a mock: a real API server cannot be made to miss one
+    chosen read; the ground's delete tests show the whole path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.timed_out = False
+
+    async def observe(self, ident, name):
+        if not self.timed_out:
+            self.timed_out = True
+            raise ReadTimeoutError(None, "/apis/ray.io/v1/rayclusters", "Read timed out. (read timeout=10)")
+        return await super().observe(ident, name)
+
+
+@in_loop
+async def test_a_failed_read_during_a_delete_is_tried_again_within_seconds_not_after_kopfs_minute():
+    cluster = ReadTimesOutOnce()
+    cluster.exists = True
+    live = body({"phase": phases.RUNNING, "rayClusterName": "tft-demo", "attempt": 1, "jobId": "tft-uid-1-1"},
+                deletionTimestamp="2026-01-01T00:00:00Z")
+    memo = SimpleNamespace(backend=cluster, jobs=RayJobs(timeout=0.5), settings=settings(),
+                           progress=ProgressTracker())
+    started = time.monotonic()
+    await handlers.release(body=live, memo=memo)  # returns: kopf removes the finalizer
+    assert cluster.timed_out and "delete" in cluster.calls and not cluster.exists
+    assert time.monotonic() - started < handlers.RELEASE_RETRY_S
 
 
 @in_loop

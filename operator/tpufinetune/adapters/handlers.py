@@ -29,7 +29,9 @@ from tpufinetune.core.api import GROUP, PLURAL, VERSION
 from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.core.errors import StatusConflict
 from tpufinetune.driver import Run
+from tpufinetune.runray import _one_line
 from tpufinetune.runstatus import conflict_backoff
+from tpufinetune.adapters.lease import LeaseLost
 from tpufinetune.adapters.kube import MAINTENANCE_LABEL, RAY_PLURAL, KubeBackend, Watches
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.settings import Settings
@@ -294,10 +296,15 @@ def kopf_wrote_its_own(body) -> bool:
         "lastHandledConfiguration" in kopf_status
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL)
+# kopf retries a failed handler after a minute by default: longer than a delete may take.
+RELEASE_RETRY_S = 5
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, backoff=RELEASE_RETRY_S)
 async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     """Delete the RayCluster (asking its job to stop first, best effort); the finalizer
-    goes once the RayCluster is gone. Ray is never waited on."""
+    goes once the RayCluster is gone. Ray is never waited on, and a failed call (a read the
+    API server did not answer in time) is tried again here, within seconds."""
     key = (body["metadata"].get("namespace"), body["metadata"]["name"])
     if key[0] in ENDING_NAMESPACES:
         # The namespace controller deletes the RayCluster and everything else of the run,
@@ -314,7 +321,7 @@ async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
     # A deleting step never waits on its status write (driver.Run._step): a refused or
     # conflicting write neither holds the RayCluster nor keeps the finalizer.
     deadline = asyncio.get_running_loop().time() + RELEASE_WAIT_S
-    conflicts = 0
+    conflicts = failures = 0
     while True:
         try:
             decision = await run.step(deleting=True)
@@ -325,6 +332,15 @@ async def release(body: kopf.Body, memo: kopf.Memo, **_) -> None:
                 raise
             conflicts += 1
             await asyncio.sleep(conflict_backoff(conflicts, memo.settings.poll_interval))
+            continue
+        except LeaseLost:
+            raise  # this operator may no longer act: the next leader releases it
+        except Exception as error:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            failures += 1
+            log.warning("%s/%s: releasing its RayCluster: %s; trying again", *key, _one_line(error))
+            await asyncio.sleep(min(RELEASE_RETRY_S, 0.5 * 2 ** (failures - 1)))
             continue
         if not any(isinstance(a, phases.DeleteCluster) for a in decision.actions):
             memo.progress.forget(run.progress_key)
