@@ -39,6 +39,7 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", "heaviest 15 test files (s)")
     for path, seconds in sorted(per_file.items(), key=lambda item: -item[1])[:15]:
         terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    write_lanes(terminalreporter)
     from harness.ground_fixtures import CLUSTERS_STASH  # a plugin: imported by then
 
     clusters = terminalreporter.config.stash.get(CLUSTERS_STASH, None)
@@ -46,3 +47,24 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", f"RayClusters whose workers ran on the ground: {len(clusters)}")
         for line in clusters:
             terminalreporter.write_line(line)
+
+
+def write_lanes(terminalreporter) -> None:
+    """Each lane's tests, the seconds they took and its span from its first test's start to
+    its last test's end: the longer lane is the session's time, so a cut pays there."""
+    lanes: dict[str, list] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if not isinstance(report, pytest.TestReport) or not getattr(report, "start", None):
+                continue
+            name = report.nodeid.rsplit("@", 1)[1].split("[")[0] if "@" in report.nodeid else "one lane"
+            lane = lanes.setdefault(name, [set(), 0.0, report.start, report.stop])
+            lane[0].add(report.nodeid)
+            lane[1] += report.duration
+            lane[2], lane[3] = min(lane[2], report.start), max(lane[3], report.stop)
+    if not lanes:
+        return
+    terminalreporter.write_sep("=", "lanes")
+    for name, (tests, busy, first, last) in sorted(lanes.items()):
+        terminalreporter.write_line(f"{name:>9}: {len(tests):5d} tests, {busy:7.1f} s in tests, "
+                                    f"{last - first:7.1f} s from the first start to the last end")
