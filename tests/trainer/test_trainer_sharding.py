@@ -13,6 +13,7 @@ whole slice, plain FSDP; with two ranks G = 2 is that), same seed and global bat
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,10 @@ def test_replicated_state_has_the_losses_of_full_sharding_and_checkpoints_restor
 
     assert full["mesh"] == [0, 1]
     assert replicated["dims"] == ("replicate", "shard") and replicated["mesh"] == [[0], [1]]
+    # Full sharding: a unit a block and the root. Replicated and kept gathered, the tiny
+    # model's blocks share one unit (under 25 MB): one all-reduce of their gradients a step.
+    blocks = json.loads((Path(trainer_assets.model) / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    assert full["units"] == blocks + 1 and replicated["units"] == 2, (full["units"], replicated["units"])
     assert full["losses"][-1] < full["losses"][0]  # it trains
     assert_same(full["losses"], replicated["losses"])
     assert_same_export(Path(full["export"]), Path(replicated["export"]))

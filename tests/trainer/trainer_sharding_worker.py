@@ -3,7 +3,8 @@ and saves a sharded checkpoint, or restores one first.
 
 Run as a process by tests/trainer/test_trainer_sharding.py, once per rank:
 `python trainer_sharding_worker.py MODEL DATA.pkl OUT PORT RANK WORLD SHARD_GROUP STEPS [RESTORE]`.
-SHARD_GROUP 0 is the whole slice (plain FSDP), 1 every rank holding the whole state. With
+SHARD_GROUP 0 is the whole slice (plain FSDP), 1 every rank holding the whole state (every
+block kept gathered, as the operator's plan runs it). With
 RESTORE (a checkpoint's location) the model and optimizer are loaded from it before the
 steps; without it the trained model is also exported (checkpoint.export_hf, as a run's end
 does). Rank 0 writes each step's global loss, the mesh's rows and where it saved and exported.
@@ -35,7 +36,10 @@ def main(model: str, data_file: str, out: str, port: int, rank: int, world: int,
     storage = str(Path(out).with_suffix(".storage"))
     cfg = FinetuneConfig(model_id=model, storage_path=storage, run_name="sharding", num_workers=world, device="cpu",
                          shard_group=shard_group, max_seq_len=LENGTH, batch_size_per_device=PER_DEVICE, num_epochs=1,
-                         learning_rate=1e-3, seed=42).validate()
+                         learning_rate=1e-3, seed=42,
+                         # As the plan runs a replicated state: every block kept gathered (its
+                         # blocks then share FSDP units: parallelize.block_units).
+                         reshard_after_forward=shard_group != 1).validate()
     trainer = Trainer(cfg, BACKENDS["cpu"], data, rank=rank, world=world, local_rank=0)
     mesh = next(p for p in trainer.params).device_mesh
     if restore:
@@ -52,7 +56,11 @@ def main(model: str, data_file: str, out: str, port: int, rank: int, world: int,
     if export:
         ckpt.export_hf(trainer.model, None, export, group=trainer.cpu_group)
     if rank == 0:
-        torch.save({"losses": losses, "mesh": mesh.mesh.tolist(), "dims": mesh.mesh_dim_names,
+        from torch.distributed.fsdp import FSDPModule
+
+        # FSDP units: a list given to fully_shard makes each module an FSDPModule sharing one state.
+        units = len({id(m._get_fsdp_state()) for m in trainer.model.modules() if isinstance(m, FSDPModule)})
+        torch.save({"losses": losses, "mesh": mesh.mesh.tolist(), "dims": mesh.mesh_dim_names, "units": units,
                     "checkpoint": location, "export": export}, out)
     dist.barrier()
     dist.destroy_process_group()

@@ -15,6 +15,11 @@ prefetched while the previous block computes. The per-layer embedding table (Gem
 frozen, stored in the compute dtype and passed as `ignored_params`, so it stays a plain
 replicated lookup table: never all-gathered, reduced or stored in the optimizer.
 
+Under replication with every block kept gathered (--shard-group 1, --reshard-after-forward
+false: the plan's choice for a model one device holds) consecutive blocks share a unit up
+to 25 MB of gradients, as DDP buckets them: each unit's gradients are all-reduced in one
+call, and a small model's per-call cost is paid once a step, not once per block.
+
 Resharding: by default every block frees its all-gathered parameters after its forward
 and gathers them again for its backward (`reshard_after_forward=True`,
 RESHARD_AFTER_FORWARD): the memory-safe choice, at the cost of one more all-gather per
@@ -102,8 +107,9 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, compile
         param.data = param.data.to(compute_dtype)
     if compile:
         compile_blocks(model)
-    for block in decoder_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for unit in block_units(decoder_blocks(model), replicated(mesh) and not reshard_after_forward):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward)
     # fully_shard moves what it manages to the mesh's device, one block at a time (so
     # the whole fp32 model never sits on one device); the frozen table follows by hand.
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored or None)
@@ -111,6 +117,35 @@ def apply_fsdp(model: torch.nn.Module, mesh, compute_dtype: torch.dtype, compile
         for param in ignored:
             param.data = param.data.to(device)
     return model
+
+
+# A replicated state's unit reduces its gradients in one all-reduce a step. As DDP's
+# buckets (bucket_cap_mb=25), consecutive blocks share a unit up to this many bytes of
+# parameters: a small model pays one all-reduce a step instead of one per block, a large
+# one's blocks (each past it) stay units of their own, each reduced as its backward ends.
+REPLICATED_UNIT_BYTES = 25 * 2**20
+
+
+def replicated(mesh) -> bool:
+    """Every rank holds the whole state: the 2-D (replicate, shard) mesh with shards of one."""
+    return mesh.ndim == 2 and mesh.size(1) == 1
+
+
+def block_units(blocks, merge: bool) -> list[list[torch.nn.Module]]:
+    """The decoder blocks grouped into FSDP units: one block a unit, or, with `merge`
+    (replicated, every block kept gathered: merging then holds no more parameters at once),
+    consecutive blocks up to REPLICATED_UNIT_BYTES a unit. Only a unit's unreduced
+    gradients are held together, at most those bytes in fp32."""
+    units: list[list[torch.nn.Module]] = []
+    size = 0
+    for block in blocks:
+        block_bytes = sum(p.numel() * 4 for p in block.parameters())  # its gradients, reduced in fp32
+        if not units or not merge or size + block_bytes > REPLICATED_UNIT_BYTES:
+            units.append([])
+            size = 0
+        units[-1].append(block)
+        size += block_bytes
+    return units
 
 
 def checkpointed(forward):
