@@ -96,8 +96,10 @@ def reconciles(operator, phase: str) -> float:
 def operator_with(operator, setup=None, **env):
     """The operator restarted with other settings (a short bound), and `setup` (a context
     manager) in force only while the session's operator is down; the session's operator
-    comes back afterwards."""
-    operator.kill()
+    comes back afterwards. Each hand-over is a graceful stop (SIGTERM, as a rollout stops a
+    pod): the stopped operator hands its Lease back, so the next leads at once instead of
+    after the Lease's lapse."""
+    operator.stop()
     try:
         with setup or nullcontext():
             other = OperatorProcess({**operator.env, **env}, operator.log_path, hosts_file=operator.hosts_file)
@@ -105,7 +107,7 @@ def operator_with(operator, setup=None, **env):
             try:
                 yield other
             finally:
-                other.kill()
+                other.stop()
     finally:
         operator.start()
 

@@ -111,9 +111,9 @@ def test_a_refused_token_rebuilds_the_run_with_a_new_token_and_never_blocks_a_de
     # running heads refuse every key the operator has.
     logged = operator.log_path.stat().st_size
     with operator_with(operator, other_signing_key(ground), TPUFT_RAY_UNREACHABLE_TIMEOUT="600") as restarted:
-        # The killed operator's Lease must lapse (TPUFT_LEASE_DURATION) before the new one
-        # acts: the 30 s of a delete are a leading operator's (and its own step-downs, as
-        # the delete counts them, are the restarted operator's, not the killed one's).
+        # The restarted operator acts once it leads (the stopped one handed its Lease back):
+        # the 30 s of a delete are a leading operator's (and its own step-downs, as the
+        # delete counts them, are the restarted operator's, not the stopped one's).
         kube.wait_for(lambda: "leading as" in restarted.log_path.read_bytes()[logged:].decode(errors="replace"),
                       "the restarted operator leading", timeout=within(LEASE.lease_duration) + 30)
         delete_within_30s(kube, restarted, "token-delete")
