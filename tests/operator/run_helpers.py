@@ -126,6 +126,22 @@ def settings(**values) -> Settings:
     return Settings(poll_interval=0.05, ray_timeout=0.5, **values)
 
 
+def being_deleted(phase: str) -> dict:
+    """A run in `phase` whose delete has begun: its RayCluster tft-demo, attempt 1's job."""
+    return body({"phase": phase, "rayClusterName": "tft-demo", "attempt": 1, "jobId": "tft-uid-1-1"},
+                deletionTimestamp="2026-01-01T00:00:00Z")
+
+
+def delete_memo(backend):
+    """What kopf's on.delete handler (handlers.release) reads of its memo, around `backend`."""
+    from types import SimpleNamespace
+
+    from tpufinetune.adapters.rayjobs import RayJobs
+    from tpufinetune.core.progress import ProgressTracker
+
+    return SimpleNamespace(backend=backend, jobs=RayJobs(timeout=0.5), settings=settings(), progress=ProgressTracker())
+
+
 def long_log(lines: int, every: int = 100) -> str:
     """A chatty job's log: filler lines, a progress event every `every` lines, a result."""
     out = []

@@ -8,7 +8,6 @@ with the real policy is in test_status_write_faults.py.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import time
 
@@ -16,11 +15,9 @@ from kubernetes.client.rest import ApiException
 from urllib3.exceptions import ReadTimeoutError
 
 from tpufinetune.adapters import handlers
-from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.core import phases
-from tpufinetune.core.progress import ProgressTracker
 
-from run_helpers import MemoryCluster, body, in_loop, settings
+from run_helpers import MemoryCluster, being_deleted, delete_memo, in_loop
 
 REFUSAL = "status writes are refused by the test's admission policy"
 
@@ -39,10 +36,8 @@ class RefusingStatus(MemoryCluster):
 async def test_a_delete_releases_the_raycluster_and_returns_while_every_status_write_is_refused():
     cluster = RefusingStatus()
     cluster.exists = True
-    live = body({"phase": phases.SUCCEEDED, "rayClusterName": "tft-demo", "attempt": 1, "jobId": "tft-uid-1-1"},
-                deletionTimestamp="2026-01-01T00:00:00Z")
-    memo = SimpleNamespace(backend=cluster, jobs=RayJobs(timeout=0.5), settings=settings(),
-                           progress=ProgressTracker())
+    live = being_deleted(phases.SUCCEEDED)
+    memo = delete_memo(cluster)
     await handlers.release(body=live, memo=memo)  # returns: kopf removes the finalizer
     assert "delete" in cluster.calls and not cluster.exists
     assert any(call.startswith("refused:") for call in cluster.calls)  # its writes were tried, and refused
@@ -69,10 +64,8 @@ class ReadTimesOutOnce(MemoryCluster):
 async def test_a_failed_read_during_a_delete_is_tried_again_within_seconds_not_after_kopfs_minute():
     cluster = ReadTimesOutOnce()
     cluster.exists = True
-    live = body({"phase": phases.RUNNING, "rayClusterName": "tft-demo", "attempt": 1, "jobId": "tft-uid-1-1"},
-                deletionTimestamp="2026-01-01T00:00:00Z")
-    memo = SimpleNamespace(backend=cluster, jobs=RayJobs(timeout=0.5), settings=settings(),
-                           progress=ProgressTracker())
+    live = being_deleted(phases.RUNNING)
+    memo = delete_memo(cluster)
     started = time.monotonic()
     await handlers.release(body=live, memo=memo)  # returns: kopf removes the finalizer
     assert cluster.timed_out and "delete" in cluster.calls and not cluster.exists
@@ -86,10 +79,8 @@ async def test_a_delete_in_a_namespace_being_deleted_returns_at_once_and_leaves_
     delete handler makes no call and the finalizer goes."""
     cluster = RefusingStatus()
     cluster.exists = True
-    live = body({"phase": phases.RUNNING, "rayClusterName": "tft-demo", "attempt": 1, "jobId": "tft-uid-1-1"},
-                deletionTimestamp="2026-01-01T00:00:00Z")
-    memo = SimpleNamespace(backend=cluster, jobs=RayJobs(timeout=0.5), settings=settings(),
-                           progress=ProgressTracker())
+    live = being_deleted(phases.RUNNING)
+    memo = delete_memo(cluster)
     ending = {"metadata": {"name": live["metadata"]["namespace"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
     await handlers.namespace_deleted(type="MODIFIED", body=ending, memo=memo)
     try:

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 from tpufinetune.adapters import handlers
 from tpufinetune.adapters.rayjobs import RayJobs
 from tpufinetune.core import phases
 from tpufinetune.core.errors import StatusConflict
-from tpufinetune.core.progress import ProgressTracker
 from tpufinetune.driver import Run
 from tpufinetune.runstatus import UNWRITTEN_LIMIT, conflict_backoff
 
-from run_helpers import MemoryCluster, body, in_loop, settings
+from run_helpers import MemoryCluster, being_deleted, body, delete_memo, in_loop, settings
 
 
 def test_events_waiting_for_a_status_write_are_bounded_and_the_newest_and_rarest_kept():
@@ -50,10 +48,8 @@ class Conflicting(MemoryCluster):
 async def test_a_delete_whose_status_writes_always_conflict_releases_the_cluster_at_once():
     cluster = Conflicting()
     cluster.exists = True
-    live = body({"phase": phases.SUCCEEDED, "rayClusterName": "tft-demo", "attempt": 1, "jobId": "tft-uid-1-1"},
-                deletionTimestamp="2026-01-01T00:00:00Z")
-    memo = SimpleNamespace(backend=cluster, jobs=RayJobs(timeout=0.5), settings=settings(),
-                           progress=ProgressTracker())
+    live = being_deleted(phases.SUCCEEDED)
+    memo = delete_memo(cluster)
     began = time.monotonic()
     await asyncio.wait_for(handlers.release(body=live, memo=memo), 20)  # was: a minute of conflicts, then raised
     assert time.monotonic() - began < 10

@@ -56,10 +56,10 @@ def main(model: str, data_file: str, out: str, port: int, rank: int, world: int,
     if export:
         ckpt.export_hf(trainer.model, None, export, group=trainer.cpu_group)
     if rank == 0:
-        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         # FSDP units: a list given to fully_shard makes each module an FSDPModule sharing one state.
-        units = len({id(m._get_fsdp_state()) for m in trainer.model.modules() if isinstance(m, FSDPModule)})
+        units = len({id(fully_shard.state(m)) for m in trainer.model.modules() if isinstance(m, FSDPModule)})
         torch.save({"losses": losses, "mesh": mesh.mesh.tolist(), "dims": mesh.mesh_dim_names, "units": units,
                     "checkpoint": location, "export": export}, out)
     dist.barrier()
